@@ -1,0 +1,1 @@
+//! Ballast aggregator library.
