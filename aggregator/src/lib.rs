@@ -1,1 +1,3 @@
-//! Ballast aggregator library.
+//! The Ballast aggregator: ingest reports over QUIC, balance per service, publish weights.
+
+pub mod balance;

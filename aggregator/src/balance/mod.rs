@@ -1,0 +1,229 @@
+//! The balancing core, sans IO.
+//!
+//! Nothing here reads a clock, a socket or a file: reports and the time come in as
+//! arguments, weights and cycle results go out as values. The daemon, the simulator
+//! and the tests drive this same code, so what the simulator shows is what runs.
+//!
+//! A cycle, per service: expire long-silent endpoints; skip the update if in the
+//! start-up grace period, if more than the threshold share of endpoints is missing, or
+//! if the feedback is too thin; otherwise run one PID controller per fresh endpoint
+//! with the average load as setpoint, hold missing endpoints' weights, ramp newcomers
+//! from the cold-start weight, give draining endpoints 0, normalise within bounds, and
+//! mix the enabled strategies by their gates.
+
+pub mod mixture;
+pub mod normalize;
+pub mod params;
+pub mod pid;
+pub mod service;
+pub mod stats;
+
+pub use params::{Gate, LoadMetric, Params, PidGains, Strategy};
+pub use service::{
+    CycleResult, Endpoint, EndpointSnapshot, EndpointState, Service, ServiceSnapshot, SkipReason,
+};
+pub use stats::Spread;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Milliseconds on whatever monotonic timeline the caller keeps.
+pub type Millis = u64;
+
+/// One report as the balancer needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct Observation {
+    /// Sequence number within the agent's session, if it numbers its reports.
+    pub seq: Option<u32>,
+    /// CPU utilization relative to what the service may use.
+    pub cpu: f64,
+    /// Requests in flight.
+    pub inflight: u32,
+    /// In-flight count that means fully busy; 0 if not measured.
+    pub capacity: u32,
+    /// Errors per request, if measured.
+    pub error_rate: Option<f64>,
+    /// Whether the node asks to drain.
+    pub draining: bool,
+}
+
+impl From<&ballast_shared::wire::Report> for Observation {
+    fn from(r: &ballast_shared::wire::Report) -> Self {
+        Observation {
+            seq: Some(r.seq),
+            cpu: f64::from(r.cpu),
+            inflight: r.inflight,
+            capacity: r.capacity,
+            error_rate: r.error_rate.map(f64::from),
+            draining: r.state == ballast_shared::wire::NodeState::Draining,
+        }
+    }
+}
+
+/// Why the balancer refused a registration or a report.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BalanceError {
+    /// The service is not on the allow-list.
+    #[error("unknown service {0:?}")]
+    UnknownService(String),
+    /// A report for an endpoint that never registered (or has expired).
+    #[error("endpoint {node:?} of service {service:?} is not registered")]
+    UnknownEndpoint {
+        /// The service.
+        service: String,
+        /// The node.
+        node: String,
+    },
+}
+
+/// What a node should be getting, as the reply to its report says.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Assignment {
+    /// Published weight, mean 1.0 over serving endpoints; 0 when draining.
+    pub weight: f64,
+    /// The cycle that produced it.
+    pub cycle: u64,
+    /// Whether the balancer has the node as draining.
+    pub draining: bool,
+    /// Whether the report was accepted (false for a reordered, older report).
+    pub accepted: bool,
+}
+
+/// All services and their endpoints.
+#[derive(Debug, Clone)]
+pub struct Balancer {
+    defaults: Params,
+    overrides: BTreeMap<String, Params>,
+    allowed: Option<BTreeSet<String>>,
+    services: BTreeMap<String, Service>,
+    grace_until: Millis,
+}
+
+impl Balancer {
+    /// A balancer started at `now`, with `defaults` for every service. No weights
+    /// change until the grace period of `defaults` has passed.
+    pub fn new(defaults: Params, now: Millis) -> Self {
+        Balancer {
+            grace_until: now.saturating_add(defaults.grace_ms),
+            defaults,
+            overrides: BTreeMap::new(),
+            allowed: None,
+            services: BTreeMap::new(),
+        }
+    }
+
+    /// Limits registration to these services; `None` admits any (the zero-config default).
+    pub fn restrict_services(&mut self, allowed: Option<BTreeSet<String>>) {
+        self.allowed = allowed;
+    }
+
+    /// Sets a service's own parameters, replacing the defaults for it.
+    pub fn set_params(&mut self, service: &str, params: Params) {
+        if let Some(s) = self.services.get_mut(service) {
+            s.params = params.clone();
+        }
+        self.overrides.insert(service.to_string(), params);
+    }
+
+    /// The parameters in force for a service.
+    pub fn params(&self, service: &str) -> &Params {
+        self.overrides.get(service).unwrap_or(&self.defaults)
+    }
+
+    fn service_mut(&mut self, service: &str) -> Result<&mut Service, BalanceError> {
+        if let Some(allowed) = &self.allowed {
+            if !allowed.contains(service) {
+                return Err(BalanceError::UnknownService(service.to_string()));
+            }
+        }
+        if !self.services.contains_key(service) {
+            let params = self.params(service).clone();
+            self.services
+                .insert(service.to_string(), Service::new(service, params));
+        }
+        self.services
+            .get_mut(service)
+            .ok_or_else(|| BalanceError::UnknownService(service.to_string()))
+    }
+
+    /// Registers (or re-registers) an endpoint: auto-registration, the zero-config way
+    /// endpoints become known.
+    pub fn register(
+        &mut self,
+        now: Millis,
+        service: &str,
+        node: &str,
+        address: &str,
+        zone: &str,
+    ) -> Result<(), BalanceError> {
+        self.service_mut(service)?
+            .register(now, node, address, zone);
+        Ok(())
+    }
+
+    /// Records a report and returns the node's current assignment.
+    pub fn observe(
+        &mut self,
+        now: Millis,
+        service: &str,
+        node: &str,
+        obs: Observation,
+    ) -> Result<Assignment, BalanceError> {
+        let unknown = || BalanceError::UnknownEndpoint {
+            service: service.to_string(),
+            node: node.to_string(),
+        };
+        let svc = self.services.get_mut(service).ok_or_else(unknown)?;
+        let accepted = svc.observe(now, node, obs).ok_or_else(unknown)?;
+        let cycle = svc.weights_cycle;
+        let ep = svc.endpoints.get(node).ok_or_else(unknown)?;
+        Ok(Assignment {
+            weight: ep.weight,
+            cycle,
+            draining: ep.draining,
+            accepted,
+        })
+    }
+
+    /// Runs one cycle of every service at `now`.
+    pub fn cycle(&mut self, now: Millis) -> Vec<CycleResult> {
+        let grace = self.grace_until;
+        self.services
+            .values_mut()
+            .map(|s| s.cycle(now, grace))
+            .collect()
+    }
+
+    /// Runs one cycle of one service at `now`, for services whose cycles are paced apart.
+    pub fn cycle_service(&mut self, now: Millis, service: &str) -> Option<CycleResult> {
+        let grace = self.grace_until;
+        self.services.get_mut(service).map(|s| s.cycle(now, grace))
+    }
+
+    /// A service by name.
+    pub fn service(&self, name: &str) -> Option<&Service> {
+        self.services.get(name)
+    }
+
+    /// Every service, by name.
+    pub fn services(&self) -> impl Iterator<Item = &Service> {
+        self.services.values()
+    }
+
+    /// Puts back the services the routing store kept, as after a restart.
+    pub fn restore(&mut self, now: Millis, snapshots: &BTreeMap<String, ServiceSnapshot>) {
+        for (name, snap) in snapshots {
+            let params = self.params(name).clone();
+            let mut svc = Service::new(name, params);
+            svc.restore(now, snap);
+            self.services.insert(name.clone(), svc);
+        }
+    }
+
+    /// When the start-up grace period ends.
+    pub fn grace_until(&self) -> Millis {
+        self.grace_until
+    }
+}
+
+#[cfg(test)]
+mod tests;

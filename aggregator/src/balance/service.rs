@@ -1,0 +1,589 @@
+//! One service's endpoints and its balancing cycle.
+
+use super::mixture::mix;
+use super::normalize::normalize_bounded;
+use super::params::{LoadMetric, Params, Strategy};
+use super::pid::Pid;
+use super::stats::Spread;
+use super::{Millis, Observation};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+
+/// How many cycles of history a service keeps for the dashboard.
+pub const HISTORY: usize = 900;
+
+/// A weight that moved less than this (in units of the mean weight) since it was last
+/// published is not a material change: rewriting a consensus store for it costs a
+/// commit and buys nothing.
+pub const MATERIAL_CHANGE: f64 = 0.01;
+
+/// An endpoint's state as operators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndpointState {
+    /// Reporting and balanced.
+    Serving,
+    /// New or returning, ramping up from the cold-start weight.
+    Warming,
+    /// Lame duck: weight 0.
+    Draining,
+    /// Known but its last report is stale; its weight is held.
+    Missing,
+}
+
+/// One endpoint of a service.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Endpoint {
+    /// The node's identity.
+    pub node: String,
+    /// Where load balancers send its traffic, `host:port`.
+    pub address: String,
+    /// Its zone; empty when unknown.
+    pub zone: String,
+    /// When its last report arrived; `None` if it has not reported since it was
+    /// registered or restored.
+    pub last_report: Option<Millis>,
+    /// When it last showed any sign of life (hello or report); drives expiry.
+    pub last_seen: Millis,
+    /// Sequence number of the last accepted report in this session.
+    pub last_seq: Option<u32>,
+    /// The last reported measurement.
+    pub observation: Observation,
+    /// The load the balancer steers by, derived from the observation.
+    pub load: f64,
+    /// Lame duck.
+    pub draining: bool,
+    /// Ramping up from the cold-start weight.
+    pub warming: bool,
+    /// Each strategy's weight, kept apart as the routing store keeps them.
+    pub strategy_weights: BTreeMap<Strategy, f64>,
+    /// The published weight: the gated mixture, 0 when draining.
+    pub weight: f64,
+    /// The PID controller's memory.
+    pub pid: Pid,
+    /// When the controller last ran for this endpoint.
+    pub last_update: Option<Millis>,
+}
+
+impl Endpoint {
+    fn new(node: &str, address: &str, zone: &str, now: Millis, weight: f64) -> Self {
+        Endpoint {
+            node: node.to_string(),
+            address: address.to_string(),
+            zone: zone.to_string(),
+            last_report: None,
+            last_seen: now,
+            last_seq: None,
+            observation: Observation::default(),
+            load: 0.0,
+            draining: false,
+            warming: true,
+            strategy_weights: [(Strategy::Pid, weight), (Strategy::RoundRobin, 1.0)].into(),
+            weight,
+            pid: Pid::default(),
+            last_update: None,
+        }
+    }
+
+    /// Whether its last report is younger than the staleness bound.
+    pub fn is_fresh(&self, now: Millis, params: &Params) -> bool {
+        self.last_report
+            .is_some_and(|t| now.saturating_sub(t) <= params.stale_ms)
+    }
+
+    /// Its state as operators see it.
+    pub fn state(&self, now: Millis, params: &Params) -> EndpointState {
+        if self.draining {
+            EndpointState::Draining
+        } else if !self.is_fresh(now, params) {
+            EndpointState::Missing
+        } else if self.warming {
+            EndpointState::Warming
+        } else {
+            EndpointState::Serving
+        }
+    }
+
+    /// Milliseconds since its last report.
+    pub fn report_age(&self, now: Millis) -> Option<u64> {
+        self.last_report.map(|t| now.saturating_sub(t))
+    }
+
+    fn strategy_weight(&self, s: Strategy) -> f64 {
+        self.strategy_weights.get(&s).copied().unwrap_or(1.0)
+    }
+
+    fn start_cold(&mut self, params: &Params) {
+        self.warming = true;
+        self.pid.reset();
+        self.last_update = None;
+        self.strategy_weights
+            .insert(Strategy::Pid, params.cold_start_weight);
+    }
+}
+
+/// Why a cycle changed no weights.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum SkipReason {
+    /// Just after start: reports are still arriving.
+    Grace {
+        /// Milliseconds left.
+        remaining_ms: u64,
+    },
+    /// Too many endpoints are missing for the average to be trusted.
+    Missing {
+        /// The share missing.
+        share: f64,
+        /// The threshold it exceeds.
+        threshold: f64,
+    },
+    /// The average load is too low to steer by.
+    ThinFeedback {
+        /// The average load.
+        avg: f64,
+        /// The floor it is under.
+        threshold: f64,
+    },
+    /// No fresh endpoint is serving.
+    NoServingEndpoints,
+}
+
+impl SkipReason {
+    /// A short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            SkipReason::Grace { .. } => "grace",
+            SkipReason::Missing { .. } => "missing",
+            SkipReason::ThinFeedback { .. } => "thin_feedback",
+            SkipReason::NoServingEndpoints => "no_serving_endpoints",
+        }
+    }
+
+    /// A sentence for the API.
+    pub fn describe(&self) -> String {
+        match self {
+            SkipReason::Grace { remaining_ms } => {
+                format!("grace period after start: {remaining_ms} ms left for reports to arrive")
+            }
+            SkipReason::Missing { share, threshold } => format!(
+                "{:.1} % of endpoints missing, more than the {:.1} % threshold: weights held",
+                share * 100.0,
+                threshold * 100.0
+            ),
+            SkipReason::ThinFeedback { avg, threshold } => format!(
+                "feedback too thin to steer by: average load {avg:.4} is below {threshold:.4}; weights held"
+            ),
+            SkipReason::NoServingEndpoints => "no fresh endpoint is serving".to_string(),
+        }
+    }
+}
+
+/// What one cycle did for one service.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CycleResult {
+    /// The service.
+    pub service: String,
+    /// The cycle number, counted per service from 1.
+    pub cycle: u64,
+    /// `None` if weights were updated, else why not.
+    pub skipped: Option<SkipReason>,
+    /// Whether the published weights changed materially, so feeds and the store should
+    /// be told. A new version number goes with it.
+    pub changed: bool,
+    /// The spread of load over fresh serving endpoints at the start of the cycle.
+    pub spread: Spread,
+    /// Share of known endpoints that are missing.
+    pub missing_share: f64,
+    /// Endpoints forgotten this cycle after a long silence.
+    pub expired: Vec<String>,
+}
+
+/// One cycle's figures, kept for the dashboard and the API.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct HistoryPoint {
+    /// Cycle number.
+    pub cycle: u64,
+    /// When it ran.
+    pub at: Millis,
+    /// The load spread.
+    pub spread: Spread,
+    /// Whether it was skipped.
+    pub skipped: bool,
+}
+
+/// Counters and last results of a service, for the API.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ServiceStats {
+    /// Cycles run.
+    pub cycles: u64,
+    /// Cycles that updated weights.
+    pub updates: u64,
+    /// Skipped cycles by reason label.
+    pub skipped: BTreeMap<&'static str, u64>,
+    /// Why the last cycle was skipped, if it was.
+    pub last_skip: Option<SkipReason>,
+    /// The last cycle's spread.
+    pub spread: Spread,
+    /// The last cycle's missing share.
+    pub missing_share: f64,
+    /// Whether the feedback is currently too thin to steer by.
+    pub thin_feedback: bool,
+}
+
+/// A service: its endpoints, parameters and counters.
+#[derive(Debug, Clone)]
+pub struct Service {
+    /// The service's name.
+    pub name: String,
+    /// Its parameters.
+    pub params: Params,
+    /// Endpoints by node.
+    pub endpoints: BTreeMap<String, Endpoint>,
+    /// Counters and last results.
+    pub stats: ServiceStats,
+    /// Version of the published weights; increases on every material change.
+    pub version: u64,
+    /// The cycle whose weights are published.
+    pub weights_cycle: u64,
+    /// Recent cycles, newest last.
+    pub history: VecDeque<HistoryPoint>,
+    published: BTreeMap<String, (f64, bool)>,
+}
+
+impl Service {
+    /// An empty service.
+    pub fn new(name: &str, params: Params) -> Self {
+        Service {
+            name: name.to_string(),
+            params,
+            endpoints: BTreeMap::new(),
+            stats: ServiceStats::default(),
+            version: 0,
+            weights_cycle: 0,
+            history: VecDeque::new(),
+            published: BTreeMap::new(),
+        }
+    }
+
+    /// Registers an endpoint, or refreshes the address and zone of a known one. A
+    /// new endpoint starts at the cold-start weight, relative to the mean.
+    pub fn register(&mut self, now: Millis, node: &str, address: &str, zone: &str) {
+        let cold = self.params.cold_start_weight;
+        let ep = self
+            .endpoints
+            .entry(node.to_string())
+            .or_insert_with(|| Endpoint::new(node, address, zone, now, cold));
+        ep.address = address.to_string();
+        ep.zone = zone.to_string();
+        ep.last_seen = now;
+        // A new session restarts its sequence numbers.
+        ep.last_seq = None;
+    }
+
+    /// Records a report. Returns false if it is older than one already seen (a
+    /// reordered datagram), in which case nothing changes.
+    pub fn observe(&mut self, now: Millis, node: &str, obs: Observation) -> Option<bool> {
+        let params = &self.params;
+        let ep = self.endpoints.get_mut(node)?;
+        if let (Some(last), Some(seq)) = (ep.last_seq, obs.seq) {
+            if seq <= last {
+                return Some(false);
+            }
+        }
+        if obs.seq.is_some() {
+            ep.last_seq = obs.seq;
+        }
+        ep.last_report = Some(now);
+        ep.last_seen = now;
+        ep.observation = obs;
+        ep.load = obs.load(params);
+        if obs.draining && !ep.draining {
+            ep.draining = true;
+            ep.weight = 0.0;
+        } else if !obs.draining && ep.draining {
+            ep.draining = false;
+            ep.start_cold(params);
+        }
+        Some(true)
+    }
+
+    /// Runs one cycle at `now`. `grace_until` is when the aggregator's start-up grace
+    /// period ends.
+    pub fn cycle(&mut self, now: Millis, grace_until: Millis) -> CycleResult {
+        self.stats.cycles += 1;
+        let cycle = self.stats.cycles;
+        let expired = self.expire(now);
+
+        let params = self.params.clone();
+        let known = self.endpoints.len();
+        let missing = self
+            .endpoints
+            .values()
+            .filter(|e| !e.is_fresh(now, &params))
+            .count();
+        let missing_share = if known == 0 {
+            0.0
+        } else {
+            missing as f64 / known as f64
+        };
+        let loads: Vec<f64> = self
+            .endpoints
+            .values()
+            .filter(|e| e.is_fresh(now, &params) && !e.draining)
+            .map(|e| e.load)
+            .collect();
+        let spread = Spread::of(&loads);
+
+        let skipped = if now < grace_until {
+            Some(SkipReason::Grace {
+                remaining_ms: grace_until - now,
+            })
+        } else if missing_share > params.missing_threshold {
+            Some(SkipReason::Missing {
+                share: missing_share,
+                threshold: params.missing_threshold,
+            })
+        } else if loads.is_empty() {
+            Some(SkipReason::NoServingEndpoints)
+        } else if spread.avg < params.thin_load {
+            Some(SkipReason::ThinFeedback {
+                avg: spread.avg,
+                threshold: params.thin_load,
+            })
+        } else {
+            None
+        };
+
+        match skipped {
+            None => {
+                self.update_pid(now, spread.avg);
+                self.stats.updates += 1;
+                self.weights_cycle = cycle;
+            }
+            Some(reason) => {
+                *self.stats.skipped.entry(reason.label()).or_insert(0) += 1;
+            }
+        }
+        // Drains and returns take effect even in a skipped cycle: they are operator
+        // actions, not inferences from possibly missing data.
+        self.publish_mixture();
+        let changed = self.material_change();
+        if changed {
+            self.version += 1;
+        }
+
+        self.stats.last_skip = skipped;
+        self.stats.spread = spread;
+        self.stats.missing_share = missing_share;
+        self.stats.thin_feedback = matches!(skipped, Some(SkipReason::ThinFeedback { .. }));
+        if self.history.len() == HISTORY {
+            self.history.pop_front();
+        }
+        self.history.push_back(HistoryPoint {
+            cycle,
+            at: now,
+            spread,
+            skipped: skipped.is_some(),
+        });
+        CycleResult {
+            service: self.name.clone(),
+            cycle,
+            skipped,
+            changed,
+            spread,
+            missing_share,
+            expired,
+        }
+    }
+
+    fn expire(&mut self, now: Millis) -> Vec<String> {
+        let limit = self.params.expire_ms;
+        let gone: Vec<String> = self
+            .endpoints
+            .values()
+            .filter(|e| now.saturating_sub(e.last_seen) > limit)
+            .map(|e| e.node.clone())
+            .collect();
+        for node in &gone {
+            self.endpoints.remove(node);
+        }
+        gone
+    }
+
+    fn update_pid(&mut self, now: Millis, avg: f64) {
+        let params = &self.params;
+        let lo = params.max_shrink - 1.0;
+        let hi = params.max_growth - 1.0;
+        let mut fresh: Vec<&mut Endpoint> = Vec::new();
+        let mut held_sum = 0.0;
+        let mut serving = 0usize;
+        for ep in self.endpoints.values_mut() {
+            if ep.draining {
+                continue;
+            }
+            serving += 1;
+            if ep.is_fresh(now, params) {
+                fresh.push(ep);
+            } else {
+                held_sum += ep.strategy_weight(Strategy::Pid);
+            }
+        }
+        for ep in fresh.iter_mut() {
+            let error = (avg - ep.load) / avg;
+            let dt = ep
+                .last_update
+                .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
+                .unwrap_or(1.0);
+            let delta = ep.pid.update(&params.pid, error, dt, (lo, hi));
+            let w = ep.strategy_weight(Strategy::Pid) * (1.0 + delta);
+            ep.strategy_weights.insert(Strategy::Pid, w);
+            ep.last_update = Some(now);
+            // The ramp ends once the newcomer carries its share; its integral, built up
+            // on the way, would otherwise carry it past the average.
+            if ep.warming && ep.load >= avg * 0.95 {
+                ep.warming = false;
+                ep.pid.integral = 0.0;
+            }
+        }
+        // Missing endpoints keep their weights: the fresh ones share what is left of
+        // a mean weight of 1.
+        let mut target = serving as f64 - held_sum;
+        let floor = fresh.len() as f64 * params.min_weight;
+        if target < floor {
+            target = floor.max(fresh.len() as f64);
+        }
+        let mut ws: Vec<f64> = fresh
+            .iter()
+            .map(|e| e.strategy_weight(Strategy::Pid))
+            .collect();
+        normalize_bounded(&mut ws, target, params.min_weight, params.max_weight);
+        for (ep, w) in fresh.iter_mut().zip(ws) {
+            ep.strategy_weights.insert(Strategy::Pid, w);
+        }
+    }
+
+    fn publish_mixture(&mut self) {
+        let gates = self.params.strategies.clone();
+        for ep in self.endpoints.values_mut() {
+            ep.weight = if ep.draining {
+                0.0
+            } else {
+                mix(&gates, |s| ep.strategy_weight(s))
+            };
+        }
+    }
+
+    fn material_change(&mut self) -> bool {
+        let now: BTreeMap<String, (f64, bool)> = self
+            .endpoints
+            .values()
+            .map(|e| (e.node.clone(), (e.weight, e.draining)))
+            .collect();
+        let same_set = now.len() == self.published.len()
+            && now.keys().zip(self.published.keys()).all(|(a, b)| a == b);
+        let moved = !same_set
+            || now
+                .iter()
+                .any(|(node, &(w, d))| match self.published.get(node) {
+                    Some(&(pw, pd)) => pd != d || (w - pw).abs() >= MATERIAL_CHANGE,
+                    None => true,
+                });
+        if moved {
+            self.published = now;
+        }
+        moved
+    }
+
+    /// Puts restored endpoints back as they were stored. They count as missing until
+    /// they report, and they are not cold: their weights were earned.
+    pub fn restore(&mut self, now: Millis, snapshot: &ServiceSnapshot) {
+        self.version = snapshot.version;
+        for (node, s) in &snapshot.endpoints {
+            let mut ep = Endpoint::new(node, &s.address, &s.zone, now, s.weight);
+            ep.warming = false;
+            ep.draining = s.draining;
+            ep.weight = s.weight;
+            for (k, v) in &s.strategy_weights {
+                ep.strategy_weights.insert(*k, *v);
+            }
+            self.endpoints.insert(node.clone(), ep);
+        }
+        self.published = self
+            .endpoints
+            .values()
+            .map(|e| (e.node.clone(), (e.weight, e.draining)))
+            .collect();
+    }
+
+    /// What the routing store keeps for this service.
+    pub fn snapshot(&self) -> ServiceSnapshot {
+        ServiceSnapshot {
+            version: self.version,
+            cycle: self.weights_cycle,
+            endpoints: self
+                .endpoints
+                .values()
+                .map(|e| {
+                    (
+                        e.node.clone(),
+                        EndpointSnapshot {
+                            address: e.address.clone(),
+                            zone: e.zone.clone(),
+                            draining: e.draining,
+                            weight: e.weight,
+                            strategy_weights: e.strategy_weights.clone(),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Observation {
+    /// The load to steer by under `params`' metric and error penalty.
+    pub fn load(&self, params: &Params) -> f64 {
+        let (cpu, inflight, capacity) = match params.metric {
+            LoadMetric::Max => (self.cpu, self.inflight, self.capacity),
+            LoadMetric::Cpu => (self.cpu, 0, 0),
+            LoadMetric::Inflight => (0.0, self.inflight, self.capacity),
+        };
+        ballast_shared::load::combine(
+            cpu,
+            inflight,
+            capacity,
+            self.error_rate,
+            params.error_penalty,
+        )
+    }
+}
+
+/// A service as the routing store keeps it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ServiceSnapshot {
+    /// Version of the weights.
+    pub version: u64,
+    /// The cycle they came from.
+    pub cycle: u64,
+    /// Endpoints by node.
+    pub endpoints: BTreeMap<String, EndpointSnapshot>,
+}
+
+/// An endpoint as the routing store keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointSnapshot {
+    /// `host:port`.
+    pub address: String,
+    /// Zone.
+    #[serde(default)]
+    pub zone: String,
+    /// Lame duck.
+    #[serde(default)]
+    pub draining: bool,
+    /// The published (mixed) weight.
+    pub weight: f64,
+    /// Each strategy's own weight.
+    #[serde(default)]
+    pub strategy_weights: BTreeMap<Strategy, f64>,
+}

@@ -1,0 +1,389 @@
+//! Tests of every cycle rule, driven through the public API with an explicit clock.
+
+use super::Strategy;
+use super::*;
+use proptest::prelude::*;
+
+const SVC: &str = "web";
+
+fn params() -> Params {
+    Params {
+        grace_ms: 0,
+        ..Params::default()
+    }
+}
+
+/// A balancer with `n` registered endpoints `n0..`, at time 0.
+fn fleet(n: usize, p: Params) -> Balancer {
+    let mut b = Balancer::new(p, 0);
+    for i in 0..n {
+        b.register(0, SVC, &format!("n{i}"), &format!("10.0.0.{i}:80"), "")
+            .expect("registers");
+    }
+    b
+}
+
+fn obs(load: f64) -> Observation {
+    Observation {
+        cpu: load,
+        ..Observation::default()
+    }
+}
+
+fn report_all(b: &mut Balancer, now: Millis, loads: &[f64], skip: &[usize]) {
+    for (i, &l) in loads.iter().enumerate() {
+        if !skip.contains(&i) {
+            b.observe(now, SVC, &format!("n{i}"), obs(l))
+                .expect("observes");
+        }
+    }
+}
+
+fn weights(b: &Balancer) -> Vec<f64> {
+    b.service(SVC)
+        .expect("service")
+        .endpoints
+        .values()
+        .map(|e| e.weight)
+        .collect()
+}
+
+/// Closed loop: endpoint i of speed s_i carrying weight w_i of offered load shows
+/// load `offered × w_i / s_i`. Returns max/avg after `cycles` cycles.
+fn run_plant(b: &mut Balancer, speeds: &[f64], offered: f64, from: Millis, cycles: u64) -> f64 {
+    let mut last = 0.0;
+    for c in 0..cycles {
+        let now = from + c * 1000;
+        let w = weights(b);
+        let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+        let loads: Vec<f64> = speeds
+            .iter()
+            .zip(&w)
+            .map(|(s, w)| offered * (w / mean_w) / s)
+            .collect();
+        report_all(b, now, &loads, &[]);
+        last = b.cycle(now)[0].spread.max_over_avg;
+    }
+    last
+}
+
+#[test]
+fn fourteen_percent_missing_updates_and_sixteen_does_not() {
+    // 50 endpoints: 7 missing is 14 %, 8 missing is 16 %.
+    for (missing, updates) in [(7usize, true), (8, false)] {
+        let mut b = fleet(50, params());
+        let loads: Vec<f64> = (0..50).map(|i| 0.3 + 0.01 * i as f64).collect();
+        report_all(&mut b, 0, &loads, &[]);
+        b.cycle(0);
+        let before = weights(&b);
+        let skip: Vec<usize> = (0..missing).collect();
+        report_all(&mut b, 10_000, &loads, &skip);
+        let r = b.cycle(10_000).remove(0);
+        assert_eq!(
+            r.skipped.is_none(),
+            updates,
+            "{missing} missing: {:?}",
+            r.skipped
+        );
+        if !updates {
+            assert!(matches!(r.skipped, Some(SkipReason::Missing { .. })));
+            assert_eq!(weights(&b), before, "a skipped cycle leaves every weight");
+            let svc = b.service(SVC).expect("service");
+            assert_eq!(svc.stats.skipped.get("missing"), Some(&1));
+            assert!(svc
+                .stats
+                .last_skip
+                .expect("reason")
+                .describe()
+                .contains("16.0 %"));
+        }
+    }
+}
+
+#[test]
+fn missing_endpoints_keep_their_weight() {
+    let mut b = fleet(10, params());
+    let speeds = [0.6, 1.0, 1.4, 0.6, 1.0, 1.4, 0.6, 1.0, 1.4, 1.0];
+    run_plant(&mut b, &speeds, 0.5, 0, 5);
+    let held = b.service(SVC).expect("svc").endpoints["n0"].weight;
+    let loads: Vec<f64> = (0..10).map(|i| 0.2 + 0.05 * i as f64).collect();
+    report_all(&mut b, 10_000, &loads, &[0]);
+    let r = b.cycle(10_000).remove(0);
+    assert!(r.skipped.is_none());
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints["n0"].weight, held);
+    assert_eq!(
+        svc.endpoints["n0"].state(10_000, &svc.params),
+        EndpointState::Missing
+    );
+    // The others still share a mean weight of 1 with it.
+    let w = weights(&b);
+    assert!((w.iter().sum::<f64>() / 10.0 - 1.0).abs() < 1e-9);
+}
+
+#[test]
+fn heterogeneous_fleet_converges() {
+    let speeds = [0.6, 0.6, 1.0, 1.0, 1.0, 1.5, 1.5, 0.6, 1.0, 1.5];
+    let mut b = fleet(speeds.len(), params());
+    let first = run_plant(&mut b, &speeds, 0.6, 0, 1);
+    assert!(first > 1.3, "equal weights start imbalanced: {first}");
+    let settled = run_plant(&mut b, &speeds, 0.6, 1000, 20);
+    assert!(settled < 1.02, "max/avg after 20 cycles: {settled}");
+}
+
+#[test]
+fn cold_start_ramps_without_overshoot() {
+    let speeds = [1.0; 8];
+    let mut b = fleet(7, params());
+    run_plant(&mut b, &speeds[..7], 0.6, 0, 5);
+    b.register(5000, SVC, "n7", "10.0.0.7:80", "")
+        .expect("registers");
+    let start = b.service(SVC).expect("svc").endpoints["n7"].weight;
+    assert!(start <= 0.11, "newcomer starts low: {start}");
+    let mut peak: f64 = 0.0;
+    let mut warmed = false;
+    for c in 0..30u64 {
+        let now = 6000 + c * 1000;
+        let w = weights(&b);
+        let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+        let loads: Vec<f64> = w.iter().map(|w| 0.6 * w / mean_w).collect();
+        report_all(&mut b, now, &loads, &[]);
+        b.cycle(now);
+        let svc = b.service(SVC).expect("svc");
+        let avg = svc.stats.spread.avg;
+        peak = peak.max(loads[7] / avg);
+        warmed |= svc.endpoints["n7"].state(now, &svc.params) == EndpointState::Serving;
+    }
+    assert!(warmed, "the newcomer finishes warming");
+    assert!(peak <= 1.1, "newcomer overshot to {peak} × average");
+    let w = b.service(SVC).expect("svc").endpoints["n7"].weight;
+    assert!(
+        (w - 1.0).abs() < 0.05,
+        "newcomer reaches the mean weight: {w}"
+    );
+}
+
+#[test]
+fn draining_gives_zero_and_undrain_restarts_cold() {
+    let mut b = fleet(4, params());
+    report_all(&mut b, 0, &[0.5; 4], &[]);
+    b.cycle(0);
+    let draining = Observation {
+        draining: true,
+        ..obs(0.5)
+    };
+    let a = b.observe(1000, SVC, "n2", draining).expect("observes");
+    assert_eq!(a.weight, 0.0);
+    assert!(a.draining);
+    report_all(&mut b, 1000, &[0.5, 0.5, 0.5, 0.5], &[2]);
+    let r = b.cycle(1000).remove(0);
+    assert!(r.changed);
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints["n2"].weight, 0.0);
+    // The average is over serving endpoints only.
+    assert!((svc.stats.spread.avg - 0.5).abs() < 1e-9);
+    b.observe(2000, SVC, "n2", obs(0.0)).expect("observes");
+    let w = b.service(SVC).expect("svc").endpoints["n2"].strategy_weights[&Strategy::Pid];
+    assert_eq!(w, params().cold_start_weight);
+}
+
+#[test]
+fn drain_takes_effect_even_in_a_skipped_cycle() {
+    let mut b = Balancer::new(Params::default(), 0); // 3 s grace
+    b.register(0, SVC, "a", "h:1", "").expect("registers");
+    b.register(0, SVC, "b", "h:2", "").expect("registers");
+    b.observe(
+        0,
+        SVC,
+        "a",
+        Observation {
+            draining: true,
+            ..obs(0.5)
+        },
+    )
+    .expect("observes");
+    b.observe(0, SVC, "b", obs(0.5)).expect("observes");
+    let r = b.cycle(1000).remove(0);
+    assert!(matches!(r.skipped, Some(SkipReason::Grace { .. })));
+    assert_eq!(b.service(SVC).expect("svc").endpoints["a"].weight, 0.0);
+}
+
+#[test]
+fn bounds_hold_under_extreme_loads() {
+    let mut b = fleet(5, params());
+    for c in 0..200u64 {
+        report_all(&mut b, c * 1000, &[100.0, 0.001, 0.5, 0.5, 0.5], &[]);
+        b.cycle(c * 1000);
+    }
+    let w = weights(&b);
+    let p = params();
+    for x in &w {
+        assert!(
+            *x >= p.min_weight - 1e-12 && *x <= p.max_weight + 1e-12,
+            "{x}"
+        );
+    }
+    assert!((w.iter().sum::<f64>() / 5.0 - 1.0).abs() < 1e-9);
+    assert!(
+        (w[0] - p.min_weight).abs() < 1e-9,
+        "the overloaded one sits at the floor"
+    );
+}
+
+#[test]
+fn zero_and_absent_loads_give_no_nan() {
+    let mut b = fleet(3, params());
+    for c in 0..10u64 {
+        report_all(&mut b, c * 1000, &[0.0, 0.0, 0.0], &[]);
+        let r = b.cycle(c * 1000).remove(0);
+        assert!(matches!(r.skipped, Some(SkipReason::ThinFeedback { .. })));
+    }
+    report_all(&mut b, 20_000, &[f64::NAN, f64::INFINITY, -1.0], &[]);
+    b.cycle(20_000);
+    for w in weights(&b) {
+        assert!(w.is_finite() && w > 0.0);
+    }
+    // A service where nobody reports at all.
+    let mut b = fleet(3, params());
+    let r = b.cycle(0).remove(0);
+    assert!(r.skipped.is_some());
+    assert!(weights(&b).iter().all(|w| w.is_finite()));
+}
+
+#[test]
+fn thin_feedback_is_reported_not_chased() {
+    let mut b = fleet(4, params());
+    report_all(&mut b, 0, &[0.001, 0.01, 0.0, 0.005], &[]);
+    let r = b.cycle(0).remove(0);
+    assert!(matches!(r.skipped, Some(SkipReason::ThinFeedback { .. })));
+    assert!(b.service(SVC).expect("svc").stats.thin_feedback);
+}
+
+#[test]
+fn grace_period_holds_weights_after_a_restore() {
+    let mut b = fleet(3, params());
+    run_plant(&mut b, &[0.5, 1.0, 1.5], 0.6, 0, 15);
+    let snap = b.service(SVC).expect("svc").snapshot();
+    let before = weights(&b);
+
+    let mut restarted = Balancer::new(Params::default(), 100_000);
+    restarted.restore(100_000, &[(SVC.to_string(), snap)].into());
+    assert_eq!(weights(&restarted), before);
+    report_all(&mut restarted, 101_000, &[0.9, 0.1, 0.3], &[]);
+    let r = restarted.cycle(101_000).remove(0);
+    assert!(matches!(r.skipped, Some(SkipReason::Grace { .. })));
+    assert_eq!(weights(&restarted), before);
+    let r = restarted.cycle(103_500).remove(0);
+    assert!(r.skipped.is_none());
+}
+
+#[test]
+fn long_silent_endpoints_expire() {
+    let mut b = fleet(2, params());
+    report_all(&mut b, 0, &[0.5, 0.5], &[]);
+    let expire = params().expire_ms;
+    b.observe(expire, SVC, "n0", obs(0.5)).expect("observes");
+    let r = b.cycle(expire + 1).remove(0);
+    assert_eq!(r.expired, vec!["n1".to_string()]);
+    assert_eq!(b.service(SVC).expect("svc").endpoints.len(), 1);
+    assert!(b.observe(expire + 2, SVC, "n1", obs(0.5)).is_err());
+}
+
+#[test]
+fn reordered_reports_are_ignored() {
+    let mut b = fleet(1, params());
+    let o = |seq, load| Observation {
+        seq: Some(seq),
+        ..obs(load)
+    };
+    assert!(b.observe(0, SVC, "n0", o(5, 0.5)).expect("ok").accepted);
+    assert!(!b.observe(1, SVC, "n0", o(4, 0.9)).expect("ok").accepted);
+    assert_eq!(b.service(SVC).expect("svc").endpoints["n0"].load, 0.5);
+    // A new session (a fresh hello) starts numbering again.
+    b.register(2, SVC, "n0", "10.0.0.0:80", "")
+        .expect("registers");
+    assert!(b.observe(3, SVC, "n0", o(1, 0.7)).expect("ok").accepted);
+}
+
+#[test]
+fn allow_list_refuses_unknown_services() {
+    let mut b = Balancer::new(params(), 0);
+    b.restrict_services(Some(["web".to_string()].into()));
+    assert_eq!(
+        b.register(0, "other", "n", "h:1", ""),
+        Err(BalanceError::UnknownService("other".into()))
+    );
+    assert!(b.register(0, "web", "n", "h:1", "").is_ok());
+}
+
+#[test]
+fn mixture_with_round_robin_gates_the_weights() {
+    let p = Params {
+        strategies: vec![
+            Gate {
+                strategy: Strategy::Pid,
+                gate: 0.3,
+            },
+            Gate {
+                strategy: Strategy::RoundRobin,
+                gate: 0.7,
+            },
+        ],
+        ..params()
+    };
+    let mut b = fleet(2, p);
+    run_plant(&mut b, &[0.5, 1.5], 0.6, 0, 30);
+    let svc = b.service(SVC).expect("svc");
+    for e in svc.endpoints.values() {
+        let pid = e.strategy_weights[&Strategy::Pid];
+        assert!((e.weight - (0.3 * pid + 0.7)).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn material_change_only_on_real_moves() {
+    let mut b = fleet(3, params());
+    run_plant(&mut b, &[1.0, 1.0, 1.0], 0.6, 0, 3);
+    let v = b.service(SVC).expect("svc").version;
+    report_all(&mut b, 10_000, &[0.6, 0.6, 0.6], &[]);
+    let r = b.cycle(10_000).remove(0);
+    assert!(!r.changed);
+    assert_eq!(b.service(SVC).expect("svc").version, v);
+}
+
+proptest! {
+    #[test]
+    fn any_report_sequence_keeps_weights_finite_positive_and_normalised(
+        steps in proptest::collection::vec(
+            (proptest::collection::vec(prop_oneof![Just(f64::NAN), 0.0f64..5.0, Just(1e9)], 6),
+             proptest::collection::vec(any::<bool>(), 6),
+             proptest::collection::vec(0u8..10, 6)),
+            1..40)
+    ) {
+        let mut b = fleet(6, params());
+        for (c, (loads, drains, silent)) in steps.iter().enumerate() {
+            let now = c as u64 * 1000;
+            for i in 0..6 {
+                if silent[i] == 0 { continue; }
+                let o = Observation { draining: drains[i] && i > 0, ..obs(loads[i]) };
+                b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+            }
+            let r = b.cycle(now).remove(0);
+            let svc = b.service(SVC).expect("svc");
+            let p = &svc.params;
+            let serving: Vec<f64> = svc.endpoints.values().filter(|e| !e.draining).map(|e| e.weight).collect();
+            for e in svc.endpoints.values() {
+                prop_assert!(e.weight.is_finite());
+                if e.draining {
+                    prop_assert_eq!(e.weight, 0.0);
+                } else {
+                    prop_assert!(e.weight >= p.min_weight * 0.999 && e.weight <= p.max_weight * 1.001, "{}", e.weight);
+                }
+            }
+            if r.skipped.is_none() && !serving.is_empty() {
+                let mean = serving.iter().sum::<f64>() / serving.len() as f64;
+                prop_assert!((mean - 1.0).abs() < 1e-6, "mean weight {}", mean);
+            }
+        }
+    }
+}
