@@ -1,1 +1,11 @@
 //! Ballast agent library.
+//!
+//! The agent samples how busy its service is, reports it to an aggregator over QUIC,
+//! and keeps the weight it gets back for the CLI and the HAProxy agent-check.
+
+pub mod config;
+pub mod control;
+pub mod daemon;
+pub mod report;
+pub mod sample;
+pub mod status;

@@ -2,7 +2,7 @@
 //! aggregator reads the node's identity from the client certificate.
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+pub use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

@@ -63,6 +63,9 @@ pub struct Endpoint {
     pub pid: Pid,
     /// When the controller last ran for this endpoint.
     pub last_update: Option<Millis>,
+    /// Whether its weight was earned: set by its first controller update or by a
+    /// restore. Only established endpoints make a newcomer cold.
+    pub established: bool,
 }
 
 impl Endpoint {
@@ -82,6 +85,7 @@ impl Endpoint {
             weight,
             pid: Pid::default(),
             last_update: None,
+            established: false,
         }
     }
 
@@ -267,13 +271,24 @@ impl Service {
     }
 
     /// Registers an endpoint, or refreshes the address and zone of a known one. A
-    /// new endpoint starts at the cold-start weight, relative to the mean.
+    /// newcomer to a fleet that already carries traffic starts at the cold-start
+    /// weight, relative to the mean; the first endpoints of a new service start
+    /// equal, since there is nobody to take the traffic from.
     pub fn register(&mut self, now: Millis, node: &str, address: &str, zone: &str) {
-        let cold = self.params.cold_start_weight;
-        let ep = self
+        let fleet_established = self
             .endpoints
-            .entry(node.to_string())
-            .or_insert_with(|| Endpoint::new(node, address, zone, now, cold));
+            .values()
+            .any(|e| e.established && !e.draining);
+        let start = if fleet_established {
+            self.params.cold_start_weight
+        } else {
+            1.0
+        };
+        let ep = self.endpoints.entry(node.to_string()).or_insert_with(|| {
+            let mut ep = Endpoint::new(node, address, zone, now, start);
+            ep.warming = fleet_established;
+            ep
+        });
         ep.address = address.to_string();
         ep.zone = zone.to_string();
         ep.last_seen = now;
@@ -439,6 +454,7 @@ impl Service {
             let w = ep.strategy_weight(Strategy::Pid) * (1.0 + delta);
             ep.strategy_weights.insert(Strategy::Pid, w);
             ep.last_update = Some(now);
+            ep.established = true;
             // The ramp ends once the newcomer carries its share; its integral, built up
             // on the way, would otherwise carry it past the average.
             if ep.warming && ep.load >= avg * 0.95 {
@@ -502,6 +518,7 @@ impl Service {
         for (node, s) in &snapshot.endpoints {
             let mut ep = Endpoint::new(node, &s.address, &s.zone, now, s.weight);
             ep.warming = false;
+            ep.established = true;
             ep.draining = s.draining;
             ep.weight = s.weight;
             for (k, v) in &s.strategy_weights {

@@ -164,6 +164,21 @@ fn cold_start_ramps_without_overshoot() {
 }
 
 #[test]
+fn the_first_endpoints_of_a_service_start_equal_and_later_ones_cold() {
+    let mut b = fleet(3, params());
+    assert_eq!(weights(&b), vec![1.0, 1.0, 1.0]);
+    report_all(&mut b, 0, &[0.5; 3], &[]);
+    b.cycle(0);
+    b.register(1000, SVC, "late", "h:9", "").expect("registers");
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints["late"].weight, params().cold_start_weight);
+    assert_eq!(
+        svc.endpoints["late"].state(1000, &svc.params),
+        EndpointState::Missing
+    );
+}
+
+#[test]
 fn draining_gives_zero_and_undrain_restarts_cold() {
     let mut b = fleet(4, params());
     report_all(&mut b, 0, &[0.5; 4], &[]);

@@ -1,0 +1,222 @@
+//! The agent's configuration: a TOML file, overridden by flags and environment.
+
+use crate::sample::{CpuSpec, InflightSpec};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// TLS files the agent presents and trusts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsPaths {
+    /// CA that signed the aggregator's certificate.
+    pub ca: PathBuf,
+    /// This node's certificate; its name is the node's identity.
+    pub cert: PathBuf,
+    /// This node's private key.
+    pub key: PathBuf,
+}
+
+impl TlsPaths {
+    /// `ca.pem`, `node.pem` and `node.key` in `dir`.
+    pub fn in_dir(dir: &Path) -> Self {
+        TlsPaths {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("node.pem"),
+            key: dir.join("node.key"),
+        }
+    }
+}
+
+impl Default for TlsPaths {
+    fn default() -> Self {
+        Self::in_dir(Path::new("/etc/ballast/tls"))
+    }
+}
+
+/// Everything the agent needs. Only `service`, `port` and `aggregators` lack a usable
+/// default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The service this node serves.
+    pub service: String,
+    /// This node's identity; defaults to the host name. Must match the certificate.
+    pub node: String,
+    /// The service's port on this host.
+    pub port: u16,
+    /// The endpoint address load balancers should use; defaults to `<host name>:<port>`.
+    pub address: String,
+    /// Zone of this node.
+    pub zone: String,
+    /// Aggregators, `host:port`, tried in order with failover.
+    pub aggregators: Vec<String>,
+    /// TLS server name to expect from aggregators; defaults to each one's host part.
+    pub server_name: Option<String>,
+    /// Report interval until the aggregator says otherwise, in milliseconds.
+    pub interval_ms: u32,
+    /// CPU source.
+    pub cpu: CpuSpec,
+    /// In-flight source; defaults to established TCP connections on `port`.
+    pub inflight: Option<InflightSpec>,
+    /// In-flight requests that mean fully busy.
+    pub capacity: u32,
+    /// TLS files.
+    pub tls: TlsPaths,
+    /// The local socket the CLI talks to.
+    pub control_socket: PathBuf,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            service: String::new(),
+            node: String::new(),
+            port: 0,
+            address: String::new(),
+            zone: String::new(),
+            aggregators: Vec::new(),
+            server_name: None,
+            interval_ms: 1000,
+            cpu: CpuSpec::Host,
+            inflight: None,
+            capacity: 100,
+            tls: TlsPaths::default(),
+            control_socket: PathBuf::from("/run/ballast/agent.sock"),
+        }
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Not valid TOML for this schema; the message carries line and column.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What and where.
+        message: String,
+    },
+    /// A value is missing or out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The host name, from the kernel.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".to_string())
+}
+
+impl AgentConfig {
+    /// Parses TOML text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads and parses a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Fills the derived defaults: node from the host name, address from it and the port,
+    /// in-flight from the port.
+    pub fn resolve(mut self) -> Self {
+        if self.node.is_empty() {
+            self.node = hostname();
+        }
+        if self.address.is_empty() && self.port != 0 {
+            self.address = format!("{}:{}", hostname(), self.port);
+        }
+        if self.inflight.is_none() && self.port != 0 {
+            self.inflight = Some(InflightSpec::Tcp {
+                ports: vec![self.port],
+            });
+        }
+        self
+    }
+
+    /// Checks that the agent can run with this.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.service.is_empty() {
+            return bad("service is not set (--service or BALLAST_SERVICE)".into());
+        }
+        if self.aggregators.is_empty() {
+            return bad("no aggregator is set (--aggregator or BALLAST_AGGREGATOR)".into());
+        }
+        for a in &self.aggregators {
+            if !ballast_shared::wire::is_host_port(a) {
+                return bad(format!("aggregator {a:?} is not host:port"));
+            }
+        }
+        if !(100..=60_000).contains(&self.interval_ms) {
+            return bad("interval_ms must be between 100 and 60000".into());
+        }
+        let hello = self.hello();
+        hello
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("registration: {e}")))?;
+        Ok(())
+    }
+
+    /// The hello this configuration sends.
+    pub fn hello(&self) -> ballast_shared::wire::Hello {
+        ballast_shared::wire::Hello {
+            node: self.node.clone(),
+            service: self.service.clone(),
+            address: self.address.clone(),
+            zone: self.zone.clone(),
+            version: ballast_shared::VERSION.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_resolves_and_validates() {
+        let cfg = AgentConfig::parse(
+            "service = \"web\"\nport = 8080\naggregators = [\"agg:7400\"]\n",
+            "agent.toml",
+        )
+        .expect("parses")
+        .resolve();
+        cfg.validate().expect("valid");
+        assert!(cfg.address.ends_with(":8080"));
+        assert_eq!(cfg.inflight, Some(InflightSpec::Tcp { ports: vec![8080] }));
+    }
+
+    #[test]
+    fn bad_files_say_where() {
+        let err = AgentConfig::parse("service = 3\n", "agent.toml").expect_err("type");
+        assert!(err.to_string().contains("agent.toml"), "{err}");
+        let cfg = AgentConfig {
+            service: "web".into(),
+            ..AgentConfig::default()
+        };
+        assert!(cfg
+            .validate()
+            .expect_err("no aggregator")
+            .to_string()
+            .contains("aggregator"));
+    }
+}

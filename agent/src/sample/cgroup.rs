@@ -1,0 +1,755 @@
+//! A cgroup's CPU utilization relative to its quota.
+//!
+//! Measuring against the quota rather than the host is what makes the number mean "how
+//! much of what this service may use": a container limited to half a core that uses half
+//! a core is saturated, however idle the host is.
+//!
+//! Two layouts exist and both are in use:
+//! - cgroup v2: one hierarchy; `cpu.stat` has `usage_usec`, the quota is `cpu.max`.
+//! - cgroup v1: one hierarchy per controller. Usage is `cpuacct.usage` (nanoseconds) in
+//!   the `cpuacct` hierarchy, the quota is `cpu.cfs_quota_us` / `cpu.cfs_period_us` in
+//!   the `cpu` hierarchy. Distributions either co-mount them (`cpu,cpuacct`) or mount
+//!   them separately, so the same cgroup name lives under two different directories.
+//!
+//! On a hybrid host (v1 controllers plus an empty v2 `unified` hierarchy) the v2
+//! `cpu.stat` has usage but the quota is enforced by v1, so v1 is preferred when a name
+//! resolves in both.
+
+use std::io::ErrorKind;
+use std::path::{Component, Path, PathBuf};
+use std::time::Instant;
+
+use super::{read_file, CpuSource, SampleError};
+
+/// Where cgroupfs is normally mounted.
+pub const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
+
+/// v1 hierarchies that hold `cpuacct.usage`, in the order they are tried.
+const V1_USAGE_HIERARCHIES: [&str; 3] = ["cpuacct", "cpu,cpuacct", "cpuacct,cpu"];
+/// v1 hierarchies that hold the CFS quota, in the order they are tried.
+const V1_QUOTA_HIERARCHIES: [&str; 3] = ["cpu", "cpu,cpuacct", "cpuacct,cpu"];
+/// v2 hierarchies relative to the root: pure v2 mounts at the root, hybrid at `unified`.
+const V2_HIERARCHIES: [&str; 2] = ["", "unified"];
+
+/// Which cgroup interface a source reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    /// Per-controller hierarchies: `cpuacct.usage` and `cpu.cfs_quota_us`.
+    V1,
+    /// The unified hierarchy: `cpu.stat` and `cpu.max`.
+    V2,
+}
+
+/// The files a cgroup's CPU is read from, resolved once when the source is opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupPaths {
+    /// Which interface the files belong to.
+    pub version: CgroupVersion,
+    /// `cpuacct.usage` (v1) or `cpu.stat` (v2).
+    pub usage_file: PathBuf,
+    /// The directories whose quota applies, from the cgroup up to its hierarchy's root:
+    /// a parent's quota caps its children, so the tightest one is the real limit. Empty
+    /// when no quota directory exists (a v1 cgroup with only a `cpuacct` side), which
+    /// means unlimited.
+    pub quota_dirs: Vec<PathBuf>,
+}
+
+/// Finds the usage and quota files for `spec` under cgroupfs mounted at `root`.
+///
+/// `spec` is either an absolute path (under `root`, in any hierarchy, or a cgroup mounted
+/// elsewhere), or a name relative to the hierarchies such as `ballast/web1`. An absolute
+/// path that does not exist is read as the hierarchy-relative path `/proc/PID/cgroup`
+/// prints, so `/ballast/web1` works too.
+pub fn resolve(root: &Path, spec: &str) -> Result<CgroupPaths, SampleError> {
+    let spec = spec.trim();
+    let path = Path::new(spec);
+    if path.components().any(|c| matches!(c, Component::ParentDir)) {
+        return Err(SampleError::InvalidSpec(format!(
+            "cgroup {spec:?}: `..` is not allowed"
+        )));
+    }
+    // `direct` is a directory the spec names exactly, with the hierarchy root that bounds
+    // its ancestor walk; `rel` is the name to look up in every hierarchy.
+    let (direct, rel): (Option<(PathBuf, PathBuf)>, PathBuf) = if path.is_absolute() {
+        if let Ok(under) = path.strip_prefix(root) {
+            let mut comps = under.components();
+            let first = comps.next().and_then(|c| c.as_os_str().to_str());
+            let is_hierarchy = first.is_some_and(|h| {
+                V1_USAGE_HIERARCHIES.contains(&h)
+                    || V1_QUOTA_HIERARCHIES.contains(&h)
+                    || V2_HIERARCHIES.contains(&h)
+            });
+            match first {
+                Some(h) if is_hierarchy => (
+                    Some((path.to_path_buf(), root.join(h))),
+                    comps.as_path().to_path_buf(),
+                ),
+                _ => (Some((path.to_path_buf(), root.to_path_buf())), under.into()),
+            }
+        } else {
+            let direct = path
+                .is_dir()
+                .then(|| (path.to_path_buf(), path.to_path_buf()));
+            let rel = path.strip_prefix("/").unwrap_or(path).to_path_buf();
+            (direct, rel)
+        }
+    } else {
+        (None, path.to_path_buf())
+    };
+
+    let in_hierarchies = |names: &[&str]| -> Vec<(PathBuf, PathBuf)> {
+        names
+            .iter()
+            .map(|h| {
+                let base = root.join(h);
+                (base.join(&rel), base)
+            })
+            .collect()
+    };
+    // What the user pointed at wins, then the name in every v1 hierarchy, then in every
+    // v2 one: v1 wins on hybrid hosts because it is what enforces the quota there.
+    let mut candidates = Vec::new();
+    if let Some((dir, base)) = &direct {
+        candidates.push((CgroupVersion::V1, dir.clone(), base.clone()));
+        candidates.push((CgroupVersion::V2, dir.clone(), base.clone()));
+    }
+    for (dir, base) in in_hierarchies(&V1_USAGE_HIERARCHIES) {
+        candidates.push((CgroupVersion::V1, dir, base));
+    }
+    for (dir, base) in in_hierarchies(&V2_HIERARCHIES) {
+        candidates.push((CgroupVersion::V2, dir, base));
+    }
+    let mut tried = Vec::new();
+    let mut found = None;
+    for (version, dir, base) in candidates {
+        let ok = match version {
+            CgroupVersion::V1 => dir.join("cpuacct.usage").is_file(),
+            CgroupVersion::V2 => has_v2_usage(&dir.join("cpu.stat")),
+        };
+        if ok {
+            found = Some((version, dir, base));
+            break;
+        }
+        tried.push(dir.display().to_string());
+    }
+    let Some((version, dir, base)) = found else {
+        return Err(SampleError::NotFound(format!(
+            "cgroup {spec:?}: no cpuacct.usage or cpu.stat with usage_usec in {}",
+            tried.join(", ")
+        )));
+    };
+
+    Ok(match version {
+        CgroupVersion::V2 => CgroupPaths {
+            version,
+            usage_file: dir.join("cpu.stat"),
+            quota_dirs: ancestors_within(&dir, &base),
+        },
+        CgroupVersion::V1 => {
+            let quota = direct
+                .into_iter()
+                .chain(in_hierarchies(&V1_QUOTA_HIERARCHIES))
+                .find(|(d, _)| d.join("cpu.cfs_quota_us").is_file());
+            CgroupPaths {
+                version,
+                usage_file: dir.join("cpuacct.usage"),
+                quota_dirs: quota
+                    .map(|(d, b)| ancestors_within(&d, &b))
+                    .unwrap_or_default(),
+            }
+        }
+    })
+}
+
+/// `dir` and its parents up to and including `base`.
+fn ancestors_within(dir: &Path, base: &Path) -> Vec<PathBuf> {
+    dir.ancestors()
+        .take_while(|a| a.starts_with(base))
+        .map(Path::to_path_buf)
+        .collect()
+}
+
+/// v1's `cpu` hierarchy also has a `cpu.stat`, with throttling counters only, so the file
+/// existing does not make a directory v2.
+fn has_v2_usage(cpu_stat: &Path) -> bool {
+    std::fs::read_to_string(cpu_stat).is_ok_and(|t| parse_v2_usage_usec(&t).is_some())
+}
+
+/// The `usage_usec` line of a v2 `cpu.stat`.
+fn parse_v2_usage_usec(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        match (it.next(), it.next()) {
+            (Some("usage_usec"), Some(v)) => v.parse().ok(),
+            _ => None,
+        }
+    })
+}
+
+/// A quota as a number of cores, `None` when unlimited.
+pub fn parse_cpu_max(text: &str) -> Result<Option<f64>, String> {
+    let mut it = text.split_whitespace();
+    let quota = it.next().ok_or("empty")?;
+    if quota == "max" {
+        return Ok(None);
+    }
+    let quota: u64 = quota.parse().map_err(|_| format!("bad quota {quota:?}"))?;
+    let period: u64 = match it.next() {
+        Some(p) => p.parse().map_err(|_| format!("bad period {p:?}"))?,
+        None => return Err("missing period".into()),
+    };
+    cores(quota, period).map(Some)
+}
+
+/// A v1 quota (`cpu.cfs_quota_us`, -1 = unlimited) over its period, as cores.
+pub fn parse_cfs_quota(quota: &str, period: &str) -> Result<Option<f64>, String> {
+    let quota: i64 = quota
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad quota {:?}", quota.trim()))?;
+    if quota < 0 {
+        return Ok(None);
+    }
+    let period: u64 = period
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad period {:?}", period.trim()))?;
+    cores(quota.unsigned_abs(), period).map(Some)
+}
+
+fn cores(quota: u64, period: u64) -> Result<f64, String> {
+    if quota == 0 || period == 0 {
+        return Err(format!(
+            "quota {quota} / period {period} is not a usable limit"
+        ));
+    }
+    Ok(quota as f64 / period as f64)
+}
+
+/// How many CPUs are online, which is what an unlimited cgroup may use.
+///
+/// Reads `/sys/devices/system/cpu/online` rather than asking the standard library,
+/// because `available_parallelism` already divides by the agent's own cgroup quota and
+/// affinity, which are not the measured service's.
+pub fn online_cpus() -> f64 {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|t| parse_cpu_list(&t))
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .map_or(1.0, |n| n as f64)
+}
+
+/// Counts the CPUs in a kernel CPU list such as `0-3,6,8-9`.
+pub fn parse_cpu_list(text: &str) -> Option<usize> {
+    let mut n = 0usize;
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        n += match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+                b.checked_sub(a)? + 1
+            }
+            None => {
+                part.parse::<usize>().ok()?;
+                1
+            }
+        };
+    }
+    (n > 0).then_some(n)
+}
+
+/// A cgroup's CPU utilization: CPU time used over wall time × the cores its quota allows.
+///
+/// Not clamped at 1: a cgroup with burst allowance (or one read a little late) can use
+/// more than its quota over an interval, and hiding that would hide overload.
+#[derive(Debug)]
+pub struct CgroupCpu {
+    spec: String,
+    paths: CgroupPaths,
+    online_cpus: f64,
+    prev: Option<(u64, Instant)>,
+}
+
+impl CgroupCpu {
+    /// Opens a cgroup under [`DEFAULT_ROOT`].
+    pub fn open(spec: &str) -> Result<Self, SampleError> {
+        Self::open_at(Path::new(DEFAULT_ROOT), spec, online_cpus())
+    }
+
+    /// Opens a cgroup under cgroupfs mounted at `root`, on a host with `online_cpus`
+    /// CPUs (the divisor for an unlimited quota). Reads usage and quota once, so a wrong
+    /// name fails now.
+    pub fn open_at(root: &Path, spec: &str, online_cpus: f64) -> Result<Self, SampleError> {
+        let paths = resolve(root, spec)?;
+        let src = CgroupCpu {
+            spec: spec.trim().to_string(),
+            paths,
+            online_cpus: if online_cpus.is_finite() && online_cpus > 0.0 {
+                online_cpus
+            } else {
+                1.0
+            },
+            prev: None,
+        };
+        src.usage_ns()?;
+        src.cores()?;
+        Ok(src)
+    }
+
+    /// The files this source reads.
+    pub fn paths(&self) -> &CgroupPaths {
+        &self.paths
+    }
+
+    /// The cores the cgroup may use now: the tightest quota on the way to the hierarchy
+    /// root, and never more than the online CPUs. Read every sample because quotas are
+    /// changed at runtime (container resizes).
+    pub fn cores(&self) -> Result<f64, SampleError> {
+        let mut cores = self.online_cpus;
+        for dir in &self.paths.quota_dirs {
+            let limit = match self.paths.version {
+                CgroupVersion::V2 => {
+                    let file = dir.join("cpu.max");
+                    match read_optional(&file)? {
+                        Some(t) => parse_cpu_max(&t).map_err(|e| parse_err(&file, e))?,
+                        None => None,
+                    }
+                }
+                CgroupVersion::V1 => {
+                    let qfile = dir.join("cpu.cfs_quota_us");
+                    let pfile = dir.join("cpu.cfs_period_us");
+                    match (read_optional(&qfile)?, read_optional(&pfile)?) {
+                        (Some(q), Some(p)) => {
+                            parse_cfs_quota(&q, &p).map_err(|e| parse_err(&qfile, e))?
+                        }
+                        _ => None,
+                    }
+                }
+            };
+            if let Some(limit) = limit {
+                cores = cores.min(limit);
+            }
+        }
+        Ok(cores)
+    }
+
+    /// Cumulative CPU time of the cgroup, in nanoseconds.
+    fn usage_ns(&self) -> Result<u64, SampleError> {
+        let file = &self.paths.usage_file;
+        let text = read_file(file)?;
+        match self.paths.version {
+            CgroupVersion::V1 => text
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| parse_err(file, format!("bad usage {:?}", text.trim()))),
+            CgroupVersion::V2 => parse_v2_usage_usec(&text)
+                .map(|us| us.saturating_mul(1000))
+                .ok_or_else(|| parse_err(file, "no usage_usec line")),
+        }
+    }
+
+    /// [`CpuSource::sample`] with an explicit clock, so tests need not sleep.
+    fn sample_at(&mut self, now: Instant) -> Result<Option<f64>, SampleError> {
+        let usage = self.usage_ns()?;
+        let cores = self.cores()?;
+        let Some((prev_usage, prev_at)) = self.prev else {
+            self.prev = Some((usage, now));
+            return Ok(None);
+        };
+        let wall = now.saturating_duration_since(prev_at).as_secs_f64();
+        if wall <= 0.0 {
+            return Ok(None);
+        }
+        self.prev = Some((usage, now));
+        // A counter that went backwards means the cgroup was recreated under the same
+        // name: there is no meaningful delta, only a new baseline.
+        let Some(used) = usage.checked_sub(prev_usage) else {
+            return Ok(None);
+        };
+        Ok(Some(used as f64 / 1e9 / (wall * cores)))
+    }
+}
+
+/// Reads a file that may legitimately be absent (no quota at that level).
+fn read_optional(path: &Path) -> Result<Option<String>, SampleError> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(SampleError::io(path, e)),
+    }
+}
+
+fn parse_err(path: &Path, detail: impl Into<String>) -> SampleError {
+    SampleError::parse(path.display().to_string(), detail)
+}
+
+impl CpuSource for CgroupCpu {
+    fn sample(&mut self) -> Result<Option<f64>, SampleError> {
+        self.sample_at(Instant::now())
+    }
+
+    fn describe(&self) -> String {
+        let version = match self.paths.version {
+            CgroupVersion::V1 => "v1",
+            CgroupVersion::V2 => "v2",
+        };
+        let quota = self
+            .paths
+            .quota_dirs
+            .first()
+            .map_or_else(|| "none".to_string(), |d| d.display().to_string());
+        format!(
+            "cgroup {version} {} (usage {}, quota {quota})",
+            self.spec,
+            self.paths.usage_file.display()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use std::time::Duration;
+
+    fn write(dir: &Path, file: &str, text: &str) {
+        fs::create_dir_all(dir).unwrap();
+        fs::write(dir.join(file), text).unwrap();
+    }
+
+    /// A v1 host with separately mounted `cpu` and `cpuacct`, like this machine, plus
+    /// the hybrid `unified` v2 hierarchy whose `cpu.stat` has usage but no quota.
+    fn v1_split(root: &Path, quota: &str, usage_ns: u64) {
+        let cpu = root.join("cpu/ballast/web1");
+        write(&root.join("cpu"), "cpu.cfs_quota_us", "-1\n");
+        write(&root.join("cpu"), "cpu.cfs_period_us", "100000\n");
+        write(&cpu, "cpu.cfs_quota_us", &format!("{quota}\n"));
+        write(&cpu, "cpu.cfs_period_us", "100000\n");
+        write(
+            &cpu,
+            "cpu.stat",
+            "nr_periods 0\nnr_throttled 0\nthrottled_time 0\n",
+        );
+        write(
+            &root.join("cpuacct/ballast/web1"),
+            "cpuacct.usage",
+            &format!("{usage_ns}\n"),
+        );
+        write(
+            &root.join("unified/ballast/web1"),
+            "cpu.stat",
+            "usage_usec 5\nuser_usec 3\nsystem_usec 2\n",
+        );
+    }
+
+    fn set_v1_usage(root: &Path, usage_ns: u64) {
+        write(
+            &root.join("cpuacct/ballast/web1"),
+            "cpuacct.usage",
+            &format!("{usage_ns}\n"),
+        );
+    }
+
+    fn v2(root: &Path, max: &str, usage_usec: u64) {
+        let dir = root.join("ballast/web1");
+        write(root, "cpu.stat", "usage_usec 999999999\n");
+        write(&dir, "cpu.max", &format!("{max}\n"));
+        write(
+            &dir,
+            "cpu.stat",
+            &format!("usage_usec {usage_usec}\nuser_usec 1\nsystem_usec 1\nnr_periods 0\n"),
+        );
+    }
+
+    /// Two samples one second apart, with `bump` applied in between.
+    fn util_over_one_second(src: &mut CgroupCpu, bump: impl FnOnce()) -> f64 {
+        let t0 = Instant::now();
+        assert_eq!(src.sample_at(t0).unwrap(), None);
+        bump();
+        src.sample_at(t0 + Duration::from_secs(1))
+            .unwrap()
+            .expect("second sample has a delta")
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn v1_split_hierarchies_by_name_and_by_either_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "20000", 1_000_000_000);
+        let cpu_dir = root.join("cpu/ballast/web1");
+        let acct_dir = root.join("cpuacct/ballast/web1");
+        for spec in [
+            "ballast/web1".to_string(),
+            "/ballast/web1".to_string(),
+            cpu_dir.display().to_string(),
+            acct_dir.display().to_string(),
+        ] {
+            let mut src = CgroupCpu::open_at(root, &spec, 4.0).unwrap();
+            assert_eq!(src.paths().version, CgroupVersion::V1, "{spec}");
+            assert_eq!(src.paths().usage_file, acct_dir.join("cpuacct.usage"));
+            assert_eq!(
+                src.paths().quota_dirs,
+                vec![cpu_dir.clone(), root.join("cpu/ballast"), root.join("cpu")]
+            );
+            assert!(close(src.cores().unwrap(), 0.2));
+            set_v1_usage(root, 1_000_000_000);
+            // 0.1 s of CPU in 1 s against a fifth of a core is half the quota.
+            let util = util_over_one_second(&mut src, || set_v1_usage(root, 1_100_000_000));
+            assert!(close(util, 0.5), "{spec}: {util}");
+            assert!(src.describe().contains("v1"), "{}", src.describe());
+        }
+    }
+
+    #[test]
+    fn v1_unlimited_quota_uses_the_online_cpus() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "-1", 0);
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 4.0).unwrap();
+        assert!(close(src.cores().unwrap(), 4.0));
+        let util = util_over_one_second(&mut src, || set_v1_usage(root, 2_000_000_000));
+        assert!(close(util, 0.5), "{util}");
+    }
+
+    #[test]
+    fn v1_parent_quota_caps_an_unlimited_child() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "-1", 0);
+        write(&root.join("cpu/ballast"), "cpu.cfs_quota_us", "50000\n");
+        write(&root.join("cpu/ballast"), "cpu.cfs_period_us", "100000\n");
+        let src = CgroupCpu::open_at(root, "ballast/web1", 4.0).unwrap();
+        assert!(close(src.cores().unwrap(), 0.5));
+    }
+
+    #[test]
+    fn quota_above_the_host_is_capped_at_the_online_cpus() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "800000", 0);
+        let src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        assert!(close(src.cores().unwrap(), 2.0));
+    }
+
+    #[test]
+    fn v1_co_mounted_hierarchy() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let dir = root.join("cpu,cpuacct/svc");
+        write(&dir, "cpuacct.usage", "0\n");
+        write(&dir, "cpu.cfs_quota_us", "200000\n");
+        write(&dir, "cpu.cfs_period_us", "100000\n");
+        let mut src = CgroupCpu::open_at(root, "svc", 8.0).unwrap();
+        assert_eq!(src.paths().usage_file, dir.join("cpuacct.usage"));
+        assert_eq!(src.paths().quota_dirs[0], dir);
+        assert!(close(src.cores().unwrap(), 2.0));
+        let util = util_over_one_second(&mut src, || {
+            write(&dir, "cpuacct.usage", "1000000000\n");
+        });
+        assert!(close(util, 0.5), "{util}");
+    }
+
+    #[test]
+    fn v1_without_a_cpu_side_is_unlimited() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        write(&root.join("cpuacct/only"), "cpuacct.usage", "0\n");
+        let src = CgroupCpu::open_at(root, "only", 3.0).unwrap();
+        assert!(src.paths().quota_dirs.is_empty());
+        assert!(close(src.cores().unwrap(), 3.0));
+    }
+
+    #[test]
+    fn v2_limited_quota_by_name_and_by_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v2(root, "20000 100000", 1_000_000);
+        let dir = root.join("ballast/web1");
+        for spec in ["ballast/web1".to_string(), dir.display().to_string()] {
+            v2(root, "20000 100000", 1_000_000);
+            let mut src = CgroupCpu::open_at(root, &spec, 4.0).unwrap();
+            assert_eq!(src.paths().version, CgroupVersion::V2);
+            assert_eq!(src.paths().usage_file, dir.join("cpu.stat"));
+            assert_eq!(
+                src.paths().quota_dirs,
+                vec![dir.clone(), root.join("ballast"), root.to_path_buf()]
+            );
+            let util = util_over_one_second(&mut src, || v2(root, "20000 100000", 1_100_000));
+            assert!(close(util, 0.5), "{spec}: {util}");
+        }
+    }
+
+    #[test]
+    fn v2_unlimited_and_bursting_is_not_clamped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v2(root, "max 100000", 0);
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        assert!(close(src.cores().unwrap(), 2.0));
+        let util = util_over_one_second(&mut src, || v2(root, "max 100000", 1_000_000));
+        assert!(close(util, 0.5), "{util}");
+
+        v2(root, "20000 100000", 0);
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        // 0.4 s of CPU against 0.2 cores: twice the quota, reported as such.
+        let util = util_over_one_second(&mut src, || v2(root, "20000 100000", 400_000));
+        assert!(close(util, 2.0), "{util}");
+    }
+
+    #[test]
+    fn quota_changes_are_picked_up_without_reopening() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v2(root, "max 100000", 0);
+        let src = CgroupCpu::open_at(root, "ballast/web1", 4.0).unwrap();
+        assert!(close(src.cores().unwrap(), 4.0));
+        write(&root.join("ballast/web1"), "cpu.max", "150000 100000\n");
+        assert!(close(src.cores().unwrap(), 1.5));
+    }
+
+    #[test]
+    fn v2_under_a_hybrid_unified_mount() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let dir = root.join("unified/app");
+        write(&dir, "cpu.stat", "usage_usec 10\n");
+        let src = CgroupCpu::open_at(root, "app", 2.0).unwrap();
+        assert_eq!(src.paths().version, CgroupVersion::V2);
+        assert_eq!(src.paths().usage_file, dir.join("cpu.stat"));
+        // Usage exists but no quota anywhere: unlimited.
+        assert!(close(src.cores().unwrap(), 2.0));
+    }
+
+    #[test]
+    fn cgroup_mounted_outside_the_root_is_read_in_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let elsewhere = tmp.path().join("mnt/cg");
+        write(&elsewhere, "cpu.stat", "usage_usec 0\n");
+        write(&elsewhere, "cpu.max", "50000 100000\n");
+        let root = tmp.path().join("empty-root");
+        let src = CgroupCpu::open_at(&root, &elsewhere.display().to_string(), 4.0).unwrap();
+        assert_eq!(src.paths().quota_dirs, vec![elsewhere.clone()]);
+        assert!(close(src.cores().unwrap(), 0.5));
+    }
+
+    #[test]
+    fn counter_reset_gives_a_new_baseline_not_a_huge_value() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "-1", 5_000_000_000);
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 1.0).unwrap();
+        let t0 = Instant::now();
+        assert_eq!(src.sample_at(t0).unwrap(), None);
+        set_v1_usage(root, 100);
+        assert_eq!(src.sample_at(t0 + Duration::from_secs(1)).unwrap(), None);
+        set_v1_usage(root, 100 + 250_000_000);
+        let util = src.sample_at(t0 + Duration::from_secs(2)).unwrap().unwrap();
+        assert!(close(util, 0.25), "{util}");
+        // Same instant: no delta, no division by zero.
+        assert_eq!(src.sample_at(t0 + Duration::from_secs(2)).unwrap(), None);
+    }
+
+    #[test]
+    fn missing_cgroup_names_the_paths_tried() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "-1", 0);
+        let err = CgroupCpu::open_at(root, "nope", 1.0).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, SampleError::NotFound(_)));
+        assert!(
+            msg.contains("cpuacct/nope") && msg.contains("nope"),
+            "{msg}"
+        );
+        assert!(matches!(
+            CgroupCpu::open_at(root, "ballast/../../etc", 1.0),
+            Err(SampleError::InvalidSpec(_))
+        ));
+    }
+
+    #[test]
+    fn removed_cgroup_is_an_error_not_idle() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_split(root, "-1", 0);
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 1.0).unwrap();
+        src.sample().unwrap();
+        fs::remove_dir_all(root.join("cpuacct/ballast/web1")).unwrap();
+        let err = src.sample().unwrap_err();
+        assert!(matches!(err, SampleError::Io { .. }));
+        assert!(err.to_string().contains("cpuacct.usage"), "{err}");
+    }
+
+    #[test]
+    fn malformed_files_are_parse_errors() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v2(root, "lots 100000", 0);
+        assert!(matches!(
+            CgroupCpu::open_at(root, "ballast/web1", 1.0),
+            Err(SampleError::Parse { .. })
+        ));
+        v2(root, "0 100000", 0);
+        assert!(CgroupCpu::open_at(root, "ballast/web1", 1.0).is_err());
+    }
+
+    #[test]
+    fn quota_parsers() {
+        assert_eq!(parse_cpu_max("max 100000\n"), Ok(None));
+        assert_eq!(parse_cpu_max("max"), Ok(None));
+        assert_eq!(parse_cpu_max("20000 100000"), Ok(Some(0.2)));
+        assert!(parse_cpu_max("20000").is_err());
+        assert!(parse_cpu_max("").is_err());
+        assert_eq!(parse_cfs_quota("-1\n", "100000\n"), Ok(None));
+        assert_eq!(parse_cfs_quota("250000", "100000"), Ok(Some(2.5)));
+        assert!(parse_cfs_quota("x", "100000").is_err());
+        assert!(parse_cfs_quota("1000", "0").is_err());
+    }
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0-1\n"), Some(2));
+        assert_eq!(parse_cpu_list("0-3,6,8-9"), Some(7));
+        assert_eq!(parse_cpu_list("0"), Some(1));
+        assert_eq!(parse_cpu_list(""), None);
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("a"), None);
+        assert!(online_cpus() >= 1.0);
+    }
+
+    /// This agent's own cgroup on the real machine, as `/proc/self/cgroup` names it. On
+    /// v1 the `cpuacct` line is used, on v2 the `0::` line.
+    #[test]
+    fn real_cgroup_of_this_process_sees_cpu_being_used() {
+        let Ok(text) = fs::read_to_string("/proc/self/cgroup") else {
+            return; // not Linux with cgroups: nothing to test against
+        };
+        let (mut v1, mut v2) = (None, None);
+        for line in text.lines() {
+            let mut parts = line.splitn(3, ':');
+            let controllers = parts.nth(1).unwrap_or("");
+            let path = parts.next().unwrap_or("");
+            if controllers.split(',').any(|c| c == "cpuacct") {
+                v1 = Some(path);
+            } else if controllers.is_empty() {
+                v2 = Some(path);
+            }
+        }
+        let name = v1.or(v2).expect("/proc/self/cgroup names a cgroup");
+        let mut src = CgroupCpu::open(name).unwrap();
+        let t0 = Instant::now();
+        assert_eq!(src.sample_at(t0).unwrap(), None);
+        let mut x = 0u64;
+        while t0.elapsed() < Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let util = src.sample_at(Instant::now()).unwrap().unwrap();
+        let cores = src.cores().unwrap();
+        // At least this thread's 300 ms (a fraction of the cores), at most all of them
+        // with some slack for the cgroup bursting.
+        assert!(util > 0.05 / cores && util < 2.0, "{util} of {cores} cores");
+    }
+}

@@ -1,0 +1,167 @@
+//! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
+
+pub mod views;
+
+use crate::state::State;
+use axum::extract::{Path, State as AxState};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+/// The OpenAPI document of this API.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// The router over shared state.
+pub fn router(state: Arc<State>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .route("/v1/services", get(services))
+        .route("/v1/services/{name}", get(service))
+        .route("/v1/services/{name}/endpoints", get(endpoints))
+        .route("/v1/services/{name}/weights", get(weights))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// A JSON error body with its status.
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn unknown_service(name: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("unknown service {name:?}"),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({ "error": self.message, "status": self.status.as_u16() });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such route".into(),
+    }
+}
+
+async fn healthz(AxState(state): AxState<Arc<State>>) -> Json<serde_json::Value> {
+    let store_error = state.store_error.lock().map(|e| e.clone()).unwrap_or(None);
+    Json(serde_json::json!({
+        "status": "ok",
+        "store": state.store.describe(),
+        "store_error": store_error,
+    }))
+}
+
+async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
+}
+
+async fn services(AxState(state): AxState<Arc<State>>) -> Json<Vec<views::ServiceSummary>> {
+    let now = state.clock.now();
+    let b = state.balancer();
+    Json(
+        b.services()
+            .map(|s| views::ServiceSummary::of(s, now))
+            .collect(),
+    )
+}
+
+async fn service(
+    AxState(state): AxState<Arc<State>>,
+    Path(name): Path<String>,
+) -> Result<Json<views::ServiceDetail>, ApiError> {
+    let now = state.clock.now();
+    let b = state.balancer();
+    let svc = b
+        .service(&name)
+        .ok_or_else(|| ApiError::unknown_service(&name))?;
+    Ok(Json(views::ServiceDetail::of(svc, now)))
+}
+
+async fn endpoints(
+    AxState(state): AxState<Arc<State>>,
+    Path(name): Path<String>,
+) -> Result<Json<Vec<views::EndpointView>>, ApiError> {
+    let now = state.clock.now();
+    let b = state.balancer();
+    let svc = b
+        .service(&name)
+        .ok_or_else(|| ApiError::unknown_service(&name))?;
+    Ok(Json(views::EndpointView::all(svc, now)))
+}
+
+async fn weights(
+    AxState(state): AxState<Arc<State>>,
+    Path(name): Path<String>,
+) -> Result<Json<views::WeightSet>, ApiError> {
+    let b = state.balancer();
+    let svc = b
+        .service(&name)
+        .ok_or_else(|| ApiError::unknown_service(&name))?;
+    Ok(Json(views::WeightSet::of(svc)))
+}
+
+async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
+    let text = state.metrics.encode();
+    let mut out = text.strip_suffix("# EOF\n").unwrap_or(&text).to_string();
+    let now = state.clock.now();
+    let b = state.balancer();
+    let gauges: [(&str, &str, fn(&views::ServiceSummary) -> f64); 5] = [
+        (
+            "ballast_service_max_over_avg",
+            "Max over average load of fresh serving endpoints",
+            |s| s.max_over_avg,
+        ),
+        (
+            "ballast_service_p95_over_avg",
+            "95th percentile over average load",
+            |s| s.p95_over_avg,
+        ),
+        (
+            "ballast_service_avg_load",
+            "Average load of fresh serving endpoints",
+            |s| s.avg,
+        ),
+        (
+            "ballast_service_missing_share",
+            "Share of known endpoints whose reports are stale",
+            |s| s.missing_share,
+        ),
+        ("ballast_service_endpoints", "Known endpoints", |s| {
+            s.endpoints as f64
+        }),
+    ];
+    let summaries: Vec<views::ServiceSummary> = b
+        .services()
+        .map(|s| views::ServiceSummary::of(s, now))
+        .collect();
+    drop(b);
+    for (name, help, value) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} gauge");
+        for s in &summaries {
+            let _ = writeln!(out, "{name}{{service=\"{}\"}} {}", s.name, value(s));
+        }
+    }
+    out.push_str("# EOF\n");
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        out,
+    )
+}

@@ -1,0 +1,211 @@
+//! JSON shapes of the API, built from the balancer's state.
+
+use crate::balance::service::{HistoryPoint, ServiceStats};
+use crate::balance::{EndpointState, Millis, Service, SkipReason};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One line per service in `GET /v1/services`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServiceSummary {
+    /// Service name.
+    pub name: String,
+    /// Known endpoints.
+    pub endpoints: usize,
+    /// Average load over fresh serving endpoints.
+    pub avg: f64,
+    /// Max over average.
+    pub max_over_avg: f64,
+    /// 95th percentile over average.
+    pub p95_over_avg: f64,
+    /// Share of endpoints missing.
+    pub missing_share: f64,
+    /// Cycles run.
+    pub cycles: u64,
+    /// Weight version.
+    pub version: u64,
+    /// Why the last cycle was skipped, if it was.
+    pub last_skip: Option<String>,
+}
+
+impl ServiceSummary {
+    /// The summary of `svc`.
+    pub fn of(svc: &Service, _now: Millis) -> Self {
+        let s = &svc.stats;
+        ServiceSummary {
+            name: svc.name.clone(),
+            endpoints: svc.endpoints.len(),
+            avg: s.spread.avg,
+            max_over_avg: s.spread.max_over_avg,
+            p95_over_avg: s.spread.p95_over_avg,
+            missing_share: s.missing_share,
+            cycles: s.cycles,
+            version: svc.version,
+            last_skip: s.last_skip.map(|r| r.describe()),
+        }
+    }
+}
+
+/// `GET /v1/services/{name}`: cycle statistics.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServiceDetail {
+    /// Service name.
+    pub name: String,
+    /// Endpoints by state.
+    pub states: BTreeMap<&'static str, usize>,
+    /// Counters and the last cycle's figures.
+    pub stats: ServiceStats,
+    /// The last skip, in words.
+    pub last_skip_reason: Option<String>,
+    /// The last skip, as data.
+    pub last_skip: Option<SkipReason>,
+    /// Weight version.
+    pub version: u64,
+    /// The cycle the published weights came from.
+    pub weights_cycle: u64,
+    /// The parameters in force.
+    pub params: crate::balance::Params,
+    /// Recent cycles, oldest first.
+    pub history: Vec<HistoryPoint>,
+}
+
+impl ServiceDetail {
+    /// The detail of `svc`.
+    pub fn of(svc: &Service, now: Millis) -> Self {
+        let mut states = BTreeMap::new();
+        for e in svc.endpoints.values() {
+            *states
+                .entry(state_name(e.state(now, &svc.params)))
+                .or_insert(0) += 1;
+        }
+        ServiceDetail {
+            name: svc.name.clone(),
+            states,
+            stats: svc.stats.clone(),
+            last_skip_reason: svc.stats.last_skip.map(|r| r.describe()),
+            last_skip: svc.stats.last_skip,
+            version: svc.version,
+            weights_cycle: svc.weights_cycle,
+            params: svc.params.clone(),
+            history: svc.history.iter().copied().collect(),
+        }
+    }
+}
+
+fn state_name(s: EndpointState) -> &'static str {
+    match s {
+        EndpointState::Serving => "serving",
+        EndpointState::Warming => "warming",
+        EndpointState::Draining => "draining",
+        EndpointState::Missing => "missing",
+    }
+}
+
+/// One endpoint in `GET /v1/services/{name}/endpoints`.
+#[derive(Debug, Clone, Serialize)]
+pub struct EndpointView {
+    /// Node identity.
+    pub node: String,
+    /// `host:port`.
+    pub address: String,
+    /// Zone.
+    pub zone: String,
+    /// The load the balancer steers by.
+    pub load: f64,
+    /// Reported CPU utilization.
+    pub cpu: f64,
+    /// Reported in-flight requests.
+    pub inflight: u32,
+    /// Reported capacity.
+    pub capacity: u32,
+    /// Published weight, mean 1.0.
+    pub weight: f64,
+    /// State.
+    pub state: EndpointState,
+    /// Milliseconds since the last report; `null` if none since registration.
+    pub report_age_ms: Option<u64>,
+}
+
+impl EndpointView {
+    /// Every endpoint of `svc`.
+    pub fn all(svc: &Service, now: Millis) -> Vec<Self> {
+        svc.endpoints
+            .values()
+            .map(|e| EndpointView {
+                node: e.node.clone(),
+                address: e.address.clone(),
+                zone: e.zone.clone(),
+                load: e.load,
+                cpu: e.observation.cpu,
+                inflight: e.observation.inflight,
+                capacity: e.observation.capacity,
+                weight: e.weight,
+                state: e.state(now, &svc.params),
+                report_age_ms: e.report_age(now),
+            })
+            .collect()
+    }
+}
+
+/// `GET /v1/services/{name}/weights`: the published weight set with its version.
+#[derive(Debug, Clone, Serialize)]
+pub struct WeightSet {
+    /// Service name.
+    pub service: String,
+    /// Increases with every material change.
+    pub version: u64,
+    /// The cycle the weights came from.
+    pub cycle: u64,
+    /// Weights by node.
+    pub weights: BTreeMap<String, WeightEntry>,
+}
+
+/// One endpoint's published weight, with each sink's integer.
+#[derive(Debug, Clone, Serialize)]
+pub struct WeightEntry {
+    /// `host:port`.
+    pub address: String,
+    /// Zone.
+    pub zone: String,
+    /// Weight, mean 1.0.
+    pub weight: f64,
+    /// Whether draining.
+    pub draining: bool,
+    /// Envoy / gRPC `load_balancing_weight`.
+    pub envoy: u32,
+    /// HAProxy agent-check percentage.
+    pub haproxy_percent: u32,
+}
+
+impl WeightSet {
+    /// The weights of `svc`.
+    pub fn of(svc: &Service) -> Self {
+        use ballast_shared::load::{envoy_weight, haproxy_percent};
+        WeightSet {
+            service: svc.name.clone(),
+            version: svc.version,
+            cycle: svc.weights_cycle,
+            weights: svc
+                .endpoints
+                .values()
+                .map(|e| {
+                    (
+                        e.node.clone(),
+                        WeightEntry {
+                            address: e.address.clone(),
+                            zone: e.zone.clone(),
+                            weight: e.weight,
+                            draining: e.draining,
+                            envoy: envoy_weight(e.weight),
+                            haproxy_percent: if e.draining {
+                                0
+                            } else {
+                                haproxy_percent(e.weight)
+                            },
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+}

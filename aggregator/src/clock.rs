@@ -1,0 +1,24 @@
+//! The one place the daemon reads time; the balancing core only ever receives it.
+
+use crate::balance::Millis;
+use std::time::Instant;
+
+/// Milliseconds since the daemon started, on a monotonic clock.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    /// A clock starting now.
+    pub fn start() -> Self {
+        Clock {
+            start: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since start.
+    pub fn now(&self) -> Millis {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}

@@ -1,0 +1,157 @@
+//! The running aggregator: QUIC ingest, the cycle loop and the HTTP API around one
+//! shared state.
+
+use crate::balance::Balancer;
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::state::State;
+use crate::store::{file::FileStore, RoutingStore, StoreError};
+use ballast_shared::tls::CertificateDer;
+use ballast_shared::tls::{self, Identity, TlsError};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// TLS material is missing or invalid.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// A socket could not be bound.
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The routing store could not be read.
+    #[error("routing store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// A started aggregator.
+pub struct Daemon {
+    /// Shared state, for in-process callers such as the demo.
+    pub state: Arc<State>,
+    /// The bound QUIC address.
+    pub quic_addr: SocketAddr,
+    /// The bound HTTP address.
+    pub http_addr: SocketAddr,
+    endpoint: quinn::Endpoint,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// TLS material loaded from the configured files.
+pub fn load_tls(cfg: &Config) -> Result<(Identity, Vec<CertificateDer<'static>>), TlsError> {
+    let identity = Identity::load(&cfg.tls.cert, &cfg.tls.key)?;
+    let ca = tls::certs_from_pem(&tls::read(&cfg.tls.ca)?, &cfg.tls.ca.display().to_string())?;
+    Ok((identity, ca))
+}
+
+impl Daemon {
+    /// Starts everything with the file store from `cfg`.
+    pub async fn start(
+        cfg: &Config,
+        identity: Identity,
+        client_ca: &[CertificateDer<'static>],
+    ) -> Result<Daemon, DaemonError> {
+        let store = Arc::new(FileStore::new(cfg.store.path.clone()));
+        Self::start_with_store(cfg, identity, client_ca, store).await
+    }
+
+    /// Starts everything with the given routing store.
+    pub async fn start_with_store(
+        cfg: &Config,
+        identity: Identity,
+        client_ca: &[CertificateDer<'static>],
+        store: Arc<dyn RoutingStore>,
+    ) -> Result<Daemon, DaemonError> {
+        let clock = Clock::start();
+        let restored = store.load()?;
+        let mut balancer = Balancer::new(cfg.balance.clone(), clock.now());
+        balancer.restrict_services(cfg.services.as_ref().map(|s| s.iter().cloned().collect()));
+        if !restored.is_empty() {
+            tracing::info!(services = restored.len(), store = %store.describe(), "weights restored from the routing store");
+        }
+        balancer.restore(clock.now(), &restored);
+        let state = Arc::new(State::new(balancer, store, clock, cfg.report_interval_ms));
+
+        let server = tls::server_config(identity, client_ca)?;
+        let endpoint =
+            quinn::Endpoint::server(server, cfg.quic).map_err(|source| DaemonError::Bind {
+                what: "QUIC",
+                addr: cfg.quic,
+                source,
+            })?;
+        let quic_addr = endpoint.local_addr().map_err(|source| DaemonError::Bind {
+            what: "QUIC",
+            addr: cfg.quic,
+            source,
+        })?;
+        let listener = tokio::net::TcpListener::bind(cfg.http)
+            .await
+            .map_err(|source| DaemonError::Bind {
+                what: "HTTP",
+                addr: cfg.http,
+                source,
+            })?;
+        let http_addr = listener.local_addr().map_err(|source| DaemonError::Bind {
+            what: "HTTP",
+            addr: cfg.http,
+            source,
+        })?;
+
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(crate::ingest::quic::serve(
+            endpoint.clone(),
+            state.clone(),
+        )));
+        tasks.push(tokio::spawn(cycle_loop(
+            state.clone(),
+            Duration::from_millis(cfg.balance.cycle_ms),
+        )));
+        let app = crate::api::router(state.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "HTTP API stopped");
+            }
+        }));
+        tracing::info!(%quic_addr, %http_addr, "aggregator serving");
+        Ok(Daemon {
+            state,
+            quic_addr,
+            http_addr,
+            endpoint,
+            tasks,
+        })
+    }
+
+    /// Stops serving: agents see the connection close and will reconnect elsewhere.
+    pub async fn shutdown(self) {
+        self.endpoint
+            .close(crate::ingest::quic::close::NORMAL.into(), b"shutting down");
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.endpoint.wait_idle().await;
+    }
+}
+
+async fn cycle_loop(state: Arc<State>, period: Duration) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let changed = state.cycle(state.clock.now());
+        if !changed.is_empty() {
+            let st = state.clone();
+            // A slow disk must not delay the next cycle.
+            let _ = tokio::task::spawn_blocking(move || st.persist(&changed)).await;
+        }
+    }
+}

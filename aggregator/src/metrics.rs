@@ -1,0 +1,146 @@
+//! The aggregator's Prometheus metrics.
+//!
+//! Counters live here; figures that are properties of a service (max/avg, missing
+//! share) are read from the balancer when `/metrics` is scraped, so the two can never
+//! disagree.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// A label set with one `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Reason {
+    /// Why.
+    pub reason: String,
+}
+
+/// A label set with a `service` and a `reason`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceReason {
+    /// The service.
+    pub service: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// A label set with one `service`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabel {
+    /// The service.
+    pub service: String,
+}
+
+/// Every counter the daemon keeps.
+pub struct Metrics {
+    registry: Registry,
+    /// Reports accepted into the balancer.
+    pub reports_accepted: Counter,
+    /// Reports and hellos refused, by reason.
+    pub reports_rejected: Family<Reason, Counter>,
+    /// Connections refused or closed for a protocol fault, by reason.
+    pub connections_rejected: Family<Reason, Counter>,
+    /// Agent connections open now.
+    pub connections_open: Gauge,
+    /// Cycles run, by service.
+    pub cycles: Family<ServiceLabel, Counter>,
+    /// Cycles that changed nothing, by service and reason.
+    pub cycles_skipped: Family<ServiceReason, Counter>,
+    /// Wall time of one cycle over all services, in seconds.
+    pub cycle_duration: Histogram,
+    /// Routing-store writes, by outcome.
+    pub store_writes: Family<Reason, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric under the `ballast` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("ballast");
+        let m = Metrics {
+            reports_accepted: Counter::default(),
+            reports_rejected: Family::default(),
+            connections_rejected: Family::default(),
+            connections_open: Gauge::default(),
+            cycles: Family::default(),
+            cycles_skipped: Family::default(),
+            cycle_duration: Histogram::new(
+                [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0].into_iter(),
+            ),
+            store_writes: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "reports_accepted",
+            "Reports accepted",
+            m.reports_accepted.clone(),
+        );
+        registry.register(
+            "reports_rejected",
+            "Reports and hellos rejected, by reason",
+            m.reports_rejected.clone(),
+        );
+        registry.register(
+            "connections_rejected",
+            "Agent connections refused or closed, by reason",
+            m.connections_rejected.clone(),
+        );
+        registry.register(
+            "connections_open",
+            "Agent connections open",
+            m.connections_open.clone(),
+        );
+        registry.register("cycles", "Balancing cycles run", m.cycles.clone());
+        registry.register(
+            "cycles_skipped",
+            "Balancing cycles that changed no weight, by reason",
+            m.cycles_skipped.clone(),
+        );
+        registry.register(
+            "cycle_duration_seconds",
+            "Wall time of one balancing cycle over all services",
+            m.cycle_duration.clone(),
+        );
+        registry.register(
+            "store_writes",
+            "Routing store writes, by outcome",
+            m.store_writes.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Counts a rejected report or hello.
+    pub fn reject(&self, reason: &str) {
+        self.reports_rejected
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a refused or faulty connection.
+    pub fn reject_connection(&self, reason: &str) {
+        self.connections_rejected
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// The registry in Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,324 @@
+//! The scenarios of issue 3: one fleet each, a timeline of events, and the strategies
+//! compared on it.
+
+use super::strategy::StrategyKind;
+
+/// The shape of a fleet and its traffic.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetSpec {
+    /// Endpoints at the start.
+    pub endpoints: usize,
+    /// Hardware generations as speed factors, assigned round-robin by index so that
+    /// every fleet has the same mix (a random mix would make fleets differ by seed).
+    pub speeds: Vec<f64>,
+    /// Cores per endpoint: requests beyond this many share the CPU.
+    pub cores: u32,
+    /// In-flight requests that the agent's config calls fully busy.
+    pub capacity: u32,
+    /// Clients at the start.
+    pub clients: usize,
+    /// Endpoints per client (the discovery system's subset size).
+    pub subset: usize,
+    /// Spread of client request rates, as the sigma of a log-normal around 1.
+    pub client_rate_sigma: f64,
+    /// Mean CPU cost of a request, in milliseconds of one core at speed 1.
+    pub mean_cost_ms: f64,
+    /// Shape of the log-normal cost distribution (1.0: coefficient of variation 1.3).
+    pub cost_sigma: f64,
+    /// Offered load as a share of the fleet's total CPU.
+    pub utilization: f64,
+    /// Absolute noise of a CPU measurement (the agent's sampling error).
+    pub cpu_noise: f64,
+}
+
+impl Default for FleetSpec {
+    fn default() -> Self {
+        FleetSpec {
+            endpoints: 50,
+            speeds: vec![0.6, 1.0, 1.4],
+            cores: 8,
+            capacity: 32,
+            clients: 300,
+            subset: 10,
+            client_rate_sigma: 0.5,
+            mean_cost_ms: 10.0,
+            cost_sigma: 1.0,
+            utilization: 0.45,
+            cpu_noise: 0.005,
+        }
+    }
+}
+
+/// Something that happens to the fleet at the start of a cycle.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EventKind {
+    /// New clients with their own random subsets add this share of the offered load.
+    AddClients {
+        /// Added load relative to the load before, e.g. 0.5 for +50 %.
+        share: f64,
+    },
+    /// Scales every client's request rate.
+    ScaleTraffic {
+        /// The factor.
+        factor: f64,
+    },
+    /// A new endpoint of this speed joins, cold; each client adds it to its subset
+    /// with probability subset / endpoints, as a discovery system would.
+    Join {
+        /// Its speed factor.
+        speed: f64,
+    },
+    /// The watched endpoint's I/O degrades: every request waits in a FIFO for an I/O
+    /// stage that completes only this share of the endpoint's balanced request rate.
+    DegradeIo {
+        /// Throughput of the I/O stage relative to the endpoint's fair request rate.
+        share: f64,
+    },
+    /// The watched endpoint fails every request at once, at 5 % of the CPU cost.
+    FailFast,
+}
+
+/// An event and the cycle at whose start it happens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Event {
+    /// The cycle.
+    pub cycle: u32,
+    /// What happens.
+    pub kind: EventKind,
+}
+
+/// How agent reports get lost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Loss {
+    /// Long-run share of reports lost.
+    pub share: f64,
+    /// Mean length of a loss burst, in reports. Bursts, because congestion and
+    /// faults last: an isolated lost report never makes an endpoint stale under a
+    /// 3 s staleness bound, so independent loss would not exercise the skip rule.
+    pub mean_burst: f64,
+}
+
+impl Loss {
+    /// No loss.
+    pub const NONE: Loss = Loss {
+        share: 0.0,
+        mean_burst: 1.0,
+    };
+}
+
+/// One scenario.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    /// Short identifier, used for file names and `--scenarios`.
+    pub id: &'static str,
+    /// Title for the report.
+    pub title: &'static str,
+    /// What it shows, for the report.
+    pub about: &'static str,
+    /// The fleet.
+    pub fleet: FleetSpec,
+    /// Cycles (seconds) simulated.
+    pub cycles: u32,
+    /// The cycle the transient of interest starts; settling and overshoot count from
+    /// here, and so does the share of requests served overloaded.
+    pub disturbance: u32,
+    /// First cycle of the steady-state window, which runs to the end.
+    pub steady_from: u32,
+    /// Events in cycle order.
+    pub events: Vec<Event>,
+    /// Report loss.
+    pub loss: Loss,
+    /// The strategies compared.
+    pub strategies: Vec<StrategyKind>,
+}
+
+impl Scenario {
+    /// A shortened copy for tests: fewer cycles, a smaller fleet, the same shape.
+    pub fn quick(&self) -> Scenario {
+        let mut s = self.clone();
+        let scale = |c: u32| (c * 2).div_ceil(5);
+        s.cycles = scale(s.cycles);
+        s.disturbance = scale(s.disturbance);
+        s.steady_from = scale(s.steady_from);
+        for e in &mut s.events {
+            e.cycle = scale(e.cycle);
+        }
+        let n = s.fleet.endpoints;
+        s.fleet.endpoints = n.min(24);
+        s.fleet.clients = (s.fleet.clients * s.fleet.endpoints / n).max(s.fleet.endpoints * 2);
+        s.fleet.subset = s.fleet.subset.min(s.fleet.endpoints / 3).max(2);
+        // Fewer, costlier requests keep the same utilization at a fraction of the work.
+        s.fleet.mean_cost_ms *= 3.0;
+        s
+    }
+}
+
+/// Every scenario of issue 3, in report order.
+pub fn all() -> Vec<Scenario> {
+    use StrategyKind::*;
+    let base = vec![RoundRobin, Ballast, A58, P2c, EnvoyLeastRequest];
+    let fleet = FleetSpec::default();
+    vec![
+        Scenario {
+            id: "steady",
+            title: "Steady heterogeneous fleet",
+            about: "50 endpoints of three hardware generations (speeds 0.6, 1.0, 1.4), \
+                    300 clients with 10-endpoint random subsets and log-normal request \
+                    rates, at 45 % average CPU. Every strategy starts from equal weights \
+                    at cycle 0.",
+            fleet: fleet.clone(),
+            cycles: 150,
+            disturbance: 0,
+            steady_from: 60,
+            events: vec![],
+            loss: Loss::NONE,
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "step",
+            title: "+50 % step in offered load",
+            about: "The steady fleet; at cycle 60, 150 new clients with their own random \
+                    subsets add 50 % to the offered load (45 % to about 68 % CPU). New \
+                    subsets mean a new connection skew, which is what the weights must \
+                    correct: a uniform step would leave every ratio unchanged.",
+            fleet: fleet.clone(),
+            cycles: 150,
+            disturbance: 60,
+            steady_from: 100,
+            events: vec![Event {
+                cycle: 60,
+                kind: EventKind::AddClients { share: 0.5 },
+            }],
+            loss: Loss::NONE,
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "cold_join",
+            title: "A node joins cold",
+            about: "The steady fleet; at cycle 60 a 51st endpoint (speed 1.0) joins and \
+                    is added to about a fifth of the clients' subsets. The watched \
+                    endpoint is the newcomer.",
+            fleet: fleet.clone(),
+            cycles: 140,
+            disturbance: 60,
+            steady_from: 100,
+            events: vec![Event {
+                cycle: 60,
+                kind: EventKind::Join { speed: 1.0 },
+            }],
+            loss: Loss::NONE,
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "degraded_io",
+            title: "Degraded I/O (the dead spiral)",
+            about: "At cycle 30 one endpoint (speed 1.0) gets stuck on slow I/O: its \
+                    requests queue for an I/O stage that completes half of its fair \
+                    request rate. Its CPU falls, its in-flight count grows. Ballast runs \
+                    twice: steering by CPU alone, and by max(CPU, in-flight / capacity).",
+            fleet: fleet.clone(),
+            cycles: 120,
+            disturbance: 30,
+            steady_from: 80,
+            events: vec![Event {
+                cycle: 30,
+                kind: EventKind::DegradeIo { share: 0.5 },
+            }],
+            loss: Loss::NONE,
+            strategies: vec![
+                RoundRobin,
+                BallastCpuOnly,
+                Ballast,
+                A58,
+                P2c,
+                EnvoyLeastRequest,
+            ],
+        },
+        Scenario {
+            id: "fail_fast",
+            title: "A node that fails fast",
+            about: "At cycle 30 one endpoint (speed 1.0) starts failing every request at \
+                    once, at 5 % of the CPU cost: low CPU, nothing in flight, the SRE \
+                    book's broken cashier. Its agent reports the error rate.",
+            fleet: fleet.clone(),
+            cycles: 120,
+            disturbance: 30,
+            steady_from: 80,
+            events: vec![Event {
+                cycle: 30,
+                kind: EventKind::FailFast,
+            }],
+            loss: Loss::NONE,
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "loss_10",
+            title: "10 % report loss",
+            about: "The steady fleet, with 10 % of agent reports lost in bursts of 5 s \
+                    on average. Only the strategies fed by Ballast's reports are exposed.",
+            fleet: fleet.clone(),
+            cycles: 150,
+            disturbance: 0,
+            steady_from: 60,
+            events: vec![],
+            loss: Loss {
+                share: 0.10,
+                mean_burst: 5.0,
+            },
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "loss_20",
+            title: "20 % report loss",
+            about: "As above with 20 % lost: now the missing share often passes 15 % and \
+                    whole cycles are skipped.",
+            fleet: fleet.clone(),
+            cycles: 150,
+            disturbance: 0,
+            steady_from: 60,
+            events: vec![],
+            loss: Loss {
+                share: 0.20,
+                mean_burst: 5.0,
+            },
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "low_traffic",
+            title: "Very low traffic",
+            about: "The steady fleet; at cycle 40 traffic drops to 2 % of what it was \
+                    (about 1 % CPU, 7 requests per endpoint per second). The feedback is \
+                    too thin to steer by.",
+            fleet: fleet.clone(),
+            cycles: 120,
+            disturbance: 40,
+            steady_from: 60,
+            events: vec![Event {
+                cycle: 40,
+                kind: EventKind::ScaleTraffic { factor: 0.02 },
+            }],
+            loss: Loss::NONE,
+            strategies: base.clone(),
+        },
+        Scenario {
+            id: "fleet_1000",
+            title: "1,000 endpoints",
+            about: "1,000 endpoints, 2,500 clients with 20-endpoint subsets, requests of \
+                    40 ms mean cost (about 90 per endpoint per second, so each report is \
+                    noisier than in the 50-endpoint fleet).",
+            fleet: FleetSpec {
+                endpoints: 1000,
+                clients: 2500,
+                subset: 20,
+                mean_cost_ms: 40.0,
+                ..fleet
+            },
+            cycles: 90,
+            disturbance: 0,
+            steady_from: 50,
+            events: vec![],
+            loss: Loss::NONE,
+            strategies: base,
+        },
+    ]
+}
