@@ -120,7 +120,12 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
     let mut out = text.strip_suffix("# EOF\n").unwrap_or(&text).to_string();
     let now = state.clock.now();
     let b = state.balancer();
-    let gauges: [(&str, &str, fn(&views::ServiceSummary) -> f64); 5] = [
+    type Gauge = (
+        &'static str,
+        &'static str,
+        fn(&views::ServiceSummary) -> f64,
+    );
+    let gauges: [Gauge; 5] = [
         (
             "ballast_service_max_over_avg",
             "Max over average load of fresh serving endpoints",

@@ -7,7 +7,7 @@ use super::params::{Gate, Strategy};
 /// mean. With PID gated at 0.3 and round robin at 0.7, weights of 100 and 200 give 170.
 pub fn mix(gates: &[Gate], weight_of: impl Fn(Strategy) -> f64) -> f64 {
     let total: f64 = gates.iter().map(|g| g.gate).sum();
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return weight_of(Strategy::Pid);
     }
     gates

@@ -1,0 +1,588 @@
+//! The fleet model: endpoints that serve requests by processor sharing, clients that
+//! send them, and the measurements an agent would take.
+//!
+//! Time advances in ticks of [`TICK_MS`]. Requests arrive as one Poisson process
+//! (split among clients by their rates, which is the same as one Poisson process per
+//! client), each with a log-normal CPU cost. An endpoint with `cores` cores serves its
+//! requests by processor sharing: with `n` requests in flight each progresses at
+//! `speed × min(1, cores / n)`, so in-flight counts and latencies are real, which
+//! least-request pickers and the dead spiral need. Completions inside a tick are
+//! resolved exactly by tracking virtual time, so short requests do not waste the rest
+//! of their tick.
+
+use super::random::{exponential, lognormal, normal};
+use super::scenario::FleetSpec;
+use super::strategy::{PickerState, Strategy};
+use rand::rngs::SmallRng;
+use rand::Rng;
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+
+/// Simulated milliseconds per tick.
+pub const TICK_MS: u64 = 10;
+/// Milliseconds per aggregator cycle and per agent report (the defaults of `Params`).
+pub const CYCLE_MS: u64 = 1000;
+/// Ticks per cycle.
+pub const TICKS_PER_CYCLE: u64 = CYCLE_MS / TICK_MS;
+/// CPU cost of a failed request relative to a served one.
+const FAIL_COST: f64 = 0.05;
+
+/// A request inside an endpoint.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    /// Virtual time at which it completes (processor sharing).
+    finish: f64,
+    /// CPU work in milliseconds of one core at speed 1.
+    cost: f64,
+    client: u32,
+    slot: u32,
+    arrived_ms: u64,
+    error: bool,
+}
+
+impl PartialEq for Job {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Job {}
+impl PartialOrd for Job {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Job {
+    // Reversed, so that the standard max-heap pops the earliest finish first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.finish.total_cmp(&self.finish)
+    }
+}
+
+/// A fault injected into an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fault {
+    /// Healthy.
+    None,
+    /// Requests wait in a FIFO for an I/O stage of this many completions per ms.
+    DegradedIo {
+        /// Completions per millisecond.
+        rate_per_ms: f64,
+    },
+    /// Every request fails at once.
+    FailFast,
+}
+
+/// Counters over a measurement window.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Window {
+    /// When the window started.
+    pub start_ms: u64,
+    /// Core-milliseconds of CPU used.
+    pub busy_core_ms: f64,
+    /// Integral of the in-flight count over time, in request-milliseconds.
+    pub inflight_ms: f64,
+    /// Requests that arrived.
+    pub arrivals: u32,
+    /// Requests that completed (served or failed).
+    pub completions: u32,
+    /// Requests that failed.
+    pub errors: u32,
+}
+
+/// What the agent on an endpoint reports, and what an ORCA report would carry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measurement {
+    /// CPU utilization over the window, with measurement noise.
+    pub cpu: f64,
+    /// In-flight requests at the moment of the report (a gauge, as the agent reads it).
+    pub inflight: u32,
+    /// The configured in-flight capacity.
+    pub capacity: u32,
+    /// Completions per second over the window.
+    pub qps: f64,
+    /// Failures per second over the window.
+    pub eps: f64,
+    /// Failures per completion.
+    pub error_rate: f64,
+}
+
+/// One endpoint.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// Speed factor of its hardware generation.
+    pub speed: f64,
+    /// Cores.
+    pub cores: f64,
+    /// In-flight capacity, for the load metric.
+    pub capacity: u32,
+    /// The tick within each cycle at which its agent reports.
+    pub phase: u64,
+    /// The injected fault.
+    pub fault: Fault,
+    /// The agent's current report window.
+    pub report: Window,
+    /// The current cycle's window, aligned to cycles, for the figures.
+    pub metric: Window,
+    ps: BinaryHeap<Job>,
+    vtime: f64,
+    io: VecDeque<Job>,
+    io_credit: f64,
+}
+
+/// A finished request, handed back to the fleet so the client's counters follow.
+#[derive(Debug, Clone, Copy)]
+struct Done {
+    client: u32,
+    slot: u32,
+    latency_ms: u64,
+}
+
+impl Endpoint {
+    fn new(speed: f64, spec: &FleetSpec, phase: u64, now: u64) -> Self {
+        let w = Window {
+            start_ms: now,
+            ..Window::default()
+        };
+        Endpoint {
+            speed,
+            cores: f64::from(spec.cores.max(1)),
+            capacity: spec.capacity,
+            phase,
+            fault: Fault::None,
+            report: w,
+            metric: w,
+            ps: BinaryHeap::new(),
+            vtime: 0.0,
+            io: VecDeque::new(),
+            io_credit: 0.0,
+        }
+    }
+
+    /// Requests in flight: on the CPU and waiting for I/O.
+    pub fn inflight(&self) -> usize {
+        self.ps.len() + self.io.len()
+    }
+
+    fn admit(&mut self, mut job: Job) {
+        self.report.arrivals += 1;
+        self.metric.arrivals += 1;
+        match self.fault {
+            Fault::None => {
+                job.finish = self.vtime + job.cost;
+                self.ps.push(job);
+            }
+            Fault::FailFast => {
+                job.error = true;
+                job.cost *= FAIL_COST;
+                job.finish = self.vtime + job.cost;
+                self.ps.push(job);
+            }
+            Fault::DegradedIo { .. } => self.io.push_back(job),
+        }
+    }
+
+    /// Serves for `dt` ms ending at `end_ms`, appending completions to `done`.
+    fn advance(&mut self, end_ms: u64, dt: f64, done: &mut Vec<Done>) {
+        if let Fault::DegradedIo { rate_per_ms } = self.fault {
+            self.io_credit += rate_per_ms * dt;
+            while self.io_credit >= 1.0 {
+                let Some(mut job) = self.io.pop_front() else {
+                    break;
+                };
+                self.io_credit -= 1.0;
+                job.finish = self.vtime + job.cost;
+                self.ps.push(job);
+            }
+            if self.io.is_empty() {
+                // An idle I/O stage does not bank capacity for later bursts.
+                self.io_credit = self.io_credit.min(1.0);
+            }
+        }
+        let mut left = dt;
+        let mut busy = 0.0;
+        while left > 0.0 {
+            let Some(next) = self.ps.peek() else { break };
+            let n = self.ps.len() as f64;
+            let active = n.min(self.cores);
+            // Work per request per ms: each request gets at most one core.
+            let rate = self.speed * active / n;
+            let need = (next.finish - self.vtime).max(0.0) / rate;
+            if need <= left {
+                self.vtime = self.vtime.max(next.finish);
+                left -= need;
+                busy += active * need;
+                if let Some(job) = self.ps.pop() {
+                    let latency_ms = end_ms.saturating_sub(job.arrived_ms);
+                    self.report.completions += 1;
+                    self.metric.completions += 1;
+                    if job.error {
+                        self.report.errors += 1;
+                        self.metric.errors += 1;
+                    }
+                    done.push(Done {
+                        client: job.client,
+                        slot: job.slot,
+                        latency_ms,
+                    });
+                }
+            } else {
+                self.vtime += rate * left;
+                busy += active * left;
+                left = 0.0;
+            }
+        }
+        if self.ps.is_empty() {
+            // Keep virtual time small so that its precision does not erode.
+            self.vtime = 0.0;
+        }
+        self.report.busy_core_ms += busy;
+        self.metric.busy_core_ms += busy;
+        let inflight = self.inflight() as f64 * dt;
+        self.report.inflight_ms += inflight;
+        self.metric.inflight_ms += inflight;
+    }
+
+    /// Closes the agent's window at `now` and returns what it reports.
+    pub fn take_report(&mut self, now: u64, noise: f64, rng: &mut SmallRng) -> Measurement {
+        let w = std::mem::replace(
+            &mut self.report,
+            Window {
+                start_ms: now,
+                ..Window::default()
+            },
+        );
+        let span = now.saturating_sub(w.start_ms).max(1) as f64;
+        let cpu = (w.busy_core_ms / (self.cores * span) + noise * normal(rng)).max(0.0);
+        let secs = span / 1000.0;
+        Measurement {
+            cpu,
+            inflight: u32::try_from(self.inflight()).unwrap_or(u32::MAX),
+            capacity: self.capacity,
+            qps: f64::from(w.completions) / secs,
+            eps: f64::from(w.errors) / secs,
+            error_rate: if w.completions > 0 {
+                f64::from(w.errors) / f64::from(w.completions)
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// Closes the cycle-aligned window at `now` and returns the true load over it,
+    /// `max(cpu, mean in-flight / capacity)`, without measurement noise, and the
+    /// window's counters.
+    pub fn take_metric(&mut self, now: u64) -> (f64, Window) {
+        let w = std::mem::replace(
+            &mut self.metric,
+            Window {
+                start_ms: now,
+                ..Window::default()
+            },
+        );
+        let span = now.saturating_sub(w.start_ms).max(1) as f64;
+        let cpu = w.busy_core_ms / (self.cores * span);
+        let inflight = if self.capacity > 0 {
+            w.inflight_ms / span / f64::from(self.capacity)
+        } else {
+            0.0
+        };
+        (cpu.max(inflight), w)
+    }
+}
+
+/// One client: its subset, its own in-flight view and its picker.
+#[derive(Debug, Clone)]
+pub struct Client {
+    /// Endpoint indices it may send to.
+    pub subset: Vec<u32>,
+    /// Its requests in flight to each subset slot.
+    pub inflight: Vec<u32>,
+    /// Requests per ms.
+    pub rate: f64,
+    /// The strategy's per-client state.
+    pub picker: PickerState,
+}
+
+/// Latency histogram with eight buckets per doubling.
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    counts: Vec<u64>,
+}
+
+impl Histogram {
+    const PER_DOUBLING: f64 = 8.0;
+
+    fn new() -> Self {
+        Histogram {
+            counts: vec![0; 8 * 40],
+        }
+    }
+
+    fn bucket(ms: u64) -> usize {
+        ((ms as f64 + 1.0).log2() * Self::PER_DOUBLING) as usize
+    }
+
+    fn record(&mut self, ms: u64) {
+        let b = Self::bucket(ms).min(self.counts.len() - 1);
+        self.counts[b] += 1;
+    }
+
+    /// The quantile `q`, as the upper edge of its bucket, in ms.
+    pub fn quantile(&self, q: f64) -> f64 {
+        let total: u64 = self.counts.iter().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let rank = (q * total as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (b, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return 2f64.powf((b as f64 + 1.0) / Self::PER_DOUBLING) - 1.0;
+            }
+        }
+        0.0
+    }
+}
+
+/// The whole fleet.
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    /// Its shape.
+    pub spec: FleetSpec,
+    /// Endpoints by index; they never leave.
+    pub endpoints: Vec<Endpoint>,
+    /// Clients by index.
+    pub clients: Vec<Client>,
+    /// Latency of completed requests since the last reset.
+    pub latency: Histogram,
+    cumulative: Vec<f64>,
+    total_rate: f64,
+    next_arrival: f64,
+    done: Vec<Done>,
+}
+
+impl Fleet {
+    /// A fleet built from `spec` with the fleet stream `rng`; arrivals start at 0
+    /// drawn from `arrivals`.
+    pub fn new(spec: &FleetSpec, rng: &mut SmallRng, arrivals: &mut SmallRng) -> Self {
+        let endpoints: Vec<Endpoint> = (0..spec.endpoints)
+            .map(|i| {
+                let speed = spec.speeds[i % spec.speeds.len().max(1)];
+                Endpoint::new(speed, spec, rng.gen_range(0..TICKS_PER_CYCLE), 0)
+            })
+            .collect();
+        let capacity: f64 = endpoints.iter().map(|e| e.cores * e.speed).sum();
+        let total = spec.utilization * capacity / spec.mean_cost_ms;
+        let mut fleet = Fleet {
+            spec: spec.clone(),
+            endpoints,
+            clients: Vec::new(),
+            latency: Histogram::new(),
+            cumulative: Vec::new(),
+            total_rate: 0.0,
+            next_arrival: 0.0,
+            done: Vec::new(),
+        };
+        fleet.add_clients(spec.clients, total, rng);
+        fleet.next_arrival = exponential(arrivals, 1.0 / fleet.total_rate.max(1e-12));
+        fleet
+    }
+
+    /// Offered requests per ms.
+    pub fn offered_rate(&self) -> f64 {
+        self.total_rate
+    }
+
+    /// Adds `count` clients whose rates add up to `rate` requests per ms, each with a
+    /// random subset.
+    pub fn add_clients(&mut self, count: usize, rate: f64, rng: &mut SmallRng) {
+        let n = self.endpoints.len();
+        let s = self.spec.subset.clamp(1, n.max(1));
+        let raw: Vec<f64> = (0..count)
+            .map(|_| lognormal(rng, 1.0, self.spec.client_rate_sigma))
+            .collect();
+        let sum: f64 = raw.iter().sum::<f64>().max(1e-12);
+        for r in raw {
+            let subset: Vec<u32> = rand::seq::index::sample(rng, n, s)
+                .into_iter()
+                .map(|i| i as u32)
+                .collect();
+            self.clients.push(Client {
+                inflight: vec![0; subset.len()],
+                picker: PickerState::new(subset.len(), rng),
+                subset,
+                rate: r / sum * rate,
+            });
+        }
+        self.rebuild_rates();
+    }
+
+    /// Multiplies every client's rate by `factor`.
+    pub fn scale_traffic(&mut self, factor: f64) {
+        for c in &mut self.clients {
+            c.rate *= factor;
+        }
+        self.rebuild_rates();
+    }
+
+    fn rebuild_rates(&mut self) {
+        let mut acc = 0.0;
+        self.cumulative = self
+            .clients
+            .iter()
+            .map(|c| {
+                acc += c.rate;
+                acc
+            })
+            .collect();
+        self.total_rate = acc;
+    }
+
+    /// Restarts the arrival process at `now` after a change of rates (it is
+    /// memoryless, so this changes nothing but the rate).
+    pub fn restart_arrivals(&mut self, now: u64, arrivals: &mut SmallRng) {
+        self.next_arrival = now as f64 + exponential(arrivals, 1.0 / self.total_rate.max(1e-12));
+    }
+
+    /// Adds a cold endpoint at `now`; each client takes it into its subset with
+    /// probability subset / endpoints. Returns its index.
+    pub fn join(&mut self, speed: f64, now: u64, rng: &mut SmallRng) -> usize {
+        let idx = self.endpoints.len();
+        let p = self.spec.subset as f64 / idx.max(1) as f64;
+        let phase = rng.gen_range(0..TICKS_PER_CYCLE);
+        self.endpoints
+            .push(Endpoint::new(speed, &self.spec, phase, now));
+        for c in &mut self.clients {
+            if rng.gen_bool(p.clamp(0.0, 1.0)) {
+                c.subset.push(idx as u32);
+                c.inflight.push(0);
+                c.picker.add_slot();
+            }
+        }
+        idx
+    }
+
+    /// The request rate endpoint `idx` would get if load were balanced by speed.
+    pub fn fair_rate(&self, idx: usize) -> f64 {
+        let speeds: f64 = self.endpoints.iter().map(|e| e.speed).sum();
+        self.total_rate * self.endpoints[idx].speed / speeds.max(1e-12)
+    }
+
+    /// Advances one tick starting at `now`: arrivals picked by `strategy`, then
+    /// service on every endpoint.
+    pub fn tick(
+        &mut self,
+        now: u64,
+        strategy: &Strategy,
+        arrivals: &mut SmallRng,
+        picker: &mut SmallRng,
+    ) {
+        let end = now + TICK_MS;
+        let mean_gap = 1.0 / self.total_rate.max(1e-12);
+        while self.next_arrival < end as f64 {
+            let u: f64 = arrivals.gen::<f64>() * self.total_rate;
+            let c = self.cumulative.partition_point(|&x| x <= u);
+            let c = c.min(self.clients.len().saturating_sub(1));
+            let cost = lognormal(arrivals, self.spec.mean_cost_ms, self.spec.cost_sigma);
+            self.next_arrival += exponential(arrivals, mean_gap);
+            let Some(client) = self.clients.get_mut(c) else {
+                continue;
+            };
+            let slot = strategy.pick(client, picker);
+            let Some(&ep) = client.subset.get(slot) else {
+                continue;
+            };
+            client.inflight[slot] += 1;
+            self.endpoints[ep as usize].admit(Job {
+                finish: 0.0,
+                cost,
+                client: c as u32,
+                slot: slot as u32,
+                arrived_ms: now,
+                error: false,
+            });
+        }
+        let dt = TICK_MS as f64;
+        let mut done = std::mem::take(&mut self.done);
+        for e in &mut self.endpoints {
+            e.advance(end, dt, &mut done);
+        }
+        for d in done.drain(..) {
+            if let Some(c) = self.clients.get_mut(d.client as usize) {
+                if let Some(n) = c.inflight.get_mut(d.slot as usize) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+            self.latency.record(d.latency_ms);
+        }
+        self.done = done;
+    }
+
+    /// Forgets the latencies recorded so far.
+    pub fn reset_latency(&mut self) {
+        self.latency = Histogram::new();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn processor_sharing_conserves_work() {
+        let spec = FleetSpec {
+            cores: 2,
+            ..FleetSpec::default()
+        };
+        let mut e = Endpoint::new(1.0, &spec, 0, 0);
+        for i in 0..4 {
+            e.admit(Job {
+                finish: 0.0,
+                cost: 5.0,
+                client: 0,
+                slot: i,
+                arrived_ms: 0,
+                error: false,
+            });
+        }
+        let mut done = Vec::new();
+        // 20 core-ms of work on 2 cores takes 10 ms.
+        e.advance(10, 10.0, &mut done);
+        assert_eq!(done.len(), 4);
+        assert!((e.metric.busy_core_ms - 20.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn degraded_io_piles_up_in_flight() {
+        let spec = FleetSpec::default();
+        let mut e = Endpoint::new(1.0, &spec, 0, 0);
+        e.fault = Fault::DegradedIo { rate_per_ms: 0.01 };
+        let mut done = Vec::new();
+        for t in 0..100u64 {
+            e.admit(Job {
+                finish: 0.0,
+                cost: 1.0,
+                client: 0,
+                slot: 0,
+                arrived_ms: t * 10,
+                error: false,
+            });
+            e.advance((t + 1) * 10, 10.0, &mut done);
+        }
+        assert!(e.inflight() > 80, "in flight {}", e.inflight());
+        assert!(done.len() <= 11);
+    }
+
+    #[test]
+    fn histogram_quantiles_are_ordered() {
+        let mut h = Histogram::new();
+        for ms in 0..1000 {
+            h.record(ms);
+        }
+        let p50 = h.quantile(0.5);
+        let p99 = h.quantile(0.99);
+        assert!(p50 > 400.0 && p50 < 600.0, "p50 {p50}");
+        assert!(p99 >= p50 && p99 < 1100.0, "p99 {p99}");
+    }
+}
