@@ -1,37 +1,9 @@
 //! The agent's configuration: a TOML file, overridden by flags and environment.
 
 use crate::sample::{CpuSpec, InflightSpec};
+pub use ballast_shared::config::{ConfigError, TlsFiles};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-
-/// TLS files the agent presents and trusts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TlsPaths {
-    /// CA that signed the aggregator's certificate.
-    pub ca: PathBuf,
-    /// This node's certificate; its name is the node's identity.
-    pub cert: PathBuf,
-    /// This node's private key.
-    pub key: PathBuf,
-}
-
-impl TlsPaths {
-    /// `ca.pem`, `node.pem` and `node.key` in `dir`.
-    pub fn in_dir(dir: &Path) -> Self {
-        TlsPaths {
-            ca: dir.join("ca.pem"),
-            cert: dir.join("node.pem"),
-            key: dir.join("node.key"),
-        }
-    }
-}
-
-impl Default for TlsPaths {
-    fn default() -> Self {
-        Self::in_dir(Path::new("/etc/ballast/tls"))
-    }
-}
 
 /// Everything the agent needs. Only `service`, `port` and `aggregators` lack a usable
 /// default.
@@ -61,7 +33,7 @@ pub struct AgentConfig {
     /// In-flight requests that mean fully busy.
     pub capacity: u32,
     /// TLS files.
-    pub tls: TlsPaths,
+    pub tls: TlsFiles,
     /// The local socket the CLI talks to.
     pub control_socket: PathBuf,
 }
@@ -80,34 +52,10 @@ impl Default for AgentConfig {
             cpu: CpuSpec::Host,
             inflight: None,
             capacity: 100,
-            tls: TlsPaths::default(),
+            tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "node"),
             control_socket: PathBuf::from("/run/ballast/agent.sock"),
         }
     }
-}
-
-/// Why a configuration was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("{path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// Not valid TOML for this schema; the message carries line and column.
-    #[error("{path}: {message}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// What and where.
-        message: String,
-    },
-    /// A value is missing or out of range.
-    #[error("{0}")]
-    Invalid(String),
 }
 
 /// The host name, from the kernel.
@@ -120,19 +68,12 @@ pub fn hostname() -> String {
 impl AgentConfig {
     /// Parses TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: origin.to_string(),
-            message: e.to_string(),
-        })
+        ballast_shared::config::parse_toml(text, origin)
     }
 
     /// Reads and parses a file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::parse(&text, &path.display().to_string())
+        ballast_shared::config::load_toml(path)
     }
 
     /// Fills the derived defaults: node from the host name, address from it and the port,

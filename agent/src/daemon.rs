@@ -3,7 +3,7 @@
 use crate::config::AgentConfig;
 use crate::sample::{self, synthetic::SyntheticHandle, SampleError, Sampler};
 use crate::status::Status;
-use ballast_shared::tls::{self, Identity, TlsError};
+use ballast_shared::tls::{self, TlsError};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
@@ -75,9 +75,7 @@ pub enum AgentError {
 
 /// The QUIC client configuration from the configured TLS files.
 pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, TlsError> {
-    let identity = Identity::load(&cfg.tls.cert, &cfg.tls.key)?;
-    let ca = tls::certs_from_pem(&tls::read(&cfg.tls.ca)?, &cfg.tls.ca.display().to_string())?;
-    tls::client_config(identity, &ca)
+    tls::client_config(cfg.tls.identity()?, &cfg.tls.ca_certs()?)
 }
 
 /// Opens the configured sources.

@@ -1,10 +1,11 @@
 //! `ballast-agent`: flags, logging and messages for people. The work is in the library.
 
 use anyhow::{Context, Result};
-use ballast_agent::config::{AgentConfig, TlsPaths};
+use ballast_agent::config::{AgentConfig, TlsFiles};
 use ballast_agent::control::{self, Request, Response};
 use ballast_agent::daemon::{self, Agent};
 use ballast_agent::sample::{synthetic::SyntheticHandle, CpuSpec, InflightSpec};
+use ballast_shared::config::init_logging;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -172,7 +173,7 @@ impl Flags {
             cfg.interval_ms = v;
         }
         if let Some(dir) = &self.tls_dir {
-            cfg.tls = TlsPaths::in_dir(dir);
+            cfg.tls = TlsFiles::in_dir(dir, "node");
         }
         if let Some(v) = &self.server_name {
             cfg.server_name = Some(v.clone());
@@ -181,19 +182,6 @@ impl Flags {
             cfg.control_socket = v.clone();
         }
         Ok(cfg.resolve())
-    }
-}
-
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
     }
 }
 
@@ -222,7 +210,7 @@ fn main() -> ExitCode {
 }
 
 fn run(flags: Flags) -> Result<ExitCode> {
-    init_logging(flags.log_json);
+    init_logging(flags.log_json, "info");
     let cfg = flags.config()?;
     cfg.validate()?;
     let client = daemon::client_config(&cfg).context("loading TLS files")?;

@@ -1,38 +1,10 @@
 //! The aggregator's configuration file.
 
 use crate::balance::Params;
+pub use ballast_shared::config::{ConfigError, TlsFiles};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-
-/// Where the aggregator's TLS material lives.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TlsPaths {
-    /// CA certificate(s) that sign agent certificates.
-    pub ca: PathBuf,
-    /// The aggregator's certificate chain.
-    pub cert: PathBuf,
-    /// The aggregator's private key.
-    pub key: PathBuf,
-}
-
-impl TlsPaths {
-    /// The files `ballast-aggregator certs init DIR` writes: `ca.pem`, `server.pem`, `server.key`.
-    pub fn in_dir(dir: &Path) -> Self {
-        TlsPaths {
-            ca: dir.join("ca.pem"),
-            cert: dir.join("server.pem"),
-            key: dir.join("server.key"),
-        }
-    }
-}
-
-impl Default for TlsPaths {
-    fn default() -> Self {
-        Self::in_dir(Path::new("/etc/ballast/tls"))
-    }
-}
 
 /// The embedded routing store.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -61,7 +33,7 @@ pub struct Config {
     /// How often agents report, in milliseconds.
     pub report_interval_ms: u32,
     /// TLS files.
-    pub tls: TlsPaths,
+    pub tls: TlsFiles,
     /// Routing store.
     pub store: StoreConfig,
     /// If set, only these services may register; otherwise any may (zero config).
@@ -76,7 +48,7 @@ impl Default for Config {
             quic: SocketAddr::from(([0, 0, 0, 0], 7400)),
             http: SocketAddr::from(([127, 0, 0, 1], 7401)),
             report_interval_ms: 1000,
-            tls: TlsPaths::default(),
+            tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "server"),
             store: StoreConfig::default(),
             services: None,
             balance: Params::default(),
@@ -84,56 +56,21 @@ impl Default for Config {
     }
 }
 
-/// Why a configuration file was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("{path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this schema; the message carries line and column.
-    #[error("{path}: {message}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// What and where.
-        message: String,
-    },
-    /// A value is out of range.
-    #[error("{path}: {message}")]
-    Invalid {
-        /// The file.
-        path: String,
-        /// What is wrong.
-        message: String,
-    },
-}
-
 impl Config {
     /// Parses and validates TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: origin.to_string(),
-            message: e.to_string(),
-        })?;
-        cfg.validate().map_err(|message| ConfigError::Invalid {
-            path: origin.to_string(),
-            message,
-        })?;
+        let cfg: Config = ballast_shared::config::parse_toml(text, origin)?;
+        cfg.validate()
+            .map_err(|message| ConfigError::Invalid(format!("{origin}: {message}")))?;
         Ok(cfg)
     }
 
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::parse(&text, &path.display().to_string())
+        let cfg: Config = ballast_shared::config::load_toml(path)?;
+        cfg.validate()
+            .map_err(|message| ConfigError::Invalid(format!("{}: {message}", path.display())))?;
+        Ok(cfg)
     }
 
     /// Checks what the types cannot.

@@ -47,9 +47,7 @@ pub struct Daemon {
 
 /// TLS material loaded from the configured files.
 pub fn load_tls(cfg: &Config) -> Result<(Identity, Vec<CertificateDer<'static>>), TlsError> {
-    let identity = Identity::load(&cfg.tls.cert, &cfg.tls.key)?;
-    let ca = tls::certs_from_pem(&tls::read(&cfg.tls.ca)?, &cfg.tls.ca.display().to_string())?;
-    Ok((identity, ca))
+    Ok((cfg.tls.identity()?, cfg.tls.ca_certs()?))
 }
 
 impl Daemon {

@@ -11,5 +11,6 @@ pub mod daemon;
 pub mod demo;
 pub mod ingest;
 pub mod metrics;
+pub mod simulate;
 pub mod state;
 pub mod store;

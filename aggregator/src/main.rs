@@ -2,9 +2,10 @@
 //! library.
 
 use anyhow::{Context, Result};
-use ballast_aggregator::config::{Config, TlsPaths};
+use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_aggregator::demo::{self, DemoOptions};
+use ballast_shared::config::init_logging;
 use clap::{Args, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -108,19 +109,6 @@ struct DemoArgs {
     hold: bool,
 }
 
-fn init_logging(json: bool, default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -159,7 +147,7 @@ fn config(args: &RunArgs) -> Result<Config> {
         cfg.http = v;
     }
     if let Some(dir) = &args.tls_dir {
-        cfg.tls = TlsPaths::in_dir(dir);
+        cfg.tls = TlsFiles::in_dir(dir, "server");
     }
     if let Some(v) = &args.store {
         cfg.store.path = v.clone();

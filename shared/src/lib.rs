@@ -1,6 +1,7 @@
 //! Code that both ends of a Ballast deployment must agree on: the wire protocol, the
 //! load arithmetic, the integer mappings for each load-balancer sink, and TLS set-up.
 
+pub mod config;
 pub mod frame;
 pub mod load;
 pub mod pki;

@@ -56,6 +56,9 @@ pub enum EventKind {
     AddClients {
         /// Added load relative to the load before, e.g. 0.5 for +50 %.
         share: f64,
+        /// How many clients bring it. Few heavy clients (a batch job) give a larger
+        /// connection skew than many light ones.
+        clients: usize,
     },
     /// Scales every client's request rate.
     ScaleTraffic {
@@ -144,8 +147,14 @@ impl Scenario {
             e.cycle = scale(e.cycle);
         }
         let n = s.fleet.endpoints;
+        let m = s.fleet.clients;
         s.fleet.endpoints = n.min(24);
-        s.fleet.clients = (s.fleet.clients * s.fleet.endpoints / n).max(s.fleet.endpoints * 2);
+        s.fleet.clients = (m * s.fleet.endpoints / n).max(s.fleet.endpoints * 2);
+        for e in &mut s.events {
+            if let EventKind::AddClients { clients, .. } = &mut e.kind {
+                *clients = (*clients * s.fleet.clients / m.max(1)).max(3);
+            }
+        }
         s.fleet.subset = s.fleet.subset.min(s.fleet.endpoints / 3).max(2);
         // Fewer, costlier requests keep the same utilization at a fraction of the work.
         s.fleet.mean_cost_ms *= 3.0;
@@ -177,7 +186,8 @@ pub fn all() -> Vec<Scenario> {
         Scenario {
             id: "step",
             title: "+50 % step in offered load",
-            about: "The steady fleet; at cycle 60, 150 new clients with their own random \
+            about: "The steady fleet; at cycle 60, 30 heavy new clients (a batch job, \
+                    each 5 times a typical client) with their own random 10-endpoint \
                     subsets add 50 % to the offered load (45 % to about 68 % CPU). New \
                     subsets mean a new connection skew, which is what the weights must \
                     correct: a uniform step would leave every ratio unchanged.",
@@ -187,7 +197,10 @@ pub fn all() -> Vec<Scenario> {
             steady_from: 100,
             events: vec![Event {
                 cycle: 60,
-                kind: EventKind::AddClients { share: 0.5 },
+                kind: EventKind::AddClients {
+                    share: 0.5,
+                    clients: 30,
+                },
             }],
             loss: Loss::NONE,
             strategies: base.clone(),

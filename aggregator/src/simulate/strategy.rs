@@ -91,7 +91,11 @@ impl PickerState {
     /// do not move in step.
     pub fn new(slots: usize, rng: &mut SmallRng) -> Self {
         PickerState {
-            rr_next: if slots > 0 { rng.gen_range(0..slots) } else { 0 },
+            rr_next: if slots > 0 {
+                rng.gen_range(0..slots)
+            } else {
+                0
+            },
             deadline: (0..slots).map(|_| rng.gen::<f64>()).collect(),
             weight: vec![1.0; slots],
             vnow: 0.0,
@@ -280,8 +284,9 @@ impl Strategy {
         }
         if self.kind == StrategyKind::A58 {
             for (w, e) in self.weights.iter_mut().zip(&self.a58) {
-                let usable =
-                    e.non_empty_since.is_some_and(|t| now.saturating_sub(t) >= A58_BLACKOUT_MS);
+                let usable = e
+                    .non_empty_since
+                    .is_some_and(|t| now.saturating_sub(t) >= A58_BLACKOUT_MS);
                 // 0 means "no weight": the client substitutes the mean.
                 *w = if usable { e.weight } else { 0.0 };
             }
@@ -303,6 +308,11 @@ impl Strategy {
         }
         self.dirty = true;
         Ok(())
+    }
+
+    /// Clients appeared: every scheduler gets the weights at the next publish.
+    pub fn invalidate(&mut self) {
+        self.dirty = true;
     }
 
     /// Hands changed weights to the clients' schedulers.

@@ -1,0 +1,274 @@
+//! The fleet simulator of issue 3: a deterministic, seeded, discrete-time model of a
+//! heterogeneous fleet that compares load balancing strategies on the same fleets and
+//! requests, tunes the PID defaults, and writes `docs/balance.md` and its charts.
+//!
+//! Ballast's weights come from the real [`crate::balance`] module, driven through
+//! [`ballast::BallastAdapter`]; the client-side strategies live in [`strategy`].
+//!
+//! The modules, in the order data flows through them: [`scenario`] (what happens),
+//! [`fleet`] (endpoints, clients, requests), [`strategy`] and [`ballast`] (who picks
+//! which endpoint), [`engine`] (one run, recorded per cycle), [`metrics`] (the
+//! figures), [`tune`] (the gain sweep), [`chart`] and [`report`] (the outputs).
+
+pub mod ballast;
+pub mod chart;
+pub mod engine;
+pub mod fleet;
+pub mod metrics;
+pub mod random;
+pub mod report;
+pub mod scenario;
+pub mod strategy;
+pub mod tune;
+
+#[cfg(test)]
+mod tests;
+
+use crate::balance::params::ParamsError;
+use crate::balance::{BalanceError, PidGains};
+use metrics::Metrics;
+use scenario::Scenario;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use strategy::StrategyKind;
+
+/// The command that regenerates `docs/balance.md` and `docs/img/`.
+pub const REGENERATE: &str = "cargo run --release -p ballast-aggregator -- simulate --out docs";
+
+/// What to simulate and where to write it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Seed of every random stream; the same seed gives the same numbers.
+    pub seed: u64,
+    /// The docs directory: `balance.md` goes here and the charts under `img/`. An
+    /// empty path writes nothing.
+    pub out_dir: PathBuf,
+    /// Shorter runs on smaller fleets, for tests.
+    pub quick: bool,
+    /// Scenario ids to run (see [`scenario::all`]); `None` runs all of them and the
+    /// gain sweep.
+    pub scenarios: Option<Vec<String>>,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            seed: 1,
+            out_dir: PathBuf::new(),
+            quick: false,
+            scenarios: None,
+        }
+    }
+}
+
+/// Why a simulation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// A scenario id that does not exist.
+    #[error("unknown scenario {name:?}; known: {known}")]
+    UnknownScenario {
+        /// The id asked for.
+        name: String,
+        /// The ids that exist, comma-separated.
+        known: String,
+    },
+    /// The balancing core refused a simulated registration or report.
+    #[error("the balancer refused the simulator: {0}")]
+    Balance(#[from] BalanceError),
+    /// The PID gains or parameters under test are out of range.
+    #[error("invalid balancer parameters: {0}")]
+    Params(#[from] ParamsError),
+    /// Writing an output failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Drawing a chart failed.
+    #[error("drawing {path}: {message}")]
+    Chart {
+        /// The chart file.
+        path: PathBuf,
+        /// What the plotting library said.
+        message: String,
+    },
+    /// A worker thread panicked (a bug in the simulator).
+    #[error("a simulation worker panicked")]
+    Worker,
+}
+
+/// One strategy's figures in one scenario.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StrategyResult {
+    /// The strategy.
+    pub strategy: StrategyKind,
+    /// Its figures.
+    pub metrics: Metrics,
+}
+
+/// One scenario's results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScenarioSummary {
+    /// The scenario as run (shortened in quick mode).
+    pub scenario: Scenario,
+    /// Per strategy, in the scenario's order.
+    pub results: Vec<StrategyResult>,
+}
+
+impl ScenarioSummary {
+    /// The figures of `kind`, if it ran.
+    pub fn get(&self, kind: StrategyKind) -> Option<&Metrics> {
+        self.results
+            .iter()
+            .find(|r| r.strategy == kind)
+            .map(|r| &r.metrics)
+    }
+}
+
+/// Everything a run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimSummary {
+    /// The seed.
+    pub seed: u64,
+    /// Whether it was a quick run.
+    pub quick: bool,
+    /// The PID gains Ballast ran with: the shipped defaults.
+    pub gains: PidGains,
+    /// Per scenario.
+    pub scenarios: Vec<ScenarioSummary>,
+    /// The gain sweep, when every scenario ran.
+    pub sweep: Option<tune::Sweep>,
+    /// Files written.
+    pub written: Vec<PathBuf>,
+}
+
+impl SimSummary {
+    /// A scenario's results by id.
+    pub fn scenario(&self, id: &str) -> Option<&ScenarioSummary> {
+        self.scenarios.iter().find(|s| s.scenario.id == id)
+    }
+}
+
+/// Runs the scenarios, the sweep (when all scenarios run) and writes the outputs.
+pub fn run(opts: &SimOptions) -> Result<SimSummary, SimError> {
+    let scenarios = select(opts)?;
+    let gains = PidGains::default();
+    let results = run_scenarios(&scenarios, opts.seed, gains)?;
+    let sweep = if opts.scenarios.is_none() {
+        Some(tune::sweep(opts.seed, opts.quick)?)
+    } else {
+        None
+    };
+    let mut summary = SimSummary {
+        seed: opts.seed,
+        quick: opts.quick,
+        gains,
+        scenarios: results,
+        sweep,
+        written: Vec::new(),
+    };
+    if !opts.out_dir.as_os_str().is_empty() {
+        summary.written = report::write(&opts.out_dir, &summary)?;
+    }
+    Ok(summary)
+}
+
+/// The scenarios `opts` asks for, shortened in quick mode.
+pub fn select(opts: &SimOptions) -> Result<Vec<Scenario>, SimError> {
+    let all = scenario::all();
+    let chosen = match &opts.scenarios {
+        None => all,
+        Some(ids) => {
+            let mut out = Vec::new();
+            for id in ids {
+                let found = all.iter().find(|s| s.id == id.as_str()).ok_or_else(|| {
+                    SimError::UnknownScenario {
+                        name: id.clone(),
+                        known: all.iter().map(|s| s.id).collect::<Vec<_>>().join(", "),
+                    }
+                })?;
+                out.push(found.clone());
+            }
+            out
+        }
+    };
+    Ok(if opts.quick {
+        chosen.iter().map(Scenario::quick).collect()
+    } else {
+        chosen
+    })
+}
+
+/// Runs every strategy of every scenario with `gains`, in parallel.
+pub fn run_scenarios(
+    scenarios: &[Scenario],
+    seed: u64,
+    gains: PidGains,
+) -> Result<Vec<ScenarioSummary>, SimError> {
+    let jobs: Vec<(usize, StrategyKind)> = scenarios
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| s.strategies.iter().map(move |k| (i, *k)))
+        .collect();
+    let metrics = parallel(jobs.len(), |j| {
+        let (i, kind) = jobs[j];
+        let rec = engine::simulate(&scenarios[i], kind, seed, gains)?;
+        Ok(metrics::measure(&scenarios[i], &rec))
+    })?;
+    let mut out: Vec<ScenarioSummary> = scenarios
+        .iter()
+        .map(|s| ScenarioSummary {
+            scenario: s.clone(),
+            results: Vec::new(),
+        })
+        .collect();
+    for ((i, kind), m) in jobs.into_iter().zip(metrics) {
+        out[i].results.push(StrategyResult {
+            strategy: kind,
+            metrics: m,
+        });
+    }
+    Ok(out)
+}
+
+/// Runs `f(0..n)` on as many threads as the machine has cores, returning the results
+/// in index order, so that the output does not depend on scheduling.
+pub fn parallel<T, F>(n: usize, f: F) -> Result<Vec<T>, SimError>
+where
+    T: Send,
+    F: Fn(usize) -> Result<T, SimError> + Sync,
+{
+    let workers = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(n.max(1));
+    let next = AtomicUsize::new(0);
+    let slots: Mutex<Vec<Option<Result<T, SimError>>>> = Mutex::new((0..n).map(|_| None).collect());
+    let panicked = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    if j >= n {
+                        break;
+                    }
+                    let r = f(j);
+                    if let Ok(mut s) = slots.lock() {
+                        s[j] = Some(r);
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().any(|h| h.join().is_err())
+    });
+    if panicked {
+        return Err(SimError::Worker);
+    }
+    let slots = slots.into_inner().map_err(|_| SimError::Worker)?;
+    slots
+        .into_iter()
+        .map(|s| s.unwrap_or(Err(SimError::Worker)))
+        .collect()
+}
