@@ -27,6 +27,21 @@ enum Command {
     Run(RunArgs),
     /// Start an aggregator and a fleet of real agents on loopback and watch them converge.
     Demo(DemoArgs),
+    /// Compare balancing strategies on simulated fleets; write docs/balance.md and charts.
+    Simulate {
+        /// Directory for balance.md and img/ (the repository's docs/).
+        #[arg(long, default_value = "docs")]
+        out: PathBuf,
+        /// Random seed; the same seed gives the same numbers.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Fewer ticks per scenario, for a quick look.
+        #[arg(long)]
+        quick: bool,
+        /// Only these scenarios (comma-separated names).
+        #[arg(long, value_delimiter = ',')]
+        scenario: Vec<String>,
+    },
     /// Certificates for a first deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -125,6 +140,12 @@ fn main() -> ExitCode {
             server_names,
         })) => certs_init(&dir, &nodes, server_names),
         Some(Command::Check { config }) => check(&config),
+        Some(Command::Simulate {
+            out,
+            seed,
+            quick,
+            scenario,
+        }) => simulate(out, seed, quick, scenario),
     };
     match result {
         Ok(code) => code,
@@ -228,6 +249,20 @@ fn demo(args: DemoArgs) -> Result<ExitCode> {
     } else {
         ExitCode::from(2)
     })
+}
+
+fn simulate(out: PathBuf, seed: u64, quick: bool, scenario: Vec<String>) -> Result<ExitCode> {
+    let opts = ballast_aggregator::simulate::SimOptions {
+        seed,
+        out_dir: out,
+        quick,
+        scenarios: if scenario.is_empty() { None } else { Some(scenario) },
+    };
+    let summary = ballast_aggregator::simulate::run(&opts)?;
+    for path in &summary.written {
+        println!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn certs_init(dir: &std::path::Path, nodes: &[String], names: Vec<String>) -> Result<ExitCode> {
