@@ -36,6 +36,8 @@ pub struct AgentConfig {
     pub tls: TlsFiles,
     /// The local socket the CLI talks to.
     pub control_socket: PathBuf,
+    /// Where to answer HAProxy's agent-check, if anywhere.
+    pub agent_check: Option<std::net::SocketAddr>,
 }
 
 impl Default for AgentConfig {
@@ -54,6 +56,7 @@ impl Default for AgentConfig {
             capacity: 100,
             tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "node"),
             control_socket: PathBuf::from("/run/ballast/agent.sock"),
+            agent_check: None,
         }
     }
 }

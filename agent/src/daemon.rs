@@ -63,6 +63,14 @@ pub enum AgentError {
     /// A measurement source could not be opened.
     #[error(transparent)]
     Sample(#[from] SampleError),
+    /// The agent-check port could not be bound.
+    #[error("agent-check port {addr}: {source}")]
+    AgentCheck {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// The control socket could not be opened.
     #[error("control socket {path}: {source}")]
     Control {
@@ -129,6 +137,15 @@ impl Agent {
                     source,
                 });
             }
+        }
+        if let Some(addr) = shared.config.agent_check {
+            let listener = crate::agentcheck::bind(addr)
+                .await
+                .map_err(|source| AgentError::AgentCheck { addr, source })?;
+            tasks.push(tokio::spawn(crate::agentcheck::serve(
+                listener,
+                shared.clone(),
+            )));
         }
         tasks.push(tokio::spawn(crate::report::run(
             shared.clone(),

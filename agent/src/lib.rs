@@ -3,6 +3,7 @@
 //! The agent samples how busy its service is, reports it to an aggregator over QUIC,
 //! and keeps the weight it gets back for the CLI and the HAProxy agent-check.
 
+pub mod agentcheck;
 pub mod config;
 pub mod control;
 pub mod daemon;

@@ -105,6 +105,9 @@ struct Flags {
     /// TLS server name expected from the aggregator.
     #[arg(long, env = "BALLAST_SERVER_NAME", global = true)]
     server_name: Option<String>,
+    /// Answer HAProxy's agent-check on this address (e.g. 0.0.0.0:7402).
+    #[arg(long, env = "BALLAST_AGENT_CHECK", global = true)]
+    agent_check: Option<std::net::SocketAddr>,
     /// Control socket path ("" for none).
     #[arg(long, env = "BALLAST_CONTROL", global = true)]
     control: Option<PathBuf>,
@@ -133,7 +136,8 @@ impl Flags {
             interval_ms,
             tls_dir,
             server_name,
-            control
+            control,
+            agent_check
         )
     }
 
@@ -180,6 +184,9 @@ impl Flags {
         }
         if let Some(v) = &self.control {
             cfg.control_socket = v.clone();
+        }
+        if let Some(v) = self.agent_check {
+            cfg.agent_check = Some(v);
         }
         Ok(cfg.resolve())
     }
