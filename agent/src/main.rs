@@ -109,7 +109,7 @@ struct Flags {
     #[arg(long, env = "BALLAST_AGENT_CHECK", global = true)]
     agent_check: Option<std::net::SocketAddr>,
     /// Control socket path ("" for none).
-    #[arg(long, env = "BALLAST_CONTROL", global = true)]
+    #[arg(long, env = "BALLAST_CONTROL", global = true, value_parser = any_path)]
     control: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
@@ -192,6 +192,12 @@ impl Flags {
     }
 }
 
+/// Any path, the empty one included: `--control ""` turns the control socket off,
+/// which clap's own path parser would refuse.
+fn any_path(s: &str) -> Result<PathBuf, std::convert::Infallible> {
+    Ok(PathBuf::from(s))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -210,7 +216,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ballast-agent: {e:#}");
+            eprintln!("ballast-agent: {}", ballast_shared::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

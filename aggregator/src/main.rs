@@ -150,7 +150,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ballast-aggregator: {e:#}");
+            eprintln!("ballast-aggregator: {}", ballast_shared::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

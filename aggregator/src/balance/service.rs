@@ -515,6 +515,10 @@ impl Service {
     /// they report, and they are not cold: their weights were earned.
     pub fn restore(&mut self, now: Millis, snapshot: &ServiceSnapshot) {
         self.version = snapshot.version;
+        // Cycle numbers go on from where they were, so that a reply's cycle never
+        // goes backwards across a restart (and 0 keeps meaning "no weights yet").
+        self.weights_cycle = snapshot.cycle;
+        self.stats.cycles = snapshot.cycle;
         for (node, s) in &snapshot.endpoints {
             let mut ep = Endpoint::new(node, &s.address, &s.zone, now, s.weight);
             ep.warming = false;

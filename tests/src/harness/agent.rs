@@ -1,0 +1,389 @@
+//! A real `ballast-agent run`, reporting to an [`Aggregator`] with the synthetic
+//! closed-loop source by default, with its own control socket.
+
+use super::aggregator::Aggregator;
+use super::pki::Pki;
+use super::process::{command, run_bounded, Proc, AGENT_BIN};
+use super::wait::wait_for;
+use serde::Deserialize;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Output};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::Duration;
+
+/// How long a start may take before the test fails.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+static NEXT_ADDRESS_PORT: AtomicU16 = AtomicU16::new(20_000);
+
+/// How an agent runs.
+#[derive(Debug, Clone)]
+pub struct AgentOpts {
+    /// `--service`.
+    pub service: String,
+    /// `--node`: the identity the hello claims.
+    pub node: String,
+    /// Speed of the synthetic node (0.6 is slow, 1.5 fast).
+    pub speed: f64,
+    /// Offered utilization at equal weights.
+    pub offered: f64,
+    /// Relative noise of the synthetic load.
+    pub noise: f64,
+    /// Seed of the noise.
+    pub seed: u64,
+    /// `--capacity`.
+    pub capacity: u32,
+    /// `--interval-ms`, until the aggregator says otherwise.
+    pub interval_ms: u32,
+    /// `--inflight`, replacing the synthetic source.
+    pub inflight: Option<String>,
+    /// `--cpu` (default `none`: the load is the synthetic one alone).
+    pub cpu: String,
+    /// `--tls-dir`; default: `pki.node_tls_dir(node)`.
+    pub tls_dir: Option<PathBuf>,
+    /// `--address`; default: a unique `127.0.0.1:PORT` (nothing listens there).
+    pub address: Option<String>,
+    /// `--zone`.
+    pub zone: Option<String>,
+    /// `--aggregator`s; default: the aggregator's QUIC address.
+    pub aggregators: Option<Vec<String>>,
+}
+
+impl AgentOpts {
+    /// Node `node` of `service`, speed 1, offered 0.6, 2 % noise.
+    pub fn new(service: &str, node: &str) -> Self {
+        AgentOpts {
+            service: service.to_string(),
+            node: node.to_string(),
+            speed: 1.0,
+            offered: 0.6,
+            noise: 0.02,
+            seed: node
+                .bytes()
+                .fold(7u64, |h, b| h.wrapping_mul(31) ^ u64::from(b)),
+            capacity: 1000,
+            interval_ms: 500,
+            inflight: None,
+            cpu: "none".to_string(),
+            tls_dir: None,
+            address: None,
+            zone: None,
+            aggregators: None,
+        }
+    }
+
+    /// With this synthetic speed.
+    pub fn speed(mut self, v: f64) -> Self {
+        self.speed = v;
+        self
+    }
+
+    /// With this noise seed.
+    pub fn seed(mut self, v: u64) -> Self {
+        self.seed = v;
+        self
+    }
+
+    /// With this TLS directory instead of the node's own.
+    pub fn tls_dir(mut self, dir: PathBuf) -> Self {
+        self.tls_dir = Some(dir);
+        self
+    }
+
+    /// The `--inflight` spec this runs with.
+    pub fn inflight_spec(&self) -> String {
+        self.inflight.clone().unwrap_or_else(|| {
+            format!(
+                "synthetic:speed={},offered={},noise={},seed={}",
+                self.speed, self.offered, self.noise, self.seed
+            )
+        })
+    }
+}
+
+/// The agent's status, as `status --json` and the control socket give it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AgentStatus {
+    /// Node identity.
+    pub node: String,
+    /// Service.
+    pub service: String,
+    /// The aggregator connected now.
+    pub connected_to: Option<String>,
+    /// Reports sent.
+    pub reports_sent: u64,
+    /// Reports that could not be sent.
+    pub reports_failed: u64,
+    /// Failed connection attempts.
+    pub connect_failures: u64,
+    /// Failed samples.
+    pub sample_errors: u64,
+    /// Load of the last report.
+    pub last_load: Option<f64>,
+    /// CPU of the last report.
+    pub last_cpu: Option<f64>,
+    /// In-flight of the last report.
+    pub last_inflight: Option<u32>,
+    /// When the last report was taken.
+    pub last_report_unix_ms: Option<u64>,
+    /// The weight last received.
+    pub weight: Option<f64>,
+    /// Its cycle.
+    pub weight_cycle: Option<u64>,
+    /// When it arrived.
+    pub weight_unix_ms: Option<u64>,
+    /// Drain asked.
+    pub draining: bool,
+    /// Drain acknowledged by the aggregator.
+    pub drain_acknowledged: bool,
+    /// Last error.
+    pub last_error: Option<String>,
+}
+
+/// An answer on the control socket.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ControlResponse {
+    /// Done.
+    pub ok: bool,
+    /// Status after the request.
+    pub status: Option<AgentStatus>,
+    /// Whether stopping the service loses nothing.
+    pub safe_to_stop: Option<bool>,
+    /// What went wrong.
+    pub error: Option<String>,
+}
+
+/// A running agent. Killed on drop.
+pub struct Agent {
+    opts: AgentOpts,
+    control: PathBuf,
+    proc: Option<Proc>,
+    // Last, so that the process is gone before its directory is removed.
+    dir: tempfile::TempDir,
+}
+
+impl Agent {
+    /// Spawns the process without waiting for it.
+    fn spawn(pki: &Pki, agg: &Aggregator, opts: AgentOpts) -> Agent {
+        // Short path: a Unix socket path must fit in 108 bytes.
+        let dir = tempfile::Builder::new()
+            .prefix("bal-")
+            .tempdir()
+            .expect("temporary directory for the agent");
+        let control = dir.path().join("ctl.sock");
+        let tls_dir = opts
+            .tls_dir
+            .clone()
+            .unwrap_or_else(|| pki.node_tls_dir(&opts.node));
+        let address = opts.address.clone().unwrap_or_else(|| {
+            format!(
+                "127.0.0.1:{}",
+                NEXT_ADDRESS_PORT.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let aggregators = opts
+            .aggregators
+            .clone()
+            .unwrap_or_else(|| vec![agg.quic_addr().to_string()]);
+        let mut cmd = command(AGENT_BIN);
+        cmd.arg("run")
+            .args(["--service", &opts.service])
+            .args(["--node", &opts.node])
+            .args(["--address", &address])
+            .args(["--aggregator", &aggregators.join(",")])
+            .args(["--cpu", &opts.cpu])
+            .args(["--inflight", &opts.inflight_spec()])
+            .args(["--capacity", &opts.capacity.to_string()])
+            .args(["--interval-ms", &opts.interval_ms.to_string()])
+            .arg("--tls-dir")
+            .arg(&tls_dir)
+            .arg("--control")
+            .arg(&control);
+        if let Some(zone) = &opts.zone {
+            cmd.args(["--zone", zone]);
+        }
+        let log = dir.path().join("agent.log");
+        let name = format!("ballast-agent {}", opts.node);
+        let proc = Proc::spawn(cmd, &name, &log, 8);
+        Agent {
+            opts,
+            control,
+            proc: Some(proc),
+            dir,
+        }
+    }
+
+    /// Starts an agent for `opts.node` reporting to `agg`, and waits until its control
+    /// socket answers. It need not connect: see [`Agent::wait_weight`].
+    pub fn start(pki: &Pki, agg: &Aggregator, opts: AgentOpts) -> Agent {
+        let mut agent = Self::spawn(pki, agg, opts);
+        agent.wait_ready();
+        agent
+    }
+
+    /// Waits until the control socket answers; panics if the process exits first.
+    fn wait_ready(&mut self) {
+        let what = format!("ballast-agent {}'s control socket", self.opts.node);
+        wait_for(START_TIMEOUT, &what, || {
+            let proc = self.proc.as_mut().expect("process");
+            if let Some(status) = proc.exit_status() {
+                panic!(
+                    "ballast-agent {} exited at start ({status}):\n{}",
+                    self.opts.node,
+                    proc.log_tail(20)
+                );
+            }
+            self.try_control("status").map(|_| ())
+        });
+    }
+
+    /// Its options.
+    pub fn opts(&self) -> &AgentOpts {
+        &self.opts
+    }
+
+    /// The node it claims to be.
+    pub fn node(&self) -> &str {
+        &self.opts.node
+    }
+
+    /// Its control socket.
+    pub fn control_path(&self) -> &Path {
+        &self.control
+    }
+
+    /// Its temporary directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Whether the process is running.
+    pub fn is_running(&mut self) -> bool {
+        self.proc.as_mut().is_some_and(Proc::is_running)
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`. Returns the exit status and whether it had
+    /// to be killed.
+    pub fn stop(&mut self, grace: Duration) -> (ExitStatus, bool) {
+        self.proc
+            .take()
+            .expect("the agent is not running")
+            .terminate(grace)
+    }
+
+    /// The end of its log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.proc
+            .as_ref()
+            .map(|p| p.log_tail(lines))
+            .unwrap_or_default()
+    }
+
+    /// One request straight on the control socket (`status`, `drain`, `undrain`).
+    pub fn try_control(&self, cmd: &str) -> Result<ControlResponse, String> {
+        let what = format!("control socket {}", self.control.display());
+        let mut stream = UnixStream::connect(&self.control).map_err(|e| format!("{what}: {e}"))?;
+        let timeout = Some(Duration::from_secs(5));
+        stream
+            .set_read_timeout(timeout)
+            .and_then(|_| stream.set_write_timeout(timeout))
+            .map_err(|e| format!("{what}: {e}"))?;
+        stream
+            .write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes())
+            .map_err(|e| format!("{what}: {e}"))?;
+        let mut line = String::new();
+        BufReader::new(stream.take(1 << 20))
+            .read_line(&mut line)
+            .map_err(|e| format!("{what}: {e}"))?;
+        serde_json::from_str(&line).map_err(|e| format!("{what}: {e}: {line:?}"))
+    }
+
+    /// The status, from the control socket.
+    pub fn status(&self) -> AgentStatus {
+        let resp = self
+            .try_control("status")
+            .unwrap_or_else(|e| panic!("{}: {e}", self.opts.node));
+        assert!(resp.ok, "status refused: {resp:?}");
+        resp.status.expect("status in the answer")
+    }
+
+    /// Runs `ballast-agent ARGS --control SOCKET` (the operator's CLI), bounded in time.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        let mut cmd = command(AGENT_BIN);
+        cmd.args(args).arg("--control").arg(&self.control);
+        run_bounded(cmd, Duration::from_secs(20))
+    }
+
+    /// Runs `ballast-agent CMD --control SOCKET --json` and parses the answer; panics
+    /// unless it exits 0 with `ok: true`.
+    pub fn cli_json(&self, cmd: &str) -> ControlResponse {
+        let out = self.cli(&[cmd, "--json"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "`ballast-agent {cmd} --json` failed ({}): {stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let resp: ControlResponse = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("`{cmd} --json` printed no valid answer: {e}: {stdout}"));
+        assert!(resp.ok, "`{cmd}` answered not ok: {resp:?}");
+        resp
+    }
+
+    /// `ballast-agent drain` through the CLI.
+    pub fn drain(&self) -> ControlResponse {
+        self.cli_json("drain")
+    }
+
+    /// `ballast-agent undrain` through the CLI.
+    pub fn undrain(&self) -> ControlResponse {
+        self.cli_json("undrain")
+    }
+
+    /// Waits until the agent is connected and holds a weight; returns that status.
+    pub fn wait_weight(&self, timeout: Duration) -> AgentStatus {
+        wait_for(
+            timeout,
+            &format!("agent {} to connect and receive a weight", self.opts.node),
+            || {
+                let s = self.status();
+                if s.connected_to.is_some() && s.weight.is_some() {
+                    Ok(s)
+                } else {
+                    Err(format!("{s:?}"))
+                }
+            },
+        )
+    }
+}
+
+/// Starts `n` agents of `service`, nodes `{service}-00`…, with speeds taken in turn
+/// from `speeds` and seeds 0, 1, …
+pub fn start_fleet(
+    pki: &Pki,
+    agg: &Aggregator,
+    service: &str,
+    n: usize,
+    speeds: &[f64],
+) -> Vec<Agent> {
+    let nodes: Vec<String> = (0..n).map(|i| format!("{service}-{i:02}")).collect();
+    pki.issue_nodes(&nodes.iter().map(String::as_str).collect::<Vec<_>>());
+    // Spawn them all, then wait: the fleet comes up together.
+    let mut agents: Vec<Agent> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, node)| {
+            let opts = AgentOpts::new(service, node)
+                .speed(speeds[i % speeds.len()])
+                .seed(i as u64);
+            Agent::spawn(pki, agg, opts)
+        })
+        .collect();
+    for a in &mut agents {
+        a.wait_ready();
+    }
+    agents
+}

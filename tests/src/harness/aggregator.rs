@@ -1,0 +1,382 @@
+//! A real `ballast-aggregator run` on 127.0.0.1, with its own ports, store and log.
+
+use super::api::{
+    parse_metrics, sum_samples, EndpointView, ErrorBody, MetricSample, ServiceDetail, WeightSet,
+};
+use super::pki::Pki;
+use super::ports;
+use super::process::{command, Proc, AGGREGATOR_BIN};
+use serde::de::DeserializeOwned;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::{Duration, Instant};
+
+/// How long a start may take before the test fails.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a graceful stop may take before the process is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// How the aggregator runs.
+#[derive(Debug, Clone)]
+pub struct AggregatorOpts {
+    /// `--cycle-ms`.
+    pub cycle_ms: u64,
+    /// `--grace-ms`.
+    pub grace_ms: u64,
+    /// `--report-interval-ms`.
+    pub report_interval_ms: u32,
+    /// Extra TOML for `--config` (e.g. a `[balance]` table); flags still win.
+    pub config_toml: Option<String>,
+    /// `--xds` on a free loopback port.
+    pub xds: bool,
+}
+
+impl Default for AggregatorOpts {
+    fn default() -> Self {
+        AggregatorOpts {
+            cycle_ms: 500,
+            grace_ms: 1000,
+            report_interval_ms: 500,
+            config_toml: None,
+            xds: false,
+        }
+    }
+}
+
+impl AggregatorOpts {
+    /// With this cycle length.
+    pub fn cycle_ms(mut self, v: u64) -> Self {
+        self.cycle_ms = v;
+        self
+    }
+
+    /// With this start-up grace period.
+    pub fn grace_ms(mut self, v: u64) -> Self {
+        self.grace_ms = v;
+        self
+    }
+
+    /// With this report interval for agents.
+    pub fn report_interval_ms(mut self, v: u32) -> Self {
+        self.report_interval_ms = v;
+        self
+    }
+}
+
+/// A running aggregator. Killed on drop.
+pub struct Aggregator {
+    opts: AggregatorOpts,
+    tls_dir: PathBuf,
+    quic: SocketAddr,
+    http: SocketAddr,
+    xds: Option<SocketAddr>,
+    store: PathBuf,
+    runs: u32,
+    http_client: reqwest::blocking::Client,
+    proc: Option<Proc>,
+    // Last, so that the process is gone before its directory is removed.
+    dir: tempfile::TempDir,
+}
+
+/// Why a start attempt failed.
+enum StartError {
+    /// The process exited; its log says why.
+    Exited(ExitStatus, String),
+}
+
+impl Aggregator {
+    /// Starts an aggregator with TLS from `pki` on free loopback ports, and waits until
+    /// `/healthz` answers from it.
+    pub fn start(pki: &Pki, opts: AggregatorOpts) -> Aggregator {
+        let dir = tempfile::Builder::new()
+            .prefix("ballast-agg-")
+            .tempdir()
+            .expect("temporary directory for the aggregator");
+        let http_client = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .no_proxy()
+            .build()
+            .expect("HTTP client");
+        let mut agg = Aggregator {
+            opts,
+            tls_dir: pki.server_tls_dir(),
+            quic: SocketAddr::from(([127, 0, 0, 1], 0)),
+            http: SocketAddr::from(([127, 0, 0, 1], 0)),
+            xds: None,
+            store: dir.path().join("weights.json"),
+            runs: 0,
+            http_client,
+            proc: None,
+            dir,
+        };
+        // A port picked free can be taken by another process before the child binds it:
+        // then try other ports.
+        let mut last = String::new();
+        for _ in 0..5 {
+            agg.quic = SocketAddr::from(([127, 0, 0, 1], ports::free_udp()));
+            agg.http = SocketAddr::from(([127, 0, 0, 1], ports::free_tcp()));
+            let xds = agg.opts.xds;
+            agg.xds = xds.then(|| SocketAddr::from(([127, 0, 0, 1], ports::free_tcp())));
+            match agg.launch() {
+                Ok(()) => return agg,
+                Err(StartError::Exited(status, log)) if log.contains("cannot bind") => {
+                    last = format!("{status}: {log}");
+                }
+                Err(StartError::Exited(status, log)) => {
+                    panic!("ballast-aggregator exited during start ({status}):\n{log}")
+                }
+            }
+        }
+        panic!("ballast-aggregator could not bind free ports in 5 attempts; last: {last}");
+    }
+
+    fn launch(&mut self) -> Result<(), StartError> {
+        self.runs += 1;
+        let log = self
+            .dir
+            .path()
+            .join(format!("aggregator-{}.log", self.runs));
+        let mut cmd = command(AGGREGATOR_BIN);
+        cmd.arg("run")
+            .arg("--quic")
+            .arg(self.quic.to_string())
+            .arg("--http")
+            .arg(self.http.to_string())
+            .arg("--tls-dir")
+            .arg(&self.tls_dir)
+            .arg("--store")
+            .arg(&self.store)
+            .arg("--cycle-ms")
+            .arg(self.opts.cycle_ms.to_string())
+            .arg("--grace-ms")
+            .arg(self.opts.grace_ms.to_string())
+            .arg("--report-interval-ms")
+            .arg(self.opts.report_interval_ms.to_string());
+        if let Some(xds) = self.xds {
+            cmd.arg("--xds").arg(xds.to_string());
+        }
+        if let Some(toml) = &self.opts.config_toml {
+            let path = self.dir.path().join("aggregator.toml");
+            std::fs::write(&path, toml).expect("write aggregator.toml");
+            cmd.arg("--config").arg(path);
+        }
+        let mut proc = Proc::spawn(cmd, "ballast-aggregator", &log, 40);
+        let deadline = Instant::now() + START_TIMEOUT;
+        let want_store = self.store.display().to_string();
+        loop {
+            if let Some(status) = proc.exit_status() {
+                return Err(StartError::Exited(status, proc.log_tail(20)));
+            }
+            // The health check names the store, which tells our process from any other
+            // that might answer on this port.
+            // If another process holds the port, ours exits with "cannot bind" and the
+            // check above sees it.
+            if let Ok(v) = self.try_get_json::<serde_json::Value>("/healthz") {
+                let ours = v["store"]
+                    .as_str()
+                    .is_some_and(|s| s.ends_with(&want_store));
+                if ours && proc.is_running() {
+                    assert_eq!(v["status"], "ok", "healthz: {v}");
+                    self.proc = Some(proc);
+                    return Ok(());
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ballast-aggregator did not answer /healthz on {} within {START_TIMEOUT:?}; log:\n{}",
+                self.http,
+                proc.log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the process gracefully (SIGTERM; SIGKILL after 10 s). Returns its exit
+    /// status and whether it had to be killed.
+    pub fn stop(&mut self) -> (ExitStatus, bool) {
+        let mut proc = self.proc.take().expect("the aggregator is not running");
+        proc.terminate(STOP_GRACE)
+    }
+
+    /// Kills the process (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut proc) = self.proc.take() {
+            proc.kill();
+        }
+    }
+
+    /// Stops it if running, then starts it again with the same options, ports and store.
+    pub fn restart(&mut self) {
+        let opts = self.opts.clone();
+        self.restart_with(opts);
+    }
+
+    /// Stops it if running, then starts it again on the same ports and store with `opts`.
+    pub fn restart_with(&mut self, opts: AggregatorOpts) {
+        if self.proc.is_some() {
+            self.stop();
+        }
+        self.opts = opts;
+        // The UDP port is free as soon as the old process is gone; retry briefly in case
+        // the kernel is slow to let go of it.
+        let mut last = String::new();
+        for _ in 0..10 {
+            match self.launch() {
+                Ok(()) => return,
+                Err(StartError::Exited(status, log)) => {
+                    assert!(
+                        log.contains("cannot bind"),
+                        "ballast-aggregator exited during restart ({status}):\n{log}"
+                    );
+                    last = log;
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+        panic!("ballast-aggregator could not bind its old ports again: {last}");
+    }
+
+    /// Whether the process is running.
+    pub fn is_running(&mut self) -> bool {
+        self.proc.as_mut().is_some_and(Proc::is_running)
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
+    }
+
+    /// The QUIC address agents dial.
+    pub fn quic_addr(&self) -> SocketAddr {
+        self.quic
+    }
+
+    /// The HTTP API address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http
+    }
+
+    /// The xDS address; panics unless started with `xds`.
+    pub fn xds_addr(&self) -> SocketAddr {
+        self.xds
+            .expect("the aggregator was started without AggregatorOpts::xds")
+    }
+
+    /// The routing store file.
+    pub fn store_path(&self) -> &Path {
+        &self.store
+    }
+
+    /// The options in force.
+    pub fn opts(&self) -> &AggregatorOpts {
+        &self.opts
+    }
+
+    /// The end of the current run's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.proc
+            .as_ref()
+            .map(|p| p.log_tail(lines))
+            .unwrap_or_default()
+    }
+
+    /// The whole log of the current (or last) run.
+    pub fn log(&self) -> String {
+        let path = self
+            .dir
+            .path()
+            .join(format!("aggregator-{}.log", self.runs));
+        std::fs::read_to_string(path).unwrap_or_default()
+    }
+
+    /// GET `path`: status and body, or the transport error.
+    pub fn try_get(&self, path: &str) -> Result<(u16, String), String> {
+        let url = format!("http://{}{path}", self.http);
+        let resp = self
+            .http_client
+            .get(&url)
+            .send()
+            .map_err(|e| format!("GET {url}: {e}"))?;
+        let status = resp.status().as_u16();
+        let body = resp.text().map_err(|e| format!("GET {url}: body: {e}"))?;
+        Ok((status, body))
+    }
+
+    /// GET `path`: status and body. Panics if the request fails.
+    pub fn get(&self, path: &str) -> (u16, String) {
+        self.try_get(path).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// GET `path` as JSON of type `T`, requiring 200.
+    pub fn try_get_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, String> {
+        let (status, body) = self.try_get(path)?;
+        if status != 200 {
+            return Err(format!("GET {path}: status {status}: {body}"));
+        }
+        serde_json::from_str(&body).map_err(|e| format!("GET {path}: {e}: {body}"))
+    }
+
+    /// GET `path` as JSON of type `T` (e.g. `serde_json::Value`). Panics unless 200 with
+    /// a body of that shape.
+    pub fn get_json<T: DeserializeOwned>(&self, path: &str) -> T {
+        self.try_get_json(path).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// GET `path` expecting a JSON error with `status`.
+    pub fn get_error(&self, path: &str, status: u16) -> ErrorBody {
+        let (got, body) = self.get(path);
+        assert_eq!(got, status, "GET {path}: expected {status}, body {body}");
+        serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("GET {path}: error body is not the JSON error: {e}: {body}"))
+    }
+
+    /// `GET /v1/services/{name}`.
+    pub fn service(&self, name: &str) -> ServiceDetail {
+        self.get_json(&format!("/v1/services/{name}"))
+    }
+
+    /// `GET /v1/services/{name}`, or why not (e.g. not registered yet).
+    pub fn try_service(&self, name: &str) -> Result<ServiceDetail, String> {
+        self.try_get_json(&format!("/v1/services/{name}"))
+    }
+
+    /// `GET /v1/services/{name}/endpoints`.
+    pub fn endpoints(&self, name: &str) -> Vec<EndpointView> {
+        self.get_json(&format!("/v1/services/{name}/endpoints"))
+    }
+
+    /// `GET /v1/services/{name}/weights`.
+    pub fn weights(&self, name: &str) -> WeightSet {
+        self.get_json(&format!("/v1/services/{name}/weights"))
+    }
+
+    /// `GET /metrics` as text; checks the OpenMetrics terminator.
+    pub fn metrics(&self) -> String {
+        let (status, body) = self.get("/metrics");
+        assert_eq!(status, 200, "GET /metrics: {body}");
+        assert!(
+            body.ends_with("# EOF\n"),
+            "/metrics does not end with # EOF"
+        );
+        body
+    }
+
+    /// `GET /metrics`, parsed.
+    pub fn metric_samples(&self) -> Vec<MetricSample> {
+        parse_metrics(&self.metrics())
+    }
+
+    /// The sum of the samples of `name` (e.g. `ballast_reports_rejected_total`) whose
+    /// labels include `labels`; 0 if none is exported.
+    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        sum_samples(&self.metric_samples(), name, labels)
+    }
+}
+
+impl Drop for Aggregator {
+    fn drop(&mut self) {
+        // The process is killed by Proc's own drop; this makes the order explicit.
+        self.proc.take();
+    }
+}

@@ -1,0 +1,301 @@
+//! The aggregator's HTTP API as the tests read it: typed JSON views (deserialising them
+//! checks the documented fields are there) and a Prometheus text parser.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// Load spread of one cycle.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct Spread {
+    /// Mean load.
+    pub avg: f64,
+    /// Highest load.
+    pub max: f64,
+    /// max / avg.
+    pub max_over_avg: f64,
+    /// p95 / avg.
+    pub p95_over_avg: f64,
+    /// p5 / avg.
+    pub p5_over_avg: f64,
+}
+
+/// One entry of a service's `history`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct HistoryPoint {
+    /// Cycle number, per service from 1.
+    pub cycle: u64,
+    /// When it ran, on the aggregator's clock (ms).
+    pub at: u64,
+    /// Spread at the start of the cycle.
+    pub spread: Spread,
+    /// Whether the update was skipped.
+    pub skipped: bool,
+}
+
+/// Why a cycle was skipped: `{"reason": "grace", "remaining_ms": ...}` and the like.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Skip {
+    /// `grace`, `missing`, `thin_feedback`, `no_serving_endpoints`.
+    pub reason: String,
+    /// The reason's figures.
+    #[serde(flatten)]
+    pub detail: serde_json::Map<String, serde_json::Value>,
+}
+
+/// `stats` of a service.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ServiceStats {
+    /// Cycles run.
+    pub cycles: u64,
+    /// Cycles that updated weights.
+    pub updates: u64,
+    /// Skipped cycles by reason.
+    pub skipped: BTreeMap<String, u64>,
+    /// Why the last cycle was skipped.
+    pub last_skip: Option<Skip>,
+    /// The last cycle's spread.
+    pub spread: Spread,
+    /// The last cycle's missing share.
+    pub missing_share: f64,
+}
+
+/// `GET /v1/services/{name}`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ServiceDetail {
+    /// Service name.
+    pub name: String,
+    /// Endpoints by state.
+    pub states: BTreeMap<String, usize>,
+    /// Counters and last figures.
+    pub stats: ServiceStats,
+    /// The last skip, as data.
+    pub last_skip: Option<Skip>,
+    /// Weight version.
+    pub version: u64,
+    /// The cycle the published weights came from.
+    pub weights_cycle: u64,
+    /// Recent cycles, oldest first.
+    pub history: Vec<HistoryPoint>,
+}
+
+impl ServiceDetail {
+    /// The cycles that updated weights, oldest first.
+    pub fn updates(&self) -> impl Iterator<Item = &HistoryPoint> {
+        self.history.iter().filter(|h| !h.skipped)
+    }
+
+    /// The last `n` cycles' max/avg, for failure messages.
+    pub fn recent_max_over_avg(&self, n: usize) -> String {
+        let from = self.history.len().saturating_sub(n);
+        self.history[from..]
+            .iter()
+            .map(|h| {
+                format!(
+                    "#{}{}={:.3}",
+                    h.cycle,
+                    if h.skipped { "(skipped)" } else { "" },
+                    h.spread.max_over_avg
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// One element of `GET /v1/services/{name}/endpoints`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EndpointView {
+    /// Node identity.
+    pub node: String,
+    /// `host:port`.
+    pub address: String,
+    /// Zone.
+    pub zone: String,
+    /// Load steered by.
+    pub load: f64,
+    /// Reported CPU.
+    pub cpu: f64,
+    /// Reported in-flight count.
+    pub inflight: u32,
+    /// Reported capacity.
+    pub capacity: u32,
+    /// Published weight.
+    pub weight: f64,
+    /// `serving`, `warming`, `draining` or `missing`.
+    pub state: String,
+    /// Milliseconds since the last report.
+    pub report_age_ms: Option<u64>,
+}
+
+/// `GET /v1/services/{name}/weights`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WeightSet {
+    /// Service name.
+    pub service: String,
+    /// Version of the weights.
+    pub version: u64,
+    /// The cycle they came from.
+    pub cycle: u64,
+    /// By node.
+    pub weights: BTreeMap<String, WeightEntry>,
+}
+
+/// One node's published weight.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WeightEntry {
+    /// `host:port`.
+    pub address: String,
+    /// Zone.
+    pub zone: String,
+    /// Weight, mean 1.
+    pub weight: f64,
+    /// Draining.
+    pub draining: bool,
+    /// Envoy integer weight.
+    pub envoy: u32,
+    /// HAProxy percentage.
+    pub haproxy_percent: u32,
+}
+
+/// The API's JSON error body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ErrorBody {
+    /// Text for people.
+    pub error: String,
+    /// The HTTP status again.
+    pub status: u16,
+}
+
+/// One sample of a Prometheus / OpenMetrics text exposition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricSample {
+    /// Metric name, with any `_total` suffix.
+    pub name: String,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Value.
+    pub value: f64,
+}
+
+/// Parses the sample lines of a text exposition; comments and blank lines are skipped.
+/// Panics on a line it cannot read, since the aggregator must emit valid text.
+pub fn parse_metrics(text: &str) -> Vec<MetricSample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (series, rest) = match line.find('{') {
+            Some(open) => {
+                let close = line[open..]
+                    .rfind('}')
+                    .map(|c| open + c)
+                    .unwrap_or_else(|| panic!("unclosed label set in metrics line {line:?}"));
+                (&line[..close + 1], line[close + 1..].trim())
+            }
+            None => line
+                .split_once(char::is_whitespace)
+                .map(|(a, b)| (a, b.trim()))
+                .unwrap_or_else(|| panic!("metrics line without a value: {line:?}")),
+        };
+        let (name, labels) = match series.split_once('{') {
+            Some((name, labels)) => (name, parse_labels(&labels[..labels.len() - 1], line)),
+            None => (series, BTreeMap::new()),
+        };
+        let value_text = rest.split_whitespace().next().unwrap_or("");
+        let value: f64 = match value_text {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v
+                .parse()
+                .unwrap_or_else(|_| panic!("bad value {v:?} in metrics line {line:?}")),
+        };
+        out.push(MetricSample {
+            name: name.to_string(),
+            labels,
+            value,
+        });
+    }
+    out
+}
+
+fn parse_labels(text: &str, line: &str) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::new();
+    let mut rest = text.trim();
+    while !rest.is_empty() {
+        let (key, after) = rest
+            .split_once("=\"")
+            .unwrap_or_else(|| panic!("bad label set in metrics line {line:?}"));
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = None;
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => {
+                    if let Some((_, e)) = chars.next() {
+                        value.push(match e {
+                            'n' => '\n',
+                            other => other,
+                        });
+                    }
+                }
+                '"' => {
+                    end = Some(i);
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        let end = end.unwrap_or_else(|| panic!("unterminated label value in {line:?}"));
+        labels.insert(key.trim().trim_start_matches(',').trim().to_string(), value);
+        rest = after[end + 1..].trim_start_matches(',').trim();
+    }
+    labels
+}
+
+/// The sum of the samples named `name` whose labels include every pair of `labels`;
+/// 0 if there is none (a counter that was never incremented is often not exported).
+pub fn sum_samples(samples: &[MetricSample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            labels
+                .iter()
+                .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.value)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_counters_with_labels() {
+        let text = "# HELP x y\n# TYPE ballast_reports_rejected counter\n\
+            ballast_reports_rejected_total{reason=\"malformed\"} 3\n\
+            ballast_reports_rejected_total{reason=\"oversized\"} 1\n\
+            ballast_service_max_over_avg{service=\"a\\\"b\",zone=\"z\"} 1.25\n\
+            ballast_reports_accepted_total 12\n# EOF\n";
+        let s = parse_metrics(text);
+        assert_eq!(s.len(), 4);
+        assert_eq!(
+            sum_samples(
+                &s,
+                "ballast_reports_rejected_total",
+                &[("reason", "malformed")]
+            ),
+            3.0
+        );
+        assert_eq!(sum_samples(&s, "ballast_reports_rejected_total", &[]), 4.0);
+        assert_eq!(sum_samples(&s, "ballast_reports_accepted_total", &[]), 12.0);
+        assert_eq!(
+            sum_samples(&s, "ballast_service_max_over_avg", &[("service", "a\"b")]),
+            1.25
+        );
+        assert_eq!(sum_samples(&s, "nothing", &[]), 0.0);
+    }
+}

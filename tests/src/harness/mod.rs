@@ -1,0 +1,11 @@
+//! The harness: one call each to get certificates, an aggregator, agents and a raw
+//! QUIC client, all real processes or sockets on 127.0.0.1, each cleaned up on drop.
+
+pub mod agent;
+pub mod aggregator;
+pub mod api;
+pub mod pki;
+pub mod ports;
+pub mod process;
+pub mod quic;
+pub mod wait;

@@ -1,0 +1,250 @@
+//! Child processes: finding the binaries, spawning them with a clean environment and a
+//! log file, stopping them, and never leaking one.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The agent binary's name.
+pub const AGENT_BIN: &str = "ballast-agent";
+/// The aggregator binary's name.
+pub const AGGREGATOR_BIN: &str = "ballast-aggregator";
+
+/// The path of a workspace binary, next to the test executable:
+/// `target/debug/deps/<test>` → `target/debug/<name>`. Panics with the command to run
+/// if it has not been built.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's own path");
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} not found: the integration tests run the real binaries. \
+         Run `cargo build --workspace --bins` first (the test command does).",
+        path.display()
+    );
+    path
+}
+
+/// A command for a workspace binary with an environment that cannot steer it: every
+/// `BALLAST_*` variable is removed, logs are plain `info` text, and the child is killed
+/// by the kernel if the thread that spawned it dies (a crashed test leaks nothing).
+pub fn command(name: &str) -> Command {
+    let mut cmd = Command::new(binary(name));
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("BALLAST_") {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd.env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null());
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Runs a command to completion, at most `timeout`; kills it and panics past that.
+pub fn run_bounded(mut cmd: Command, timeout: Duration) -> Output {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let what = format!("{cmd:?}");
+    let child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(out) => out.unwrap_or_else(|e| panic!("{what}: {e}")),
+        Err(_) => {
+            signal(pid, libc::SIGKILL);
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+            panic!("{what} did not finish within {timeout:?} and was killed");
+        }
+    }
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    if let Ok(pid) = libc::pid_t::try_from(pid) {
+        // SAFETY: plain syscall on a pid we spawned and have not reaped yet.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+/// A running child whose stdout and stderr go to a log file. Killed on drop; if the
+/// test is panicking, the end of its log is printed first, for the failure report.
+pub struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+    tail_on_panic: usize,
+    exited: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// Spawns `cmd` with its output appended to `log`.
+    pub fn spawn(mut cmd: Command, name: &str, log: &Path, tail_on_panic: usize) -> Proc {
+        let file = File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap_or_else(|e| panic!("cannot open log {}: {e}", log.display()));
+        let err = file.try_clone().expect("clone log file handle");
+        cmd.stdout(file).stderr(err);
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
+        Proc {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+            tail_on_panic,
+            exited: None,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The exit status, if it has exited.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        if self.exited.is_none() {
+            self.exited = self.child.try_wait().ok().flatten();
+        }
+        self.exited
+    }
+
+    /// Whether it is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.exit_status().is_none()
+    }
+
+    /// SIGTERM, then up to `grace` for it to exit, then SIGKILL. Returns how it ended
+    /// and whether it had to be killed.
+    pub fn terminate(&mut self, grace: Duration) -> (ExitStatus, bool) {
+        if let Some(status) = self.exit_status() {
+            return (status, false);
+        }
+        signal(self.pid(), libc::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Some(status) = self.exit_status() {
+                return (status, false);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (self.kill(), true)
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) -> ExitStatus {
+        if let Some(status) = self.exit_status() {
+            return status;
+        }
+        let _ = self.child.kill();
+        let status = self.child.wait().expect("reap a killed child");
+        self.exited = Some(status);
+        status
+    }
+
+    /// The log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The last `lines` lines of its log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() && self.tail_on_panic > 0 {
+            eprintln!(
+                "----- last lines of {} ({}) -----\n{}",
+                self.name,
+                self.log.display(),
+                self.log_tail(self.tail_on_panic)
+            );
+        }
+    }
+}
+
+/// The last `lines` lines of a file (at most its last 64 KiB).
+pub fn tail(path: &Path, lines: usize) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(64 * 1024)));
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "cargo build --workspace --bins")]
+    fn a_missing_binary_says_how_to_build_it() {
+        binary("ballast-no-such-binary");
+    }
+
+    #[test]
+    fn a_child_dies_with_a_panicking_test() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("sleep.log");
+        let (tx, rx) = mpsc::channel();
+        let joined = std::thread::spawn(move || {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("60");
+            let proc = Proc::spawn(cmd, "sleep", &log, 0);
+            tx.send(proc.pid()).expect("send pid");
+            panic!("the test fails while the child runs");
+        })
+        .join();
+        assert!(joined.is_err(), "the thread panicked");
+        let pid = rx.recv().expect("pid");
+        // Killed and reaped: no process, not even a zombie.
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "child {pid} outlived the panic"
+        );
+    }
+
+    #[test]
+    fn run_bounded_kills_what_overruns() {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("60");
+        let started = Instant::now();
+        let result =
+            std::thread::spawn(move || run_bounded(cmd, Duration::from_millis(200))).join();
+        assert!(result.is_err(), "an overrun must fail the test");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+}
