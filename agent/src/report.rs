@@ -16,8 +16,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// How long a connection attempt or the hello exchange may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection attempt or the hello exchange may take. Short, because a
+/// dead aggregator first in the list delays failover by this much.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Replies missed in a row before the connection counts as dead. QUIC's idle timeout
+/// would notice too, but only after 10 s of lost reports; the replies say sooner.
+const MISSED_REPLIES: u32 = 3;
 
 /// Why a session with an aggregator ended.
 #[derive(Debug, thiserror::Error)]
@@ -182,9 +187,16 @@ async fn session(
 
     let mut seq = 0u32;
     let mut tick = ticker(interval_ms);
+    let mut last_reply = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = tick.tick() => {
+                let silence = Duration::from_millis(u64::from(interval_ms) * u64::from(MISSED_REPLIES));
+                if last_reply.elapsed() > silence + Duration::from_secs(1) {
+                    tracing::info!(aggregator = %target, "no reply to {MISSED_REPLIES} reports: reconnecting");
+                    conn.close(0u32.into(), b"no replies");
+                    return Ok(true);
+                }
                 seq = seq.wrapping_add(1);
                 if let Some(bytes) = build_report(shared, sampler, seq) {
                     let ok = conn.send_datagram(bytes.into()).is_ok();
@@ -203,6 +215,7 @@ async fn session(
                     },
                 };
                 if let Ok(Message::Reply(r)) = wire::decode(&bytes) {
+                    last_reply = tokio::time::Instant::now();
                     shared.synthetic.set_weight(f64::from(r.weight));
                     shared.update(|s| {
                         s.weight = Some(f64::from(r.weight));
