@@ -38,6 +38,11 @@ pub struct Config {
     pub store: StoreConfig,
     /// If set, only these services may register; otherwise any may (zero config).
     pub services: Option<Vec<String>>,
+    /// TCP address of the xDS (ADS) server; none by default.
+    pub xds: Option<SocketAddr>,
+    /// Load-balancing policy of the xDS clusters: `ring_hash` for proxyless gRPC,
+    /// `round_robin` or `least_request` for Envoy.
+    pub xds_lb_policy: crate::feed::xds::LbPolicy,
     /// Balancing defaults for every service.
     pub balance: Params,
 }
@@ -52,6 +57,8 @@ impl Default for Config {
             store: StoreConfig::default(),
             services: None,
             balance: Params::default(),
+            xds: None,
+            xds_lb_policy: crate::feed::xds::LbPolicy::default(),
         }
     }
 }

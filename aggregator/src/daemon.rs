@@ -41,6 +41,9 @@ pub struct Daemon {
     pub quic_addr: SocketAddr,
     /// The bound HTTP address.
     pub http_addr: SocketAddr,
+    /// The bound xDS address, when configured.
+    pub xds_addr: Option<SocketAddr>,
+    xds: Option<crate::feed::xds::XdsServer>,
     endpoint: quinn::Endpoint,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -102,6 +105,24 @@ impl Daemon {
             addr: cfg.http,
             source,
         })?;
+        let xds = match cfg.xds {
+            Some(addr) => {
+                let bind_error = |source| DaemonError::Bind {
+                    what: "xDS",
+                    addr,
+                    source,
+                };
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(bind_error)?;
+                let server =
+                    crate::feed::xds::XdsServer::start(listener, state.clone(), cfg.xds_lb_policy)
+                        .map_err(bind_error)?;
+                Some(server)
+            }
+            None => None,
+        };
+        let xds_addr = xds.as_ref().map(|x| x.local_addr());
 
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(crate::ingest::quic::serve(
@@ -123,6 +144,8 @@ impl Daemon {
             state,
             quic_addr,
             http_addr,
+            xds_addr,
+            xds,
             endpoint,
             tasks,
         })
@@ -134,6 +157,9 @@ impl Daemon {
             .close(crate::ingest::quic::close::NORMAL.into(), b"shutting down");
         for t in &self.tasks {
             t.abort();
+        }
+        if let Some(xds) = self.xds {
+            xds.stop().await;
         }
         self.endpoint.wait_idle().await;
     }

@@ -9,6 +9,7 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod feed;
 pub mod ingest;
 pub mod metrics;
 pub mod simulate;

@@ -79,6 +79,9 @@ struct RunArgs {
     /// TCP address of the HTTP API.
     #[arg(long, env = "BALLAST_HTTP")]
     http: Option<SocketAddr>,
+    /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC (off by default).
+    #[arg(long, env = "BALLAST_XDS")]
+    xds: Option<SocketAddr>,
     /// Directory with ca.pem, server.pem and server.key.
     #[arg(long, env = "BALLAST_TLS_DIR")]
     tls_dir: Option<PathBuf>,
@@ -166,6 +169,9 @@ fn config(args: &RunArgs) -> Result<Config> {
     }
     if let Some(v) = args.http {
         cfg.http = v;
+    }
+    if let Some(v) = args.xds {
+        cfg.xds = Some(v);
     }
     if let Some(dir) = &args.tls_dir {
         cfg.tls = TlsFiles::in_dir(dir, "server");

@@ -35,6 +35,22 @@ pub struct ServiceLabel {
     pub service: String,
 }
 
+/// A label set with one xDS `resource` type (listener, route, cluster, endpoints).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct XdsResource {
+    /// The resource type.
+    pub resource: String,
+}
+
+impl XdsResource {
+    /// The label set of `resource`.
+    pub fn of(resource: &str) -> Self {
+        XdsResource {
+            resource: resource.to_string(),
+        }
+    }
+}
+
 /// Every counter the daemon keeps.
 pub struct Metrics {
     registry: Registry,
@@ -54,6 +70,12 @@ pub struct Metrics {
     pub cycle_duration: Histogram,
     /// Routing-store writes, by outcome.
     pub store_writes: Family<Reason, Counter>,
+    /// xDS responses sent, by resource type.
+    pub xds_pushes: Family<XdsResource, Counter>,
+    /// xDS responses clients rejected (NACK), by resource type.
+    pub xds_nacks: Family<XdsResource, Counter>,
+    /// xDS streams open now.
+    pub xds_streams: Gauge,
 }
 
 impl Default for Metrics {
@@ -77,6 +99,9 @@ impl Metrics {
                 [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0].into_iter(),
             ),
             store_writes: Family::default(),
+            xds_pushes: Family::default(),
+            xds_nacks: Family::default(),
+            xds_streams: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -115,6 +140,17 @@ impl Metrics {
             "Routing store writes, by outcome",
             m.store_writes.clone(),
         );
+        registry.register(
+            "xds_pushes",
+            "xDS responses sent, by resource type",
+            m.xds_pushes.clone(),
+        );
+        registry.register(
+            "xds_nacks",
+            "xDS responses rejected by clients (NACK), by resource type",
+            m.xds_nacks.clone(),
+        );
+        registry.register("xds_streams", "xDS streams open", m.xds_streams.clone());
         Metrics { registry, ..m }
     }
 

@@ -1,0 +1,4 @@
+//! Weight feeds: how load balancers and watchers learn the published weights.
+
+pub mod watch;
+pub mod xds;

@@ -1,0 +1,498 @@
+//! The xDS resources of each service, and the snapshot every stream serves from.
+//!
+//! Builders are pure functions of a service's name, the load-balancing policy and its
+//! endpoints. A [`Snapshot`] holds every service's four resources already packed as
+//! `Any`, with a digest of each, so that a thousand streams share one encoding and a
+//! response's version is a function of its contents: the same resources always carry
+//! the same version, which is what lets a stream tell that nothing changed.
+
+use super::LbPolicy;
+use crate::balance::{Balancer, Service};
+use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
+use envoy_types::pb::envoy::config::core::v3::{
+    address, config_source, socket_address, Address, AggregatedConfigSource, ApiVersion,
+    ConfigSource, HealthStatus, Locality, SocketAddress,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{
+    lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+};
+use envoy_types::pb::envoy::config::listener::v3::{ApiListener, Listener};
+use envoy_types::pb::envoy::config::route::v3::{
+    route, route_action, route_match, Route, RouteAction, RouteConfiguration, RouteMatch,
+    VirtualHost,
+};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, http_filter, HttpConnectionManager, HttpFilter, Rds,
+};
+use envoy_types::pb::google::protobuf::{Any, UInt32Value, UInt64Value};
+use prost::{Message, Name};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+/// The four resource types served, in the order a proxyless gRPC client walks them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ResourceType {
+    /// LDS: `envoy.config.listener.v3.Listener`.
+    Listener,
+    /// RDS: `envoy.config.route.v3.RouteConfiguration`.
+    Route,
+    /// CDS: `envoy.config.cluster.v3.Cluster`.
+    Cluster,
+    /// EDS: `envoy.config.endpoint.v3.ClusterLoadAssignment`.
+    Endpoints,
+}
+
+impl ResourceType {
+    /// Every type.
+    pub const ALL: [ResourceType; 4] = [
+        ResourceType::Listener,
+        ResourceType::Route,
+        ResourceType::Cluster,
+        ResourceType::Endpoints,
+    ];
+
+    /// The type URL of requests and responses (a test checks them against the
+    /// messages' own names).
+    pub fn type_url(self) -> &'static str {
+        match self {
+            ResourceType::Listener => "type.googleapis.com/envoy.config.listener.v3.Listener",
+            ResourceType::Route => "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+            ResourceType::Cluster => "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            ResourceType::Endpoints => {
+                "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+            }
+        }
+    }
+
+    /// The type of a type URL; `None` for types this server does not serve.
+    pub fn from_type_url(url: &str) -> Option<ResourceType> {
+        Self::ALL.into_iter().find(|t| t.type_url() == url)
+    }
+
+    /// A short name for metrics and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            ResourceType::Listener => "listener",
+            ResourceType::Route => "route",
+            ResourceType::Cluster => "cluster",
+            ResourceType::Endpoints => "endpoints",
+        }
+    }
+
+    /// Whether an empty subscription means "everything" (LDS and CDS), as the xDS
+    /// protocol defines for the legacy wildcard.
+    pub fn allows_wildcard(self) -> bool {
+        matches!(self, ResourceType::Listener | ResourceType::Cluster)
+    }
+}
+
+/// What the builders need of one endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointInput {
+    /// The node's identity (for logs).
+    pub node: String,
+    /// `host:port`; the host must be an IP literal, as EDS requires.
+    pub address: String,
+    /// Its zone; empty when unknown.
+    pub zone: String,
+    /// The published weight (mean 1.0).
+    pub weight: f64,
+    /// Lame duck.
+    pub draining: bool,
+}
+
+impl EndpointInput {
+    fn of(ep: &crate::balance::Endpoint) -> Self {
+        EndpointInput {
+            node: ep.node.clone(),
+            address: ep.address.clone(),
+            zone: ep.zone.clone(),
+            weight: ep.weight,
+            draining: ep.draining,
+        }
+    }
+}
+
+fn ads_source() -> ConfigSource {
+    ConfigSource {
+        config_source_specifier: Some(config_source::ConfigSourceSpecifier::Ads(
+            AggregatedConfigSource {},
+        )),
+        resource_api_version: ApiVersion::V3 as i32,
+        ..Default::default()
+    }
+}
+
+fn pack<T: Message + Name>(msg: &T) -> Any {
+    Any {
+        type_url: T::type_url(),
+        value: msg.encode_to_vec(),
+    }
+}
+
+/// Listener `service`: an API listener whose HttpConnectionManager fetches the
+/// RouteConfiguration of the same name over ADS. The router filter is the only HTTP
+/// filter, and gRPC requires the last one to be a router.
+pub fn listener(service: &str) -> Listener {
+    let hcm = HttpConnectionManager {
+        stat_prefix: service.to_string(),
+        route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+            config_source: Some(ads_source()),
+            route_config_name: service.to_string(),
+        })),
+        http_filters: vec![HttpFilter {
+            name: "envoy.filters.http.router".to_string(),
+            config_type: Some(http_filter::ConfigType::TypedConfig(pack(
+                &Router::default(),
+            ))),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    Listener {
+        name: service.to_string(),
+        api_listener: Some(ApiListener {
+            api_listener: Some(pack(&hcm)),
+        }),
+        ..Default::default()
+    }
+}
+
+/// RouteConfiguration `service`: every authority and every path go to cluster
+/// `service`. No hash policy: under RING_HASH, gRPC then hashes each RPC at random.
+pub fn route_configuration(service: &str) -> RouteConfiguration {
+    RouteConfiguration {
+        name: service.to_string(),
+        virtual_hosts: vec![VirtualHost {
+            name: service.to_string(),
+            domains: vec!["*".to_string()],
+            routes: vec![Route {
+                r#match: Some(RouteMatch {
+                    path_specifier: Some(route_match::PathSpecifier::Prefix(String::new())),
+                    ..Default::default()
+                }),
+                action: Some(route::Action::Route(RouteAction {
+                    cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(
+                        service.to_string(),
+                    )),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// The ring size asked of RING_HASH clients. gRPC caps rings at 4096 entries by
+/// default; the more entries, the closer each endpoint's share of the hash space is
+/// to its weight (the error falls as one over the square root of its entries).
+pub const RING_SIZE: u64 = 4096;
+
+/// Cluster `service`: EDS over ADS, with `policy`.
+pub fn cluster(service: &str, policy: LbPolicy) -> Cluster {
+    let (lb_policy, lb_config) = match policy {
+        LbPolicy::RingHash => (
+            cluster::LbPolicy::RingHash,
+            Some(cluster::LbConfig::RingHashLbConfig(
+                cluster::RingHashLbConfig {
+                    minimum_ring_size: Some(UInt64Value { value: RING_SIZE }),
+                    maximum_ring_size: Some(UInt64Value { value: RING_SIZE }),
+                    ..Default::default()
+                },
+            )),
+        ),
+        LbPolicy::RoundRobin => (cluster::LbPolicy::RoundRobin, None),
+        LbPolicy::LeastRequest => (cluster::LbPolicy::LeastRequest, None),
+    };
+    Cluster {
+        name: service.to_string(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::Eds as i32,
+        )),
+        eds_cluster_config: Some(cluster::EdsClusterConfig {
+            eds_config: Some(ads_source()),
+            service_name: service.to_string(),
+        }),
+        lb_policy: lb_policy as i32,
+        lb_config,
+        ..Default::default()
+    }
+}
+
+/// Splits `host:port` (or `[v6]:port`) into an IP literal and a port. EDS carries
+/// socket addresses, not names: gRPC rejects a whole assignment with a host name in it.
+pub fn parse_address(address: &str) -> Option<(IpAddr, u16)> {
+    let (host, port) = address.rsplit_once(':')?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    Some((host.parse().ok()?, port.parse().ok()?))
+}
+
+/// ClusterLoadAssignment `service`: one locality per zone (all of weight 1 for now),
+/// endpoints weighted by [`ballast_shared::load::envoy_weight`], draining ones marked
+/// DRAINING (xDS forbids weight 0). Endpoints whose address is not `IP:port` are left
+/// out, with a warning: one bad address must not make clients reject the rest.
+pub fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoadAssignment {
+    let mut zones: BTreeMap<&str, Vec<LbEndpoint>> = BTreeMap::new();
+    for ep in endpoints {
+        let Some((ip, port)) = parse_address(&ep.address) else {
+            tracing::warn!(service, node = %ep.node, address = %ep.address,
+                "endpoint left out of xDS: its address is not IP:port");
+            continue;
+        };
+        let health = if ep.draining {
+            HealthStatus::Draining
+        } else {
+            HealthStatus::Healthy
+        };
+        zones.entry(&ep.zone).or_default().push(LbEndpoint {
+            host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+                address: Some(Address {
+                    address: Some(address::Address::SocketAddress(SocketAddress {
+                        address: ip.to_string(),
+                        port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(
+                            port,
+                        ))),
+                        ..Default::default()
+                    })),
+                }),
+                ..Default::default()
+            })),
+            health_status: health as i32,
+            load_balancing_weight: Some(UInt32Value {
+                value: ballast_shared::load::envoy_weight(ep.weight),
+            }),
+            ..Default::default()
+        });
+    }
+    ClusterLoadAssignment {
+        cluster_name: service.to_string(),
+        endpoints: zones
+            .into_iter()
+            .map(|(zone, lb_endpoints)| LocalityLbEndpoints {
+                locality: Some(Locality {
+                    zone: zone.to_string(),
+                    ..Default::default()
+                }),
+                lb_endpoints,
+                // gRPC drops localities without a weight; equal weights until the
+                // locality split is configurable.
+                load_balancing_weight: Some(UInt32Value { value: 1 }),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// 64-bit FNV-1a: a stable digest (the standard library's hasher may change between
+/// releases, and versions are compared across a client's reconnections).
+fn fnv(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// One packed resource and the digest of its name and bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resource {
+    /// The resource, packed.
+    pub any: Any,
+    digest: u64,
+}
+
+impl Resource {
+    fn new<T: Message + Name>(name: &str, msg: &T) -> Self {
+        let any = pack(msg);
+        let digest = fnv(fnv(FNV_OFFSET, name.as_bytes()), &any.value);
+        Resource { any, digest }
+    }
+}
+
+/// One service's four resources.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceResources {
+    /// The weights version they were built from.
+    pub version: u64,
+    /// Digest of what, besides the version, the assignment was built from (addresses,
+    /// zones, drains), so a re-registration at a new address is noticed.
+    key: u64,
+    resources: [Resource; 4],
+}
+
+impl ServiceResources {
+    /// Builds all four resources of `service`.
+    pub fn build(
+        service: &str,
+        version: u64,
+        policy: LbPolicy,
+        endpoints: &[EndpointInput],
+    ) -> Self {
+        let key = endpoint_key(endpoints.iter().map(|e| {
+            (
+                e.node.as_str(),
+                e.address.as_str(),
+                e.zone.as_str(),
+                e.draining,
+            )
+        }));
+        ServiceResources {
+            version,
+            key,
+            resources: [
+                Resource::new(service, &listener(service)),
+                Resource::new(service, &route_configuration(service)),
+                Resource::new(service, &cluster(service, policy)),
+                Resource::new(service, &load_assignment(service, endpoints)),
+            ],
+        }
+    }
+
+    /// The resource of type `t`.
+    pub fn get(&self, t: ResourceType) -> &Resource {
+        &self.resources[t as usize]
+    }
+}
+
+/// Digest of (node, address, zone, draining) of each endpoint, in node order.
+fn endpoint_key<'a>(eps: impl Iterator<Item = (&'a str, &'a str, &'a str, bool)>) -> u64 {
+    eps.fold(FNV_OFFSET, |h, (node, address, zone, draining)| {
+        // The separators keep ("ab", "c") and ("a", "bc") apart.
+        let h = fnv(fnv(h, node.as_bytes()), &[0]);
+        let h = fnv(fnv(h, address.as_bytes()), &[0]);
+        let h = fnv(fnv(h, zone.as_bytes()), &[0]);
+        fnv(h, &[u8::from(draining)])
+    })
+}
+
+/// What a response of one type carries for one stream's subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    /// The response's `version_info`: a digest of the resources it carries.
+    pub version: String,
+    /// The resources, by name.
+    pub resources: Vec<Any>,
+}
+
+/// Every service's resources at one moment. Immutable; shared by all streams.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    services: BTreeMap<String, Arc<ServiceResources>>,
+}
+
+impl Snapshot {
+    /// A snapshot of the balancer's services. A service whose weights version,
+    /// addresses, zones and drains are those of `previous` keeps its resources from
+    /// there: weights drift a little every cycle, and only a material change (a new
+    /// version) is worth a push. Only changed services are copied out under the lock;
+    /// their resources are built after it is released, by [`Pending::finish`].
+    pub fn prepare(balancer: &Balancer, previous: &Snapshot) -> Pending {
+        let mut kept = BTreeMap::new();
+        let mut changed = Vec::new();
+        for svc in balancer.services() {
+            let key = endpoint_key(svc.endpoints.values().map(|e| {
+                (
+                    e.node.as_str(),
+                    e.address.as_str(),
+                    e.zone.as_str(),
+                    e.draining,
+                )
+            }));
+            match previous.services.get(&svc.name) {
+                Some(r) if r.version == svc.version && r.key == key => {
+                    kept.insert(svc.name.clone(), r.clone());
+                }
+                _ => changed.push(Self::copy(svc)),
+            }
+        }
+        Pending { kept, changed }
+    }
+
+    fn copy(svc: &Service) -> (String, u64, Vec<EndpointInput>) {
+        let eps = svc.endpoints.values().map(EndpointInput::of).collect();
+        (svc.name.clone(), svc.version, eps)
+    }
+
+    /// A snapshot of the given services, by name.
+    pub fn from_services(services: impl IntoIterator<Item = (String, ServiceResources)>) -> Self {
+        Snapshot {
+            services: services
+                .into_iter()
+                .map(|(n, r)| (n, Arc::new(r)))
+                .collect(),
+        }
+    }
+
+    /// Whether both hold the same services with the same resources, by digest.
+    pub fn same_as(&self, other: &Snapshot) -> bool {
+        self.services.len() == other.services.len()
+            && self
+                .services
+                .iter()
+                .zip(&other.services)
+                .all(|((a, ra), (b, rb))| {
+                    a == b
+                        && ra
+                            .resources
+                            .iter()
+                            .zip(&rb.resources)
+                            .all(|(x, y)| x.digest == y.digest)
+                })
+    }
+
+    /// The services' names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.services.keys().map(String::as_str)
+    }
+
+    /// One service's resources.
+    pub fn service(&self, name: &str) -> Option<&ServiceResources> {
+        self.services.get(name).map(Arc::as_ref)
+    }
+
+    /// The resources of type `t` for a subscription: every service for a wildcard,
+    /// else those of the names asked that exist. Names that do not exist are left
+    /// out: for LDS and CDS that tells the client they do not exist, for RDS and EDS
+    /// its does-not-exist timer does.
+    pub fn select(&self, t: ResourceType, wildcard: bool, names: &BTreeSet<String>) -> Selection {
+        let chosen: Vec<&ServiceResources> = if wildcard {
+            self.services.values().map(Arc::as_ref).collect()
+        } else {
+            names.iter().filter_map(|n| self.service(n)).collect()
+        };
+        let digest = chosen
+            .iter()
+            .fold(FNV_OFFSET, |h, s| fnv(h, &s.get(t).digest.to_le_bytes()));
+        Selection {
+            version: format!("{digest:016x}"),
+            resources: chosen.iter().map(|s| s.get(t).any.clone()).collect(),
+        }
+    }
+}
+
+/// A snapshot half built: what could be kept, and copies of what changed.
+#[derive(Debug)]
+pub struct Pending {
+    kept: BTreeMap<String, Arc<ServiceResources>>,
+    changed: Vec<(String, u64, Vec<EndpointInput>)>,
+}
+
+impl Pending {
+    /// Builds the changed services' resources.
+    pub fn finish(self, policy: LbPolicy) -> Snapshot {
+        let mut services = self.kept;
+        for (name, version, eps) in self.changed {
+            let r = ServiceResources::build(&name, version, policy, &eps);
+            services.insert(name, Arc::new(r));
+        }
+        Snapshot { services }
+    }
+}

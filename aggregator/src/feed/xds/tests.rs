@@ -1,0 +1,813 @@
+//! Tests of the xDS feed: the resource builders, the protocol state machine, and the
+//! server over a real socket with a tonic ADS client (ACK, NACK, stale nonces, many
+//! clients, pushes on change, shutdown).
+
+use super::protocol::{StreamState, Verdict};
+use super::resources::{
+    cluster, listener, load_assignment, parse_address, route_configuration, EndpointInput,
+    ResourceType, ServiceResources, Snapshot, RING_SIZE,
+};
+use super::{LbPolicy, XdsServer};
+use crate::balance::{Balancer, Observation, Params};
+use crate::clock::Clock;
+use crate::metrics::XdsResource;
+use crate::state::State;
+use crate::store::file::FileStore;
+use envoy_types::pb::envoy::config::cluster::v3::cluster;
+use envoy_types::pb::envoy::config::core::v3::{
+    address, config_source, socket_address, HealthStatus,
+};
+use envoy_types::pb::envoy::config::endpoint::v3::{lb_endpoint, ClusterLoadAssignment};
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::config::route::v3::{route, route_action, route_match};
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager, http_filter, HttpConnectionManager,
+};
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::rpc;
+use prost::{Message, Name};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn ep(node: &str, address: &str, zone: &str, weight: f64, draining: bool) -> EndpointInput {
+    EndpointInput {
+        node: node.to_string(),
+        address: address.to_string(),
+        zone: zone.to_string(),
+        weight,
+        draining,
+    }
+}
+
+fn names(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn set(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// (zone, ip, port, weight, health) of every endpoint, in order.
+fn flatten(cla: &ClusterLoadAssignment) -> Vec<(String, String, u32, u32, i32)> {
+    let mut out = Vec::new();
+    for loc in &cla.endpoints {
+        let zone = loc
+            .locality
+            .as_ref()
+            .map(|l| l.zone.clone())
+            .unwrap_or_default();
+        for lb in &loc.lb_endpoints {
+            let Some(lb_endpoint::HostIdentifier::Endpoint(e)) = &lb.host_identifier else {
+                panic!("endpoint without an address: {lb:?}");
+            };
+            let Some(address::Address::SocketAddress(sa)) =
+                e.address.as_ref().and_then(|a| a.address.as_ref())
+            else {
+                panic!("not a socket address: {e:?}");
+            };
+            let Some(socket_address::PortSpecifier::PortValue(port)) = sa.port_specifier else {
+                panic!("no port: {sa:?}");
+            };
+            let weight = lb.load_balancing_weight.map(|w| w.value).unwrap_or(0);
+            out.push((
+                zone.clone(),
+                sa.address.clone(),
+                port,
+                weight,
+                lb.health_status,
+            ));
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------
+// Resource builders
+
+#[test]
+fn zones_become_localities_and_weights_follow_the_envoy_scale() {
+    let cla = load_assignment(
+        "web",
+        &[
+            ep("n1", "10.0.0.1:80", "a", 0.5, false),
+            ep("n2", "10.0.0.2:80", "b", 2.0, false),
+            ep("n3", "10.0.0.3:81", "a", 1.0, false),
+            ep("n4", "10.0.0.4:80", "", 1.0, false),
+        ],
+    );
+    assert_eq!(cla.cluster_name, "web");
+    let zones: Vec<&str> = cla
+        .endpoints
+        .iter()
+        .map(|l| l.locality.as_ref().map_or("?", |l| l.zone.as_str()))
+        .collect();
+    assert_eq!(zones, ["", "a", "b"], "one locality per zone");
+    for loc in &cla.endpoints {
+        assert_eq!(loc.load_balancing_weight.map(|w| w.value), Some(1));
+        assert_eq!(loc.priority, 0);
+    }
+    let healthy = HealthStatus::Healthy as i32;
+    assert_eq!(
+        flatten(&cla),
+        vec![
+            ("".into(), "10.0.0.4".into(), 80, 1000, healthy),
+            ("a".into(), "10.0.0.1".into(), 80, 500, healthy),
+            ("a".into(), "10.0.0.3".into(), 81, 1000, healthy),
+            ("b".into(), "10.0.0.2".into(), 80, 2000, healthy),
+        ]
+    );
+}
+
+#[test]
+fn draining_endpoints_are_draining_with_the_minimum_weight() {
+    let cla = load_assignment(
+        "web",
+        &[
+            ep("n1", "10.0.0.1:80", "a", 0.0, true),
+            ep("n2", "10.0.0.2:80", "a", 1.0, false),
+        ],
+    );
+    let eps = flatten(&cla);
+    // xDS forbids weight 0: the health status carries the drain.
+    assert_eq!(eps[0].3, 1);
+    assert_eq!(eps[0].4, HealthStatus::Draining as i32);
+    assert_eq!(eps[1].4, HealthStatus::Healthy as i32);
+}
+
+#[test]
+fn endpoints_without_an_ip_address_are_left_out() {
+    let cla = load_assignment(
+        "web",
+        &[
+            ep("n1", "db.example:80", "", 1.0, false),
+            ep("n2", "10.0.0.2", "", 1.0, false),
+            ep("n3", "[::1]:8080", "", 1.0, false),
+            ep("n4", "10.0.0.4:99999", "", 1.0, false),
+        ],
+    );
+    let eps = flatten(&cla);
+    assert_eq!(eps.len(), 1, "{eps:?}");
+    assert_eq!((eps[0].1.as_str(), eps[0].2), ("::1", 8080));
+}
+
+#[test]
+fn addresses_parse_as_ip_and_port() {
+    assert_eq!(
+        parse_address("127.0.0.1:50051"),
+        Some(("127.0.0.1".parse().expect("ip"), 50051))
+    );
+    assert_eq!(
+        parse_address("[fe80::1]:1"),
+        Some(("fe80::1".parse().expect("ip"), 1))
+    );
+    for bad in [
+        "",
+        ":",
+        "host:80",
+        "1.2.3.4",
+        "1.2.3.4:x",
+        "1.2.3.4:65536",
+        "[::1:80",
+    ] {
+        assert_eq!(parse_address(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn the_listener_fetches_its_route_over_ads_and_ends_with_the_router() {
+    let l = listener("web");
+    assert_eq!(l.name, "web");
+    let any = l
+        .api_listener
+        .and_then(|a| a.api_listener)
+        .expect("an api_listener");
+    assert_eq!(any.type_url, HttpConnectionManager::type_url());
+    let hcm = HttpConnectionManager::decode(any.value.as_slice()).expect("decodes");
+    let Some(http_connection_manager::RouteSpecifier::Rds(rds)) = hcm.route_specifier else {
+        panic!("no RDS: {hcm:?}");
+    };
+    assert_eq!(rds.route_config_name, "web");
+    let src = rds.config_source.expect("config source");
+    assert!(matches!(
+        src.config_source_specifier,
+        Some(config_source::ConfigSourceSpecifier::Ads(_))
+    ));
+    let last = hcm.http_filters.last().expect("an HTTP filter");
+    let Some(http_filter::ConfigType::TypedConfig(cfg)) = &last.config_type else {
+        panic!("router without typed config");
+    };
+    assert_eq!(cfg.type_url, Router::type_url());
+}
+
+#[test]
+fn the_route_sends_every_call_to_the_cluster_without_a_hash_policy() {
+    let rc = route_configuration("web");
+    assert_eq!(rc.name, "web");
+    assert_eq!(rc.virtual_hosts.len(), 1);
+    let vh = &rc.virtual_hosts[0];
+    assert_eq!(vh.domains, ["*"]);
+    assert_eq!(vh.routes.len(), 1);
+    let r = &vh.routes[0];
+    assert_eq!(
+        r.r#match.as_ref().and_then(|m| m.path_specifier.clone()),
+        Some(route_match::PathSpecifier::Prefix(String::new()))
+    );
+    let Some(route::Action::Route(action)) = &r.action else {
+        panic!("not a route action");
+    };
+    assert_eq!(
+        action.cluster_specifier,
+        Some(route_action::ClusterSpecifier::Cluster("web".into()))
+    );
+    // A hash policy would pin calls to endpoints; none gives each call a random hash.
+    assert!(action.hash_policy.is_empty());
+}
+
+#[test]
+fn clusters_use_eds_over_ads_with_the_configured_policy() {
+    let c = cluster("web", LbPolicy::RingHash);
+    assert_eq!(c.name, "web");
+    assert_eq!(
+        c.cluster_discovery_type,
+        Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::Eds as i32
+        ))
+    );
+    let eds = c.eds_cluster_config.expect("EDS config");
+    assert_eq!(eds.service_name, "web");
+    assert!(matches!(
+        eds.eds_config.and_then(|s| s.config_source_specifier),
+        Some(config_source::ConfigSourceSpecifier::Ads(_))
+    ));
+    assert_eq!(c.lb_policy, cluster::LbPolicy::RingHash as i32);
+    let Some(cluster::LbConfig::RingHashLbConfig(rh)) = c.lb_config else {
+        panic!("no ring hash config");
+    };
+    assert_eq!(rh.minimum_ring_size.map(|v| v.value), Some(RING_SIZE));
+    let rr = cluster("web", LbPolicy::RoundRobin);
+    assert_eq!(rr.lb_policy, cluster::LbPolicy::RoundRobin as i32);
+    assert!(rr.lb_config.is_none());
+    let lr = cluster("web", LbPolicy::LeastRequest);
+    assert_eq!(lr.lb_policy, cluster::LbPolicy::LeastRequest as i32);
+}
+
+#[test]
+fn lb_policy_reads_from_the_config_file() {
+    let cfg = crate::config::Config::parse(
+        "xds = \"127.0.0.1:7402\"\nxds_lb_policy = \"least_request\"\n",
+        "t",
+    )
+    .expect("parses");
+    assert_eq!(cfg.xds, Some("127.0.0.1:7402".parse().expect("addr")));
+    assert_eq!(cfg.xds_lb_policy, LbPolicy::LeastRequest);
+    let cfg = crate::config::Config::parse("", "t").expect("parses");
+    assert_eq!((cfg.xds, cfg.xds_lb_policy), (None, LbPolicy::RingHash));
+    assert!(crate::config::Config::parse("xds_lb_policy = \"maglev\"\n", "t").is_err());
+}
+
+#[test]
+fn type_urls_round_trip() {
+    for t in ResourceType::ALL {
+        assert_eq!(ResourceType::from_type_url(t.type_url()), Some(t));
+    }
+    assert_eq!(ResourceType::Listener.type_url(), Listener::type_url());
+    assert_eq!(
+        ResourceType::Route.type_url(),
+        envoy_types::pb::envoy::config::route::v3::RouteConfiguration::type_url()
+    );
+    assert_eq!(
+        ResourceType::Cluster.type_url(),
+        envoy_types::pb::envoy::config::cluster::v3::Cluster::type_url()
+    );
+    assert_eq!(
+        ResourceType::Endpoints.type_url(),
+        ClusterLoadAssignment::type_url()
+    );
+    assert_eq!(
+        ResourceType::from_type_url("type.googleapis.com/envoy.config.listener.v3.Listener"),
+        Some(ResourceType::Listener)
+    );
+    assert_eq!(ResourceType::from_type_url("type.googleapis.com/x.Y"), None);
+    assert_eq!(ResourceType::from_type_url(""), None);
+}
+
+fn two_services(web_weight: f64) -> Snapshot {
+    let web = ServiceResources::build(
+        "web",
+        1,
+        LbPolicy::RingHash,
+        &[
+            ep("w1", "10.0.0.1:80", "", web_weight, false),
+            ep("w2", "10.0.0.2:80", "", 1.0, false),
+        ],
+    );
+    let api = ServiceResources::build(
+        "api",
+        1,
+        LbPolicy::RingHash,
+        &[ep("a1", "10.0.1.1:80", "", 1.0, false)],
+    );
+    Snapshot::from_services([("web".to_string(), web), ("api".to_string(), api)])
+}
+
+#[test]
+fn selections_carry_what_was_asked_and_versions_follow_contents() {
+    let snap = two_services(1.0);
+    let all = snap.select(ResourceType::Listener, true, &set(&[]));
+    let got: Vec<String> = all
+        .resources
+        .iter()
+        .map(|a| Listener::decode(a.value.as_slice()).expect("listener").name)
+        .collect();
+    assert_eq!(got, ["api", "web"]);
+
+    let web = snap.select(ResourceType::Endpoints, false, &set(&["web", "nope"]));
+    assert_eq!(web.resources.len(), 1, "unknown names are left out");
+    assert_eq!(
+        snap.select(ResourceType::Endpoints, false, &set(&["nope"]))
+            .resources
+            .len(),
+        0
+    );
+
+    // The same contents have the same version; other contents another.
+    let again = two_services(1.0).select(ResourceType::Endpoints, false, &set(&["web"]));
+    assert_eq!(again.version, web.version);
+    let moved = two_services(1.5).select(ResourceType::Endpoints, false, &set(&["web"]));
+    assert_ne!(moved.version, web.version);
+    // A weight change is not a listener change.
+    assert_eq!(
+        two_services(1.5)
+            .select(ResourceType::Listener, true, &set(&[]))
+            .version,
+        all.version
+    );
+    assert!(two_services(1.0).same_as(&snap));
+    assert!(!two_services(1.5).same_as(&snap));
+}
+
+fn now_of(b: &Balancer) -> u64 {
+    // Past the grace period, so that cycles may move weights.
+    b.grace_until() + 1
+}
+
+#[test]
+fn snapshots_keep_services_whose_version_and_addresses_did_not_change() {
+    let mut b = Balancer::new(Params::default(), 0);
+    let now = now_of(&b);
+    b.register(now, "web", "w1", "127.0.0.1:1", "a")
+        .expect("register");
+    b.register(now, "web", "w2", "127.0.0.1:2", "a")
+        .expect("register");
+    b.cycle(now);
+    let v1 = b.service("web").expect("web").version;
+    let s1 = Snapshot::prepare(&b, &Snapshot::default()).finish(LbPolicy::RingHash);
+    assert_eq!(s1.service("web").map(|s| s.version), Some(v1));
+
+    let s2 = Snapshot::prepare(&b, &s1).finish(LbPolicy::RingHash);
+    assert!(s2.same_as(&s1));
+    assert!(std::ptr::eq(
+        s1.service("web").expect("web"),
+        s2.service("web").expect("web")
+    ));
+
+    // A re-registration at a new address changes no weight but must reach clients.
+    b.register(now, "web", "w2", "127.0.0.1:3", "a")
+        .expect("register");
+    let s3 = Snapshot::prepare(&b, &s2).finish(LbPolicy::RingHash);
+    assert!(!s3.same_as(&s2));
+
+    // A drain bumps the version: a new assignment with the endpoint DRAINING.
+    let obs = Observation {
+        draining: true,
+        ..Observation::default()
+    };
+    b.observe(now, "web", "w1", obs).expect("observe");
+    b.cycle(now + 1);
+    assert!(b.service("web").expect("web").version > v1);
+    let s4 = Snapshot::prepare(&b, &s3).finish(LbPolicy::RingHash);
+    let sel = s4.select(ResourceType::Endpoints, false, &set(&["web"]));
+    let cla = ClusterLoadAssignment::decode(sel.resources[0].value.as_slice()).expect("cla");
+    let health: Vec<i32> = flatten(&cla).iter().map(|e| e.4).collect();
+    assert_eq!(
+        health,
+        [HealthStatus::Draining as i32, HealthStatus::Healthy as i32]
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Protocol state machine
+
+const EDS: ResourceType = ResourceType::Endpoints;
+
+#[test]
+fn first_request_subscribes_and_an_ack_records_the_version() {
+    let mut s = StreamState::new();
+    assert!(!s.should_send(EDS, "v1"), "nothing subscribed yet");
+    assert_eq!(
+        s.on_request(EDS, &names(&["web"]), "", None),
+        Verdict::Subscribe
+    );
+    assert!(s.should_send(EDS, "v1"));
+    let n1 = s.record_sent(EDS, "v1");
+    assert!(!s.should_send(EDS, "v1"), "already sent");
+    assert_eq!(
+        s.on_request(EDS, &names(&["web"]), &n1, None),
+        Verdict::Ack {
+            version: "v1".into()
+        }
+    );
+    let st = s.get(EDS).expect("state");
+    assert_eq!(st.acked.as_deref(), Some("v1"));
+    assert_eq!(st.subscription.names, set(&["web"]));
+    assert!(
+        !s.should_send(EDS, "v1"),
+        "an ACK of the same contents asks for nothing"
+    );
+    assert!(s.should_send(EDS, "v2"), "new contents are pushed");
+}
+
+#[test]
+fn a_nack_keeps_the_acked_version_and_the_rejected_one_is_not_resent() {
+    let mut s = StreamState::new();
+    s.on_request(EDS, &names(&["web"]), "", None);
+    let n1 = s.record_sent(EDS, "v1");
+    s.on_request(EDS, &names(&["web"]), &n1, None);
+    let n2 = s.record_sent(EDS, "v2");
+    assert_eq!(
+        s.on_request(EDS, &names(&["web"]), &n2, Some("bad weight")),
+        Verdict::Nack {
+            version: "v2".into(),
+            message: "bad weight".into()
+        }
+    );
+    let st = s.get(EDS).expect("state");
+    assert_eq!(st.acked.as_deref(), Some("v1"));
+    assert_eq!(st.nacked.as_deref(), Some("v2"));
+    assert!(
+        !s.should_send(EDS, "v2"),
+        "the rejected contents are not sent again"
+    );
+    assert!(s.should_send(EDS, "v3"), "changed contents are");
+    let n3 = s.record_sent(EDS, "v3");
+    s.on_request(EDS, &names(&["web"]), &n3, None);
+    let st = s.get(EDS).expect("state");
+    assert_eq!(
+        (st.acked.as_deref(), st.nacked.as_deref()),
+        (Some("v3"), None)
+    );
+}
+
+#[test]
+fn stale_nonces_are_ignored_whole() {
+    let mut s = StreamState::new();
+    s.on_request(EDS, &names(&["web"]), "", None);
+    let n1 = s.record_sent(EDS, "v1");
+    let _n2 = s.record_sent(EDS, "v2");
+    assert_eq!(
+        s.on_request(EDS, &names(&["web", "api"]), &n1, Some("late")),
+        Verdict::Stale
+    );
+    assert_eq!(
+        s.on_request(EDS, &names(&["web"]), "no-such-nonce", None),
+        Verdict::Stale
+    );
+    let st = s.get(EDS).expect("state");
+    assert_eq!(
+        st.subscription.names,
+        set(&["web"]),
+        "subscription untouched"
+    );
+    assert_eq!((st.acked.as_deref(), st.nacked.as_deref()), (None, None));
+    assert!(!s.should_send(EDS, "v2"));
+}
+
+#[test]
+fn a_changed_subscription_is_answered_even_with_the_same_contents() {
+    let mut s = StreamState::new();
+    s.on_request(EDS, &names(&["web"]), "", None);
+    let n1 = s.record_sent(EDS, "v1");
+    s.on_request(EDS, &names(&["web", "api"]), &n1, None);
+    assert!(s.should_send(EDS, "v1"));
+    let n2 = s.record_sent(EDS, "v1");
+    s.on_request(EDS, &names(&["web", "api"]), &n2, Some("nope"));
+    // Unsubscribing after a NACK is a new subscription: answered.
+    s.on_request(EDS, &names(&["api"]), &n2, None);
+    assert!(s.should_send(EDS, "v1"));
+}
+
+#[test]
+fn wildcards_follow_the_legacy_rules() {
+    let lds = ResourceType::Listener;
+    let cds = ResourceType::Cluster;
+    let mut s = StreamState::new();
+    s.on_request(lds, &[], "", None);
+    assert!(s.get(lds).expect("lds").subscription.wildcard);
+    let n = s.record_sent(lds, "v1");
+    s.on_request(lds, &[], &n, None);
+    assert!(
+        s.get(lds).expect("lds").subscription.wildcard,
+        "an empty list keeps a wildcard"
+    );
+
+    s.on_request(cds, &names(&["web"]), "", None);
+    assert!(!s.get(cds).expect("cds").subscription.wildcard);
+    let n = s.record_sent(cds, "v1");
+    s.on_request(cds, &[], &n, None);
+    let sub = &s.get(cds).expect("cds").subscription;
+    assert!(
+        !sub.wildcard && sub.names.is_empty(),
+        "emptied names unsubscribe"
+    );
+    let n = s.record_sent(cds, "v2");
+    s.on_request(cds, &names(&["*", "web"]), &n, None);
+    let sub = &s.get(cds).expect("cds").subscription;
+    assert!(sub.wildcard && sub.names == set(&["web"]));
+
+    // RDS and EDS have no wildcard.
+    s.on_request(EDS, &[], "", None);
+    assert!(!s.get(EDS).expect("eds").subscription.wildcard);
+}
+
+#[test]
+fn a_first_request_with_a_foreign_nonce_still_subscribes() {
+    let mut s = StreamState::new();
+    assert_eq!(
+        s.on_request(EDS, &names(&["web"]), "42", None),
+        Verdict::Subscribe
+    );
+    assert!(s.should_send(EDS, "v1"));
+}
+
+#[test]
+fn nonces_are_unique_across_types() {
+    let mut s = StreamState::new();
+    let mut seen = BTreeSet::new();
+    for t in ResourceType::ALL {
+        s.on_request(t, &[], "", None);
+        for v in ["a", "b"] {
+            assert!(seen.insert(s.record_sent(t, v)));
+        }
+    }
+    // A nonce of another type is not an answer to this one.
+    let lds_nonce = s.get(ResourceType::Listener).expect("lds").sent.clone();
+    let nonce = lds_nonce.expect("sent").nonce;
+    assert_eq!(s.on_request(EDS, &[], &nonce, None), Verdict::Stale);
+}
+
+// ---------------------------------------------------------------------------------
+// The server over a socket, with a tonic ADS client
+
+struct Harness {
+    state: Arc<State>,
+    server: XdsServer,
+    _dir: tempfile::TempDir,
+}
+
+fn state() -> (Arc<State>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = Clock::start();
+    let params = Params {
+        grace_ms: 0,
+        ..Params::default()
+    };
+    let balancer = Balancer::new(params, clock.now());
+    let store = Arc::new(FileStore::new(dir.path().join("weights.json")));
+    (Arc::new(State::new(balancer, store, clock, 1000)), dir)
+}
+
+impl Harness {
+    async fn start(endpoints: &[(&str, &str)]) -> Harness {
+        let (state, dir) = state();
+        {
+            let now = state.clock.now();
+            let mut b = state.balancer();
+            for (node, addr) in endpoints {
+                b.register(now, "web", node, addr, "z1").expect("register");
+            }
+        }
+        state.cycle(state.clock.now());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let server = XdsServer::start(listener, state.clone(), LbPolicy::RingHash).expect("start");
+        Harness {
+            state,
+            server,
+            _dir: dir,
+        }
+    }
+
+    fn nacks(&self) -> u64 {
+        self.state
+            .metrics
+            .xds_nacks
+            .get_or_create(&XdsResource::of("endpoints"))
+            .get()
+    }
+
+    /// Drains `node` and runs a cycle, which publishes a new weights version.
+    fn drain(&self, node: &str) {
+        let now = self.state.clock.now();
+        let obs = Observation {
+            draining: true,
+            ..Observation::default()
+        };
+        self.state
+            .balancer()
+            .observe(now, "web", node, obs)
+            .expect("observe");
+        self.state.cycle(now);
+    }
+}
+
+/// One ADS stream of a test client.
+struct Client {
+    tx: tokio::sync::mpsc::Sender<DiscoveryRequest>,
+    rx: tonic::Streaming<DiscoveryResponse>,
+}
+
+impl Client {
+    async fn connect(server: &XdsServer, node: &str) -> Client {
+        let url = format!("http://{}", server.local_addr());
+        let mut client = AggregatedDiscoveryServiceClient::connect(url)
+            .await
+            .expect("connect");
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let first = DiscoveryRequest {
+            node: Some(envoy_types::pb::envoy::config::core::v3::Node {
+                id: node.to_string(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // The node goes in a request of a type not served, which must be ignored.
+        tx.send(DiscoveryRequest {
+            type_url: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".into(),
+            ..first
+        })
+        .await
+        .expect("send");
+        let rx = client
+            .stream_aggregated_resources(
+                tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
+            )
+            .await
+            .expect("stream")
+            .into_inner();
+        Client { tx, rx }
+    }
+
+    async fn send(
+        &self,
+        t: ResourceType,
+        names: &[&str],
+        version: &str,
+        nonce: &str,
+        error: Option<&str>,
+    ) {
+        let req = DiscoveryRequest {
+            version_info: version.to_string(),
+            resource_names: names.iter().map(|s| s.to_string()).collect(),
+            type_url: t.type_url().to_string(),
+            response_nonce: nonce.to_string(),
+            error_detail: error.map(|m| rpc::Status {
+                code: 3,
+                message: m.to_string(),
+                details: vec![],
+            }),
+            ..Default::default()
+        };
+        self.tx.send(req).await.expect("send");
+    }
+
+    async fn recv(&mut self) -> DiscoveryResponse {
+        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+            .await
+            .expect("a response within 5 s")
+            .expect("stream open")
+            .expect("a response")
+    }
+
+    /// Asserts that nothing arrives for a while.
+    async fn quiet(&mut self) {
+        if let Ok(got) = tokio::time::timeout(Duration::from_millis(300), self.rx.message()).await {
+            panic!("expected no response, got {got:?}");
+        }
+    }
+}
+
+fn endpoints_of(resp: &DiscoveryResponse) -> Vec<(String, String, u32, u32, i32)> {
+    assert_eq!(resp.type_url, ResourceType::Endpoints.type_url());
+    resp.resources
+        .iter()
+        .flat_map(|a| flatten(&ClusterLoadAssignment::decode(a.value.as_slice()).expect("cla")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nack_is_counted_the_client_keeps_its_version_and_the_next_one_is_served() {
+    let h = Harness::start(&[("w1", "127.0.0.1:1001"), ("w2", "127.0.0.1:1002")]).await;
+    let mut a = Client::connect(&h.server, "client-a").await;
+    let mut b = Client::connect(&h.server, "client-b").await;
+
+    // A subscribes to an existing and an unknown name: the answer has the one.
+    a.send(EDS, &["web", "nope"], "", "", None).await;
+    let r1 = a.recv().await;
+    assert_eq!(r1.resources.len(), 1);
+    let eps = endpoints_of(&r1);
+    assert_eq!(eps.len(), 2);
+    assert!(eps
+        .iter()
+        .all(|e| e.4 == HealthStatus::Healthy as i32 && e.3 == 1000));
+    // B, with its own subscription, ACKs.
+    b.send(EDS, &["web"], "", "", None).await;
+    let rb = b.recv().await;
+    assert_eq!(
+        rb.version_info, r1.version_info,
+        "same contents, same version"
+    );
+    b.send(EDS, &["web"], &rb.version_info, &rb.nonce, None)
+        .await;
+
+    // A rejects: counted, and the same contents are not sent again.
+    assert_eq!(h.nacks(), 0);
+    a.send(
+        EDS,
+        &["web", "nope"],
+        "",
+        &r1.nonce,
+        Some("weights look wrong"),
+    )
+    .await;
+    a.quiet().await;
+    assert_eq!(h.nacks(), 1);
+    // A stale or garbled request changes nothing and breaks nothing.
+    a.send(EDS, &["other"], "", "not-a-nonce", Some("stale"))
+        .await;
+    a.send(ResourceType::Route, &[], "", "", None).await;
+    let routes = a.recv().await;
+    assert!(routes.resources.is_empty(), "RDS has no wildcard");
+    assert_eq!(h.nacks(), 1);
+
+    // Garbage of a valid shape: no type, odd names, an error without a nonce.
+    let junk = DiscoveryRequest {
+        resource_names: vec!["\0\u{ffff}".repeat(3); 1000],
+        error_detail: Some(rpc::Status::default()),
+        ..Default::default()
+    };
+    a.tx.send(junk).await.expect("send");
+    a.send(EDS, &["web"], "", "", Some("no nonce")).await;
+    let again = a.recv().await;
+    assert_eq!(
+        again.version_info, r1.version_info,
+        "a resubscription is answered"
+    );
+    a.send(EDS, &["web", "nope"], "", &again.nonce, None).await;
+    let back = a.recv().await;
+    assert_eq!(back.version_info, r1.version_info);
+    assert_eq!(h.nacks(), 1, "an error without a nonce answers nothing");
+
+    // The weights change: both clients get the new version.
+    h.drain("w1");
+    let r2 = a.recv().await;
+    assert_ne!(r2.version_info, r1.version_info);
+    let eps = endpoints_of(&r2);
+    assert_eq!(eps[0].4, HealthStatus::Draining as i32, "{eps:?}");
+    assert_eq!(eps[1].4, HealthStatus::Healthy as i32);
+    let rb2 = b.recv().await;
+    assert_eq!(rb2.version_info, r2.version_info);
+    a.send(EDS, &["web", "nope"], &r2.version_info, &r2.nonce, None)
+        .await;
+    a.quiet().await;
+    assert_eq!(h.nacks(), 1);
+
+    // Wildcard LDS on the same stream; the server is alive and answers.
+    a.send(ResourceType::Listener, &[], "", "", None).await;
+    let l = a.recv().await;
+    assert_eq!(l.resources.len(), 1);
+    let pushes = h
+        .state
+        .metrics
+        .xds_pushes
+        .get_or_create(&XdsResource::of("endpoints"))
+        .get();
+    assert_eq!(pushes, 6, "r1, rb, again, back, r2, rb2");
+    assert!(h
+        .state
+        .metrics
+        .encode()
+        .contains("ballast_xds_nacks_total{resource=\"endpoints\"} 1"));
+
+    // Shutdown ends the streams promptly.
+    let started = std::time::Instant::now();
+    h.server.stop().await;
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let end = tokio::time::timeout(Duration::from_secs(3), a.rx.message())
+        .await
+        .expect("the stream ends");
+    assert!(!matches!(end, Ok(Some(_))), "{end:?}");
+}

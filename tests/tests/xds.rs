@@ -1,0 +1,415 @@
+//! Scenario: a proxyless gRPC client splits its calls by the weights the aggregator
+//! publishes over xDS.
+//!
+//! A real aggregator serves ADS (RING_HASH clusters, its default). Three real gRPC
+//! backends (Python grpcio servers that answer with their names) each have a real
+//! `ballast-agent` registering the backend's address, with synthetic speeds 0.6, 1.0
+//! and 1.6, so the converged weights differ about threefold. A Python grpcio client
+//! with `GRPC_XDS_BOOTSTRAP` pointing at the aggregator calls `xds:///grpcsvc` and
+//! counts the calls per backend:
+//!
+//! 1. each backend's share of 3000 calls is within 0.05 of its weight's share
+//!    (`envoy / Σ envoy` from `/v1/services/grpcsvc/weights`, averaged over the round);
+//! 2. after `ballast-agent drain`, the drained backend gets no call, and the other two
+//!    split by their weights again;
+//! 3. the client accepted every resource: no NACK was counted.
+//!
+//! Needs `python3` with `grpcio` (`pip install grpcio`); the test fails, naming the
+//! package, when it is missing.
+
+use ballast_tests::*;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const SERVICE: &str = "grpcsvc";
+const SPEEDS: [f64; 3] = [0.6, 1.0, 1.6];
+/// Calls per measured round.
+const CALLS: u32 = 3000;
+/// How far a backend's share of the calls may be from its weight's share. Ring hash
+/// with 4096 entries places each share to about 1 %, 3000 calls sample it to about
+/// 1 %, and weights drift a little during a round.
+const TOLERANCE: f64 = 0.05;
+
+/// A Python process with piped standard input and output, killed on drop. Closing its
+/// standard input also ends it, so it cannot outlive the test by much.
+struct Python {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    stderr: PathBuf,
+    what: String,
+}
+
+impl Python {
+    fn spawn(script: &str, args: &[&str], env: &[(&str, &Path)], dir: &Path) -> Python {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("xds")
+            .join(script);
+        let stderr = dir.join(format!("{script}.stderr"));
+        let mut cmd = Command::new("python3");
+        cmd.arg(&path)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+            // No proxy may capture the loopback connections.
+            .env_remove("http_proxy")
+            .env_remove("https_proxy")
+            .env_remove("grpc_proxy")
+            .env("GRPC_VERBOSITY", "ERROR");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", path.display()));
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Python {
+            child,
+            stdin,
+            lines,
+            stderr,
+            what: script.to_string(),
+        }
+    }
+
+    fn stderr_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// The next line of output, within `timeout`; panics with its stderr otherwise.
+    fn line(&mut self, timeout: Duration) -> String {
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => line,
+            Err(e) => {
+                let status = self.child.try_wait().ok().flatten();
+                panic!(
+                    "{}: no output within {timeout:?} ({e}; exit status {status:?}); stderr:\n{}",
+                    self.what,
+                    self.stderr_tail()
+                )
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        writeln!(stdin, "{line}")
+            .and_then(|_| stdin.flush())
+            .unwrap_or_else(|e| {
+                panic!("{}: write: {e}; stderr:\n{}", self.what, self.stderr_tail())
+            });
+    }
+}
+
+impl Drop for Python {
+    fn drop(&mut self) {
+        self.stdin.take();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Fails, naming the package, unless `python3` can import grpc.
+fn require_grpcio() {
+    let out = Command::new("python3")
+        .args(["-c", "import grpc; print(grpc.__version__)"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => panic!(
+            "the xDS test needs the Python package grpcio: `python3 -c 'import grpc'` failed. \
+             Install it with `pip install grpcio`.\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => panic!(
+            "the xDS test needs python3 with the package grpcio (`pip install grpcio`): \
+             cannot run python3: {e}"
+        ),
+    }
+}
+
+/// What one round of calls gave.
+#[derive(Debug, serde::Deserialize)]
+struct Round {
+    sent: u32,
+    counts: BTreeMap<String, u32>,
+    errors: BTreeMap<String, u32>,
+    seconds: f64,
+}
+
+/// Each node's share of the weight, `envoy / Σ envoy` over the endpoints not
+/// draining (a draining endpoint's share is 0).
+fn weight_shares(w: &WeightSet) -> BTreeMap<String, f64> {
+    let total: f64 = w
+        .weights
+        .values()
+        .filter(|e| !e.draining)
+        .map(|e| f64::from(e.envoy))
+        .sum();
+    w.weights
+        .iter()
+        .map(|(node, e)| {
+            let share = if e.draining || total == 0.0 {
+                0.0
+            } else {
+                f64::from(e.envoy) / total
+            };
+            (node.clone(), share)
+        })
+        .collect()
+}
+
+/// Runs a round of `calls` calls while sampling the published weights every 100 ms;
+/// returns the round and the weights' shares averaged over it.
+fn measured_round(
+    agg: &Aggregator,
+    client: &mut Python,
+    calls: u32,
+) -> (Round, BTreeMap<String, f64>, Vec<u64>) {
+    let running = AtomicBool::new(true);
+    let http = agg.http_addr();
+    std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let http_client = reqwest::blocking::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .no_proxy()
+                .build()
+                .expect("HTTP client");
+            let url = format!("http://{http}/v1/services/{SERVICE}/weights");
+            let mut samples: Vec<WeightSet> = Vec::new();
+            loop {
+                let w: WeightSet = http_client
+                    .get(&url)
+                    .send()
+                    .and_then(|r| r.json())
+                    .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+                samples.push(w);
+                if !running.load(Ordering::Relaxed) {
+                    return samples;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        client.send(&format!("round {calls} 30"));
+        let line = client.line(Duration::from_secs(40));
+        running.store(false, Ordering::Relaxed);
+        let samples = sampler.join().expect("sampler");
+        let round: Round =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("client said {line:?}: {e}"));
+        let mut avg: BTreeMap<String, f64> = BTreeMap::new();
+        for w in &samples {
+            for (node, share) in weight_shares(w) {
+                *avg.entry(node).or_default() += share / samples.len() as f64;
+            }
+        }
+        let versions = samples.iter().map(|w| w.version).collect();
+        (round, avg, versions)
+    })
+}
+
+/// Each backend's share of the calls against its weight's share; returns the table
+/// for the failure message and the largest difference.
+fn compare(round: &Round, expected: &BTreeMap<String, f64>) -> (String, f64) {
+    let total: u32 = round.counts.values().sum();
+    let mut table = String::new();
+    let mut worst: f64 = 0.0;
+    for (node, want) in expected {
+        let got = f64::from(round.counts.get(node).copied().unwrap_or(0)) / f64::from(total);
+        worst = worst.max((got - want).abs());
+        table.push_str(&format!(
+            "  {node}: calls {got:.3}, weights {want:.3}, diff {:+.3}\n",
+            got - want
+        ));
+    }
+    for node in round.counts.keys().filter(|n| !expected.contains_key(*n)) {
+        table.push_str(&format!("  {node}: answered but is not an endpoint!\n"));
+        worst = 1.0;
+    }
+    (table, worst)
+}
+
+#[test]
+fn proxyless_grpc_splits_calls_by_the_published_weights() {
+    require_grpcio();
+    let dir = tempfile::Builder::new()
+        .prefix("ballast-xds-")
+        .tempdir()
+        .expect("temporary directory");
+
+    let pki = Pki::new();
+    let agg = Aggregator::start(
+        &pki,
+        AggregatorOpts {
+            xds: true,
+            ..AggregatorOpts::default()
+                .cycle_ms(300)
+                .report_interval_ms(300)
+                .grace_ms(1000)
+        },
+    );
+    let xds = agg.xds_addr();
+
+    // The backends, then an agent for each that registers the backend's address.
+    let nodes: Vec<String> = (0..SPEEDS.len())
+        .map(|i| format!("{SERVICE}-{i}"))
+        .collect();
+    let node_refs: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let mut backends = Python::spawn("backends.py", &node_refs, &[], dir.path());
+    let line = backends.line(Duration::from_secs(20));
+    let backend_ports: BTreeMap<String, u16> =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("backends said {line:?}: {e}"));
+    pki.issue_nodes(&node_refs);
+    let agents: Vec<Agent> = nodes
+        .iter()
+        .zip(SPEEDS)
+        .enumerate()
+        .map(|(i, (node, speed))| {
+            let mut opts = AgentOpts::new(SERVICE, node).speed(speed).seed(i as u64);
+            opts.address = Some(format!("127.0.0.1:{}", backend_ports[node]));
+            Agent::start(&pki, &agg, opts)
+        })
+        .collect();
+    for a in &agents {
+        a.wait_weight(Duration::from_secs(15));
+    }
+
+    // Let the controllers converge: the weights then sit near the speeds' ratios.
+    let weights = wait_for(Duration::from_secs(40), "weights to converge", || {
+        let d = agg.service(SERVICE);
+        let w = agg.weights(SERVICE);
+        let updates = d.updates().count();
+        let last = d
+            .history
+            .last()
+            .map_or(f64::INFINITY, |h| h.spread.max_over_avg);
+        let shares = weight_shares(&w);
+        let spread = shares.values().cloned().fold(0.0, f64::max)
+            - shares.values().cloned().fold(1.0, f64::min);
+        if w.weights.len() == SPEEDS.len() && updates >= 10 && last <= 1.08 && spread >= 0.15 {
+            Ok(w)
+        } else {
+            Err(format!(
+                "{updates} updates, max/avg {}, shares {shares:?}",
+                d.recent_max_over_avg(5)
+            ))
+        }
+    });
+    eprintln!("converged weights: {:?}", weight_shares(&weights));
+
+    // The client, bootstrapped to the aggregator's ADS server.
+    let bootstrap = dir.path().join("bootstrap.json");
+    let doc = serde_json::json!({
+        "xds_servers": [{
+            "server_uri": xds.to_string(),
+            "channel_creds": [{"type": "insecure"}],
+            "server_features": ["xds_v3"],
+        }],
+        "node": {"id": "xds-test-client", "locality": {"zone": "test"}},
+    });
+    std::fs::write(&bootstrap, doc.to_string()).expect("write bootstrap");
+    let target = format!("xds:///{SERVICE}");
+    let mut client = Python::spawn(
+        "client.py",
+        &[&target],
+        &[("GRPC_XDS_BOOTSTRAP", &bootstrap)],
+        dir.path(),
+    );
+
+    // Warm up: the first calls wait for the resources and connect the subchannels.
+    client.send("round 300 30");
+    let line = client.line(Duration::from_secs(40));
+    let warm: Round =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("client said {line:?}: {e}"));
+    assert_eq!(
+        warm.counts.values().sum::<u32>(),
+        300,
+        "warm-up calls failed: {warm:?}; aggregator log:\n{}",
+        agg.log_tail(20)
+    );
+
+    // Round 1: the split follows the weights.
+    let (r1, want1, versions1) = measured_round(&agg, &mut client, CALLS);
+    assert_eq!(r1.sent, CALLS, "round 1 ran out of time: {r1:?}");
+    assert!(r1.errors.is_empty(), "round 1 had errors: {r1:?}");
+    let (table1, worst1) = compare(&r1, &want1);
+    eprintln!(
+        "round 1: {CALLS} calls in {:.1} s, weight versions {versions1:?}\n{table1}",
+        r1.seconds
+    );
+    assert!(
+        worst1 <= TOLERANCE,
+        "round 1: the split is off the weights by {worst1:.3} > {TOLERANCE}:\n{table1}"
+    );
+
+    // Round 2: drain the heaviest backend; its share must fall to nothing.
+    let drained = &nodes[SPEEDS.len() - 1];
+    let pushes_before = agg.counter("ballast_xds_pushes_total", &[("resource", "endpoints")]);
+    agents[SPEEDS.len() - 1].drain();
+    wait_for(Duration::from_secs(10), "the drain to be published", || {
+        let w = agg.weights(SERVICE);
+        if w.weights.get(drained).is_some_and(|e| e.draining) {
+            Ok(())
+        } else {
+            Err(format!("{:?}", w.weights.get(drained)))
+        }
+    });
+    wait_for(
+        Duration::from_secs(5),
+        "an EDS push after the drain",
+        || {
+            let now = agg.counter("ballast_xds_pushes_total", &[("resource", "endpoints")]);
+            if now > pushes_before {
+                Ok(())
+            } else {
+                Err(format!("{now} pushes"))
+            }
+        },
+    );
+    // The push is on its way to the client; give it a moment to apply.
+    std::thread::sleep(Duration::from_millis(500));
+    let (r2, want2, versions2) = measured_round(&agg, &mut client, CALLS);
+    assert_eq!(r2.sent, CALLS, "round 2 ran out of time: {r2:?}");
+    assert!(r2.errors.is_empty(), "round 2 had errors: {r2:?}");
+    let (table2, worst2) = compare(&r2, &want2);
+    eprintln!(
+        "round 2 ({drained} drained): {CALLS} calls in {:.1} s, weight versions {versions2:?}\n{table2}",
+        r2.seconds
+    );
+    assert_eq!(
+        r2.counts.get(drained).copied().unwrap_or(0),
+        0,
+        "the drained backend still got calls:\n{table2}"
+    );
+    assert!(
+        worst2 <= TOLERANCE,
+        "round 2: the split is off the weights by {worst2:.3} > {TOLERANCE}:\n{table2}"
+    );
+
+    // gRPC accepted every resource it was sent.
+    let nacks = agg.counter("ballast_xds_nacks_total", &[]);
+    assert_eq!(
+        nacks,
+        0.0,
+        "the gRPC client rejected resources; log:\n{}",
+        agg.log_tail(30)
+    );
+    drop(client);
+    drop(backends);
+}
