@@ -6,19 +6,71 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-/// The embedded routing store.
+/// The routing store: the embedded file by default, etcd when `[store.etcd]` is set.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
-    /// The weights file.
+    /// The weights file (the embedded store; unused when `etcd` is set).
     pub path: PathBuf,
+    /// Keep the weights in etcd instead of the file. Needs a binary built with the
+    /// `etcd` cargo feature.
+    pub etcd: Option<EtcdConfig>,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             path: PathBuf::from("/var/lib/ballast/weights.json"),
+            etcd: None,
         }
+    }
+}
+
+/// The etcd routing store: one key per service, `<prefix>/services/<service>`, holding
+/// its snapshot as JSON.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EtcdConfig {
+    /// Client URLs of the etcd members, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Key prefix, without a trailing `/`.
+    pub prefix: String,
+    /// How long connecting to a member may take, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// How long one read or write may take, in milliseconds. A dead etcd delays a cycle
+    /// by at most this much once; later writes fail at once until it answers again.
+    pub request_timeout_ms: u64,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        EtcdConfig {
+            endpoints: vec!["http://127.0.0.1:2379".to_string()],
+            prefix: "/ballast".to_string(),
+            connect_timeout_ms: 2000,
+            request_timeout_ms: 2000,
+        }
+    }
+}
+
+impl EtcdConfig {
+    /// Checks what the types cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.endpoints.is_empty() || self.endpoints.iter().any(|e| e.trim().is_empty()) {
+            return Err("store.etcd.endpoints must name at least one endpoint".into());
+        }
+        if self.prefix.is_empty() || self.prefix.ends_with('/') {
+            return Err("store.etcd.prefix must be non-empty and must not end with '/'".into());
+        }
+        for (name, ms) in [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("request_timeout_ms", self.request_timeout_ms),
+        ] {
+            if !(100..=60_000).contains(&ms) {
+                return Err(format!("store.etcd.{name} must be between 100 and 60000"));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -96,6 +148,9 @@ impl Config {
                 return Err(format!("services: {bad:?} is not a valid service name"));
             }
         }
+        if let Some(etcd) = &self.store.etcd {
+            etcd.validate()?;
+        }
         Ok(())
     }
 }
@@ -118,5 +173,25 @@ mod tests {
         let err =
             Config::parse("[balance]\nmissing_threshold = 2.0\n", "agg.toml").expect_err("range");
         assert!(err.to_string().contains("missing_threshold"), "{err}");
+    }
+
+    #[test]
+    fn the_etcd_store_is_off_unless_configured() {
+        assert_eq!(Config::default().store.etcd, None);
+        let cfg = Config::parse(
+            "[store.etcd]\nendpoints = [\"http://10.0.0.1:2379\"]\nprefix = \"/w\"\n",
+            "t",
+        )
+        .expect("parses");
+        let etcd = cfg.store.etcd.expect("etcd configured");
+        assert_eq!(etcd.endpoints, ["http://10.0.0.1:2379"]);
+        assert_eq!(
+            (etcd.prefix.as_str(), etcd.request_timeout_ms),
+            ("/w", 2000)
+        );
+        let err = Config::parse("[store.etcd]\nprefix = \"/w/\"\n", "t").expect_err("slash");
+        assert!(err.to_string().contains("store.etcd.prefix"), "{err}");
+        let err = Config::parse("[store.etcd]\nendpoints = []\n", "t").expect_err("empty");
+        assert!(err.to_string().contains("store.etcd.endpoints"), "{err}");
     }
 }

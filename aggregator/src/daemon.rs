@@ -54,13 +54,17 @@ pub fn load_tls(cfg: &Config) -> Result<(Identity, Vec<CertificateDer<'static>>)
 }
 
 impl Daemon {
-    /// Starts everything with the file store from `cfg`.
+    /// Starts everything with the routing store from `cfg`: etcd if `[store.etcd]` is
+    /// set, else the file.
     pub async fn start(
         cfg: &Config,
         identity: Identity,
         client_ca: &[CertificateDer<'static>],
     ) -> Result<Daemon, DaemonError> {
-        let store = Arc::new(FileStore::new(cfg.store.path.clone()));
+        let store: Arc<dyn RoutingStore> = match &cfg.store.etcd {
+            Some(etcd) => etcd_store(etcd)?,
+            None => Arc::new(FileStore::new(cfg.store.path.clone())),
+        };
         Self::start_with_store(cfg, identity, client_ca, store).await
     }
 
@@ -163,6 +167,20 @@ impl Daemon {
         }
         self.endpoint.wait_idle().await;
     }
+}
+
+#[cfg(feature = "etcd")]
+fn etcd_store(cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>, DaemonError> {
+    Ok(Arc::new(crate::store::etcd::EtcdStore::connect(cfg)?))
+}
+
+#[cfg(not(feature = "etcd"))]
+fn etcd_store(_cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>, DaemonError> {
+    Err(DaemonError::Store(StoreError::Backend(
+        "an etcd routing store is configured, but this ballast-aggregator was built without \
+         the etcd feature (build with `--features ballast-aggregator/etcd`)"
+            .into(),
+    )))
 }
 
 async fn cycle_loop(state: Arc<State>, period: Duration) {

@@ -82,6 +82,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
         report_interval_ms: opts.cycle_ms as u32,
         store: crate::config::StoreConfig {
             path: dir.join("weights.json"),
+            etcd: None,
         },
         balance: Params {
             cycle_ms: opts.cycle_ms,

@@ -88,6 +88,13 @@ struct RunArgs {
     /// Routing store file.
     #[arg(long, env = "BALLAST_STORE")]
     store: Option<PathBuf>,
+    /// Keep weights in etcd at these endpoints (comma-separated URLs) instead of the
+    /// store file. Needs a binary built with the `etcd` feature.
+    #[arg(long, env = "BALLAST_ETCD", value_delimiter = ',')]
+    etcd: Option<Vec<String>>,
+    /// Key prefix in etcd (default /ballast); needs --etcd or [store.etcd].
+    #[arg(long, env = "BALLAST_ETCD_PREFIX")]
+    etcd_prefix: Option<String>,
     /// Balancing cycle in milliseconds.
     #[arg(long, env = "BALLAST_CYCLE_MS")]
     cycle_ms: Option<u64>,
@@ -153,7 +160,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ballast-aggregator: {}", ballast_shared::error_chain(e.as_ref()));
+            eprintln!(
+                "ballast-aggregator: {}",
+                ballast_shared::error_chain(e.as_ref())
+            );
             ExitCode::FAILURE
         }
     }
@@ -178,6 +188,19 @@ fn config(args: &RunArgs) -> Result<Config> {
     }
     if let Some(v) = &args.store {
         cfg.store.path = v.clone();
+    }
+    if let Some(endpoints) = &args.etcd {
+        cfg.store
+            .etcd
+            .get_or_insert_with(Default::default)
+            .endpoints = endpoints.clone();
+    }
+    if let Some(prefix) = &args.etcd_prefix {
+        cfg.store
+            .etcd
+            .as_mut()
+            .context("--etcd-prefix needs --etcd or a [store.etcd] table")?
+            .prefix = prefix.clone();
     }
     if let Some(v) = args.cycle_ms {
         cfg.balance.cycle_ms = v;
@@ -262,7 +285,11 @@ fn simulate(out: PathBuf, seed: u64, quick: bool, scenario: Vec<String>) -> Resu
         seed,
         out_dir: out,
         quick,
-        scenarios: if scenario.is_empty() { None } else { Some(scenario) },
+        scenarios: if scenario.is_empty() {
+            None
+        } else {
+            Some(scenario)
+        },
     };
     let summary = ballast_aggregator::simulate::run(&opts)?;
     for path in &summary.written {

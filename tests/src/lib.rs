@@ -28,6 +28,9 @@ pub use harness::aggregator::{Aggregator, AggregatorOpts};
 pub use harness::api::{
     EndpointView, ErrorBody, HistoryPoint, MetricSample, ServiceDetail, Skip, Spread, WeightSet,
 };
+pub use harness::backend::Backend;
+pub use harness::etcd::{require_etcd, Etcd, Watch, WatchEvent};
+pub use harness::haproxy::{require_haproxy, Haproxy, HaproxyOpts, ServerState};
 pub use harness::pki::Pki;
 pub use harness::process::{binary, command, run_bounded, AGENT_BIN, AGGREGATOR_BIN};
 pub use harness::quic::{client_config_without_certificate, RawClient, RawConn};

@@ -185,9 +185,20 @@ fn status_drain_and_undrain_through_the_daemon() {
         "weight 0 took {took:?}, more than two cycles and a report interval ({budget:?})"
     );
     eprintln!("drained to weight 0 in {took:?} ({})", ep.state);
-    let ws = agg.weights(SERVICE);
-    let entry = &ws.weights[&name];
-    assert!(entry.draining && entry.weight == 0.0, "{entry:?}");
+    // The published set (what feeds serve) takes the drain at the next cycle.
+    let entry = wait_for(
+        Duration::from_secs(2),
+        "the published weights show the drain",
+        || {
+            let ws = agg.weights(SERVICE);
+            let entry = ws.weights[&name].clone();
+            if entry.draining && entry.weight == 0.0 {
+                Ok(entry)
+            } else {
+                Err(format!("{entry:?}"))
+            }
+        },
+    );
     assert_eq!(entry.haproxy_percent, 0, "{entry:?}");
 
     // The others share the traffic: after a cycle, mean weight 1 among them.

@@ -104,15 +104,30 @@ async fn endpoints(
     Ok(Json(views::EndpointView::all(svc, now)))
 }
 
+/// `?watch=true` turns the weights request into a stream.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct WatchQuery {
+    /// Stream every new weight set as server-sent events.
+    #[serde(default)]
+    pub watch: bool,
+}
+
 async fn weights(
     AxState(state): AxState<Arc<State>>,
     Path(name): Path<String>,
-) -> Result<Json<views::WeightSet>, ApiError> {
-    let b = state.balancer();
-    let svc = b
-        .service(&name)
-        .ok_or_else(|| ApiError::unknown_service(&name))?;
-    Ok(Json(views::WeightSet::of(svc)))
+    Query(q): Query<WatchQuery>,
+) -> Result<Response, ApiError> {
+    let current = {
+        let b = state.balancer();
+        let svc = b
+            .service(&name)
+            .ok_or_else(|| ApiError::unknown_service(&name))?;
+        views::WeightSet::of(svc)
+    };
+    if !q.watch {
+        return Ok(Json(current).into_response());
+    }
+    Ok(crate::feed::watch::stream(state.clone(), name, current).into_response())
 }
 
 async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {

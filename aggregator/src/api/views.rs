@@ -184,24 +184,23 @@ impl WeightSet {
         WeightSet {
             service: svc.name.clone(),
             version: svc.version,
-            cycle: svc.weights_cycle,
+            cycle: svc.published_cycle(),
             weights: svc
                 .endpoints
                 .values()
                 .map(|e| {
+                    // The set as of this version; an endpoint newer than it shows live.
+                    let (weight, draining) =
+                        svc.published(&e.node).unwrap_or((e.weight, e.draining));
                     (
                         e.node.clone(),
                         WeightEntry {
                             address: e.address.clone(),
                             zone: e.zone.clone(),
-                            weight: e.weight,
-                            draining: e.draining,
-                            envoy: envoy_weight(e.weight),
-                            haproxy_percent: if e.draining {
-                                0
-                            } else {
-                                haproxy_percent(e.weight)
-                            },
+                            weight,
+                            draining,
+                            envoy: envoy_weight(weight),
+                            haproxy_percent: if draining { 0 } else { haproxy_percent(weight) },
                         },
                     )
                 })

@@ -253,6 +253,7 @@ pub struct Service {
     /// Recent cycles, newest last.
     pub history: VecDeque<HistoryPoint>,
     published: BTreeMap<String, (f64, bool)>,
+    published_cycle: u64,
 }
 
 impl Service {
@@ -267,6 +268,7 @@ impl Service {
             weights_cycle: 0,
             history: VecDeque::new(),
             published: BTreeMap::new(),
+            published_cycle: 0,
         }
     }
 
@@ -507,8 +509,21 @@ impl Service {
                 });
         if moved {
             self.published = now;
+            self.published_cycle = self.weights_cycle;
         }
         moved
+    }
+
+    /// A node's weight and drain state as of the current version: what feeds publish.
+    /// Live weights drift below the material-change threshold between versions; a
+    /// version always names one set.
+    pub fn published(&self, node: &str) -> Option<(f64, bool)> {
+        self.published.get(node).copied()
+    }
+
+    /// The cycle the current version's weights came from.
+    pub fn published_cycle(&self) -> u64 {
+        self.published_cycle
     }
 
     /// Puts restored endpoints back as they were stored. They count as missing until
@@ -530,6 +545,7 @@ impl Service {
             }
             self.endpoints.insert(node.clone(), ep);
         }
+        self.published_cycle = snapshot.cycle;
         self.published = self
             .endpoints
             .values()

@@ -29,23 +29,26 @@ pub fn stream(
     let changes = state.changes.subscribe();
     let first = event(&current);
     let seed = (state, service, changes, current.version, Some(first));
-    let events = stream::unfold(seed, |(state, service, mut changes, version, first)| async move {
-        if let Some(ev) = first {
-            return Some((Ok(ev), (state, service, changes, version, None)));
-        }
-        loop {
-            // The sender lives as long as the daemon; its end ends the stream.
-            changes.changed().await.ok()?;
-            let set = {
-                let b = state.balancer();
-                // A service that expired while watched ends the stream.
-                WeightSet::of(b.service(&service)?)
-            };
-            if set.version != version {
-                let v = set.version;
-                return Some((Ok(event(&set)), (state, service, changes, v, None)));
+    let events = stream::unfold(
+        seed,
+        |(state, service, mut changes, version, first)| async move {
+            if let Some(ev) = first {
+                return Some((Ok(ev), (state, service, changes, version, None)));
             }
-        }
-    });
+            loop {
+                // The sender lives as long as the daemon; its end ends the stream.
+                changes.changed().await.ok()?;
+                let set = {
+                    let b = state.balancer();
+                    // A service that expired while watched ends the stream.
+                    WeightSet::of(b.service(&service)?)
+                };
+                if set.version != version {
+                    let v = set.version;
+                    return Some((Ok(event(&set)), (state, service, changes, v, None)));
+                }
+            }
+        },
+    );
     Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }

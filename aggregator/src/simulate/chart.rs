@@ -1,1 +1,193 @@
-//! Charts (placeholder).
+//! SVG charts in the style of Robinhood's quantile charts: max, p95, average and p5
+//! utilization over time, one panel per strategy, and max/avg over time with every
+//! strategy on one chart.
+
+use super::{ScenarioSummary, SimError};
+use plotters::prelude::*;
+use std::path::Path;
+
+/// Values above this are drawn at it: a runaway queue (load 40 and climbing) would
+/// otherwise flatten every other line into the axis.
+pub const CLIP: f64 = 2.0;
+
+const ORANGE: RGBColor = RGBColor(230, 140, 0);
+const PALETTE: [RGBColor; 7] = [
+    RGBColor(120, 120, 120),
+    RGBColor(0, 90, 200),
+    RGBColor(200, 30, 30),
+    RGBColor(0, 150, 70),
+    RGBColor(150, 60, 170),
+    RGBColor(230, 140, 0),
+    RGBColor(0, 170, 190),
+];
+
+fn chart_err(path: &Path, e: impl std::fmt::Display) -> SimError {
+    SimError::Chart {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+fn clip(v: f64) -> f64 {
+    if v.is_finite() {
+        v.min(CLIP)
+    } else {
+        CLIP
+    }
+}
+
+/// Max, p95, average and p5 utilization (5 s trailing means) per strategy.
+pub fn quantiles(path: &Path, s: &ScenarioSummary) -> Result<(), SimError> {
+    let n = s.results.len().max(1);
+    let cols = if n <= 4 { 2 } else { 3 };
+    let rows = n.div_ceil(cols);
+    let (w, h) = (cols as u32 * 380, rows as u32 * 250 + 40);
+    let root = SVGBackend::new(path, (w, h)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| chart_err(path, e))?;
+    let title = format!(
+        "{}: load per endpoint (5 s means), max / p95 / avg / p5",
+        s.scenario.title
+    );
+    let root = root
+        .titled(&title, ("sans-serif", 18))
+        .map_err(|e| chart_err(path, e))?;
+    let cycles = s.scenario.cycles as f64;
+    let top = s
+        .results
+        .iter()
+        .flat_map(|r| r.metrics.series.max.iter().copied())
+        .fold(1.0f64, f64::max)
+        .min(CLIP)
+        * 1.05;
+    let panels = root.split_evenly((rows, cols));
+    for (panel, r) in panels.iter().zip(&s.results) {
+        let mut chart = ChartBuilder::on(panel)
+            .caption(r.label(), ("sans-serif", 14))
+            .margin(6)
+            .x_label_area_size(24)
+            .y_label_area_size(36)
+            .build_cartesian_2d(0f64..cycles, 0f64..top)
+            .map_err(|e| chart_err(path, e))?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .x_labels(6)
+            .y_labels(6)
+            .light_line_style(WHITE)
+            .draw()
+            .map_err(|e| chart_err(path, e))?;
+        if s.scenario.disturbance > 0 {
+            let x = f64::from(s.scenario.disturbance);
+            chart
+                .draw_series(LineSeries::new(
+                    vec![(x, 0.0), (x, top)],
+                    RGBColor(180, 180, 180).stroke_width(1),
+                ))
+                .map_err(|e| chart_err(path, e))?;
+        }
+        let m = &r.metrics.series;
+        for (values, color, name) in [
+            (&m.max, RED, "max"),
+            (&m.p95, ORANGE, "p95"),
+            (&m.avg, BLACK, "avg"),
+            (&m.p5, BLUE, "p5"),
+        ] {
+            let pts: Vec<(f64, f64)> = values
+                .iter()
+                .enumerate()
+                .map(|(c, v)| (c as f64 + 1.0, clip(*v)))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(|e| chart_err(path, e))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 11))
+            .draw()
+            .map_err(|e| chart_err(path, e))?;
+    }
+    root.present().map_err(|e| chart_err(path, e))
+}
+
+/// One line per strategy over time: `values(result)` gives the per-cycle values
+/// and `from` the cycle of the first value.
+fn lines(
+    path: &Path,
+    s: &ScenarioSummary,
+    title: &str,
+    y_desc: &str,
+    from: u32,
+    values: impl Fn(&super::StrategyResult) -> Vec<f64>,
+) -> Result<(), SimError> {
+    let root = SVGBackend::new(path, (760, 380)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| chart_err(path, e))?;
+    let series: Vec<Vec<f64>> = s.results.iter().map(&values).collect();
+    let top = series
+        .iter()
+        .flatten()
+        .copied()
+        .fold(1.0f64, f64::max)
+        .min(CLIP)
+        * 1.05;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 16))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(44)
+        .build_cartesian_2d(0f64..f64::from(s.scenario.cycles), 0f64..top)
+        .map_err(|e| chart_err(path, e))?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds")
+        .y_desc(y_desc)
+        .light_line_style(WHITE)
+        .draw()
+        .map_err(|e| chart_err(path, e))?;
+    for (i, (r, vals)) in s.results.iter().zip(&series).enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let pts: Vec<(f64, f64)> = vals
+            .iter()
+            .enumerate()
+            .map(|(c, v)| (f64::from(from) + c as f64 + 1.0, clip(*v)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| chart_err(path, e))?
+            .label(r.label())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 11))
+        .draw()
+        .map_err(|e| chart_err(path, e))?;
+    root.present().map_err(|e| chart_err(path, e))
+}
+
+/// Max/avg (5 s means) over time, every strategy on one chart.
+pub fn max_over_avg(path: &Path, s: &ScenarioSummary) -> Result<(), SimError> {
+    let title = format!("{}: max/avg load (5 s means)", s.scenario.title);
+    lines(path, s, &title, "max / avg", 0, |r| r.metrics.ratio.clone())
+}
+
+/// The watched endpoint's load over the average (3-cycle means) from the
+/// disturbance on, every strategy on one chart.
+pub fn watched(path: &Path, s: &ScenarioSummary, what: &str) -> Result<(), SimError> {
+    let title = format!("{}: {what} load / fleet average", s.scenario.title);
+    lines(path, s, &title, "load / avg", s.scenario.disturbance, |r| {
+        r.metrics
+            .watched
+            .as_ref()
+            .map(|w| w.curve.clone())
+            .unwrap_or_default()
+    })
+}

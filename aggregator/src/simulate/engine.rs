@@ -18,6 +18,8 @@ pub struct Recording {
     /// True load per endpoint per cycle, `max(cpu, mean in-flight / capacity)`;
     /// endpoints that have not joined yet are absent (shorter rows).
     pub load: Vec<Vec<f64>>,
+    /// CPU utilization per endpoint per cycle.
+    pub cpu: Vec<Vec<f64>>,
     /// Requests that arrived per endpoint per cycle.
     pub arrivals: Vec<Vec<u32>>,
     /// The weights in force after each cycle, for strategies that have weights.
@@ -74,12 +76,29 @@ impl LossModel {
     }
 }
 
-/// Runs `scenario` under `kind` with Ballast's `gains`.
+/// Runs `scenario` under `kind` with Ballast's `gains` (and otherwise the default
+/// parameters, without the start-up grace period).
 pub fn simulate(
     scenario: &Scenario,
     kind: StrategyKind,
     seed: u64,
     gains: PidGains,
+) -> Result<Recording, SimError> {
+    let params = Params {
+        // The fleet starts with the balancer: no restart to wait out.
+        grace_ms: 0,
+        pid: gains,
+        ..Params::default()
+    };
+    simulate_with(scenario, kind, seed, &params)
+}
+
+/// Runs `scenario` under `kind` with Ballast's parameters `params`.
+pub fn simulate_with(
+    scenario: &Scenario,
+    kind: StrategyKind,
+    seed: u64,
+    params: &Params,
 ) -> Result<Recording, SimError> {
     let mut fleet_rng = stream(seed, scenario.id, Stream::Fleet);
     let mut arrivals = stream(seed, scenario.id, Stream::Arrivals);
@@ -87,14 +106,8 @@ pub fn simulate(
     let mut reports = stream(seed, scenario.id, Stream::Reports);
 
     let mut fleet = Fleet::new(&scenario.fleet, &mut fleet_rng, &mut arrivals);
-    let params = Params {
-        // The fleet starts with the balancer: no restart to wait out.
-        grace_ms: 0,
-        pid: gains,
-        ..Params::default()
-    };
     params.validate()?;
-    let mut strategy = Strategy::new(kind, &params, fleet.endpoints.len(), 0)?;
+    let mut strategy = Strategy::new(kind, params, fleet.endpoints.len(), 0)?;
     strategy.publish(&mut fleet.clients, &mut picker);
     let mut loss = LossModel::new(scenario.loss);
     let initial_clients = fleet.clients.len();
@@ -111,6 +124,7 @@ pub fn simulate(
     let mut rec = Recording {
         kind,
         load: Vec::with_capacity(cycles),
+        cpu: Vec::with_capacity(cycles),
         arrivals: Vec::with_capacity(cycles),
         weights: Vec::with_capacity(cycles),
         skipped: Vec::with_capacity(cycles),
@@ -174,16 +188,19 @@ pub fn simulate(
 
         let end = start + CYCLE_MS;
         let mut load = Vec::with_capacity(fleet.endpoints.len());
+        let mut cpu = Vec::with_capacity(fleet.endpoints.len());
         let mut arr = Vec::with_capacity(fleet.endpoints.len());
         let (mut completions, mut errors) = (0u64, 0u64);
         for e in &mut fleet.endpoints {
-            let (l, w) = e.take_metric(end);
+            let (l, c, w) = e.take_metric(end);
             load.push(l);
+            cpu.push(c);
             arr.push(w.arrivals);
             completions += u64::from(w.completions);
             errors += u64::from(w.errors);
         }
         rec.load.push(load);
+        rec.cpu.push(cpu);
         rec.arrivals.push(arr);
         rec.completions.push(completions);
         rec.errors.push(errors);
@@ -201,4 +218,36 @@ pub fn simulate(
     rec.watched = watched;
     rec.p99_latency_ms = fleet.latency.quantile(0.99);
     Ok(rec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_model_loses_its_share_in_bursts() {
+        let mut m = LossModel::new(Loss {
+            share: 0.2,
+            mean_burst: 5.0,
+        });
+        let mut rng = stream(1, "loss", Stream::Reports);
+        let n = 200_000;
+        let (mut lost, mut bursts, mut prev) = (0, 0, true);
+        for _ in 0..n {
+            let ok = m.delivered(0, &mut rng);
+            if !ok {
+                lost += 1;
+                if prev {
+                    bursts += 1;
+                }
+            }
+            prev = ok;
+        }
+        let share = f64::from(lost) / f64::from(n);
+        let mean_burst = f64::from(lost) / f64::from(bursts);
+        assert!((share - 0.2).abs() < 0.01, "share {share}");
+        assert!((mean_burst - 5.0).abs() < 0.3, "burst {mean_burst}");
+        let mut none = LossModel::new(Loss::NONE);
+        assert!((0..1000).all(|_| none.delivered(3, &mut rng)));
+    }
 }

@@ -10,7 +10,7 @@
 //! resolved exactly by tracking virtual time, so short requests do not waste the rest
 //! of their tick.
 
-use super::random::{exponential, lognormal, normal};
+use super::random::{exponential, lognormal, normal, Alias, Normals};
 use super::scenario::FleetSpec;
 use super::strategy::{PickerState, Strategy};
 use rand::rngs::SmallRng;
@@ -200,35 +200,35 @@ impl Endpoint {
         }
         let mut left = dt;
         let mut busy = 0.0;
-        while left > 0.0 {
-            let Some(next) = self.ps.peek() else { break };
+        // Also runs with no time left, so that requests finishing exactly at the end
+        // of the tick complete in it.
+        while let Some(next) = self.ps.peek() {
             let n = self.ps.len() as f64;
             let active = n.min(self.cores);
             // Work per request per ms: each request gets at most one core.
             let rate = self.speed * active / n;
             let need = (next.finish - self.vtime).max(0.0) / rate;
-            if need <= left {
-                self.vtime = self.vtime.max(next.finish);
-                left -= need;
-                busy += active * need;
-                if let Some(job) = self.ps.pop() {
-                    let latency_ms = end_ms.saturating_sub(job.arrived_ms);
-                    self.report.completions += 1;
-                    self.metric.completions += 1;
-                    if job.error {
-                        self.report.errors += 1;
-                        self.metric.errors += 1;
-                    }
-                    done.push(Done {
-                        client: job.client,
-                        slot: job.slot,
-                        latency_ms,
-                    });
-                }
-            } else {
+            if need > left {
                 self.vtime += rate * left;
                 busy += active * left;
-                left = 0.0;
+                break;
+            }
+            self.vtime = self.vtime.max(next.finish);
+            left -= need;
+            busy += active * need;
+            if let Some(job) = self.ps.pop() {
+                let latency_ms = end_ms.saturating_sub(job.arrived_ms);
+                self.report.completions += 1;
+                self.metric.completions += 1;
+                if job.error {
+                    self.report.errors += 1;
+                    self.metric.errors += 1;
+                }
+                done.push(Done {
+                    client: job.client,
+                    slot: job.slot,
+                    latency_ms,
+                });
             }
         }
         if self.ps.is_empty() {
@@ -269,9 +269,9 @@ impl Endpoint {
     }
 
     /// Closes the cycle-aligned window at `now` and returns the true load over it,
-    /// `max(cpu, mean in-flight / capacity)`, without measurement noise, and the
-    /// window's counters.
-    pub fn take_metric(&mut self, now: u64) -> (f64, Window) {
+    /// `max(cpu, mean in-flight / capacity)`, without measurement noise, the CPU
+    /// utilization alone, and the window's counters.
+    pub fn take_metric(&mut self, now: u64) -> (f64, f64, Window) {
         let w = std::mem::replace(
             &mut self.metric,
             Window {
@@ -286,7 +286,7 @@ impl Endpoint {
         } else {
             0.0
         };
-        (cpu.max(inflight), w)
+        (cpu.max(inflight), cpu, w)
     }
 }
 
@@ -356,7 +356,8 @@ pub struct Fleet {
     pub clients: Vec<Client>,
     /// Latency of completed requests since the last reset.
     pub latency: Histogram,
-    cumulative: Vec<f64>,
+    pick_client: Alias,
+    normals: Normals,
     total_rate: f64,
     next_arrival: f64,
     done: Vec<Done>,
@@ -379,7 +380,8 @@ impl Fleet {
             endpoints,
             clients: Vec::new(),
             latency: Histogram::new(),
-            cumulative: Vec::new(),
+            pick_client: Alias::default(),
+            normals: Normals::default(),
             total_rate: 0.0,
             next_arrival: 0.0,
             done: Vec::new(),
@@ -427,16 +429,9 @@ impl Fleet {
     }
 
     fn rebuild_rates(&mut self) {
-        let mut acc = 0.0;
-        self.cumulative = self
-            .clients
-            .iter()
-            .map(|c| {
-                acc += c.rate;
-                acc
-            })
-            .collect();
-        self.total_rate = acc;
+        let rates: Vec<f64> = self.clients.iter().map(|c| c.rate).collect();
+        self.total_rate = rates.iter().sum();
+        self.pick_client = Alias::new(&rates);
     }
 
     /// Restarts the arrival process at `now` after a change of rates (it is
@@ -480,11 +475,11 @@ impl Fleet {
     ) {
         let end = now + TICK_MS;
         let mean_gap = 1.0 / self.total_rate.max(1e-12);
+        let mu = self.spec.mean_cost_ms.ln() - self.spec.cost_sigma * self.spec.cost_sigma / 2.0;
         while self.next_arrival < end as f64 {
-            let u: f64 = arrivals.gen::<f64>() * self.total_rate;
-            let c = self.cumulative.partition_point(|&x| x <= u);
-            let c = c.min(self.clients.len().saturating_sub(1));
-            let cost = lognormal(arrivals, self.spec.mean_cost_ms, self.spec.cost_sigma);
+            let c = self.pick_client.sample(arrivals);
+            // Log-normal cost, as `random::lognormal` with the spare normal kept.
+            let cost = (mu + self.spec.cost_sigma * self.normals.next(arrivals)).exp();
             self.next_arrival += exponential(arrivals, mean_gap);
             let Some(client) = self.clients.get_mut(c) else {
                 continue;

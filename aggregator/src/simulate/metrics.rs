@@ -40,9 +40,11 @@ pub struct Series {
 ///
 /// With `D_i` each endpoint's deviation from its steady load ratio in the first
 /// cycle after the disturbance, and `d_i(t)` the same deviation later (3-cycle
-/// centred mean), `a(t) = Σ D_i d_i(t) / Σ D_i²` is the share of the initial
-/// imbalance pattern still present: 1 at the disturbance, 0 when it is corrected,
-/// negative if the controller pushed past balance (overshoot).
+/// centred mean over cycles after the first), `a(t) = Σ D_i d_i(t) / S` is the share
+/// of the initial imbalance pattern still present: 1 at the disturbance, 0 when it is
+/// corrected, negative if the controller pushed past balance (overshoot). `S` is
+/// `Σ D_i²` less the energy that one cycle's noise puts into `D` (`n σ²`), so that the
+/// noise in `D`, which does not persist, does not read as a fast first step.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Transient {
     /// RMS of the initial deviations `D`.
@@ -53,10 +55,15 @@ pub struct Transient {
     pub noise: f64,
     /// Standard deviation of one endpoint's one-cycle load ratio in the steady window.
     pub cycle_noise: f64,
+    /// Largest single initial deviation.
+    pub initial_max: f64,
+    /// Whether the initial imbalance stands clearly above one cycle's noise; if not,
+    /// there was no transient and `remaining` is all 0.
+    pub significant: bool,
 }
 
 /// The endpoint a scenario watches.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Watched {
     /// Highest 3-cycle mean of its load over the average, in the first
     /// [`OVERSHOOT_HORIZON`] cycles after the disturbance.
@@ -65,6 +72,9 @@ pub struct Watched {
     pub steady_ratio: f64,
     /// Cycles until its 3-cycle mean load first reached 95 % of the average.
     pub cycles_to_reach: Option<u32>,
+    /// Its load over the average per cycle from the disturbance on (3-cycle centred
+    /// mean).
+    pub curve: Vec<f64>,
     /// Highest in-flight count at a cycle's end, from the disturbance on.
     pub peak_inflight: u32,
     /// In-flight count at the end of the run.
@@ -76,6 +86,9 @@ pub struct Watched {
 pub struct Metrics {
     /// Steady-state max/avg of per-endpoint mean load.
     pub max_over_avg: f64,
+    /// Steady-state max/avg of per-endpoint mean CPU alone (Robinhood's metric; blind
+    /// to queues).
+    pub cpu_max_over_avg: f64,
     /// Steady-state p95/avg of per-endpoint mean load.
     pub p95_over_avg: f64,
     /// Steady-state p5/avg of per-endpoint mean load.
@@ -91,6 +104,9 @@ pub struct Metrics {
     pub overshoot: Option<f64>,
     /// Noise floor of the overshoot and settling figures.
     pub transient_noise: f64,
+    /// The band settling was judged against: [`SETTLE_BAND`], or twice the noise
+    /// floor where that is wider (a lone newcomer's ratio is noisier than 5 %).
+    pub settle_band: f64,
     /// Mean weight moved per cycle in the steady window, as a share of the total
     /// weight; `None` for strategies without weights.
     pub churn: Option<f64>,
@@ -123,10 +139,15 @@ fn mean(xs: impl Iterator<Item = f64>) -> f64 {
 }
 
 /// Per cycle, each endpoint's load over the fleet average (absent endpoints: None).
-fn ratios(load: &[Vec<f64>]) -> Vec<Vec<f64>> {
+fn ratios(load: &[Vec<f64>], excluded: Option<usize>) -> Vec<Vec<f64>> {
     load.iter()
         .map(|row| {
-            let avg = mean(row.iter().copied());
+            let avg = mean(
+                row.iter()
+                    .enumerate()
+                    .filter(|(i, _)| Some(*i) != excluded)
+                    .map(|(_, l)| *l),
+            );
             row.iter()
                 .map(|&l| if avg > 0.0 { l / avg } else { 1.0 })
                 .collect()
@@ -149,8 +170,14 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
     let steady_from = (scenario.steady_from as usize).min(cycles.saturating_sub(1));
     let dist = (scenario.disturbance as usize).min(cycles.saturating_sub(1));
     let n_end = rec.load.last().map_or(0, Vec::len);
+    let excluded = if scenario.spread_excludes_watched {
+        rec.watched
+    } else {
+        None
+    };
     // Endpoints present through the whole steady window.
     let steady_set: Vec<usize> = (0..n_end)
+        .filter(|&i| Some(i) != excluded)
         .filter(|&i| rec.load[steady_from..].iter().all(|r| i < r.len()))
         .collect();
 
@@ -159,13 +186,24 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
         .filter_map(|&i| endpoint_mean(&rec.load, i, steady_from, cycles))
         .collect();
     let spread = Spread::of(&steady_means);
+    let cpu_means: Vec<f64> = steady_set
+        .iter()
+        .filter_map(|&i| endpoint_mean(&rec.cpu, i, steady_from, cycles))
+        .collect();
+    let cpu_spread = Spread::of(&cpu_means);
 
-    let (series, ratio) = chart_series(&rec.load);
+    let (series, ratio) = chart_series(&rec.load, excluded);
     let max_over_avg_5s = mean(ratio[steady_from..].iter().copied());
 
-    let rel = ratios(&rec.load);
-    let transient = transient(&rel, dist, steady_from);
-    let (settle_cycles, overshoot) = settle_and_overshoot(&transient);
+    let rel = ratios(&rec.load, excluded);
+    let transient = transient(&rel, dist, steady_from, excluded);
+    let settle_band = SETTLE_BAND.max(2.0 * transient.noise);
+    let (settle_cycles, overshoot) = if transient.significant {
+        let (s, o) = settle_and_overshoot(&transient.remaining, settle_band);
+        (s, Some(o))
+    } else {
+        (Some(0), None)
+    };
 
     let churn = churn(&rec.weights[steady_from..]);
 
@@ -192,15 +230,13 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
             let hi = (c + 2).min(cycles);
             endpoint_mean(&rel, w, lo, hi)
         };
-        let horizon = (dist + OVERSHOOT_HORIZON).min(cycles);
-        let peak_ratio = (dist..horizon).filter_map(smooth).fold(0.0f64, f64::max);
-        let cycles_to_reach = (dist..cycles)
-            .find(|&c| smooth(c).is_some_and(|r| r >= 0.95))
-            .map(|c| (c - dist) as u32);
+        let curve: Vec<f64> = (dist..cycles).map(|c| smooth(c).unwrap_or(0.0)).collect();
+        let (peak_ratio, cycles_to_reach) = peak_and_reach(&curve);
         Watched {
             peak_ratio,
             steady_ratio: endpoint_mean(&rel, w, steady_from, cycles).unwrap_or(0.0),
             cycles_to_reach,
+            curve,
             peak_inflight: rec.watched_inflight[dist..]
                 .iter()
                 .copied()
@@ -212,12 +248,14 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
 
     Metrics {
         max_over_avg: spread.max_over_avg,
+        cpu_max_over_avg: cpu_spread.max_over_avg,
         p95_over_avg: spread.p95_over_avg,
         p5_over_avg: spread.p5_over_avg,
         max_over_avg_5s,
         settle_cycles,
         overshoot,
         transient_noise: transient.noise,
+        settle_band,
         churn,
         overloaded_share: if all > 0 {
             over as f64 / all as f64
@@ -239,13 +277,14 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
 }
 
 /// Quantiles of the trailing [`CHART_WINDOW`]-cycle mean load per cycle, and max/avg.
-fn chart_series(load: &[Vec<f64>]) -> (Series, Vec<f64>) {
+fn chart_series(load: &[Vec<f64>], excluded: Option<usize>) -> (Series, Vec<f64>) {
     let mut s = Series::default();
     let mut ratio = Vec::with_capacity(load.len());
     for c in 0..load.len() {
         let from = (c + 1).saturating_sub(CHART_WINDOW);
         let n = load[c].len();
         let means: Vec<f64> = (0..n)
+            .filter(|&i| Some(i) != excluded)
             .filter_map(|i| endpoint_mean(load, i, from, c + 1))
             .collect();
         let sp = Spread::of(&means);
@@ -258,80 +297,97 @@ fn chart_series(load: &[Vec<f64>]) -> (Series, Vec<f64>) {
     (s, ratio)
 }
 
-fn transient(rel: &[Vec<f64>], dist: usize, steady_from: usize) -> Transient {
+fn transient(
+    rel: &[Vec<f64>],
+    dist: usize,
+    steady_from: usize,
+    excluded: Option<usize>,
+) -> Transient {
     let cycles = rel.len();
     if cycles == 0 || dist >= cycles {
         return Transient::default();
     }
+    let from = steady_from.max(dist);
     let n = rel[dist].len();
-    let set: Vec<usize> = (0..n).filter(|&i| i < rel[cycles - 1].len()).collect();
+    let set: Vec<usize> = (0..n)
+        .filter(|&i| i < rel[cycles - 1].len() && Some(i) != excluded)
+        .collect();
     let ss: Vec<f64> = set
         .iter()
-        .map(|&i| endpoint_mean(rel, i, steady_from.max(dist), cycles).unwrap_or(1.0))
+        .map(|&i| endpoint_mean(rel, i, from, cycles).unwrap_or(1.0))
         .collect();
+    // One endpoint's one-cycle noise, pooled over the steady window.
+    let cycle_noise = mean(set.iter().zip(&ss).flat_map(|(&i, s)| {
+        rel[from..]
+            .iter()
+            .filter_map(move |r| r.get(i).map(|x| (x - s) * (x - s)))
+    }))
+    .sqrt();
     let d0: Vec<f64> = set
         .iter()
         .zip(&ss)
         .map(|(&i, s)| rel[dist][i] - s)
         .collect();
-    let norm: f64 = d0.iter().map(|d| d * d).sum();
-    let initial_rms = (norm / d0.len().max(1) as f64).sqrt();
+    let raw: f64 = d0.iter().map(|d| d * d).sum();
+    let noise_energy = set.len() as f64 * cycle_noise * cycle_noise;
+    let signal = raw - noise_energy;
+    let initial_rms = (signal.max(0.0) / set.len().max(1) as f64).sqrt();
+    let initial_max = d0.iter().fold(0.0f64, |m, d| m.max(d.abs()));
+    // Significant if the signal energy stands 3 standard deviations above what noise
+    // alone would put there.
+    let significant = signal > 3.0 * cycle_noise * cycle_noise * (2.0 * set.len() as f64).sqrt()
+        && initial_rms >= 0.02;
     let a = |c: usize| -> f64 {
-        if norm <= 0.0 {
+        if !significant {
             return 0.0;
         }
-        let (lo, hi) = if c == dist {
-            (c, c + 1)
-        } else {
-            (c - 1, (c + 2).min(cycles))
-        };
+        if c == dist {
+            return 1.0;
+        }
+        let (lo, hi) = ((c - 1).max(dist + 1), (c + 2).min(cycles));
         let dot: f64 = set
             .iter()
             .zip(&d0)
             .zip(&ss)
             .map(|((&i, d), s)| d * (endpoint_mean(rel, i, lo, hi).unwrap_or(*s) - s))
             .sum();
-        dot / norm
+        dot / signal
     };
     let remaining: Vec<f64> = (dist..cycles).map(a).collect();
-    let tail: Vec<f64> =
-        remaining[steady_from.saturating_sub(dist).min(remaining.len())..].to_vec();
+    let tail = &remaining[from.saturating_sub(dist).min(remaining.len())..];
     let m = mean(tail.iter().copied());
     let noise = mean(tail.iter().map(|x| (x - m) * (x - m))).sqrt();
-    // Pooled per-endpoint noise of one cycle's ratio, to tell a transient from noise.
-    let pooled = mean(set.iter().zip(&ss).flat_map(|(&i, s)| {
-        rel[steady_from.max(dist)..]
-            .iter()
-            .filter_map(move |r| r.get(i).map(|x| (x - s) * (x - s)))
-    }))
-    .sqrt();
     Transient {
         initial_rms,
         remaining,
         noise,
-        cycle_noise: pooled,
+        cycle_noise,
+        initial_max,
+        significant,
     }
 }
 
-/// An initial imbalance counts as a transient only if it clearly exceeds one cycle's
-/// noise: round robin after a step has nothing to settle, and its `a(t)` would be
-/// noise divided by noise.
-fn is_transient(t: &Transient) -> bool {
-    t.initial_rms >= 0.05_f64.max(2.0 * t.cycle_noise)
-}
-
-fn settle_and_overshoot(t: &Transient) -> (Option<u32>, Option<f64>) {
-    if !is_transient(t) {
-        return (Some(0), None);
-    }
-    let r = &t.remaining;
-    let settle = (0..r.len()).find(|&k| {
-        let end = (k + SETTLE_HOLD).min(r.len());
-        end - k >= SETTLE_HOLD.min(3) && r[k..end].iter().all(|x| x.abs() <= SETTLE_BAND)
+/// Settling and overshoot of an imbalance curve `a(t)` (see [`Transient`]): the first
+/// cycle from which `|a|` stays within `band` for [`SETTLE_HOLD`] cycles (or to the
+/// end of the run, if at least 3 remain), and how far below 0 it went in the first
+/// [`OVERSHOOT_HORIZON`] cycles.
+pub fn settle_and_overshoot(curve: &[f64], band: f64) -> (Option<u32>, f64) {
+    let settle = (0..curve.len()).find(|&k| {
+        let end = (k + SETTLE_HOLD).min(curve.len());
+        end - k >= SETTLE_HOLD.min(3) && curve[k..end].iter().all(|x| x.abs() <= band)
     });
-    let horizon = OVERSHOOT_HORIZON.min(r.len());
-    let low = r[..horizon].iter().copied().fold(f64::INFINITY, f64::min);
-    (settle.map(|k| k as u32), Some((-low).max(0.0)))
+    let horizon = OVERSHOOT_HORIZON.min(curve.len());
+    let low = curve[..horizon].iter().copied().fold(0.0f64, f64::min);
+    (settle.map(|k| k as u32), if low < 0.0 { -low } else { 0.0 })
+}
+
+/// The peak of a watched endpoint's load-ratio curve in the first
+/// [`OVERSHOOT_HORIZON`] cycles, and the first cycle it reached 95 % of the average.
+pub fn peak_and_reach(curve: &[f64]) -> (f64, Option<u32>) {
+    let horizon = OVERSHOOT_HORIZON.min(curve.len());
+    let peak = curve[..horizon].iter().copied().fold(0.0f64, f64::max);
+    let reach = curve.iter().position(|&r| r >= 0.95).map(|k| k as u32);
+    (peak, reach)
 }
 
 fn churn(weights: &[Option<Vec<f64>>]) -> Option<f64> {

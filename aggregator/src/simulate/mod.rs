@@ -13,6 +13,7 @@
 pub mod ballast;
 pub mod chart;
 pub mod engine;
+pub mod experiment;
 pub mod fleet;
 pub mod metrics;
 pub mod random;
@@ -105,8 +106,23 @@ pub enum SimError {
 pub struct StrategyResult {
     /// The strategy.
     pub strategy: StrategyKind,
+    /// The PID gains, for strategies driven by Ballast.
+    pub gains: PidGains,
+    /// Whether this row ran with the sweep's gains rather than the shipped defaults.
+    pub tuned: bool,
     /// Its figures.
     pub metrics: Metrics,
+}
+
+impl StrategyResult {
+    /// Label for tables and charts.
+    pub fn label(&self) -> String {
+        if self.tuned {
+            format!("{} (sweep's gains)", self.strategy.label())
+        } else {
+            self.strategy.label().to_string()
+        }
+    }
 }
 
 /// One scenario's results.
@@ -119,11 +135,19 @@ pub struct ScenarioSummary {
 }
 
 impl ScenarioSummary {
-    /// The figures of `kind`, if it ran.
+    /// The figures of `kind` with the shipped gains, if it ran.
     pub fn get(&self, kind: StrategyKind) -> Option<&Metrics> {
         self.results
             .iter()
-            .find(|r| r.strategy == kind)
+            .find(|r| r.strategy == kind && !r.tuned)
+            .map(|r| &r.metrics)
+    }
+
+    /// The figures of `kind` with the sweep's gains, if they differ from the defaults.
+    pub fn tuned(&self, kind: StrategyKind) -> Option<&Metrics> {
+        self.results
+            .iter()
+            .find(|r| r.strategy == kind && r.tuned)
             .map(|r| &r.metrics)
     }
 }
@@ -141,6 +165,8 @@ pub struct SimSummary {
     pub scenarios: Vec<ScenarioSummary>,
     /// The gain sweep, when every scenario ran.
     pub sweep: Option<tune::Sweep>,
+    /// Experiments behind the recommended core changes, when every scenario ran.
+    pub experiments: Vec<experiment::Experiment>,
     /// Files written.
     pub written: Vec<PathBuf>,
 }
@@ -152,15 +178,26 @@ impl SimSummary {
     }
 }
 
-/// Runs the scenarios, the sweep (when all scenarios run) and writes the outputs.
+/// Runs the sweep (when all scenarios run), then every scenario with the shipped
+/// gains — and Ballast once more with the sweep's gains where they differ — and
+/// writes the outputs.
 pub fn run(opts: &SimOptions) -> Result<SimSummary, SimError> {
     let scenarios = select(opts)?;
     let gains = PidGains::default();
-    let results = run_scenarios(&scenarios, opts.seed, gains)?;
     let sweep = if opts.scenarios.is_none() {
         Some(tune::sweep(opts.seed, opts.quick)?)
     } else {
         None
+    };
+    let tuned = sweep
+        .as_ref()
+        .and_then(tune::Sweep::chosen_gains)
+        .filter(|g| *g != gains);
+    let results = run_scenarios(&scenarios, opts.seed, gains, tuned)?;
+    let experiments = if opts.scenarios.is_none() {
+        experiment::run_all(opts.seed, tuned.unwrap_or(gains), opts.quick)?
+    } else {
+        Vec::new()
     };
     let mut summary = SimSummary {
         seed: opts.seed,
@@ -168,6 +205,7 @@ pub fn run(opts: &SimOptions) -> Result<SimSummary, SimError> {
         gains,
         scenarios: results,
         sweep,
+        experiments,
         written: Vec::new(),
     };
     if !opts.out_dir.as_os_str().is_empty() {
@@ -202,20 +240,26 @@ pub fn select(opts: &SimOptions) -> Result<Vec<Scenario>, SimError> {
     })
 }
 
-/// Runs every strategy of every scenario with `gains`, in parallel.
+/// Runs every strategy of every scenario with `gains`, in parallel; with `tuned`,
+/// Ballast runs once more with those gains in every scenario.
 pub fn run_scenarios(
     scenarios: &[Scenario],
     seed: u64,
     gains: PidGains,
+    tuned: Option<PidGains>,
 ) -> Result<Vec<ScenarioSummary>, SimError> {
-    let jobs: Vec<(usize, StrategyKind)> = scenarios
-        .iter()
-        .enumerate()
-        .flat_map(|(i, s)| s.strategies.iter().map(move |k| (i, *k)))
-        .collect();
+    let mut jobs: Vec<(usize, StrategyKind, Option<PidGains>)> = Vec::new();
+    for (i, s) in scenarios.iter().enumerate() {
+        for k in &s.strategies {
+            jobs.push((i, *k, None));
+            if *k == StrategyKind::Ballast && tuned.is_some() {
+                jobs.push((i, *k, tuned));
+            }
+        }
+    }
     let metrics = parallel(jobs.len(), |j| {
-        let (i, kind) = jobs[j];
-        let rec = engine::simulate(&scenarios[i], kind, seed, gains)?;
+        let (i, kind, t) = jobs[j];
+        let rec = engine::simulate(&scenarios[i], kind, seed, t.unwrap_or(gains))?;
         Ok(metrics::measure(&scenarios[i], &rec))
     })?;
     let mut out: Vec<ScenarioSummary> = scenarios
@@ -225,9 +269,11 @@ pub fn run_scenarios(
             results: Vec::new(),
         })
         .collect();
-    for ((i, kind), m) in jobs.into_iter().zip(metrics) {
+    for ((i, kind, t), m) in jobs.into_iter().zip(metrics) {
         out[i].results.push(StrategyResult {
             strategy: kind,
+            gains: t.unwrap_or(gains),
+            tuned: t.is_some(),
             metrics: m,
         });
     }

@@ -67,6 +67,82 @@ pub fn lognormal(rng: &mut SmallRng, mean: f64, sigma: f64) -> f64 {
     (mu + sigma * normal(rng)).exp()
 }
 
+/// Standard normal variates two at a time (Box–Muller keeping both), for the
+/// request-cost stream where every nanosecond counts.
+#[derive(Debug, Clone, Default)]
+pub struct Normals {
+    spare: Option<f64>,
+}
+
+impl Normals {
+    /// The next standard normal variate.
+    pub fn next(&mut self, rng: &mut SmallRng) -> f64 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        let u1: f64 = 1.0 - rng.gen::<f64>();
+        let u2: f64 = rng.gen();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+        self.spare = Some(r * s);
+        r * c
+    }
+}
+
+/// Walker's alias table: draws an index with probability proportional to its
+/// weight in constant time.
+#[derive(Debug, Clone, Default)]
+pub struct Alias {
+    prob: Vec<f64>,
+    alias: Vec<u32>,
+}
+
+impl Alias {
+    /// A table for `weights` (negative or non-finite weights count as 0).
+    pub fn new(weights: &[f64]) -> Self {
+        let n = weights.len();
+        let clean = |w: f64| if w.is_finite() && w > 0.0 { w } else { 0.0 };
+        let sum: f64 = weights.iter().map(|w| clean(*w)).sum();
+        if n == 0 || sum <= 0.0 {
+            return Alias {
+                prob: vec![1.0; n],
+                alias: (0..n as u32).collect(),
+            };
+        }
+        let mut scaled: Vec<f64> = weights.iter().map(|w| clean(*w) * n as f64 / sum).collect();
+        let mut prob = vec![1.0; n];
+        let mut alias: Vec<u32> = (0..n as u32).collect();
+        let (mut small, mut large): (Vec<usize>, Vec<usize>) =
+            (0..n).partition(|&i| scaled[i] < 1.0);
+        while let (Some(s), Some(&l)) = (small.pop(), large.last()) {
+            prob[s] = scaled[s];
+            alias[s] = l as u32;
+            scaled[l] -= 1.0 - scaled[s];
+            if scaled[l] < 1.0 {
+                large.pop();
+                small.push(l);
+            }
+        }
+        // Leftovers are 1 up to rounding.
+        Alias { prob, alias }
+    }
+
+    /// Draws an index.
+    pub fn sample(&self, rng: &mut SmallRng) -> usize {
+        let n = self.prob.len();
+        if n == 0 {
+            return 0;
+        }
+        let u = rng.gen::<f64>() * n as f64;
+        let i = (u as usize).min(n - 1);
+        if u - (i as f64) < self.prob[i] {
+            i
+        } else {
+            self.alias[i] as usize
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,6 +156,31 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert_ne!(a, d);
+    }
+
+    #[test]
+    fn alias_draws_in_proportion() {
+        let table = Alias::new(&[1.0, 3.0, 0.0, 4.0]);
+        let mut rng = stream(3, "alias", Stream::Arrivals);
+        let mut counts = [0u32; 4];
+        for _ in 0..80_000 {
+            counts[table.sample(&mut rng)] += 1;
+        }
+        assert_eq!(counts[2], 0);
+        for (i, want) in [(0, 10_000.0), (1, 30_000.0), (3, 40_000.0)] {
+            let got = f64::from(counts[i]);
+            assert!((got - want).abs() < want * 0.05, "{i}: {got}");
+        }
+    }
+
+    #[test]
+    fn paired_normals_are_standard() {
+        let mut rng = stream(5, "n", Stream::Arrivals);
+        let mut n = Normals::default();
+        let xs: Vec<f64> = (0..100_000).map(|_| n.next(&mut rng)).collect();
+        let m = xs.iter().sum::<f64>() / xs.len() as f64;
+        let v = xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / xs.len() as f64;
+        assert!(m.abs() < 0.02 && (v - 1.0).abs() < 0.03, "mean {m} var {v}");
     }
 
     #[test]

@@ -133,6 +133,10 @@ pub struct Scenario {
     pub loss: Loss,
     /// The strategies compared.
     pub strategies: Vec<StrategyKind>,
+    /// Leave the watched endpoint out of the load spread: a node that fails every
+    /// request serves nothing, and its near-zero load would only pull the average
+    /// down and every ratio up.
+    pub spread_excludes_watched: bool,
 }
 
 impl Scenario {
@@ -182,6 +186,7 @@ pub fn all() -> Vec<Scenario> {
             events: vec![],
             loss: Loss::NONE,
             strategies: base.clone(),
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "step",
@@ -204,6 +209,7 @@ pub fn all() -> Vec<Scenario> {
             }],
             loss: Loss::NONE,
             strategies: base.clone(),
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "cold_join",
@@ -221,6 +227,7 @@ pub fn all() -> Vec<Scenario> {
             }],
             loss: Loss::NONE,
             strategies: base.clone(),
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "degraded_io",
@@ -246,13 +253,15 @@ pub fn all() -> Vec<Scenario> {
                 P2c,
                 EnvoyLeastRequest,
             ],
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "fail_fast",
             title: "A node that fails fast",
             about: "At cycle 30 one endpoint (speed 1.0) starts failing every request at \
                     once, at 5 % of the CPU cost: low CPU, nothing in flight, the SRE \
-                    book's broken cashier. Its agent reports the error rate.",
+                    book's broken cashier. Its agent reports the error rate. The \
+                    spread is over the 49 healthy endpoints.",
             fleet: fleet.clone(),
             cycles: 120,
             disturbance: 30,
@@ -263,6 +272,7 @@ pub fn all() -> Vec<Scenario> {
             }],
             loss: Loss::NONE,
             strategies: base.clone(),
+            spread_excludes_watched: true,
         },
         Scenario {
             id: "loss_10",
@@ -279,6 +289,7 @@ pub fn all() -> Vec<Scenario> {
                 mean_burst: 5.0,
             },
             strategies: base.clone(),
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "loss_20",
@@ -295,6 +306,7 @@ pub fn all() -> Vec<Scenario> {
                 mean_burst: 5.0,
             },
             strategies: base.clone(),
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "low_traffic",
@@ -312,6 +324,7 @@ pub fn all() -> Vec<Scenario> {
             }],
             loss: Loss::NONE,
             strategies: base.clone(),
+            spread_excludes_watched: false,
         },
         Scenario {
             id: "fleet_1000",
@@ -326,12 +339,13 @@ pub fn all() -> Vec<Scenario> {
                 mean_cost_ms: 40.0,
                 ..fleet
             },
-            cycles: 90,
+            cycles: 80,
             disturbance: 0,
-            steady_from: 50,
+            steady_from: 45,
             events: vec![],
             loss: Loss::NONE,
             strategies: base,
+            spread_excludes_watched: false,
         },
     ]
 }

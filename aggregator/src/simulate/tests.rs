@@ -1,27 +1,225 @@
+//! Quick-mode checks of the simulator: deterministic, and able to tell a balanced
+//! fleet from an unbalanced one. They run the small fleets of `Scenario::quick`.
+
 use super::*;
+use std::sync::OnceLock;
+
+fn quick(id: &str) -> Scenario {
+    let found = scenario::all().into_iter().find(|s| s.id == id);
+    found.map(|s| s.quick()).expect("scenario exists")
+}
+
+/// Each quick scenario's results, computed once for all the tests that read them.
+fn results(id: &'static str) -> &'static ScenarioSummary {
+    static STEADY: OnceLock<ScenarioSummary> = OnceLock::new();
+    static DEGRADED: OnceLock<ScenarioSummary> = OnceLock::new();
+    static FAILING: OnceLock<ScenarioSummary> = OnceLock::new();
+    let cell = match id {
+        "steady" => &STEADY,
+        "degraded_io" => &DEGRADED,
+        _ => &FAILING,
+    };
+    cell.get_or_init(|| {
+        let mut r =
+            run_scenarios(&[quick(id)], 7, PidGains::default(), None).expect("simulation runs");
+        r.remove(0)
+    })
+}
+
+fn figures(id: &'static str, kind: StrategyKind) -> &'static Metrics {
+    results(id).get(kind).expect("strategy ran")
+}
+
+#[test]
+fn same_seed_same_figures() {
+    let sc = quick("steady");
+    let run = |seed| {
+        let rec = engine::simulate(&sc, StrategyKind::Ballast, seed, PidGains::default())
+            .expect("simulation runs");
+        metrics::measure(&sc, &rec)
+    };
+    let a = run(11);
+    assert_eq!(a, run(11));
+    assert_ne!(a.max_over_avg_5s, run(12).max_over_avg_5s);
+}
+
+#[test]
+fn round_robin_is_imbalanced_on_the_heterogeneous_fleet() {
+    // Speeds 0.6 to 1.4 and random subsets: the slow nodes run far above the average.
+    let rr = figures("steady", StrategyKind::RoundRobin);
+    assert!(
+        rr.max_over_avg >= 1.4,
+        "round robin max/avg {}",
+        rr.max_over_avg
+    );
+}
+
+#[test]
+fn ballast_balances_the_heterogeneous_fleet() {
+    let b = figures("steady", StrategyKind::Ballast);
+    assert!(b.max_over_avg <= 1.03, "Ballast max/avg {}", b.max_over_avg);
+    let a58 = figures("steady", StrategyKind::A58);
+    assert!(b.max_over_avg < a58.max_over_avg);
+    assert!(b.p5_over_avg >= 0.97, "Ballast p5/avg {}", b.p5_over_avg);
+}
+
+#[test]
+fn cpu_alone_spirals_and_max_does_not() {
+    let cpu = figures("degraded_io", StrategyKind::BallastCpuOnly);
+    let max = figures("degraded_io", StrategyKind::Ballast);
+    let (cpu, max) = (
+        cpu.watched.as_ref().expect("watched"),
+        max.watched.as_ref().expect("watched"),
+    );
+    // CPU alone keeps feeding the stuck node: its queue grows without bound.
+    assert!(
+        cpu.final_inflight > 10 * 32 && cpu.steady_ratio > 5.0,
+        "CPU only: {cpu:?}"
+    );
+    // With max(cpu, in-flight / capacity) the queue is load, and it drains.
+    assert!(
+        max.final_inflight <= 2 * 32 && max.steady_ratio < 1.5,
+        "max metric: {max:?}"
+    );
+}
+
+#[test]
+fn errors_count_as_load() {
+    let rr = figures("fail_fast", StrategyKind::RoundRobin);
+    let b = figures("fail_fast", StrategyKind::Ballast);
+    let p2c = figures("fail_fast", StrategyKind::P2c);
+    assert!(
+        rr.error_share > 0.01,
+        "round robin errors {}",
+        rr.error_share
+    );
+    assert!(
+        b.error_share * 4.0 < rr.error_share,
+        "Ballast errors {}",
+        b.error_share
+    );
+    // The broken cashier: least-request favours the node with nothing in flight.
+    assert!(p2c.error_share > rr.error_share);
+}
+
+#[test]
+fn unknown_scenarios_are_refused() {
+    let opts = SimOptions {
+        scenarios: Some(vec!["steady".into(), "nope".into()]),
+        ..SimOptions::default()
+    };
+    match run(&opts) {
+        Err(SimError::UnknownScenario { name, known }) => {
+            assert_eq!(name, "nope");
+            assert!(known.contains("fleet_1000"));
+        }
+        other => panic!("expected UnknownScenario, got {other:?}"),
+    }
+}
+
+#[test]
+fn run_writes_the_document_and_charts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = SimOptions {
+        seed: 3,
+        out_dir: dir.path().to_path_buf(),
+        quick: true,
+        scenarios: Some(vec!["cold_join".into()]),
+    };
+    let s = run(&opts).expect("run");
+    let md = std::fs::read_to_string(dir.path().join("balance.md")).expect("markdown");
+    assert!(md.contains(REGENERATE));
+    assert!(md.contains("| Ballast PID | **"));
+    assert!(md.contains("quick mode"));
+    for name in ["quantiles", "max-avg", "watched"] {
+        let svg = dir
+            .path()
+            .join("img")
+            .join(format!("balance-cold_join-{name}.svg"));
+        let text = std::fs::read_to_string(&svg).expect("chart");
+        assert!(
+            text.starts_with("<svg") && text.contains("polyline"),
+            "{name}"
+        );
+    }
+    assert_eq!(s.written.len(), 4);
+    let newcomer = s.scenarios[0]
+        .get(StrategyKind::Ballast)
+        .and_then(|m| m.watched.as_ref())
+        .expect("watched newcomer");
+    assert!(newcomer.cycles_to_reach.is_some(), "{newcomer:?}");
+}
+
+#[test]
+fn parallel_keeps_index_order() {
+    let out = parallel(37, |i| Ok(i * 2)).expect("no failure");
+    assert_eq!(out, (0..37).map(|i| i * 2).collect::<Vec<_>>());
+    let failed = parallel(5, |i| if i == 3 { Err(SimError::Worker) } else { Ok(i) });
+    assert!(failed.is_err());
+}
+
+#[test]
+fn sweep_grid_includes_the_shipped_defaults() {
+    for quick in [true, false] {
+        assert!(tune::grid(quick).contains(&PidGains::default()));
+    }
+    let s = tune::shortened(&quick("step"));
+    assert!(s.cycles <= 100 && s.disturbance <= 40 && s.steady_from < s.cycles);
+}
 
 #[test]
 #[ignore]
-fn print_numbers() {
-    let ids: Option<Vec<String>> = std::env::var("SIM_SCENARIOS")
-        .ok()
-        .map(|s| s.split(',').map(String::from).collect());
-    let quick = std::env::var("SIM_QUICK").is_ok();
+fn tmp_write_docs() {
+    let out = std::env::var("SIM_OUT").unwrap_or_else(|_| "/tmp/simdocs".into());
     let t = std::time::Instant::now();
     let s = run(&SimOptions {
         seed: 1,
-        out_dir: PathBuf::new(),
-        quick,
-        scenarios: ids.or(Some(vec!["steady".into()])),
+        out_dir: PathBuf::from(out),
+        quick: false,
+        scenarios: None,
     })
     .unwrap();
-    for sc in &s.scenarios {
-        println!("== {}", sc.scenario.id);
-        for r in &sc.results {
-            let m = &r.metrics;
-            println!("{:22} max/avg {:.3} p95 {:.3} p5 {:.3} 5s {:.3} settle {:?} over {:?} noise {:.3} churn {:?} overl {:.4} err {:.4} p99 {:.0} skip {:?} watched {:?} init_rms {:.3} cyc_noise {:.3}",
-                r.strategy.name(), m.max_over_avg, m.p95_over_avg, m.p5_over_avg, m.max_over_avg_5s, m.settle_cycles, m.overshoot.map(|x| (x*1000.0).round()/1000.0), m.transient_noise, m.churn.map(|x| (x*1000.0).round()/1000.0), m.overloaded_share, m.error_share, m.p99_latency_ms, m.skipped, m.watched, m.transient.initial_rms, m.transient.cycle_noise);
+    println!("wrote {} files in {:?}", s.written.len(), t.elapsed());
+}
+
+#[test]
+#[ignore]
+fn tmp_loss_experiment() {
+    let base = scenario::all()
+        .into_iter()
+        .find(|s| s.id == "loss_10")
+        .unwrap();
+    let g = PidGains {
+        kp: 0.3,
+        ki: 0.0,
+        kd: 0.0,
+        ..PidGains::default()
+    };
+    for (share, burst) in [(0.0, 1.0), (0.1, 1.0), (0.1, 5.0), (0.1, 20.0), (0.2, 1.0)] {
+        for stale in [3000u64, 1000] {
+            let mut sc = base.clone();
+            sc.loss = scenario::Loss {
+                share,
+                mean_burst: burst,
+            };
+            let p = crate::balance::Params {
+                grace_ms: 0,
+                stale_ms: stale,
+                pid: g,
+                ..Default::default()
+            };
+            let v: Vec<(f64, u32)> = (1..=4u64)
+                .map(|seed| {
+                    let rec = engine::simulate_with(&sc, StrategyKind::Ballast, seed, &p).unwrap();
+                    let m = metrics::measure(&sc, &rec);
+                    (m.max_over_avg, m.skipped.values().sum())
+                })
+                .collect();
+            let mean = v.iter().map(|x| x.0).sum::<f64>() / v.len() as f64;
+            println!(
+                "loss {share} burst {burst} stale {stale}: mean max/avg {mean:.4} runs {:?}",
+                v
+            );
         }
     }
-    println!("elapsed {:?}", t.elapsed());
 }

@@ -4,6 +4,8 @@
 //! watch the store see every change. The embedded default is one local file; etcd is
 //! the other implementation.
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod file;
 
 use crate::balance::ServiceSnapshot;

@@ -49,6 +49,8 @@ pub struct AgentOpts {
     pub zone: Option<String>,
     /// `--aggregator`s; default: the aggregator's QUIC address.
     pub aggregators: Option<Vec<String>>,
+    /// `--agent-check`: where to answer HAProxy's agent-check; default: nowhere.
+    pub agent_check: Option<std::net::SocketAddr>,
 }
 
 impl AgentOpts {
@@ -71,6 +73,7 @@ impl AgentOpts {
             address: None,
             zone: None,
             aggregators: None,
+            agent_check: None,
         }
     }
 
@@ -83,6 +86,12 @@ impl AgentOpts {
     /// With this noise seed.
     pub fn seed(mut self, v: u64) -> Self {
         self.seed = v;
+        self
+    }
+
+    /// Answering HAProxy's agent-check on `addr` (`--agent-check`).
+    pub fn agent_check(mut self, addr: std::net::SocketAddr) -> Self {
+        self.agent_check = Some(addr);
         self
     }
 
@@ -203,6 +212,9 @@ impl Agent {
             .arg(&control);
         if let Some(zone) = &opts.zone {
             cmd.args(["--zone", zone]);
+        }
+        if let Some(addr) = opts.agent_check {
+            cmd.args(["--agent-check", &addr.to_string()]);
         }
         let log = dir.path().join("agent.log");
         let name = format!("ballast-agent {}", opts.node);

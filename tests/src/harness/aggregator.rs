@@ -30,6 +30,8 @@ pub struct AggregatorOpts {
     pub config_toml: Option<String>,
     /// `--xds` on a free loopback port.
     pub xds: bool,
+    /// `--etcd ENDPOINTS --etcd-prefix PREFIX`: weights in etcd instead of the file.
+    pub etcd: Option<(String, String)>,
 }
 
 impl Default for AggregatorOpts {
@@ -40,6 +42,7 @@ impl Default for AggregatorOpts {
             report_interval_ms: 500,
             config_toml: None,
             xds: false,
+            etcd: None,
         }
     }
 }
@@ -60,6 +63,12 @@ impl AggregatorOpts {
     /// With this report interval for agents.
     pub fn report_interval_ms(mut self, v: u32) -> Self {
         self.report_interval_ms = v;
+        self
+    }
+
+    /// With the etcd routing store at `endpoints` (comma-separated) under `prefix`.
+    pub fn etcd(mut self, endpoints: &str, prefix: &str) -> Self {
+        self.etcd = Some((endpoints.to_string(), prefix.to_string()));
         self
     }
 }
@@ -156,6 +165,9 @@ impl Aggregator {
         if let Some(xds) = self.xds {
             cmd.arg("--xds").arg(xds.to_string());
         }
+        if let Some((endpoints, prefix)) = &self.opts.etcd {
+            cmd.args(["--etcd", endpoints, "--etcd-prefix", prefix]);
+        }
         if let Some(toml) = &self.opts.config_toml {
             let path = self.dir.path().join("aggregator.toml");
             std::fs::write(&path, toml).expect("write aggregator.toml");
@@ -163,7 +175,10 @@ impl Aggregator {
         }
         let mut proc = Proc::spawn(cmd, "ballast-aggregator", &log, 40);
         let deadline = Instant::now() + START_TIMEOUT;
-        let want_store = self.store.display().to_string();
+        let want_store = match &self.opts.etcd {
+            Some((endpoints, prefix)) => format!("etcd {endpoints} {prefix}"),
+            None => self.store.display().to_string(),
+        };
         loop {
             if let Some(status) = proc.exit_status() {
                 return Err(StartError::Exited(status, proc.log_tail(20)));

@@ -4,6 +4,9 @@
 pub mod agent;
 pub mod aggregator;
 pub mod api;
+pub mod backend;
+pub mod etcd;
+pub mod haproxy;
 pub mod pki;
 pub mod ports;
 pub mod process;

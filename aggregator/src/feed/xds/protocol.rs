@@ -31,7 +31,7 @@ impl Subscription {
     fn from_request(t: ResourceType, names: &[String], before: Option<&Subscription>) -> Self {
         let star = names.iter().any(|n| n == "*");
         let explicit: BTreeSet<String> = names.iter().filter(|n| *n != "*").cloned().collect();
-        let legacy = names.is_empty() && before.map_or(true, |b| b.wildcard);
+        let legacy = names.is_empty() && before.is_none_or(|b| b.wildcard);
         Subscription {
             wildcard: t.allows_wildcard() && (star || legacy),
             names: explicit,
@@ -147,7 +147,7 @@ impl StreamState {
     /// again: they were the last sent.
     pub fn should_send(&self, t: ResourceType, version: &str) -> bool {
         self.types.get(&t).is_some_and(|s| {
-            s.must_respond || s.sent.as_ref().map_or(true, |sent| sent.version != version)
+            s.must_respond || s.sent.as_ref().is_none_or(|sent| sent.version != version)
         })
     }
 

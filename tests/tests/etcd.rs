@@ -1,0 +1,371 @@
+//! Scenario: the etcd routing store, against a real etcd (Debian's `etcd-server`).
+//!
+//! Each test starts its own etcd on free loopback ports with a temporary data directory,
+//! and aggregators that keep their weights there (`--etcd`, `--etcd-prefix`):
+//!
+//! - a watcher (`etcdctl watch`) sees the service's key change as the fleet converges,
+//!   each value a full snapshot with a higher version, equal to what the API served;
+//! - an aggregator started afresh (empty local directory) on the same etcd serves the
+//!   stored weights right away;
+//! - etcd killed mid-run stops nothing: the API and the agents keep getting new
+//!   weights, `/healthz` and the write counter report the failure, and once etcd is
+//!   back the key catches up with what changed while it was away (a drain).
+//!
+//! The aggregator binary must be built with the feature:
+//! `cargo build --workspace --bins --features ballast-aggregator/etcd`.
+
+use ballast_tests::*;
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+const NODES: usize = 4;
+const SPEEDS: &[f64] = &[0.6, 1.0, 1.5];
+
+fn key(prefix: &str, service: &str) -> String {
+    format!("{prefix}/services/{service}")
+}
+
+/// Starts an aggregator on `etcd` under `prefix`, failing clearly if the binary lacks
+/// the etcd feature.
+fn start_aggregator(pki: &Pki, etcd: &Etcd, prefix: &str, opts: AggregatorOpts) -> Aggregator {
+    let opts = opts.etcd(&etcd.endpoint(), prefix);
+    match std::panic::catch_unwind(AssertUnwindSafe(|| Aggregator::start(pki, opts))) {
+        Ok(agg) => agg,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            if msg.contains("without the etcd feature") || msg.contains("unexpected argument") {
+                panic!(
+                    "the ballast-aggregator binary was built without the etcd feature; build \
+                     it with `cargo build --workspace --bins --features ballast-aggregator/etcd`\n\
+                     {msg}"
+                );
+            }
+            std::panic::resume_unwind(panic)
+        }
+    }
+}
+
+/// A stored snapshot: version and the endpoints' (weight, draining, address).
+#[derive(Debug, Clone, PartialEq)]
+struct Stored {
+    version: u64,
+    cycle: u64,
+    endpoints: BTreeMap<String, (f64, bool, String)>,
+}
+
+/// Parses a value the store wrote; `Err` says what is wrong with it.
+fn parse_stored(value: &str) -> Result<Stored, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(value).map_err(|e| format!("not JSON ({e}): {value}"))?;
+    let version = v["version"].as_u64().ok_or("no version")?;
+    let cycle = v["cycle"].as_u64().ok_or("no cycle")?;
+    let mut endpoints = BTreeMap::new();
+    for (node, e) in v["endpoints"].as_object().ok_or("no endpoints")? {
+        let weight = e["weight"].as_f64().ok_or("no weight")?;
+        let draining = e["draining"].as_bool().ok_or("no draining")?;
+        let address = e["address"].as_str().ok_or("no address")?.to_string();
+        e["zone"].as_str().ok_or("no zone")?;
+        endpoints.insert(node.clone(), (weight, draining, address));
+    }
+    Ok(Stored {
+        version,
+        cycle,
+        endpoints,
+    })
+}
+
+fn stored_in(etcd: &Etcd, prefix: &str, service: &str) -> Result<Stored, String> {
+    let value = etcd
+        .try_ctl(&["get", &key(prefix, service), "--print-value-only"])?
+        .trim_end()
+        .to_string();
+    if value.is_empty() {
+        return Err("no key yet".into());
+    }
+    parse_stored(&value)
+}
+
+/// The API's weights as the store would hold them.
+fn served(agg: &Aggregator, service: &str) -> Stored {
+    let w = agg.weights(service);
+    Stored {
+        version: w.version,
+        cycle: w.cycle,
+        endpoints: w
+            .weights
+            .into_iter()
+            .map(|(n, e)| (n, (e.weight, e.draining, e.address)))
+            .collect(),
+    }
+}
+
+fn same_endpoints(a: &Stored, b: &Stored) -> Result<(), String> {
+    if a.endpoints.len() != b.endpoints.len()
+        || a.endpoints
+            .keys()
+            .zip(b.endpoints.keys())
+            .any(|(x, y)| x != y)
+    {
+        return Err(format!("different nodes: {a:?} vs {b:?}"));
+    }
+    for (node, (wa, da, aa)) in &a.endpoints {
+        let (wb, db, ab) = &b.endpoints[node];
+        if (wa - wb).abs() > 1e-9 || da != db || aa != ab {
+            return Err(format!("{node}: {wa} {da} {aa} vs {wb} {db} {ab}"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_watcher_sees_each_cycles_changes() {
+    const SERVICE: &str = "watched";
+    let prefix = "/ballast-watch";
+    let etcd = Etcd::start();
+    let watch = etcd.watch(&format!("{prefix}/services/"));
+    let pki = Pki::new();
+    let agg = start_aggregator(&pki, &etcd, prefix, AggregatorOpts::default());
+    let agents = start_fleet(&pki, &agg, SERVICE, NODES, SPEEDS);
+    for a in &agents {
+        a.wait_weight(Duration::from_secs(15));
+    }
+
+    // The fleet converges: cycle after cycle the weights move, and each move is a put.
+    let events = wait_for(Duration::from_secs(20), "6 puts of the service key", || {
+        let events: Vec<WatchEvent> = watch
+            .events()
+            .into_iter()
+            .filter(|e| e.key == key(prefix, SERVICE))
+            .collect();
+        if events.len() >= 6 {
+            Ok(events)
+        } else {
+            Err(format!(
+                "{} so far; etcdctl: {}",
+                events.len(),
+                watch.errors()
+            ))
+        }
+    });
+    let mut last_version = 0;
+    for e in &events {
+        assert_eq!(e.kind, "PUT", "{e:?}");
+        let s = parse_stored(&e.value).unwrap_or_else(|m| panic!("bad stored value: {m}"));
+        // Strictly increasing: only material changes are written, never one twice.
+        assert!(
+            s.version > last_version,
+            "version {} after {last_version}: {events:?}",
+            s.version
+        );
+        last_version = s.version;
+        assert!(s.endpoints.len() <= NODES);
+    }
+    let keys: Vec<String> = watch.events().into_iter().map(|e| e.key).collect();
+    assert!(
+        keys.iter().all(|k| *k == key(prefix, SERVICE)),
+        "one key per service and nothing else: {keys:?}"
+    );
+
+    // What the API served at some version is exactly what was stored at that version.
+    let api = served(&agg, SERVICE);
+    assert_eq!(api.endpoints.len(), NODES);
+    let stored = wait_for(
+        Duration::from_secs(5),
+        "the watcher to see the version the API served",
+        || {
+            watch
+                .events()
+                .iter()
+                .filter(|e| e.key == key(prefix, SERVICE))
+                .filter_map(|e| parse_stored(&e.value).ok())
+                .find(|s| s.version == api.version)
+                .ok_or_else(|| format!("version {} not seen", api.version))
+        },
+    );
+    same_endpoints(&stored, &api).unwrap_or_else(|e| panic!("stored vs served: {e}"));
+}
+
+#[test]
+fn a_restarted_aggregator_restores_its_weights_from_etcd() {
+    const SERVICE: &str = "restored";
+    let prefix = "/ballast-restart";
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let mut first = start_aggregator(&pki, &etcd, prefix, AggregatorOpts::default());
+    let agents = start_fleet(&pki, &first, SERVICE, NODES, SPEEDS);
+    for a in &agents {
+        a.wait_weight(Duration::from_secs(15));
+    }
+    // Far enough from round robin that restored weights cannot be mistaken for new ones.
+    wait_for(Duration::from_secs(25), "weights that follow speed", || {
+        let w = served(&first, SERVICE);
+        let (lo, hi) = w
+            .endpoints
+            .values()
+            .fold((f64::MAX, f64::MIN), |(l, h), (x, _, _)| {
+                (l.min(*x), h.max(*x))
+            });
+        if w.endpoints.len() == NODES && lo < 0.9 && hi > 1.1 {
+            Ok(())
+        } else {
+            Err(format!("{w:?}"))
+        }
+    });
+    let (status, killed) = first.stop();
+    assert!(
+        status.success() && !killed,
+        "stop: {status}, killed {killed}"
+    );
+    drop(agents);
+    let stored = stored_in(&etcd, prefix, SERVICE).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stored.endpoints.len(), NODES, "{stored:?}");
+
+    // A new aggregator with a new, empty local directory, on the same etcd. The long
+    // grace period keeps it from changing anything before we look.
+    let second = start_aggregator(
+        &pki,
+        &etcd,
+        prefix,
+        AggregatorOpts::default().grace_ms(10_000),
+    );
+    assert!(
+        !second.store_path().exists(),
+        "the new aggregator must not have a local store file"
+    );
+    let health: serde_json::Value = second.get_json("/healthz");
+    assert_eq!(
+        health["store"],
+        format!("etcd {} {prefix}", etcd.endpoint()),
+        "{health}"
+    );
+    let restored = served(&second, SERVICE);
+    assert_eq!(
+        restored.version, stored.version,
+        "{restored:?} vs {stored:?}"
+    );
+    assert_eq!(restored.cycle, stored.cycle, "{restored:?} vs {stored:?}");
+    same_endpoints(&restored, &stored)
+        .unwrap_or_else(|e| panic!("the API does not serve the weights from etcd: {e}"));
+}
+
+#[test]
+fn etcd_going_away_does_not_stop_the_aggregator() {
+    // "busy" keeps converging, so its weights change cycle after cycle. "solo" has one
+    // node, whose weight is always the mean: it changes only when drained, so only the
+    // catch-up of what failed can bring its drain to etcd.
+    const BUSY: &str = "busy";
+    const SOLO: &str = "solo";
+    let prefix = "/ballast-outage";
+    let mut etcd = Etcd::start();
+    let pki = Pki::new();
+    let agg = start_aggregator(&pki, &etcd, prefix, AggregatorOpts::default());
+    let busy = start_fleet(&pki, &agg, BUSY, NODES, SPEEDS);
+    let solo = start_fleet(&pki, &agg, SOLO, 1, &[1.0]).remove(0);
+    for a in busy.iter().chain([&solo]) {
+        a.wait_weight(Duration::from_secs(15));
+    }
+    for service in [BUSY, SOLO] {
+        wait_for(Duration::from_secs(15), "a first write to etcd", || {
+            stored_in(&etcd, prefix, service).map(|_| ())
+        });
+    }
+    let ok = |agg: &Aggregator| agg.counter("ballast_store_writes_total", &[("reason", "ok")]);
+    let errors =
+        |agg: &Aggregator| agg.counter("ballast_store_writes_total", &[("reason", "error")]);
+    assert!(ok(&agg) >= 1.0);
+    assert_eq!(errors(&agg), 0.0, "no failed write while etcd is up");
+
+    etcd.kill();
+    let version_at_kill = agg.weights(BUSY).version;
+    let replies_at_kill = busy[0].status().weight_unix_ms.unwrap_or(0);
+    let solo_at_kill = served(&agg, SOLO);
+    assert!(solo.drain().ok, "drain refused");
+
+    // The store reports the failure; everything else goes on.
+    let health = wait_for(
+        Duration::from_secs(10),
+        "/healthz to report the store",
+        || {
+            let h: serde_json::Value = agg.get_json("/healthz");
+            match h["store_error"].as_str() {
+                Some(e) if e.contains("etcd") => Ok(h),
+                _ => Err(h.to_string()),
+            }
+        },
+    );
+    assert_eq!(health["status"], "ok", "{health}");
+    let errors_seen = errors(&agg);
+    assert!(errors_seen >= 1.0, "no failed write counted");
+    wait_for(
+        Duration::from_secs(10),
+        "new weights while etcd is down",
+        || {
+            let w = served(&agg, BUSY);
+            let replies = busy[0].status().weight_unix_ms.unwrap_or(0);
+            let drained = served(&agg, SOLO).endpoints[solo.node()].1;
+            let more_errors = errors(&agg) > errors_seen;
+            if w.version > version_at_kill && replies > replies_at_kill && drained && more_errors {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{BUSY} version {} (at kill {version_at_kill}); agent's last weight at \
+                 {replies} (at kill {replies_at_kill}); {SOLO} drained: {drained}; \
+                 failed writes {} (first seen {errors_seen})",
+                    w.version,
+                    errors(&agg)
+                ))
+            }
+        },
+    );
+    let solo_drained = served(&agg, SOLO);
+    assert!(solo_drained.version > solo_at_kill.version);
+
+    // etcd comes back on the same port and data directory. Both keys catch up: "busy"
+    // through its next changes, "solo", which does not change again, through the
+    // writes that failed being carried forward.
+    etcd.restart();
+    wait_for(Duration::from_secs(10), "the keys to catch up", || {
+        let api = served(&agg, BUSY);
+        let stored = stored_in(&etcd, prefix, BUSY)?;
+        if stored.version < api.version {
+            return Err(format!(
+                "{BUSY}: stored {} < served {}",
+                stored.version, api.version
+            ));
+        }
+        let stored = stored_in(&etcd, prefix, SOLO)?;
+        if stored.version != solo_drained.version {
+            return Err(format!(
+                "{SOLO}: stored {:?} vs served {solo_drained:?}",
+                stored
+            ));
+        }
+        same_endpoints(&stored, &solo_drained)
+    });
+    assert_eq!(
+        served(&agg, SOLO).version,
+        solo_drained.version,
+        "{SOLO} changed again: the test would not show the catch-up"
+    );
+
+    // Writes succeed again and clear the reported error.
+    let ok_before = ok(&agg);
+    assert!(solo.undrain().ok, "undrain refused");
+    wait_for(
+        Duration::from_secs(10),
+        "good writes to clear /healthz",
+        || {
+            let h: serde_json::Value = agg.get_json("/healthz");
+            if h["store_error"].is_null() && ok(&agg) > ok_before {
+                Ok(())
+            } else {
+                Err(h.to_string())
+            }
+        },
+    );
+}
