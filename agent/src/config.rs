@@ -68,6 +68,22 @@ pub fn hostname() -> String {
         .unwrap_or_else(|_| "localhost".to_string())
 }
 
+/// `IP:port` for this host: xDS endpoints must be IP addresses, so the host name is
+/// resolved, preferring an address other than loopback. Falls back to the name.
+pub fn default_address(host: &str, port: u16) -> String {
+    use std::net::ToSocketAddrs;
+    let resolved: Vec<std::net::SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map(|a| a.collect())
+        .unwrap_or_default();
+    resolved
+        .iter()
+        .find(|a| !a.ip().is_loopback())
+        .or_else(|| resolved.first())
+        .map(|a| a.to_string())
+        .unwrap_or_else(|| format!("{host}:{port}"))
+}
+
 impl AgentConfig {
     /// Parses TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
@@ -86,7 +102,7 @@ impl AgentConfig {
             self.node = hostname();
         }
         if self.address.is_empty() && self.port != 0 {
-            self.address = format!("{}:{}", hostname(), self.port);
+            self.address = default_address(&hostname(), self.port);
         }
         if self.inflight.is_none() && self.port != 0 {
             self.inflight = Some(InflightSpec::Tcp {
@@ -146,6 +162,11 @@ mod tests {
         .resolve();
         cfg.validate().expect("valid");
         assert!(cfg.address.ends_with(":8080"));
+        assert_eq!(default_address("127.0.0.1", 80), "127.0.0.1:80");
+        assert_eq!(
+            default_address("no-such-host.invalid", 80),
+            "no-such-host.invalid:80"
+        );
         assert_eq!(cfg.inflight, Some(InflightSpec::Tcp { ports: vec![8080] }));
     }
 

@@ -189,9 +189,7 @@ impl WeightSet {
                 .endpoints
                 .values()
                 .map(|e| {
-                    // The set as of this version; an endpoint newer than it shows live.
-                    let (weight, draining) =
-                        svc.published(&e.node).unwrap_or((e.weight, e.draining));
+                    let (weight, draining) = svc.published(e);
                     (
                         e.node.clone(),
                         WeightEntry {

@@ -514,11 +514,15 @@ impl Service {
         moved
     }
 
-    /// A node's weight and drain state as of the current version: what feeds publish.
+    /// An endpoint's weight and drain state as of the current version: what feeds publish.
     /// Live weights drift below the material-change threshold between versions; a
     /// version always names one set.
-    pub fn published(&self, node: &str) -> Option<(f64, bool)> {
-        self.published.get(node).copied()
+    /// An endpoint registered since the last version shows its live state.
+    pub fn published(&self, ep: &Endpoint) -> (f64, bool) {
+        self.published
+            .get(&ep.node)
+            .copied()
+            .unwrap_or((ep.weight, ep.draining))
     }
 
     /// The cycle the current version's weights came from.

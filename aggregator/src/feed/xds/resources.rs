@@ -104,13 +104,15 @@ pub struct EndpointInput {
 }
 
 impl EndpointInput {
-    fn of(ep: &crate::balance::Endpoint) -> Self {
+    fn of(svc: &crate::balance::Service, ep: &crate::balance::Endpoint) -> Self {
+        // The set as of the current version, as every feed publishes it.
+        let (weight, draining) = svc.published(ep);
         EndpointInput {
             node: ep.node.clone(),
             address: ep.address.clone(),
             zone: ep.zone.clone(),
-            weight: ep.weight,
-            draining: ep.draining,
+            weight,
+            draining,
         }
     }
 }
@@ -417,7 +419,11 @@ impl Snapshot {
     }
 
     fn copy(svc: &Service) -> (String, u64, Vec<EndpointInput>) {
-        let eps = svc.endpoints.values().map(EndpointInput::of).collect();
+        let eps = svc
+            .endpoints
+            .values()
+            .map(|e| EndpointInput::of(svc, e))
+            .collect();
         (svc.name.clone(), svc.version, eps)
     }
 
