@@ -433,17 +433,25 @@ impl Service {
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
         let mut fresh: Vec<&mut Endpoint> = Vec::new();
-        let mut held_sum = 0.0;
+        let mut held: Vec<&mut Endpoint> = Vec::new();
         let mut serving = 0usize;
         for ep in self.endpoints.values_mut() {
             if ep.draining {
                 continue;
             }
             serving += 1;
-            if ep.is_fresh(now, params) {
+            // Only a report newer than the last update says anything new: an endpoint
+            // whose report was lost holds its weight, like a missing one, instead of
+            // having its last error applied a second time.
+            let has_news = match (ep.last_report, ep.last_update) {
+                (Some(r), Some(u)) => r > u,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            if ep.is_fresh(now, params) && has_news {
                 fresh.push(ep);
             } else {
-                held_sum += ep.strategy_weight(Strategy::Pid);
+                held.push(ep);
             }
         }
         for ep in fresh.iter_mut() {
@@ -464,19 +472,26 @@ impl Service {
                 ep.pid.integral = 0.0;
             }
         }
-        // Missing endpoints keep their weights: the fresh ones share what is left of
-        // a mean weight of 1.
-        let mut target = serving as f64 - held_sum;
-        let floor = fresh.len() as f64 * params.min_weight;
-        if target < floor {
-            target = floor.max(fresh.len() as f64);
-        }
-        let mut ws: Vec<f64> = fresh
+        // Held endpoints (missing, or without a new report) keep their weights: the
+        // updated ones share what is left of a mean weight of 1. When that cannot be
+        // done within the bounds, normalisation wins and everyone is rescaled.
+        let held_sum: f64 = held.iter().map(|e| e.strategy_weight(Strategy::Pid)).sum();
+        let target = serving as f64 - held_sum;
+        let n = fresh.len() as f64;
+        let feasible =
+            !fresh.is_empty() && target >= n * params.min_weight && target <= n * params.max_weight;
+        let mut group: Vec<&mut Endpoint> = if feasible {
+            fresh
+        } else {
+            fresh.into_iter().chain(held).collect()
+        };
+        let target = if feasible { target } else { serving as f64 };
+        let mut ws: Vec<f64> = group
             .iter()
             .map(|e| e.strategy_weight(Strategy::Pid))
             .collect();
         normalize_bounded(&mut ws, target, params.min_weight, params.max_weight);
-        for (ep, w) in fresh.iter_mut().zip(ws) {
+        for (ep, w) in group.iter_mut().zip(ws) {
             ep.strategy_weights.insert(Strategy::Pid, w);
         }
     }

@@ -122,6 +122,24 @@ fn missing_endpoints_keep_their_weight() {
 }
 
 #[test]
+fn a_lost_report_holds_the_weight_instead_of_repeating_the_last_error() {
+    let mut b = fleet(4, params());
+    report_all(&mut b, 0, &[0.9, 0.5, 0.5, 0.5], &[]);
+    b.cycle(0);
+    let after_first = b.service(SVC).expect("svc").endpoints["n0"].weight;
+    // n0's next report is lost; it is still fresh (within stale_ms) but has no news.
+    report_all(&mut b, 1000, &[0.9, 0.5, 0.5, 0.5], &[0]);
+    let r = b.cycle(1000).remove(0);
+    assert!(r.skipped.is_none());
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(
+        svc.endpoints["n0"].state(1000, &svc.params),
+        EndpointState::Serving
+    );
+    assert_eq!(svc.endpoints["n0"].weight, after_first);
+}
+
+#[test]
 fn heterogeneous_fleet_converges() {
     let speeds = [0.6, 0.6, 1.0, 1.0, 1.0, 1.5, 1.5, 0.6, 1.0, 1.5];
     let mut b = fleet(speeds.len(), params());

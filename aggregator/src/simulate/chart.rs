@@ -44,9 +44,14 @@ pub fn quantiles(path: &Path, s: &ScenarioSummary) -> Result<(), SimError> {
     let (w, h) = (cols as u32 * 380, rows as u32 * 250 + 40);
     let root = SVGBackend::new(path, (w, h)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| chart_err(path, e))?;
+    let clipped = s
+        .results
+        .iter()
+        .any(|r| r.metrics.series.max.iter().any(|v| *v > CLIP));
     let title = format!(
-        "{}: load per endpoint (5 s means), max / p95 / avg / p5",
-        s.scenario.title
+        "{}: load per endpoint (5 s means), max / p95 / avg / p5{}",
+        s.scenario.title,
+        if clipped { " (clipped at 2)" } else { "" }
     );
     let root = root
         .titled(&title, ("sans-serif", 18))
@@ -122,6 +127,7 @@ fn lines(
     s: &ScenarioSummary,
     title: &str,
     y_desc: &str,
+    y_floor: f64,
     from: u32,
     values: impl Fn(&super::StrategyResult) -> Vec<f64>,
 ) -> Result<(), SimError> {
@@ -135,12 +141,17 @@ fn lines(
         .fold(1.0f64, f64::max)
         .min(CLIP)
         * 1.05;
+    let title = if series.iter().flatten().any(|v| *v > CLIP) {
+        format!("{title} (clipped at {CLIP})")
+    } else {
+        title.to_string()
+    };
     let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 16))
+        .caption(&title, ("sans-serif", 16))
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(44)
-        .build_cartesian_2d(0f64..f64::from(s.scenario.cycles), 0f64..top)
+        .build_cartesian_2d(0f64..f64::from(s.scenario.cycles), y_floor..top)
         .map_err(|e| chart_err(path, e))?;
     chart
         .configure_mesh()
@@ -176,18 +187,29 @@ fn lines(
 /// Max/avg (5 s means) over time, every strategy on one chart.
 pub fn max_over_avg(path: &Path, s: &ScenarioSummary) -> Result<(), SimError> {
     let title = format!("{}: max/avg load (5 s means)", s.scenario.title);
-    lines(path, s, &title, "max / avg", 0, |r| r.metrics.ratio.clone())
+    // max/avg is never below 1: start the axis just under it.
+    lines(path, s, &title, "max / avg", 0.9, 0, |r| {
+        r.metrics.ratio.iter().map(|v| v.max(0.9)).collect()
+    })
 }
 
 /// The watched endpoint's load over the average (3-cycle means) from the
 /// disturbance on, every strategy on one chart.
 pub fn watched(path: &Path, s: &ScenarioSummary, what: &str) -> Result<(), SimError> {
     let title = format!("{}: {what} load / fleet average", s.scenario.title);
-    lines(path, s, &title, "load / avg", s.scenario.disturbance, |r| {
-        r.metrics
-            .watched
-            .as_ref()
-            .map(|w| w.curve.clone())
-            .unwrap_or_default()
-    })
+    lines(
+        path,
+        s,
+        &title,
+        "load / avg",
+        0.0,
+        s.scenario.disturbance,
+        |r| {
+            r.metrics
+                .watched
+                .as_ref()
+                .map(|w| w.curve.clone())
+                .unwrap_or_default()
+        },
+    )
 }

@@ -6,15 +6,19 @@
 //! [`ballast::BallastAdapter`]; the client-side strategies live in [`strategy`].
 //!
 //! The modules, in the order data flows through them: [`scenario`] (what happens),
-//! [`fleet`] (endpoints, clients, requests), [`strategy`] and [`ballast`] (who picks
-//! which endpoint), [`engine`] (one run, recorded per cycle), [`metrics`] (the
-//! figures), [`tune`] (the gain sweep), [`chart`] and [`report`] (the outputs).
+//! [`random`] (seeded streams), [`fleet`] (endpoints, clients, requests), [`strategy`]
+//! and [`ballast`] (who picks which endpoint), [`engine`] (one run, recorded per
+//! cycle), [`metrics`] (the figures), [`tune`] (the gain sweep), [`experiment`] (the
+//! evidence for changes to the core), and the outputs: [`chart`], [`report`] with
+//! [`headline`] and [`findings`].
 
 pub mod ballast;
 pub mod chart;
 pub mod engine;
 pub mod experiment;
+pub mod findings;
 pub mod fleet;
+pub mod headline;
 pub mod metrics;
 pub mod random;
 pub mod report;
