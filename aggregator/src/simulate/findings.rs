@@ -160,14 +160,11 @@ pub fn shortfalls(out: &mut String, s: &SimSummary) {
                     };
                     let _ = writeln!(
                         out,
-                        "- **{}**: max/avg {} against {} without loss{}. Two causes. An \
-                         endpoint that missed a report or two is still fresh under the 3 s \
-                         staleness bound, so each cycle applies its *last* error again (the \
-                         same correction two or three times).{} The rest is inherent: an \
-                         endpoint silent for many seconds keeps whatever weight it had, \
-                         noise included, and nothing can correct it without reports. \
-                         Cycles skipped by the 15 % rule change nothing, which is their \
-                         purpose.",
+                        "- **{}**: max/avg {} against {} without loss{}. An endpoint whose \
+                         report is lost holds its weight until the next one arrives, and \
+                         one silent for many seconds keeps whatever weight it had, noise \
+                         included: nothing can correct it without reports.{} Cycles \
+                         skipped by the 15 % rule change nothing, which is their purpose.",
                         sc.scenario.title,
                         f3(b.max_over_avg),
                         f3(b0.max_over_avg),
