@@ -221,7 +221,59 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
     let agg_pid = agg.0.id();
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    // Many in-process agents at 10 Hz: the aggregator's CPU per report.
+    // First, on a quiet machine: one real agent binary at the default 1 s interval.
+    let tls = dir.join("nodes/footprint");
+    let _ = std::fs::create_dir_all(&tls);
+    ca.issue_node("footprint")
+        .expect("cert")
+        .write(&tls, "node")
+        .expect("write");
+    let _ = std::fs::copy(dir.join("ca.pem"), tls.join("ca.pem"));
+    let agent = Killed(
+        Command::new(agent_bin)
+            .args([
+                "--service",
+                "footprint",
+                "--node",
+                "footprint",
+                "--address",
+                "127.0.0.1:80",
+                "--port",
+                "80",
+            ])
+            .args(["--aggregator", &quic, "--tls-dir"])
+            .arg(&tls)
+            .arg("--control")
+            .arg(dir.join("agent.sock"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn agent"),
+    );
+    let pid = agent.0.id();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let secs = if quick { 10 } else { 60 };
+    let c0 = cpu_seconds(pid);
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let c1 = cpu_seconds(pid);
+    let per_hour = (c1 - c0) * 3600.0 / secs as f64;
+    let size = std::fs::metadata(agent_bin).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "## Agent footprint (release binary, host CPU + TCP in-flight, 1 s interval, {secs} s)\n"
+    );
+    println!("| RSS MiB | peak RSS MiB | CPU s per hour | % of one core | binary MiB |\n|---|---|---|---|---|");
+    println!(
+        "| {:.1} | {:.1} | {:.2} | {:.3} | {:.1} |",
+        rss_kib(pid, "VmRSS:") as f64 / 1024.0,
+        rss_kib(pid, "VmHWM:") as f64 / 1024.0,
+        per_hour,
+        per_hour / 36.0,
+        size as f64 / 1_048_576.0
+    );
+    drop(agent);
+
+    // Then many in-process agents at 10 Hz: the aggregator's CPU per report.
     let ca_certs = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "ca").expect("ca");
     let n_agents = if quick { 50 } else { 200 };
     let mut agents = Vec::new();
@@ -280,57 +332,6 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
     );
     println!();
 
-    // One real agent binary at the default 1 s interval: its footprint.
-    let tls = dir.join("nodes/footprint");
-    let _ = std::fs::create_dir_all(&tls);
-    ca.issue_node("footprint")
-        .expect("cert")
-        .write(&tls, "node")
-        .expect("write");
-    let _ = std::fs::copy(dir.join("ca.pem"), tls.join("ca.pem"));
-    let agent = Killed(
-        Command::new(agent_bin)
-            .args([
-                "--service",
-                "footprint",
-                "--node",
-                "footprint",
-                "--address",
-                "127.0.0.1:80",
-                "--port",
-                "80",
-            ])
-            .args(["--aggregator", &quic, "--tls-dir"])
-            .arg(&tls)
-            .arg("--control")
-            .arg(dir.join("agent.sock"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn agent"),
-    );
-    let pid = agent.0.id();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let secs = if quick { 10 } else { 60 };
-    let c0 = cpu_seconds(pid);
-    tokio::time::sleep(Duration::from_secs(secs)).await;
-    let c1 = cpu_seconds(pid);
-    let per_hour = (c1 - c0) * 3600.0 / secs as f64;
-    let size = std::fs::metadata(agent_bin).map(|m| m.len()).unwrap_or(0);
-    println!(
-        "## Agent footprint (release binary, host CPU + TCP in-flight, 1 s interval, {secs} s)\n"
-    );
-    println!("| RSS MiB | peak RSS MiB | CPU s per hour | % of one core | binary MiB |\n|---|---|---|---|---|");
-    println!(
-        "| {:.1} | {:.1} | {:.2} | {:.3} | {:.1} |",
-        rss_kib(pid, "VmRSS:") as f64 / 1024.0,
-        rss_kib(pid, "VmHWM:") as f64 / 1024.0,
-        per_hour,
-        per_hour / 36.0,
-        size as f64 / 1_048_576.0
-    );
-    drop(agent);
     drop(agg);
     let _ = std::fs::remove_dir_all(&dir);
 }

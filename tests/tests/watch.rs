@@ -27,7 +27,6 @@
 
 use ballast_tests::*;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -83,14 +82,7 @@ impl Curl {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start curl: {e}"));
         let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = ballast_tests::harness::process::lines_of(stdout);
         Curl {
             child,
             lines,

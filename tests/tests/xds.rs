@@ -19,7 +19,7 @@
 
 use ballast_tests::*;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,14 +70,7 @@ impl Python {
             .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", path.display()));
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = ballast_tests::harness::process::lines_of(stdout);
         Python {
             child,
             stdin,
