@@ -140,13 +140,19 @@ fn core(quick: bool) {
     println!();
 }
 
-/// CPU seconds a process has used, from /proc (user + system, 100 ticks per second).
+/// CPU seconds a process has used, from the scheduler's nanosecond account
+/// (`/proc/PID/schedstat`): the 10 ms ticks of `/proc/PID/stat` are too coarse for an
+/// agent that uses about a millisecond per second.
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / 100.0
+    std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+        })
+        .map(|ns| ns / 1e9)
+        .unwrap_or(0.0)
 }
 
 fn rss_kib(pid: u32, field: &str) -> u64 {
@@ -205,20 +211,24 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
         .expect("write server");
     let http = format!("127.0.0.1:{}", free_port());
     let quic = format!("127.0.0.1:{}", free_port());
-    let agg = Killed(
-        Command::new(agg_bin)
-            .args(["run", "--quic", &quic, "--http", &http, "--tls-dir"])
-            .arg(&dir)
-            .arg("--store")
-            .arg(dir.join("weights.json"))
-            .args(["--report-interval-ms", "100"])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn aggregator"),
-    );
-    let agg_pid = agg.0.id();
+    // Agents take their report interval from the aggregator's welcome, so each part
+    // runs against an aggregator started with the interval it measures.
+    let spawn_aggregator = |interval_ms: &str| {
+        Killed(
+            Command::new(agg_bin)
+                .args(["run", "--quic", &quic, "--http", &http, "--tls-dir"])
+                .arg(&dir)
+                .arg("--store")
+                .arg(dir.join("weights.json"))
+                .args(["--report-interval-ms", interval_ms])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn aggregator"),
+        )
+    };
+    let agg = spawn_aggregator("1000");
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // First, on a quiet machine: one real agent binary at the default 1 s interval.
@@ -272,6 +282,11 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
         size as f64 / 1_048_576.0
     );
     drop(agent);
+    drop(agg);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let agg = spawn_aggregator("100");
+    let agg_pid = agg.0.id();
+    tokio::time::sleep(Duration::from_millis(500)).await;
 
     // Then many in-process agents at 10 Hz: the aggregator's CPU per report.
     let ca_certs = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "ca").expect("ca");
