@@ -6,8 +6,6 @@ use super::pki::Pki;
 use super::process::{command, run_bounded, Proc, AGENT_BIN};
 use super::wait::wait_for;
 use serde::Deserialize;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -296,19 +294,8 @@ impl Agent {
     /// One request straight on the control socket (`status`, `drain`, `undrain`).
     pub fn try_control(&self, cmd: &str) -> Result<ControlResponse, String> {
         let what = format!("control socket {}", self.control.display());
-        let mut stream = UnixStream::connect(&self.control).map_err(|e| format!("{what}: {e}"))?;
-        let timeout = Some(Duration::from_secs(5));
-        stream
-            .set_read_timeout(timeout)
-            .and_then(|_| stream.set_write_timeout(timeout))
-            .map_err(|e| format!("{what}: {e}"))?;
-        stream
-            .write_all(format!("{{\"cmd\":\"{cmd}\"}}\n").as_bytes())
-            .map_err(|e| format!("{what}: {e}"))?;
-        let mut line = String::new();
-        BufReader::new(stream.take(1 << 20))
-            .read_line(&mut line)
-            .map_err(|e| format!("{what}: {e}"))?;
+        let request = format!("{{\"cmd\":\"{cmd}\"}}\n");
+        let line = super::process::unix_request(&self.control, &request, 1 << 20, &what)?;
         serde_json::from_str(&line).map_err(|e| format!("{what}: {e}: {line:?}"))
     }
 

@@ -7,9 +7,7 @@
 use super::ports;
 use super::process::{run_bounded, Proc};
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -351,21 +349,7 @@ fn wait_ready(proc: &mut Proc, frontend: SocketAddr, admin: &Path) -> Result<(),
 /// Sends one command to a runtime-API socket and reads the answer to its end.
 pub fn admin_command(socket: &Path, cmd: &str) -> Result<String, String> {
     let what = format!("HAProxy runtime API {} `{cmd}`", socket.display());
-    let mut stream = UnixStream::connect(socket).map_err(|e| format!("{what}: {e}"))?;
-    let timeout = Some(Duration::from_secs(5));
-    stream
-        .set_read_timeout(timeout)
-        .and_then(|_| stream.set_write_timeout(timeout))
-        .map_err(|e| format!("{what}: {e}"))?;
-    stream
-        .write_all(format!("{cmd}\n").as_bytes())
-        .map_err(|e| format!("{what}: {e}"))?;
-    let mut out = String::new();
-    stream
-        .take(4 << 20)
-        .read_to_string(&mut out)
-        .map_err(|e| format!("{what}: {e}"))?;
-    Ok(out)
+    super::process::unix_request(socket, &format!("{cmd}\n"), 4 << 20, &what)
 }
 
 /// Parses `show servers state` (format version 1): a version line, a `#` header that

@@ -220,6 +220,33 @@ pub fn lines_of(out: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Re
     lines
 }
 
+/// Sends `request` on a Unix socket and reads the answer until the peer closes, at
+/// most `limit` bytes, every step bounded to 5 s. `what` names the peer in errors.
+pub fn unix_request(
+    socket: &std::path::Path,
+    request: &str,
+    limit: u64,
+    what: &str,
+) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::os::unix::net::UnixStream::connect(socket).map_err(|e| format!("{what}: {e}"))?;
+    let timeout = Some(std::time::Duration::from_secs(5));
+    stream
+        .set_read_timeout(timeout)
+        .and_then(|_| stream.set_write_timeout(timeout))
+        .map_err(|e| format!("{what}: {e}"))?;
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|e| format!("{what}: {e}"))?;
+    let mut out = String::new();
+    stream
+        .take(limit)
+        .read_to_string(&mut out)
+        .map_err(|e| format!("{what}: {e}"))?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
