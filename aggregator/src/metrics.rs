@@ -76,6 +76,17 @@ pub struct Metrics {
     pub xds_nacks: Family<XdsResource, Counter>,
     /// xDS streams open now.
     pub xds_streams: Gauge,
+    /// Config-directory reloads, by outcome (`applied`, `unchanged`, `error`).
+    pub config_reloads: Family<Reason, Counter>,
+    /// Service files refused (parse or validation), by file.
+    pub config_rejected: Family<FileLabel, Counter>,
+}
+
+/// A label set with one config `file`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FileLabel {
+    /// The file's name within the config directory.
+    pub file: String,
 }
 
 impl Default for Metrics {
@@ -102,6 +113,8 @@ impl Metrics {
             xds_pushes: Family::default(),
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
+            config_reloads: Family::default(),
+            config_rejected: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -151,6 +164,16 @@ impl Metrics {
             m.xds_nacks.clone(),
         );
         registry.register("xds_streams", "xDS streams open", m.xds_streams.clone());
+        registry.register(
+            "config_reloads",
+            "Config directory reloads, by outcome",
+            m.config_reloads.clone(),
+        );
+        registry.register(
+            "config_rejected",
+            "Service config files refused, by file",
+            m.config_rejected.clone(),
+        );
         Metrics { registry, ..m }
     }
 

@@ -2,10 +2,11 @@
 
 use crate::balance::{Balancer, Millis, ServiceSnapshot};
 use crate::clock::Clock;
+use crate::config::locality::Localities;
 use crate::metrics::Metrics;
 use crate::store::RoutingStore;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 /// Shared daemon state. The balancer sits behind one mutex, held only for the short,
 /// allocation-light calls of the sans-IO core: ingest and the cycle never wait on I/O
@@ -25,6 +26,8 @@ pub struct State {
     pub changes: tokio::sync::watch::Sender<u64>,
     /// The report interval agents are told to use, in milliseconds.
     pub report_interval_ms: u32,
+    /// The locality splits in force, replaced whole on a config reload.
+    localities: RwLock<Arc<Localities>>,
 }
 
 impl State {
@@ -43,6 +46,25 @@ impl State {
             store_error: Mutex::new(None),
             changes: tokio::sync::watch::channel(0).0,
             report_interval_ms,
+            localities: RwLock::new(Arc::new(Localities::default())),
+        }
+    }
+
+    /// The locality splits in force.
+    pub fn localities(&self) -> Arc<Localities> {
+        self.localities
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Puts new locality splits in force and wakes the feeds if they differ.
+    pub fn set_localities(&self, localities: Localities) {
+        let mut current = self.localities.write().unwrap_or_else(|p| p.into_inner());
+        if **current != localities {
+            *current = Arc::new(localities);
+            drop(current);
+            self.changes.send_modify(|v| *v += 1);
         }
     }
 

@@ -1,4 +1,7 @@
-//! The aggregator's configuration file.
+//! The aggregator's configuration: the global file, and the per-service files of the
+//! config directory.
+
+pub mod locality;
 
 use crate::balance::Params;
 pub use ballast_shared::config::{ConfigError, TlsFiles};

@@ -1,0 +1,91 @@
+//! The locality config: for each client zone, how its traffic splits across
+//! destination zones, as in Robinhood's `zone_1` / `zone_2` example.
+//!
+//! ```toml
+//! [locality.zone_1]
+//! zone_1 = 100
+//!
+//! [locality.zone_2]
+//! zone_2 = 50
+//! zone_1 = 50
+//! ```
+//!
+//! Clients in `zone_1` send everything to `zone_1`; clients in `zone_2` split evenly.
+//! Failing a data centre over is a one-file change.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Client zone → destination zone → relative share. Shares are relative, not
+/// percentages: `{a = 1, b = 3}` sends a quarter to `a`.
+pub type LocalitySplit = BTreeMap<String, BTreeMap<String, u32>>;
+
+/// The largest share one destination may have; xDS locality weights are `uint32` and
+/// their sum must fit too.
+pub const MAX_SHARE: u32 = 1_000_000;
+
+/// Checks a split: names non-empty, shares within bounds, and every client zone sends
+/// somewhere.
+pub fn validate(split: &LocalitySplit) -> Result<(), String> {
+    for (client, dests) in split {
+        if client.trim().is_empty() {
+            return Err("locality: a client zone name is empty".into());
+        }
+        if dests.keys().any(|d| d.trim().is_empty()) {
+            return Err(format!(
+                "locality.{client}: a destination zone name is empty"
+            ));
+        }
+        if let Some((d, s)) = dests.iter().find(|(_, s)| **s > MAX_SHARE) {
+            return Err(format!(
+                "locality.{client}.{d}: share {s} is above the limit of {MAX_SHARE}"
+            ));
+        }
+        if dests.values().all(|s| *s == 0) {
+            return Err(format!(
+                "locality.{client}: every share is 0, so its clients would get no endpoints"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A service's effective configuration as the feeds read it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Localities {
+    /// Per service, the split in force; a service without one spreads evenly.
+    pub services: BTreeMap<String, LocalitySplit>,
+}
+
+impl Localities {
+    /// The destination shares for clients of `service` in `client_zone`, if configured.
+    pub fn split_for(&self, service: &str, client_zone: &str) -> Option<&BTreeMap<String, u32>> {
+        self.services.get(service)?.get(client_zone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_seed_example_validates_and_looks_up() {
+        let split: LocalitySplit =
+            toml::from_str("[zone_1]\nzone_1 = 100\n[zone_2]\nzone_2 = 50\nzone_1 = 50\n")
+                .expect("parses");
+        assert_eq!(validate(&split), Ok(()));
+        let l = Localities {
+            services: [("svc".to_string(), split)].into(),
+        };
+        let z2 = l.split_for("svc", "zone_2").expect("configured");
+        assert_eq!(z2.get("zone_1"), Some(&50));
+        assert_eq!(l.split_for("svc", "zone_3"), None);
+        assert_eq!(l.split_for("other", "zone_1"), None);
+    }
+
+    #[test]
+    fn an_all_zero_split_is_refused() {
+        let split: LocalitySplit = toml::from_str("[z]\na = 0\n").expect("parses");
+        assert!(validate(&split).unwrap_err().contains("locality.z"));
+    }
+}
