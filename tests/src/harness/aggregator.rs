@@ -32,6 +32,8 @@ pub struct AggregatorOpts {
     pub xds: bool,
     /// `--etcd ENDPOINTS --etcd-prefix PREFIX`: weights in etcd instead of the file.
     pub etcd: Option<(String, String)>,
+    /// `--config-dir`: the per-service config directory, watched live.
+    pub config_dir: Option<PathBuf>,
 }
 
 impl Default for AggregatorOpts {
@@ -43,6 +45,7 @@ impl Default for AggregatorOpts {
             config_toml: None,
             xds: false,
             etcd: None,
+            config_dir: None,
         }
     }
 }
@@ -63,6 +66,12 @@ impl AggregatorOpts {
     /// With this report interval for agents.
     pub fn report_interval_ms(mut self, v: u32) -> Self {
         self.report_interval_ms = v;
+        self
+    }
+
+    /// With a per-service config directory.
+    pub fn config_dir(mut self, dir: &Path) -> Self {
+        self.config_dir = Some(dir.to_path_buf());
         self
     }
 
@@ -167,6 +176,9 @@ impl Aggregator {
         }
         if let Some((endpoints, prefix)) = &self.opts.etcd {
             cmd.args(["--etcd", endpoints, "--etcd-prefix", prefix]);
+        }
+        if let Some(dir) = &self.opts.config_dir {
+            cmd.arg("--config-dir").arg(dir);
         }
         if let Some(toml) = &self.opts.config_toml {
             let path = self.dir.path().join("aggregator.toml");
