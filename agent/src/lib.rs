@@ -4,6 +4,7 @@
 //! and keeps the weight it gets back for the CLI and the HAProxy agent-check.
 
 pub mod agentcheck;
+pub mod cli;
 pub mod config;
 pub mod control;
 pub mod daemon;

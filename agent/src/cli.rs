@@ -1,0 +1,203 @@
+//! The `ballast-agent` command line, in the library so that man pages and shell
+//! completions can be generated from it without the generators in the agent binary.
+
+use crate::config::{AgentConfig, ConfigError, TlsFiles};
+use crate::sample::{CpuSpec, InflightSpec};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+/// Ballast host agent: measures how busy this node's service is and reports it.
+#[derive(Parser)]
+#[command(name = "ballast-agent", version, about, propagate_version = true)]
+pub struct Cli {
+    /// The subcommand; none runs the daemon.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Daemon flags given before any subcommand.
+    #[command(flatten)]
+    pub flags: Flags,
+}
+
+/// The agent's subcommands.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the agent daemon (the default).
+    Run(Flags),
+    /// Take one measurement and print it; no daemon or aggregator needed.
+    Sample {
+        #[command(flatten)]
+        flags: Flags,
+        /// Seconds between the two readings a CPU delta needs.
+        #[arg(long, default_value_t = 1.0)]
+        window: f64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the running daemon's connection, last report and weight.
+    Status(CtlArgs),
+    /// Lame duck: ask the aggregator for weight 0 and let in-flight work finish.
+    Drain(CtlArgs),
+    /// Come back from a drain through the cold-start ramp.
+    Undrain(CtlArgs),
+    /// Validate the configuration and TLS files, then exit.
+    Check(Flags),
+}
+
+/// How to reach a running daemon's control socket.
+#[derive(Args, Clone)]
+pub struct CtlArgs {
+    /// The daemon's control socket.
+    #[arg(
+        long,
+        env = "BALLAST_CONTROL",
+        default_value = "/run/ballast/agent.sock"
+    )]
+    pub control: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The daemon's settings; each overrides the configuration file.
+#[derive(Args, Clone, Default)]
+pub struct Flags {
+    /// TOML configuration file; flags and environment override it.
+    #[arg(long, short, env = "BALLAST_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// Service name.
+    #[arg(long, env = "BALLAST_SERVICE", global = true)]
+    pub service: Option<String>,
+    /// Service port on this host.
+    #[arg(long, env = "BALLAST_PORT", global = true)]
+    pub port: Option<u16>,
+    /// Aggregator address host:port; repeat or comma-separate for failover.
+    #[arg(
+        long = "aggregator",
+        env = "BALLAST_AGGREGATOR",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub aggregators: Vec<String>,
+    /// Node identity (default: host name). Must match the certificate.
+    #[arg(long, env = "BALLAST_NODE", global = true)]
+    pub node: Option<String>,
+    /// Endpoint address load balancers use (default: host name and port).
+    #[arg(long, env = "BALLAST_ADDRESS", global = true)]
+    pub address: Option<String>,
+    /// Zone of this node.
+    #[arg(long, env = "BALLAST_ZONE", global = true)]
+    pub zone: Option<String>,
+    /// CPU source: host, cgroup:PATH, pid:N or none.
+    #[arg(long, env = "BALLAST_CPU", global = true)]
+    pub cpu: Option<CpuSpec>,
+    /// In-flight source: tcp:PORTS, prometheus:URL#METRIC, synthetic:speed=..,offered=.. or none.
+    #[arg(long, env = "BALLAST_INFLIGHT", global = true)]
+    pub inflight: Option<InflightSpec>,
+    /// In-flight requests that mean fully busy.
+    #[arg(long, env = "BALLAST_CAPACITY", global = true)]
+    pub capacity: Option<u32>,
+    /// Report interval in milliseconds.
+    #[arg(long, env = "BALLAST_INTERVAL_MS", global = true)]
+    pub interval_ms: Option<u32>,
+    /// Directory with ca.pem, node.pem and node.key.
+    #[arg(long, env = "BALLAST_TLS_DIR", global = true)]
+    pub tls_dir: Option<PathBuf>,
+    /// TLS server name expected from the aggregator.
+    #[arg(long, env = "BALLAST_SERVER_NAME", global = true)]
+    pub server_name: Option<String>,
+    /// Answer HAProxy's agent-check on this address (e.g. 0.0.0.0:7402).
+    #[arg(long, env = "BALLAST_AGENT_CHECK", global = true)]
+    pub agent_check: Option<std::net::SocketAddr>,
+    /// Control socket path ("" for none).
+    #[arg(long, env = "BALLAST_CONTROL", global = true, value_parser = any_path)]
+    pub control: Option<PathBuf>,
+    /// Log as JSON lines.
+    #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
+    pub log_json: bool,
+}
+
+impl Flags {
+    /// These flags with `other`'s set ones taking precedence: a subcommand's flags
+    /// override the ones given before it.
+    pub fn merged(&self, other: &Flags) -> Flags {
+        macro_rules! pick {
+            ($($f:ident),*) => { Flags { $($f: other.$f.clone().or_else(|| self.$f.clone()),)*
+                aggregators: if other.aggregators.is_empty() { self.aggregators.clone() } else { other.aggregators.clone() },
+                log_json: self.log_json || other.log_json } };
+        }
+        pick!(
+            config,
+            service,
+            port,
+            node,
+            address,
+            zone,
+            cpu,
+            inflight,
+            capacity,
+            interval_ms,
+            tls_dir,
+            server_name,
+            control,
+            agent_check
+        )
+    }
+
+    /// The configuration file (or the defaults) with these flags applied, resolved.
+    pub fn config(&self) -> Result<AgentConfig, ConfigError> {
+        let mut cfg = match &self.config {
+            Some(path) => AgentConfig::load(path)?,
+            None => AgentConfig::default(),
+        };
+        if let Some(v) = &self.service {
+            cfg.service = v.clone();
+        }
+        if let Some(v) = self.port {
+            cfg.port = v;
+        }
+        if !self.aggregators.is_empty() {
+            cfg.aggregators = self.aggregators.clone();
+        }
+        if let Some(v) = &self.node {
+            cfg.node = v.clone();
+        }
+        if let Some(v) = &self.address {
+            cfg.address = v.clone();
+        }
+        if let Some(v) = &self.zone {
+            cfg.zone = v.clone();
+        }
+        if let Some(v) = &self.cpu {
+            cfg.cpu = v.clone();
+        }
+        if let Some(v) = &self.inflight {
+            cfg.inflight = Some(v.clone());
+        }
+        if let Some(v) = self.capacity {
+            cfg.capacity = v;
+        }
+        if let Some(v) = self.interval_ms {
+            cfg.interval_ms = v;
+        }
+        if let Some(dir) = &self.tls_dir {
+            cfg.tls = TlsFiles::in_dir(dir, "node");
+        }
+        if let Some(v) = &self.server_name {
+            cfg.server_name = Some(v.clone());
+        }
+        if let Some(v) = &self.control {
+            cfg.control_socket = v.clone();
+        }
+        if let Some(v) = self.agent_check {
+            cfg.agent_check = Some(v);
+        }
+        Ok(cfg.resolve())
+    }
+}
+
+/// Any path, the empty one included: `--control ""` turns the control socket off,
+/// which clap's own path parser would refuse.
+fn any_path(s: &str) -> Result<PathBuf, std::convert::Infallible> {
+    Ok(PathBuf::from(s))
+}
