@@ -133,9 +133,19 @@ impl Daemon {
             endpoint.clone(),
             state.clone(),
         )));
+        if let Some(dir) = &cfg.service_config.dir {
+            let config_dir = crate::config::watch::ConfigDir::open(
+                state.clone(),
+                dir.clone(),
+                &cfg.service_config,
+                &cfg.store,
+                &cfg.balance,
+            );
+            tasks.push(tokio::spawn(config_dir.run()));
+        }
         tasks.push(tokio::spawn(cycle_loop(
             state.clone(),
-            Duration::from_millis(cfg.balance.cycle_ms),
+            Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
         )));
         let app = crate::api::router(state.clone());
         tasks.push(tokio::spawn(async move {
@@ -183,13 +193,18 @@ fn etcd_store(_cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>,
     )))
 }
 
+/// The cycle loop's tick at most: services may override the cycle length, so the loop
+/// ticks finely and runs each service when its own cycle is due.
+const CYCLE_TICK_MS: u64 = 100;
+
 async fn cycle_loop(state: Arc<State>, period: Duration) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let slack = u64::try_from(period.as_millis() / 2).unwrap_or(0);
     tick.tick().await;
     loop {
         tick.tick().await;
-        let changed = state.cycle(state.clock.now());
+        let changed = state.cycle_due(state.clock.now(), slack);
         if !changed.is_empty() {
             let st = state.clone();
             // A slow disk must not delay the next cycle.

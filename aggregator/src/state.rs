@@ -28,6 +28,8 @@ pub struct State {
     pub report_interval_ms: u32,
     /// The locality splits in force, replaced whole on a config reload.
     localities: RwLock<Arc<Localities>>,
+    /// The per-service config directory, when one is configured.
+    config_dir: Mutex<Option<crate::config::watch::ConfigDirStatus>>,
 }
 
 impl State {
@@ -47,7 +49,13 @@ impl State {
             changes: tokio::sync::watch::channel(0).0,
             report_interval_ms,
             localities: RwLock::new(Arc::new(Localities::default())),
+            config_dir: Mutex::new(None),
         }
+    }
+
+    /// The config directory's merged config and refusals; `None` without a directory.
+    pub fn config_dir(&self) -> MutexGuard<'_, Option<crate::config::watch::ConfigDirStatus>> {
+        self.config_dir.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The locality splits in force.
@@ -77,11 +85,27 @@ impl State {
     /// Runs one cycle of every service, counts it, and returns the snapshots of the
     /// services whose weights changed, for the store and the feeds.
     pub fn cycle(&self, now: Millis) -> BTreeMap<String, ServiceSnapshot> {
+        self.run_cycle(|b| b.cycle(now))
+    }
+
+    /// Like [`State::cycle`], for the services whose own cycle is due at `now` (see
+    /// [`Balancer::cycle_due`]); nothing is counted when none is.
+    pub fn cycle_due(&self, now: Millis, slack: Millis) -> BTreeMap<String, ServiceSnapshot> {
+        self.run_cycle(|b| b.cycle_due(now, slack))
+    }
+
+    fn run_cycle(
+        &self,
+        run: impl FnOnce(&mut Balancer) -> Vec<crate::balance::CycleResult>,
+    ) -> BTreeMap<String, ServiceSnapshot> {
         let started = std::time::Instant::now();
         let mut changed = BTreeMap::new();
         let results = {
             let mut b = self.balancer();
-            let results = b.cycle(now);
+            let results = run(&mut b);
+            if results.is_empty() {
+                return changed;
+            }
             for r in results.iter().filter(|r| r.changed) {
                 if let Some(svc) = b.service(&r.service) {
                     changed.insert(r.service.clone(), svc.snapshot());

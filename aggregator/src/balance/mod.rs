@@ -96,6 +96,8 @@ pub struct Balancer {
     allowed: Option<BTreeSet<String>>,
     services: BTreeMap<String, Service>,
     grace_until: Millis,
+    /// When each service's next cycle is due, for [`Balancer::cycle_due`].
+    next_cycle: BTreeMap<String, Millis>,
 }
 
 impl Balancer {
@@ -108,6 +110,7 @@ impl Balancer {
             overrides: BTreeMap::new(),
             allowed: None,
             services: BTreeMap::new(),
+            next_cycle: BTreeMap::new(),
         }
     }
 
@@ -122,6 +125,19 @@ impl Balancer {
             s.params = params.clone();
         }
         self.overrides.insert(service.to_string(), params);
+    }
+
+    /// Drops a service's own parameters: it follows the defaults again.
+    pub fn clear_params(&mut self, service: &str) {
+        self.overrides.remove(service);
+        if let Some(s) = self.services.get_mut(service) {
+            s.params = self.defaults.clone();
+        }
+    }
+
+    /// The global defaults.
+    pub fn defaults(&self) -> &Params {
+        &self.defaults
     }
 
     /// The parameters in force for a service.
@@ -191,6 +207,28 @@ impl Balancer {
             .values_mut()
             .map(|s| s.cycle(now, grace))
             .collect()
+    }
+
+    /// Runs the services whose cycle is due at `now`, each on its own `cycle_ms`, for a
+    /// caller that ticks more often than any service cycles. `slack` is how early a
+    /// cycle may run (half the caller's tick keeps a tick's jitter from costing a
+    /// whole tick). A service's first call runs it.
+    pub fn cycle_due(&mut self, now: Millis, slack: Millis) -> Vec<CycleResult> {
+        let grace = self.grace_until;
+        let mut results = Vec::new();
+        for (name, svc) in &mut self.services {
+            let due = self.next_cycle.get(name).copied().unwrap_or(now);
+            if now.saturating_add(slack) < due {
+                continue;
+            }
+            let period = svc.params.cycle_ms.max(1);
+            // Keep to the schedule, not to when the tick came, unless far behind.
+            let next = due.saturating_add(period);
+            let next = if next <= now { now + period } else { next };
+            self.next_cycle.insert(name.clone(), next);
+            results.push(svc.cycle(now, grace));
+        }
+        results
     }
 
     /// Runs one cycle of one service at `now`, for services whose cycles are paced apart.

@@ -1,7 +1,10 @@
 //! The aggregator's configuration: the global file, and the per-service files of the
 //! config directory.
 
+pub mod dir;
 pub mod locality;
+pub mod service;
+pub mod watch;
 
 use crate::balance::Params;
 pub use ballast_shared::config::{ConfigError, TlsFiles};
@@ -77,6 +80,82 @@ impl EtcdConfig {
     }
 }
 
+/// The per-service config directory: where it is, and how its merged config is kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServiceConfigSettings {
+    /// The directory of `<service>.toml` files; none by default (zero config).
+    pub dir: Option<PathBuf>,
+    /// Where the merged config (last good versions, tombstones) persists across
+    /// restarts; `services.json` beside the routing store's file by default.
+    pub state: Option<PathBuf>,
+    /// How long a deleted file's tombstone keeps its config, in seconds (3 days).
+    pub tombstone_ttl_s: u64,
+    /// Where backups of the merged config go; `config-backups` beside the routing
+    /// store's file by default.
+    pub backup_dir: Option<PathBuf>,
+    /// How often the merged config is backed up, in seconds, if it changed.
+    pub backup_interval_s: u64,
+    /// How many backups to keep.
+    pub backup_keep: usize,
+    /// How often the directory is scanned whatever file events say, in milliseconds:
+    /// it catches what a watcher can miss (network file systems) and expires tombstones.
+    pub rescan_ms: u64,
+}
+
+impl Default for ServiceConfigSettings {
+    fn default() -> Self {
+        ServiceConfigSettings {
+            dir: None,
+            state: None,
+            tombstone_ttl_s: 3 * 24 * 3600,
+            backup_dir: None,
+            backup_interval_s: 3600,
+            backup_keep: 72,
+            rescan_ms: 10_000,
+        }
+    }
+}
+
+impl ServiceConfigSettings {
+    /// The merged config's file, given where the routing store keeps its file.
+    pub fn state_path(&self, store: &StoreConfig) -> PathBuf {
+        self.state
+            .clone()
+            .unwrap_or_else(|| beside(&store.path, "services.json"))
+    }
+
+    /// The backup directory, given where the routing store keeps its file.
+    pub fn backup_path(&self, store: &StoreConfig) -> PathBuf {
+        self.backup_dir
+            .clone()
+            .unwrap_or_else(|| beside(&store.path, "config-backups"))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.tombstone_ttl_s == 0 {
+            return Err("service_config.tombstone_ttl_s must be at least 1".into());
+        }
+        if !(60..=30 * 24 * 3600).contains(&self.backup_interval_s) {
+            return Err("service_config.backup_interval_s must be between 60 and 2592000".into());
+        }
+        if self.backup_keep == 0 {
+            return Err("service_config.backup_keep must be at least 1".into());
+        }
+        if !(100..=3_600_000).contains(&self.rescan_ms) {
+            return Err("service_config.rescan_ms must be between 100 and 3600000".into());
+        }
+        Ok(())
+    }
+}
+
+fn beside(file: &Path, name: &str) -> PathBuf {
+    file.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join(name)
+}
+
 /// The whole configuration. Every field has a default, so an empty file is valid.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -100,6 +179,8 @@ pub struct Config {
     pub xds_lb_policy: crate::feed::xds::LbPolicy,
     /// Balancing defaults for every service.
     pub balance: Params,
+    /// The per-service config directory.
+    pub service_config: ServiceConfigSettings,
 }
 
 impl Default for Config {
@@ -114,6 +195,7 @@ impl Default for Config {
             balance: Params::default(),
             xds: None,
             xds_lb_policy: crate::feed::xds::LbPolicy::default(),
+            service_config: ServiceConfigSettings::default(),
         }
     }
 }
@@ -154,6 +236,7 @@ impl Config {
         if let Some(etcd) = &self.store.etcd {
             etcd.validate()?;
         }
+        self.service_config.validate()?;
         Ok(())
     }
 }
