@@ -2,137 +2,14 @@
 //! library.
 
 use anyhow::{Context, Result};
+use ballast_aggregator::cli::{CertsCommand, Cli, Command, DemoArgs, RunArgs};
 use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_aggregator::demo::{self, DemoOptions};
 use ballast_shared::config::init_logging;
-use clap::{Args, Parser, Subcommand};
-use std::net::SocketAddr;
+use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
-
-/// Ballast aggregator: one PID controller per endpoint, weights for your load balancers.
-#[derive(Parser)]
-#[command(name = "ballast-aggregator", version, about, propagate_version = true)]
-struct Cli {
-    #[command(subcommand)]
-    command: Option<Command>,
-    #[command(flatten)]
-    run: RunArgs,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Run the aggregator daemon (the default).
-    Run(RunArgs),
-    /// Start an aggregator and a fleet of real agents on loopback and watch them converge.
-    Demo(DemoArgs),
-    /// Compare balancing strategies on simulated fleets; write docs/balance.md and charts.
-    Simulate {
-        /// Directory for balance.md and img/ (the repository's docs/).
-        #[arg(long, default_value = "docs")]
-        out: PathBuf,
-        /// Random seed; the same seed gives the same numbers.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Fewer ticks per scenario, for a quick look.
-        #[arg(long)]
-        quick: bool,
-        /// Only these scenarios (comma-separated names).
-        #[arg(long, value_delimiter = ',')]
-        scenario: Vec<String>,
-    },
-    /// Certificates for a first deployment.
-    #[command(subcommand)]
-    Certs(CertsCommand),
-    /// Validate a configuration file and exit: 0 if valid, 1 if not.
-    Check {
-        /// The file.
-        #[arg(long, short, env = "BALLAST_CONFIG")]
-        config: PathBuf,
-    },
-}
-
-#[derive(Subcommand)]
-enum CertsCommand {
-    /// Create a CA, a server certificate and node certificates in DIR (an existing CA is reused).
-    Init {
-        /// Output directory.
-        dir: PathBuf,
-        /// Node identities to issue certificates for (comma-separated).
-        #[arg(long, value_delimiter = ',')]
-        nodes: Vec<String>,
-        /// Names the server certificate covers (default: localhost, 127.0.0.1, ::1, host name).
-        #[arg(long = "server-name", value_delimiter = ',')]
-        server_names: Vec<String>,
-    },
-}
-
-#[derive(Args, Clone, Default)]
-struct RunArgs {
-    /// TOML configuration file.
-    #[arg(long, short, env = "BALLAST_CONFIG", global = true)]
-    config: Option<PathBuf>,
-    /// UDP address for agents (QUIC).
-    #[arg(long, env = "BALLAST_QUIC")]
-    quic: Option<SocketAddr>,
-    /// TCP address of the HTTP API.
-    #[arg(long, env = "BALLAST_HTTP")]
-    http: Option<SocketAddr>,
-    /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC (off by default).
-    #[arg(long, env = "BALLAST_XDS")]
-    xds: Option<SocketAddr>,
-    /// Directory with ca.pem, server.pem and server.key.
-    #[arg(long, env = "BALLAST_TLS_DIR")]
-    tls_dir: Option<PathBuf>,
-    /// Routing store file.
-    #[arg(long, env = "BALLAST_STORE")]
-    store: Option<PathBuf>,
-    /// Keep weights in etcd at these endpoints (comma-separated URLs) instead of the
-    /// store file. Needs a binary built with the `etcd` feature.
-    #[arg(long, env = "BALLAST_ETCD", value_delimiter = ',')]
-    etcd: Option<Vec<String>>,
-    /// Key prefix in etcd (default /ballast); needs --etcd or [store.etcd].
-    #[arg(long, env = "BALLAST_ETCD_PREFIX")]
-    etcd_prefix: Option<String>,
-    /// Balancing cycle in milliseconds.
-    #[arg(long, env = "BALLAST_CYCLE_MS")]
-    cycle_ms: Option<u64>,
-    /// Start-up grace period in milliseconds.
-    #[arg(long, env = "BALLAST_GRACE_MS")]
-    grace_ms: Option<u64>,
-    /// Report interval agents are told to use, in milliseconds.
-    #[arg(long, env = "BALLAST_REPORT_INTERVAL_MS")]
-    report_interval_ms: Option<u32>,
-    /// Log as JSON lines.
-    #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
-    log_json: bool,
-}
-
-#[derive(Args)]
-struct DemoArgs {
-    /// Number of agents.
-    #[arg(long, default_value_t = 12)]
-    nodes: usize,
-    /// Cycles to show.
-    #[arg(long, default_value_t = 30)]
-    cycles: u64,
-    /// Cycle length in milliseconds.
-    #[arg(long, default_value_t = 500)]
-    cycle_ms: u64,
-    /// Offered load at equal weights, 0 to 1.
-    #[arg(long, default_value_t = 0.6)]
-    offered: f64,
-    /// Relative node speeds, assigned in turn.
-    #[arg(long, value_delimiter = ',', default_value = "0.6,1.0,1.5")]
-    speeds: Vec<f64>,
-    /// HTTP API address.
-    #[arg(long, default_value = "127.0.0.1:7401")]
-    http: SocketAddr,
-    /// Keep the API up after the summary until Ctrl-C.
-    #[arg(long)]
-    hold: bool,
-}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
