@@ -10,6 +10,7 @@
 //! down a whole fleet; falling back to plain round robin is the safe default.
 
 use crate::daemon::Shared;
+use crate::metrics::AgentCheckReply;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -25,6 +26,11 @@ pub fn reply(shared: &Shared) -> String {
     let status = shared.status();
     let max_age = u64::from(shared.config.interval_ms) * STALE_INTERVALS;
     let weight = status.fresh_weight(ballast_shared::unix_ms(), max_age);
+    shared.metrics.agentcheck_reply(match (draining, weight) {
+        (true, _) => AgentCheckReply::Drain,
+        (false, Some(_)) => AgentCheckReply::Weight,
+        (false, None) => AgentCheckReply::Mean,
+    });
     ballast_shared::load::haproxy_agent_reply(weight, draining)
 }
 

@@ -112,6 +112,15 @@ pub struct Flags {
     /// Control socket path ("" for none).
     #[arg(long, env = "BALLAST_CONTROL", global = true, value_parser = any_path)]
     pub control: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464); off by default.
+    #[arg(long, env = "BALLAST_METRICS", global = true)]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// File that keeps a drain across agent restarts ("" for none; default: next to the control socket).
+    #[arg(long, env = "BALLAST_DRAIN_FILE", global = true, value_parser = any_path)]
+    pub drain_file: Option<PathBuf>,
+    /// Milliseconds with nothing in flight after a drain before stopping is safe.
+    #[arg(long, env = "BALLAST_DRAIN_QUIET_MS", global = true)]
+    pub drain_quiet_ms: Option<u64>,
     /// Log as JSON lines.
     #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
     pub log_json: bool,
@@ -140,7 +149,10 @@ impl Flags {
             tls_dir,
             server_name,
             control,
-            agent_check
+            agent_check,
+            metrics,
+            drain_file,
+            drain_quiet_ms
         )
     }
 
@@ -191,6 +203,15 @@ impl Flags {
         }
         if let Some(v) = self.agent_check {
             cfg.agent_check = Some(v);
+        }
+        if let Some(v) = self.metrics {
+            cfg.metrics = Some(v);
+        }
+        if let Some(v) = &self.drain_file {
+            cfg.drain_file = Some(v.clone());
+        }
+        if let Some(v) = self.drain_quiet_ms {
+            cfg.drain_quiet_ms = v;
         }
         Ok(cfg.resolve())
     }

@@ -38,6 +38,17 @@ pub struct AgentConfig {
     pub control_socket: PathBuf,
     /// Where to answer HAProxy's agent-check, if anywhere.
     pub agent_check: Option<std::net::SocketAddr>,
+    /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// The file whose presence says the node is drained, so that a drain survives a
+    /// restart of the agent: only `undrain` ends it. `None` until [`AgentConfig::resolve`]
+    /// puts it next to the control socket; an empty path keeps no drain file.
+    pub drain_file: Option<PathBuf>,
+    /// How long, in milliseconds, the in-flight count must stay at 0 after a drain
+    /// before `status` calls stopping safe. Load balancers that poll (HAProxy's
+    /// `agent-inter`) must have seen the drain by then, so it must be at least their
+    /// longest polling interval.
+    pub drain_quiet_ms: u64,
 }
 
 impl Default for AgentConfig {
@@ -57,6 +68,9 @@ impl Default for AgentConfig {
             tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "node"),
             control_socket: PathBuf::from("/run/ballast/agent.sock"),
             agent_check: None,
+            metrics: None,
+            drain_file: None,
+            drain_quiet_ms: 5000,
         }
     }
 }
@@ -109,7 +123,17 @@ impl AgentConfig {
                 ports: vec![self.port],
             });
         }
+        if self.drain_file.is_none() && !self.control_socket.as_os_str().is_empty() {
+            self.drain_file = Some(self.control_socket.with_extension("drained"));
+        }
         self
+    }
+
+    /// The drain file in use, if any.
+    pub fn drain_path(&self) -> Option<&Path> {
+        self.drain_file
+            .as_deref()
+            .filter(|p| !p.as_os_str().is_empty())
     }
 
     /// Checks that the agent can run with this.
@@ -128,6 +152,9 @@ impl AgentConfig {
         }
         if !(100..=60_000).contains(&self.interval_ms) {
             return bad("interval_ms must be between 100 and 60000".into());
+        }
+        if self.drain_quiet_ms > 3_600_000 {
+            return bad("drain_quiet_ms must be at most 3600000 (an hour)".into());
         }
         let hello = self.hello();
         hello
@@ -168,6 +195,32 @@ mod tests {
             "no-such-host.invalid:80"
         );
         assert_eq!(cfg.inflight, Some(InflightSpec::Tcp { ports: vec![8080] }));
+        assert_eq!(
+            cfg.drain_path(),
+            Some(Path::new("/run/ballast/agent.drained")),
+            "the drain file sits next to the control socket"
+        );
+        assert_eq!(cfg.metrics, None, "metrics are off by default");
+    }
+
+    #[test]
+    fn metrics_and_drain_keys_parse() {
+        let cfg = AgentConfig::parse(
+            "service = \"web\"\naggregators = [\"agg:7400\"]\nmetrics = \"127.0.0.1:9464\"\n\
+             drain_file = \"\"\ndrain_quiet_ms = 1500\n",
+            "agent.toml",
+        )
+        .expect("parses")
+        .resolve();
+        assert_eq!(cfg.metrics, Some("127.0.0.1:9464".parse().expect("addr")));
+        assert_eq!(cfg.drain_path(), None, "an empty path keeps no drain file");
+        assert_eq!(cfg.drain_quiet_ms, 1500);
+        let off = AgentConfig {
+            control_socket: PathBuf::new(),
+            ..AgentConfig::default()
+        }
+        .resolve();
+        assert_eq!(off.drain_path(), None, "no control socket, no drain file");
     }
 
     #[test]

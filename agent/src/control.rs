@@ -9,7 +9,6 @@ use serde::{Deserialize, Serialize};
 use std::io::Read as _;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt as _, AsyncWriteExt};
@@ -38,8 +37,25 @@ pub struct Response {
     pub status: Option<Status>,
     /// Whether the service can be stopped without losing requests.
     pub safe_to_stop: Option<bool>,
+    /// Why it is safe to stop or not, for people.
+    pub stop_reason: Option<String>,
+    /// Done, but with a caveat (a drain that will not survive a restart).
+    pub warning: Option<String>,
     /// What went wrong.
     pub error: Option<String>,
+}
+
+impl Response {
+    fn refused(error: String) -> Self {
+        Response {
+            ok: false,
+            status: None,
+            safe_to_stop: None,
+            stop_reason: None,
+            warning: None,
+            error: Some(error),
+        }
+    }
 }
 
 /// Why the CLI could not talk to the daemon.
@@ -64,33 +80,37 @@ pub enum ControlError {
 fn answer(shared: &Shared, line: &str) -> Response {
     let request: Request = match serde_json::from_str(line.trim()) {
         Ok(r) => r,
-        Err(e) => {
-            return Response {
-                ok: false,
-                status: None,
-                safe_to_stop: None,
-                error: Some(format!("bad request: {e}")),
-            }
-        }
+        Err(e) => return Response::refused(format!("bad request: {e}")),
     };
-    match request {
-        Request::Status => {}
+    let persisted = match request {
+        Request::Status => Ok(()),
         Request::Drain => {
-            shared.draining.store(true, Ordering::Relaxed);
-            shared.update(|s| s.draining = true);
             tracing::info!("drain requested");
+            shared.set_draining(true)
         }
         Request::Undrain => {
-            shared.draining.store(false, Ordering::Relaxed);
-            shared.update(|s| s.draining = false);
             tracing::info!("undrain requested");
+            shared.set_draining(false)
         }
-    }
+    };
+    let warning = persisted.err().map(|e| {
+        let what = if request == Request::Drain {
+            "a restarted agent will not be drained"
+        } else {
+            "a restarted agent will be drained again"
+        };
+        tracing::warn!(error = %e, "{what}");
+        shared.update(|s| s.last_error = Some(e.to_string()));
+        format!("{e}: {what}")
+    });
     let status = shared.status();
+    let verdict = shared.stop_verdict(&status, ballast_shared::unix_ms());
     Response {
         ok: true,
-        safe_to_stop: Some(status.safe_to_stop()),
+        safe_to_stop: Some(verdict.safe),
+        stop_reason: Some(verdict.reason),
         status: Some(status),
+        warning,
         error: None,
     }
 }
@@ -130,12 +150,7 @@ pub async fn serve(
             let response =
                 match tokio::time::timeout(Duration::from_secs(5), lines.next_line()).await {
                     Ok(Ok(Some(line))) if line.len() <= MAX_REQUEST => answer(&shared, &line),
-                    _ => Response {
-                        ok: false,
-                        status: None,
-                        safe_to_stop: None,
-                        error: Some("request missing, too long or not a line".into()),
-                    },
+                    _ => Response::refused("request missing, too long or not a line".into()),
                 };
             if let Ok(mut text) = serde_json::to_string(&response) {
                 text.push('\n');

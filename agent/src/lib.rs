@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod metrics;
 pub mod report;
 pub mod sample;
 pub mod status;

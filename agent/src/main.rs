@@ -142,16 +142,22 @@ fn print_human(req: Request, resp: &Response) {
         "reports     {} sent, {} failed; {} connect failures, {} sample errors",
         s.reports_sent, s.reports_failed, s.connect_failures, s.sample_errors
     );
-    let state = if !s.draining {
-        "serving".to_string()
-    } else if resp.safe_to_stop == Some(true) {
-        "draining: safe to stop (weight 0 acknowledged, nothing in flight)".to_string()
-    } else {
-        "draining: not yet safe to stop".to_string()
+    let state = match (s.draining, s.drain_acknowledged) {
+        (false, _) => "serving",
+        (true, false) => "draining (the aggregator has not acknowledged it yet)",
+        (true, true) => "draining (acknowledged: every feed publishes weight 0)",
     };
     println!("state       {state}");
+    if s.draining {
+        if let Some(reason) = &resp.stop_reason {
+            println!("stop        {reason}");
+        }
+    }
     if let Some(e) = &s.last_error {
         println!("last error  {e}");
+    }
+    if let Some(w) = &resp.warning {
+        println!("warning     {w}");
     }
 }
 

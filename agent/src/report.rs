@@ -182,6 +182,7 @@ async fn session(
     tracing::info!(aggregator = %target, interval_ms, "connected");
     shared.update(|s| {
         s.connected_to = Some(target.to_string());
+        s.connections += 1;
         s.last_error = None;
     });
 
@@ -247,7 +248,10 @@ fn ticker(interval_ms: u32) -> tokio::time::Interval {
 /// Samples and encodes one report. A failed sample sends nothing: a missing report is
 /// handled by the aggregator, while a made-up zero would look like idleness.
 fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<u8>> {
-    let sample = match sampler.sample() {
+    let started = std::time::Instant::now();
+    let result = sampler.sample();
+    shared.metrics.observe_sample(started.elapsed());
+    let sample = match result {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(error = %e, "sample failed");
@@ -278,6 +282,11 @@ fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<
         s.last_cpu = Some(sample.cpu);
         s.last_inflight = Some(sample.inflight);
         s.last_report_unix_ms = Some(report.timestamp_ms);
+        s.inflight_zero_since_unix_ms = if sample.inflight == 0 {
+            s.inflight_zero_since_unix_ms.or(Some(report.timestamp_ms))
+        } else {
+            None
+        };
     });
     wire::encode(&Message::Report(report)).ok()
 }

@@ -38,15 +38,77 @@ pub struct Status {
     pub draining: bool,
     /// The aggregator has it as draining.
     pub drain_acknowledged: bool,
+    /// Since when (milliseconds since the Unix epoch) every sample has counted 0 in
+    /// flight; reset by a drain, so that the quiet period starts after it.
+    pub inflight_zero_since_unix_ms: Option<u64>,
+    /// Sessions established with an aggregator since the agent started.
+    pub connections: u64,
     /// The last error, in words.
     pub last_error: Option<String>,
 }
 
+/// Whether stopping the service now loses nothing, and why or why not, in words an
+/// operator can act on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StopVerdict {
+    /// Stopping now loses nothing.
+    pub safe: bool,
+    /// Why, e.g. "safe to stop: drained, acknowledged by the aggregator, 0 in flight
+    /// for 6.0 s".
+    pub reason: String,
+}
+
 impl Status {
-    /// Draining, acknowledged by the aggregator, and no request in flight: stopping
-    /// the service now loses nothing.
-    pub fn safe_to_stop(&self) -> bool {
-        self.draining && self.drain_acknowledged && self.last_inflight == Some(0)
+    /// Safe to stop when the node is draining, the aggregator has acknowledged it
+    /// (every feed publishes weight 0), the last sample is at most `max_sample_age_ms`
+    /// old, and every sample since the drain for at least `quiet_ms` counted nothing
+    /// in flight: load balancers that poll within `quiet_ms` have seen the drain, and
+    /// the work they sent before it is done.
+    pub fn stop_verdict(
+        &self,
+        now_unix_ms: u64,
+        quiet_ms: u64,
+        max_sample_age_ms: u64,
+    ) -> StopVerdict {
+        let not_yet = |why: String| StopVerdict {
+            safe: false,
+            reason: format!("not yet safe to stop: {why}"),
+        };
+        if !self.draining {
+            return StopVerdict {
+                safe: false,
+                reason: "not safe to stop: serving (run `ballast-agent drain` first)".into(),
+            };
+        }
+        if !self.drain_acknowledged {
+            return not_yet("draining, waiting for the aggregator to acknowledge the drain".into());
+        }
+        let sample_age = self
+            .last_report_unix_ms
+            .map(|at| now_unix_ms.saturating_sub(at));
+        if sample_age.is_none_or(|age| age > max_sample_age_ms) {
+            return not_yet("draining, but no recent sample of the work in flight".into());
+        }
+        let quiet = match (self.last_inflight, self.inflight_zero_since_unix_ms) {
+            (Some(0), Some(since)) => now_unix_ms.saturating_sub(since),
+            (Some(n), _) if n > 0 => return not_yet(format!("draining, {n} in flight")),
+            _ => return not_yet("draining, waiting for a sample with nothing in flight".into()),
+        };
+        let secs = |ms: u64| ms as f64 / 1000.0;
+        if quiet < quiet_ms {
+            return not_yet(format!(
+                "draining, 0 in flight for {:.1} s of the {:.1} s required",
+                secs(quiet),
+                secs(quiet_ms)
+            ));
+        }
+        StopVerdict {
+            safe: true,
+            reason: format!(
+                "safe to stop: drained, acknowledged by the aggregator, 0 in flight for {:.1} s",
+                secs(quiet)
+            ),
+        }
     }
 
     /// The weight if it is younger than `max_age_ms`: an old weight says nothing about
@@ -55,6 +117,82 @@ impl Status {
         match (self.weight, self.weight_unix_ms) {
             (Some(w), Some(at)) if now_unix_ms.saturating_sub(at) <= max_age_ms => Some(w),
             _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drained(now: u64) -> Status {
+        Status {
+            draining: true,
+            drain_acknowledged: true,
+            last_inflight: Some(0),
+            last_report_unix_ms: Some(now - 100),
+            inflight_zero_since_unix_ms: Some(now - 6000),
+            ..Status::default()
+        }
+    }
+
+    #[test]
+    fn safe_to_stop_needs_drain_acknowledgement_fresh_sample_and_quiet() {
+        let now = 1_000_000;
+        let v = drained(now).stop_verdict(now, 5000, 1500);
+        assert!(v.safe, "{v:?}");
+        assert_eq!(
+            v.reason,
+            "safe to stop: drained, acknowledged by the aggregator, 0 in flight for 6.0 s"
+        );
+        let cases: [(Status, &str); 6] = [
+            (
+                Status {
+                    draining: false,
+                    ..drained(now)
+                },
+                "serving",
+            ),
+            (
+                Status {
+                    drain_acknowledged: false,
+                    ..drained(now)
+                },
+                "acknowledge",
+            ),
+            (
+                Status {
+                    last_report_unix_ms: Some(now - 5000),
+                    ..drained(now)
+                },
+                "no recent sample",
+            ),
+            (
+                Status {
+                    last_inflight: Some(3),
+                    ..drained(now)
+                },
+                "3 in flight",
+            ),
+            (
+                Status {
+                    inflight_zero_since_unix_ms: None,
+                    ..drained(now)
+                },
+                "waiting for a sample",
+            ),
+            (
+                Status {
+                    inflight_zero_since_unix_ms: Some(now - 1200),
+                    ..drained(now)
+                },
+                "0 in flight for 1.2 s of the 5.0 s required",
+            ),
+        ];
+        for (status, why) in cases {
+            let v = status.stop_verdict(now, 5000, 1500);
+            assert!(!v.safe, "{v:?}");
+            assert!(v.reason.contains(why), "{:?} lacks {why:?}", v.reason);
         }
     }
 }

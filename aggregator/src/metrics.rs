@@ -76,6 +76,10 @@ pub struct Metrics {
     pub xds_nacks: Family<XdsResource, Counter>,
     /// xDS streams open now.
     pub xds_streams: Gauge,
+    /// HTTP watch (server-sent) events sent, by service.
+    pub watch_events: Family<ServiceLabel, Counter>,
+    /// HTTP watch streams open now.
+    pub watch_streams: Gauge,
     /// Config-directory reloads, by outcome (`applied`, `unchanged`, `error`).
     pub config_reloads: Family<Reason, Counter>,
     /// Service files refused (parse or validation), by file.
@@ -113,6 +117,8 @@ impl Metrics {
             xds_pushes: Family::default(),
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
+            watch_events: Family::default(),
+            watch_streams: Gauge::default(),
             config_reloads: Family::default(),
             config_rejected: Family::default(),
             registry: Registry::default(),
@@ -164,6 +170,16 @@ impl Metrics {
             m.xds_nacks.clone(),
         );
         registry.register("xds_streams", "xDS streams open", m.xds_streams.clone());
+        registry.register(
+            "watch_events",
+            "HTTP watch events sent (one per weight version), by service",
+            m.watch_events.clone(),
+        );
+        registry.register(
+            "watch_streams",
+            "HTTP watch streams open",
+            m.watch_streams.clone(),
+        );
         registry.register(
             "config_reloads",
             "Config directory reloads, by outcome",

@@ -333,11 +333,14 @@ impl Service {
         let expired = self.expire(now);
 
         let params = self.params.clone();
-        let known = self.endpoints.len();
+        // A draining endpoint is left out: a lame duck whose agent was stopped after
+        // the drain is silent on purpose and carries no traffic, so its silence hides
+        // no load, and maintenance on a few nodes must not freeze the rest.
+        let known = self.endpoints.values().filter(|e| !e.draining).count();
         let missing = self
             .endpoints
             .values()
-            .filter(|e| !e.is_fresh(now, &params))
+            .filter(|e| !e.draining && !e.is_fresh(now, &params))
             .count();
         let missing_share = if known == 0 {
             0.0

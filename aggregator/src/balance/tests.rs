@@ -220,6 +220,111 @@ fn draining_gives_zero_and_undrain_restarts_cold() {
     assert_eq!(w, params().cold_start_weight);
 }
 
+/// Drains `n3` of a converged fleet of four equal nodes, then undrains it, and follows
+/// its published weight: it must come back from the cold-start weight, not jump to
+/// its old share, and ramp to the mean without overshoot.
+#[test]
+fn undrained_endpoint_ramps_up_from_the_cold_start_weight() {
+    let speeds = [1.0; 4];
+    let mut b = fleet(4, params());
+    run_plant(&mut b, &speeds, 0.6, 0, 5);
+    let drained = Observation {
+        draining: true,
+        ..obs(0.0)
+    };
+    // Drained for five cycles; the other three carry everything.
+    for c in 5..10u64 {
+        let now = c * 1000;
+        b.observe(now, SVC, "n3", drained).expect("observes");
+        report_all(&mut b, now, &[0.8, 0.8, 0.8], &[]);
+        b.cycle(now);
+    }
+    assert_eq!(b.service(SVC).expect("svc").endpoints["n3"].weight, 0.0);
+
+    let cold = params().cold_start_weight;
+    let mut ramp = Vec::new();
+    for c in 10..40u64 {
+        let now = c * 1000;
+        let w = weights(&b);
+        let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+        let loads: Vec<f64> = w.iter().map(|w| 0.6 * w / mean_w).collect();
+        report_all(&mut b, now, &loads, &[]);
+        if c == 10 {
+            let ep = &b.service(SVC).expect("svc").endpoints["n3"];
+            assert!(!ep.draining);
+            assert_eq!(ep.strategy_weights[&Strategy::Pid], cold, "restarts cold");
+        }
+        b.cycle(now);
+        let svc = b.service(SVC).expect("svc");
+        let ep = &svc.endpoints["n3"];
+        if c == 10 {
+            assert_eq!(ep.state(now, &svc.params), EndpointState::Warming);
+        }
+        ramp.push(ep.weight);
+    }
+    // One cycle's growth from the cold-start weight, plus the renormalisation of a
+    // fleet whose other three shrink to make room.
+    let first_limit = cold * params().max_growth * 1.5;
+    assert!(
+        ramp[0] <= first_limit,
+        "the first weight after the undrain is one step up from the cold-start one \
+         ({cold}), at most {first_limit}: {ramp:?}"
+    );
+    assert!(
+        ramp.windows(2).take(5).all(|w| w[1] > w[0]),
+        "it ramps up: {ramp:?}"
+    );
+    let last = ramp[ramp.len() - 1];
+    assert!((last - 1.0).abs() < 0.05, "it ends at the mean: {ramp:?}");
+    assert!(
+        ramp.iter().all(|w| *w <= 1.1),
+        "no overshoot on the way: {ramp:?}"
+    );
+}
+
+/// A drained node whose agent was stopped is silent on purpose: the rest of the
+/// fleet keeps balancing instead of skipping every cycle for a missing share.
+#[test]
+fn a_silent_drained_endpoint_is_not_missing() {
+    let mut b = fleet(3, params());
+    report_all(&mut b, 0, &[0.5; 3], &[]);
+    b.cycle(0);
+    b.observe(
+        1000,
+        SVC,
+        "n2",
+        Observation {
+            draining: true,
+            ..obs(0.0)
+        },
+    )
+    .expect("observes");
+    // n2 falls silent for much longer than the staleness limit.
+    for c in 1..10u64 {
+        let now = c * 1000;
+        report_all(&mut b, now, &[0.7, 0.3], &[]);
+        let r = b.cycle(now).remove(0);
+        assert_eq!(r.skipped, None, "cycle {c}: {r:?}");
+        assert_eq!(r.missing_share, 0.0);
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints["n2"].weight, 0.0);
+    assert!(svc.endpoints["n2"].draining);
+    assert!(
+        svc.endpoints["n0"].weight < svc.endpoints["n1"].weight,
+        "the two serving nodes were balanced meanwhile"
+    );
+    // A silent node that is not draining is still missing (one of the two serving).
+    let r = {
+        report_all(&mut b, 20_000, &[0.5], &[]);
+        b.cycle(20_000).remove(0)
+    };
+    assert!(
+        matches!(r.skipped, Some(SkipReason::Missing { .. })),
+        "{r:?}"
+    );
+}
+
 #[test]
 fn drain_takes_effect_even_in_a_skipped_cycle() {
     let mut b = Balancer::new(Params::default(), 0); // 3 s grace

@@ -5,12 +5,40 @@
 //! never sees a half-applied cycle: each event is one service's whole set.
 
 use crate::api::views::WeightSet;
+use crate::metrics::ServiceLabel;
 use crate::state::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::stream::{self, Stream};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Holds one place in the open-streams gauge for as long as its stream lives.
+struct Open(Arc<State>);
+
+impl Open {
+    fn new(state: Arc<State>) -> Self {
+        state.metrics.watch_streams.inc();
+        Open(state)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.metrics.watch_streams.dec();
+    }
+}
+
+/// Counts one event sent for `service`.
+fn sent(state: &State, service: &str) {
+    state
+        .metrics
+        .watch_events
+        .get_or_create(&ServiceLabel {
+            service: service.to_string(),
+        })
+        .inc();
+}
 
 fn event(set: &WeightSet) -> Event {
     let data = serde_json::to_string(set).unwrap_or_else(|_| "{}".to_string());
@@ -28,12 +56,15 @@ pub fn stream(
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let changes = state.changes.subscribe();
     let first = event(&current);
-    let seed = (state, service, changes, current.version, Some(first));
+    let open = Open::new(state.clone());
+    let seed = (open, service, changes, current.version, Some(first));
     let events = stream::unfold(
         seed,
-        |(state, service, mut changes, version, first)| async move {
+        |(open, service, mut changes, version, first)| async move {
+            let state = &open.0;
             if let Some(ev) = first {
-                return Some((Ok(ev), (state, service, changes, version, None)));
+                sent(state, &service);
+                return Some((Ok(ev), (open, service, changes, version, None)));
             }
             loop {
                 // The sender lives as long as the daemon; its end ends the stream.
@@ -45,7 +76,8 @@ pub fn stream(
                 };
                 if set.version != version {
                     let v = set.version;
-                    return Some((Ok(event(&set)), (state, service, changes, v, None)));
+                    sent(state, &service);
+                    return Some((Ok(event(&set)), (open, service, changes, v, None)));
                 }
             }
         },
