@@ -42,11 +42,37 @@ pub enum Command {
     /// Certificates for a first deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// The per-service config directory: check it offline, restore a backup.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Validate a configuration file and exit: 0 if valid, 1 if not.
     Check {
         /// The file.
         #[arg(long, short, env = "BALLAST_CONFIG")]
         config: PathBuf,
+    },
+}
+
+/// Config-directory subcommands.
+#[derive(Subcommand)]
+pub enum ConfigCommand {
+    /// Validate every service file in DIR as the running aggregator would. Exit code 0
+    /// if all are valid, 1 if any is not, 2 if DIR or --config cannot be read.
+    Check {
+        /// The per-service config directory.
+        dir: PathBuf,
+    },
+    /// Write a backup's service files back into a config directory; a running
+    /// aggregator picks them up live.
+    Restore {
+        /// A backup, `services-<unix ms>.json` in the backup directory.
+        backup: PathBuf,
+        /// The config directory to restore into.
+        #[arg(long)]
+        to: PathBuf,
+        /// Also remove service files the backup does not have.
+        #[arg(long)]
+        exact: bool,
     },
 }
 
@@ -84,6 +110,9 @@ pub struct RunArgs {
     /// Directory with ca.pem, server.pem and server.key.
     #[arg(long, env = "BALLAST_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
+    /// Per-service config directory (`<service>.toml` files), merged live.
+    #[arg(long, env = "BALLAST_CONFIG_DIR")]
+    pub config_dir: Option<PathBuf>,
     /// Routing store file.
     #[arg(long, env = "BALLAST_STORE")]
     pub store: Option<PathBuf>,

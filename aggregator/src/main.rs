@@ -2,7 +2,7 @@
 //! library.
 
 use anyhow::{Context, Result};
-use ballast_aggregator::cli::{CertsCommand, Cli, Command, DemoArgs, RunArgs};
+use ballast_aggregator::cli::{CertsCommand, Cli, Command, ConfigCommand, DemoArgs, RunArgs};
 use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_aggregator::demo::{self, DemoOptions};
@@ -27,6 +27,10 @@ fn main() -> ExitCode {
             server_names,
         })) => certs_init(&dir, &nodes, server_names),
         Some(Command::Check { config }) => check(&config),
+        Some(Command::Config(ConfigCommand::Check { dir })) => config_check(&dir, &cli.run),
+        Some(Command::Config(ConfigCommand::Restore { backup, to, exact })) => {
+            config_restore(&backup, &to, exact)
+        }
         Some(Command::Simulate {
             out,
             seed,
@@ -62,6 +66,9 @@ fn config(args: &RunArgs) -> Result<Config> {
     }
     if let Some(dir) = &args.tls_dir {
         cfg.tls = TlsFiles::in_dir(dir, "server");
+    }
+    if let Some(dir) = &args.config_dir {
+        cfg.service_config.dir = Some(dir.clone());
     }
     if let Some(v) = &args.store {
         cfg.store.path = v.clone();
@@ -200,4 +207,62 @@ fn check(path: &std::path::Path) -> Result<ExitCode> {
             Ok(ExitCode::FAILURE)
         }
     }
+}
+
+/// Exit code of `config check` when the directory or the config file cannot be read,
+/// so that CI can tell "your file is wrong" (1) from "the check could not run" (2).
+const CHECK_UNUSABLE: u8 = 2;
+
+fn config_check(dir: &std::path::Path, args: &RunArgs) -> Result<ExitCode> {
+    let defaults = match &args.config {
+        Some(path) => match Config::load(path) {
+            Ok(cfg) => cfg.balance,
+            Err(e) => {
+                eprintln!("cannot use {}: {e}", path.display());
+                return Ok(ExitCode::from(CHECK_UNUSABLE));
+            }
+        },
+        None => Config::default().balance,
+    };
+    let verdicts = match ballast_aggregator::config::dir::check(dir, &defaults) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("cannot check: {e}");
+            return Ok(ExitCode::from(CHECK_UNUSABLE));
+        }
+    };
+    let mut bad = 0;
+    for (file, verdict) in &verdicts {
+        match verdict {
+            Ok(()) => println!("ok: {file}"),
+            Err(e) => {
+                bad += 1;
+                match e.line {
+                    Some(line) => println!("invalid: {file}, line {line}: {}", e.message),
+                    None => println!("invalid: {file}: {}", e.message),
+                }
+            }
+        }
+    }
+    println!(
+        "{} file(s) checked in {}, {bad} invalid",
+        verdicts.len(),
+        dir.display()
+    );
+    Ok(if bad == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn config_restore(backup: &std::path::Path, to: &std::path::Path, exact: bool) -> Result<ExitCode> {
+    let (written, removed) = ballast_aggregator::config::dir::restore(backup, to, exact)?;
+    for f in &written {
+        println!("restored {}", to.join(f).display());
+    }
+    for f in &removed {
+        println!("removed {}", to.join(f).display());
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -24,6 +24,7 @@ pub fn router(state: Arc<State>) -> Router {
         .route("/v1/services/{name}", get(service))
         .route("/v1/services/{name}/endpoints", get(endpoints))
         .route("/v1/services/{name}/weights", get(weights))
+        .route("/v1/config", get(config))
         .fallback(not_found)
         .with_state(state)
 }
@@ -64,6 +65,10 @@ async fn healthz(AxState(state): AxState<Arc<State>>) -> Json<serde_json::Value>
         "store": state.store.describe(),
         "store_error": store_error,
     }))
+}
+
+async fn config(AxState(state): AxState<Arc<State>>) -> Json<views::ConfigView> {
+    Json(views::ConfigView::of(state.config_dir().as_ref()))
 }
 
 async fn openapi() -> impl IntoResponse {

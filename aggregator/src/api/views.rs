@@ -206,3 +206,92 @@ impl WeightSet {
         }
     }
 }
+
+/// `GET /v1/config`: the per-service config directory as merged.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConfigView {
+    /// The directory; `None` when the aggregator runs without one.
+    pub dir: Option<String>,
+    /// When it was last scanned, in Unix milliseconds.
+    pub last_scan_unix_ms: Option<u64>,
+    /// Why the last scan failed, if it did.
+    pub scan_error: Option<String>,
+    /// How long a tombstone lasts, in seconds.
+    pub tombstone_ttl_s: Option<u64>,
+    /// Every configured service, tombstones included.
+    pub services: Vec<ServiceConfigView>,
+    /// Files refused now; their services keep their last good version.
+    pub errors: Vec<crate::config::service::FileError>,
+}
+
+/// One service's config in force.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServiceConfigView {
+    /// The service.
+    pub name: String,
+    /// `active`, or `tombstone` once its file is deleted.
+    pub status: &'static str,
+    /// Its file.
+    pub file: String,
+    /// When the version in force was loaded, in Unix milliseconds.
+    pub loaded_unix_ms: u64,
+    /// When the file was found deleted.
+    pub deleted_unix_ms: Option<u64>,
+    /// When the tombstone expires and the service falls back to the defaults.
+    pub expires_unix_ms: Option<u64>,
+    /// Whether the file on disk is refused now (the version in force is older).
+    pub file_refused: bool,
+    /// The parameters in force.
+    pub params: crate::balance::Params,
+    /// The locality split in force.
+    pub locality: crate::config::locality::LocalitySplit,
+}
+
+impl ConfigView {
+    /// The view of the config directory's status, or of its absence.
+    pub fn of(status: Option<&crate::config::watch::ConfigDirStatus>) -> Self {
+        let Some(s) = status else {
+            return ConfigView {
+                dir: None,
+                last_scan_unix_ms: None,
+                scan_error: None,
+                tombstone_ttl_s: None,
+                services: Vec::new(),
+                errors: Vec::new(),
+            };
+        };
+        let ttl = s.configs.tombstone_ttl_ms();
+        let errors = s.configs.errors();
+        ConfigView {
+            dir: Some(s.dir.display().to_string()),
+            last_scan_unix_ms: Some(s.last_scan_unix_ms),
+            scan_error: s.scan_error.clone(),
+            tombstone_ttl_s: Some(ttl / 1000),
+            services: s
+                .configs
+                .merged()
+                .services
+                .iter()
+                .map(|(name, e)| {
+                    let file = crate::config::dir::file_name(name);
+                    ServiceConfigView {
+                        name: name.clone(),
+                        status: if e.deleted_unix_ms.is_some() {
+                            "tombstone"
+                        } else {
+                            "active"
+                        },
+                        file_refused: errors.contains_key(&file),
+                        file,
+                        loaded_unix_ms: e.loaded_unix_ms,
+                        deleted_unix_ms: e.deleted_unix_ms,
+                        expires_unix_ms: e.deleted_unix_ms.map(|d| d.saturating_add(ttl)),
+                        params: e.config.params.clone(),
+                        locality: e.config.locality.clone(),
+                    }
+                })
+                .collect(),
+            errors: errors.values().cloned().collect(),
+        }
+    }
+}

@@ -284,6 +284,27 @@ fn read_bounded(path: &Path) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())
 }
 
+/// Validates every service file in `dir` against `defaults`, as a scan would, without
+/// a running aggregator: each file with its verdict, by file name.
+pub fn check(
+    dir: &Path,
+    defaults: &Params,
+) -> Result<BTreeMap<String, Result<(), FileError>>, DirError> {
+    let files = scan(dir)?;
+    let mut configs = ServiceConfigs::new(Merged::default(), defaults, u64::MAX);
+    configs.apply(&files, defaults, 0);
+    Ok(files
+        .keys()
+        .map(|f| {
+            let verdict = match configs.errors().get(f) {
+                Some(e) => Err(e.clone()),
+                None => Ok(()),
+            };
+            (f.clone(), verdict)
+        })
+        .collect())
+}
+
 /// Writes `bytes` to `path` so that a reader sees the old or the new file, never half.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
     let tmp = path.with_extension("tmp~");
@@ -579,6 +600,19 @@ mod tests {
             restore(&kept[0], &conf, false),
             Err(DirError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn check_gives_each_file_a_verdict() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        std::fs::write(tmp.path().join("ok.toml"), "").expect("write");
+        std::fs::write(tmp.path().join("bad.toml"), "[balance]\nx = 1\n").expect("write");
+        std::fs::write(tmp.path().join("notes.txt"), "ignored").expect("write");
+        let v = check(tmp.path(), &Params::default()).expect("check");
+        assert_eq!(v.len(), 2);
+        assert_eq!(v["ok.toml"], Ok(()));
+        assert_eq!(v["bad.toml"].as_ref().map_err(|e| e.line), Err(Some(2)));
+        assert!(check(&tmp.path().join("nope"), &Params::default()).is_err());
     }
 
     #[test]
