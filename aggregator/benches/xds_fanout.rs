@@ -202,9 +202,13 @@ fn report_loads(state: &State, endpoints: usize, round: usize) {
 
 /// The EDS version a stream subscribed to the service should now have.
 fn expected_version(state: &State) -> String {
-    let snap = Snapshot::prepare(&state.balancer(), &Snapshot::default()).finish(POLICY);
+    let localities = state.localities();
+    let snap =
+        Snapshot::prepare(&state.balancer(), &localities, &Snapshot::default()).finish(POLICY);
     let names: BTreeSet<String> = [SERVICE.to_string()].into();
-    snap.select(ResourceType::Endpoints, false, &names).version
+    // The bench's clients name no zone: they get the default assignment.
+    snap.select(ResourceType::Endpoints, false, &names, "")
+        .version
 }
 
 struct Figure {

@@ -13,6 +13,16 @@
 //!
 //! Envoy needs only the Cluster and the ClusterLoadAssignment.
 //!
+//! # Locality
+//!
+//! When a service's config splits a client zone's traffic across destination zones
+//! (`[locality.zone_2]` with `zone_2 = 50`, `zone_1 = 50`), clients whose xDS node
+//! names that zone (`node.locality.zone`) get a ClusterLoadAssignment of their own:
+//! one locality per destination zone with a share, weighted by it, and within each
+//! the balancer's weights. Other clients get the default, every zone at weight 1. A
+//! config reload pushes new assignments to the affected zones' streams only. See
+//! [`resources`] for how the weights are chosen so that gRPC's RING_HASH honours them.
+//!
 //! # Which load-balancing policy for which client
 //!
 //! - **Proxyless gRPC: `ring_hash`** (the default). gRPC's `round_robin` ignores endpoint

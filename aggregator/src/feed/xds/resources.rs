@@ -5,9 +5,23 @@
 //! `Any`, with a digest of each, so that a thousand streams share one encoding and a
 //! response's version is a function of its contents: the same resources always carry
 //! the same version, which is what lets a stream tell that nothing changed.
+//!
+//! # Locality splits
+//!
+//! A service's ClusterLoadAssignment comes in several versions: the default, which
+//! every client gets (one locality per zone, all of weight 1), and one per client zone
+//! that the service's locality config splits ([`split_assignment`]). A stream picks
+//! by its client's `node.locality.zone` ([`Snapshot::select`]). In a split
+//! assignment each destination zone's locality weight is its share, and the zone's
+//! endpoint weights are the balancer's rescaled to a common total, because gRPC's
+//! RING_HASH weighs each endpoint by locality weight × endpoint weight (gRFC A42):
+//! only then is a zone's share of the calls its configured share whatever the number
+//! of endpoints in it. Locality-first pickers (gRPC's `weighted_target` under
+//! ROUND_ROBIN, gRFC A27) give the same shares.
 
 use super::LbPolicy;
 use crate::balance::{Balancer, Service};
+use crate::config::locality::{Localities, LocalitySplit};
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
 use envoy_types::pb::envoy::config::core::v3::{
     address, config_source, socket_address, Address, AggregatedConfigSource, ApiVersion,
@@ -236,61 +250,213 @@ pub fn parse_address(address: &str) -> Option<(IpAddr, u16)> {
     Some((host.parse().ok()?, port.parse().ok()?))
 }
 
-/// ClusterLoadAssignment `service`: one locality per zone (all of weight 1 for now),
-/// endpoints weighted by [`ballast_shared::load::envoy_weight`], draining ones marked
-/// DRAINING (xDS forbids weight 0). Endpoints whose address is not `IP:port` are left
-/// out, with a warning: one bad address must not make clients reject the rest.
-pub fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoadAssignment {
-    let mut zones: BTreeMap<&str, Vec<LbEndpoint>> = BTreeMap::new();
-    for ep in endpoints {
-        let Some((ip, port)) = parse_address(&ep.address) else {
-            tracing::warn!(service, node = %ep.node, address = %ep.address,
-                "endpoint left out of xDS: its address is not IP:port");
-            continue;
-        };
-        let health = if ep.draining {
-            HealthStatus::Draining
-        } else {
-            HealthStatus::Healthy
-        };
-        zones.entry(&ep.zone).or_default().push(LbEndpoint {
-            host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
-                address: Some(Address {
-                    address: Some(address::Address::SocketAddress(SocketAddress {
-                        address: ip.to_string(),
-                        port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(
-                            port,
-                        ))),
-                        ..Default::default()
-                    })),
-                }),
-                ..Default::default()
-            })),
-            health_status: health as i32,
-            load_balancing_weight: Some(UInt32Value {
-                value: ballast_shared::load::envoy_weight(ep.weight),
+/// An endpoint whose address is an `IP:port`, as EDS needs it.
+struct Addressed<'a> {
+    ep: &'a EndpointInput,
+    ip: IpAddr,
+    port: u16,
+}
+
+/// The endpoints that can go into an assignment. Those whose address is not
+/// `IP:port` are left out, with a warning: one bad address must not make clients
+/// reject the rest.
+fn addressable<'a>(service: &str, endpoints: &'a [EndpointInput]) -> Vec<Addressed<'a>> {
+    endpoints
+        .iter()
+        .filter_map(|ep| match parse_address(&ep.address) {
+            Some((ip, port)) => Some(Addressed { ep, ip, port }),
+            None => {
+                tracing::warn!(service, node = %ep.node, address = %ep.address,
+                    "endpoint left out of xDS: its address is not IP:port");
+                None
+            }
+        })
+        .collect()
+}
+
+/// One `LbEndpoint`. A draining endpoint is DRAINING with weight 1, because xDS
+/// forbids weight 0.
+fn lb_endpoint(a: &Addressed<'_>, weight: u32) -> LbEndpoint {
+    let (health, weight) = if a.ep.draining {
+        (HealthStatus::Draining, 1)
+    } else {
+        (HealthStatus::Healthy, weight.max(1))
+    };
+    LbEndpoint {
+        host_identifier: Some(lb_endpoint::HostIdentifier::Endpoint(Endpoint {
+            address: Some(Address {
+                address: Some(address::Address::SocketAddress(SocketAddress {
+                    address: a.ip.to_string(),
+                    port_specifier: Some(socket_address::PortSpecifier::PortValue(u32::from(
+                        a.port,
+                    ))),
+                    ..Default::default()
+                })),
             }),
             ..Default::default()
-        });
+        })),
+        health_status: health as i32,
+        load_balancing_weight: Some(UInt32Value { value: weight }),
+        ..Default::default()
+    }
+}
+
+/// One locality. gRPC drops localities without a weight, so one is always set.
+fn locality(zone: &str, weight: u32, lb_endpoints: Vec<LbEndpoint>) -> LocalityLbEndpoints {
+    LocalityLbEndpoints {
+        locality: Some(Locality {
+            zone: zone.to_string(),
+            ..Default::default()
+        }),
+        lb_endpoints,
+        load_balancing_weight: Some(UInt32Value { value: weight }),
+        ..Default::default()
+    }
+}
+
+/// ClusterLoadAssignment `service` as every client gets it unless its zone has a
+/// split: one locality per zone, all of weight 1; endpoints weighted by
+/// [`ballast_shared::load::envoy_weight`], draining ones DRAINING. Endpoints whose
+/// address is not `IP:port` are left out, with a warning.
+pub fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoadAssignment {
+    default_assignment(service, &addressable(service, endpoints))
+}
+
+fn default_assignment(service: &str, eps: &[Addressed<'_>]) -> ClusterLoadAssignment {
+    let mut zones: BTreeMap<&str, Vec<LbEndpoint>> = BTreeMap::new();
+    for a in eps {
+        let weight = ballast_shared::load::envoy_weight(a.ep.weight);
+        zones
+            .entry(a.ep.zone.as_str())
+            .or_default()
+            .push(lb_endpoint(a, weight));
     }
     ClusterLoadAssignment {
         cluster_name: service.to_string(),
+        // Equal locality weights: under RING_HASH the product with the endpoint
+        // weights is then the endpoint weights alone, so calls follow the balancer
+        // across the whole fleet.
         endpoints: zones
             .into_iter()
-            .map(|(zone, lb_endpoints)| LocalityLbEndpoints {
-                locality: Some(Locality {
-                    zone: zone.to_string(),
-                    ..Default::default()
-                }),
-                lb_endpoints,
-                // gRPC drops localities without a weight; equal weights until the
-                // locality split is configurable.
-                load_balancing_weight: Some(UInt32Value { value: 1 }),
-                ..Default::default()
-            })
+            .map(|(zone, lbs)| locality(zone, 1, lbs))
             .collect(),
         ..Default::default()
     }
+}
+
+/// What the serving endpoints' weights of one locality add up to in a split
+/// assignment. gRPC's RING_HASH sizes each endpoint's part of the ring by locality
+/// weight × endpoint weight (gRFC A42), so a locality's share of the calls is its
+/// weight times the sum of its endpoint weights: with the same sum in every
+/// locality, the shares are the locality weights, whatever the number of endpoints
+/// in each zone. 100,000 keeps a per-mille resolution up to 100 endpoints a zone.
+pub const ZONE_WEIGHT_TOTAL: u32 = 100_000;
+
+/// The largest sum of locality weights in a split assignment. gRPC multiplies
+/// locality and endpoint weights in 32 bits; with at most 10,000 × 100,000 = 10⁹
+/// the products, and their sum, stay below 2³¹.
+pub const LOCALITY_WEIGHT_TOTAL: u32 = 10_000;
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The locality weights of `shares`: reduced by their greatest common divisor (the
+/// seed's `50/50` becomes `1/1`), and scaled down to [`LOCALITY_WEIGHT_TOTAL`] only
+/// if they still add up to more, keeping every share at least 1.
+pub fn locality_weights(shares: &BTreeMap<&str, u32>) -> BTreeMap<String, u32> {
+    let divisor = shares.values().fold(0, |g, s| gcd(g, *s)).max(1);
+    let reduced: BTreeMap<&str, u32> = shares.iter().map(|(z, s)| (*z, s / divisor)).collect();
+    let sum: u64 = reduced.values().map(|s| u64::from(*s)).sum();
+    reduced
+        .into_iter()
+        .map(|(zone, s)| {
+            let w = if sum > u64::from(LOCALITY_WEIGHT_TOTAL) {
+                let scaled = u64::from(s) * u64::from(LOCALITY_WEIGHT_TOTAL) / sum;
+                u32::try_from(scaled)
+                    .unwrap_or(LOCALITY_WEIGHT_TOTAL)
+                    .max(1)
+            } else {
+                s
+            };
+            (zone.to_string(), w)
+        })
+        .collect()
+}
+
+/// ClusterLoadAssignment `service` for clients whose zone splits its calls by
+/// `shares` (destination zone → relative share): one locality per destination zone
+/// with a share above 0 and at least one serving (not draining) endpoint, weighted
+/// by [`locality_weights`]; inside each, the endpoints' balancer weights rescaled to
+/// add up to [`ZONE_WEIGHT_TOTAL`], so both locality-first pickers (gRPC's
+/// `weighted_target`, Envoy's locality-weighted LB) and RING_HASH's product give each
+/// zone its share. Zones outside the split, or at share 0, are left out: their
+/// endpoints get none of these clients' calls.
+///
+/// `None` when no zone of the split has a serving endpoint: the caller then serves
+/// the default assignment, so that clients never get an empty one.
+pub fn split_assignment(
+    service: &str,
+    endpoints: &[EndpointInput],
+    shares: &BTreeMap<String, u32>,
+) -> Option<ClusterLoadAssignment> {
+    split_of(service, &addressable(service, endpoints), shares)
+}
+
+fn split_of(
+    service: &str,
+    eps: &[Addressed<'_>],
+    shares: &BTreeMap<String, u32>,
+) -> Option<ClusterLoadAssignment> {
+    let served: BTreeMap<&str, u32> = shares
+        .iter()
+        .filter(|(zone, share)| {
+            **share > 0 && eps.iter().any(|a| a.ep.zone == **zone && !a.ep.draining)
+        })
+        .map(|(zone, share)| (zone.as_str(), *share))
+        .collect();
+    if served.is_empty() {
+        return None;
+    }
+    let weights = locality_weights(&served);
+    let endpoints = weights
+        .iter()
+        .map(|(zone, lw)| {
+            let members: Vec<&Addressed<'_>> = eps.iter().filter(|a| a.ep.zone == *zone).collect();
+            let serving: Vec<f64> = members
+                .iter()
+                .filter(|a| !a.ep.draining)
+                .map(|a| a.ep.weight.max(0.0))
+                .collect();
+            let total: f64 = serving.iter().sum();
+            let count = serving.len() as f64;
+            let lbs = members
+                .iter()
+                .map(|a| {
+                    // A zone whose weights are all 0 (not something the balancer
+                    // publishes) spreads evenly rather than divide by zero.
+                    let part = if total > 0.0 {
+                        a.ep.weight.max(0.0) / total
+                    } else {
+                        1.0 / count
+                    };
+                    // `as` saturates; the part is within [0, 1].
+                    let w = (part * f64::from(ZONE_WEIGHT_TOTAL)).round() as u32;
+                    lb_endpoint(a, w)
+                })
+                .collect();
+            locality(zone, *lw, lbs)
+        })
+        .collect();
+    Some(ClusterLoadAssignment {
+        cluster_name: service.to_string(),
+        endpoints,
+        ..Default::default()
+    })
 }
 
 /// 64-bit FNV-1a: a stable digest (the standard library's hasher may change between
@@ -319,7 +485,8 @@ impl Resource {
     }
 }
 
-/// One service's four resources.
+/// One service's four resources, and its ClusterLoadAssignment for each client zone
+/// that has a split.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceResources {
     /// The weights version they were built from.
@@ -327,16 +494,23 @@ pub struct ServiceResources {
     /// Digest of what, besides the version, the assignment was built from (addresses,
     /// zones, drains), so a re-registration at a new address is noticed.
     key: u64,
+    /// The locality split they were built from, so a config reload is noticed.
+    split: Option<LocalitySplit>,
     resources: [Resource; 4],
+    /// Client zone → its ClusterLoadAssignment. A configured zone none of whose
+    /// destinations has a serving endpoint has no entry: it gets the default.
+    zonal: BTreeMap<String, Resource>,
 }
 
 impl ServiceResources {
-    /// Builds all four resources of `service`.
+    /// Builds all four resources of `service`, and a ClusterLoadAssignment per client
+    /// zone of `split`.
     pub fn build(
         service: &str,
         version: u64,
         policy: LbPolicy,
         endpoints: &[EndpointInput],
+        split: Option<&LocalitySplit>,
     ) -> Self {
         let key = endpoint_key(endpoints.iter().map(|e| {
             (
@@ -346,21 +520,51 @@ impl ServiceResources {
                 e.draining,
             )
         }));
+        let eps = addressable(service, endpoints);
+        let zonal = split
+            .into_iter()
+            .flatten()
+            .filter_map(|(client, shares)| {
+                let Some(cla) = split_of(service, &eps, shares) else {
+                    tracing::warn!(service, client_zone = %client, destinations = ?shares.keys().collect::<Vec<_>>(),
+                        "no destination zone of the split has a serving endpoint; its clients get every zone");
+                    return None;
+                };
+                Some((client.clone(), Resource::new(service, &cla)))
+            })
+            .collect();
         ServiceResources {
             version,
             key,
+            split: split.cloned(),
             resources: [
                 Resource::new(service, &listener(service)),
                 Resource::new(service, &route_configuration(service)),
                 Resource::new(service, &cluster(service, policy)),
-                Resource::new(service, &load_assignment(service, endpoints)),
+                Resource::new(service, &default_assignment(service, &eps)),
             ],
+            zonal,
         }
     }
 
-    /// The resource of type `t`.
+    /// The resource of type `t` as every client gets it (the default assignment for
+    /// EDS).
     pub fn get(&self, t: ResourceType) -> &Resource {
         &self.resources[t as usize]
+    }
+
+    /// The resource of type `t` for a client in `client_zone`: its zone's assignment
+    /// for EDS if it has one, else what every client gets.
+    pub fn for_zone(&self, t: ResourceType, client_zone: &str) -> &Resource {
+        match t {
+            ResourceType::Endpoints => self.zonal.get(client_zone).unwrap_or(self.get(t)),
+            _ => self.get(t),
+        }
+    }
+
+    /// The client zones that have an assignment of their own.
+    pub fn zones(&self) -> impl Iterator<Item = &str> {
+        self.zonal.keys().map(String::as_str)
     }
 }
 
@@ -391,12 +595,13 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// A snapshot of the balancer's services. A service whose weights version,
-    /// addresses, zones and drains are those of `previous` keeps its resources from
-    /// there: weights drift a little every cycle, and only a material change (a new
-    /// version) is worth a push. Only changed services are copied out under the lock;
-    /// their resources are built after it is released, by [`Pending::finish`].
-    pub fn prepare(balancer: &Balancer, previous: &Snapshot) -> Pending {
+    /// A snapshot of the balancer's services under the locality splits of
+    /// `localities`. A service whose weights version, addresses, zones, drains and
+    /// split are those of `previous` keeps its resources from there: weights drift a
+    /// little every cycle, and only a material change (a new version) is worth a push.
+    /// Only changed services are copied out under the lock; their resources are built
+    /// after it is released, by [`Pending::finish`].
+    pub fn prepare(balancer: &Balancer, localities: &Localities, previous: &Snapshot) -> Pending {
         let mut kept = BTreeMap::new();
         let mut changed = Vec::new();
         for svc in balancer.services() {
@@ -408,23 +613,26 @@ impl Snapshot {
                     e.draining,
                 )
             }));
+            let split = localities.services.get(&svc.name);
             match previous.services.get(&svc.name) {
-                Some(r) if r.version == svc.version && r.key == key => {
+                Some(r)
+                    if r.version == svc.version && r.key == key && r.split.as_ref() == split =>
+                {
                     kept.insert(svc.name.clone(), r.clone());
                 }
-                _ => changed.push(Self::copy(svc)),
+                _ => changed.push(Self::copy(svc, split)),
             }
         }
         Pending { kept, changed }
     }
 
-    fn copy(svc: &Service) -> (String, u64, Vec<EndpointInput>) {
+    fn copy(svc: &Service, split: Option<&LocalitySplit>) -> Changed {
         let eps = svc
             .endpoints
             .values()
             .map(|e| EndpointInput::of(svc, e))
             .collect();
-        (svc.name.clone(), svc.version, eps)
+        (svc.name.clone(), svc.version, eps, split.cloned())
     }
 
     /// A snapshot of the given services, by name.
@@ -451,6 +659,12 @@ impl Snapshot {
                             .iter()
                             .zip(&rb.resources)
                             .all(|(x, y)| x.digest == y.digest)
+                        && ra.zonal.len() == rb.zonal.len()
+                        && ra
+                            .zonal
+                            .iter()
+                            .zip(&rb.zonal)
+                            .all(|((za, x), (zb, y))| za == zb && x.digest == y.digest)
                 })
     }
 
@@ -464,39 +678,53 @@ impl Snapshot {
         self.services.get(name).map(Arc::as_ref)
     }
 
-    /// The resources of type `t` for a subscription: every service for a wildcard,
-    /// else those of the names asked that exist. Names that do not exist are left
+    /// The resources of type `t` for a subscription of a client in `client_zone`:
+    /// every service for a wildcard, else those of the names asked that exist; for
+    /// EDS, each service's assignment for that zone. Names that do not exist are left
     /// out: for LDS and CDS that tells the client they do not exist, for RDS and EDS
-    /// its does-not-exist timer does.
-    pub fn select(&self, t: ResourceType, wildcard: bool, names: &BTreeSet<String>) -> Selection {
+    /// its does-not-exist timer does. The version is a digest of what is selected, so
+    /// a client whose zone's split changed sees a new version, and one whose did not
+    /// does not.
+    pub fn select(
+        &self,
+        t: ResourceType,
+        wildcard: bool,
+        names: &BTreeSet<String>,
+        client_zone: &str,
+    ) -> Selection {
         let chosen: Vec<&ServiceResources> = if wildcard {
             self.services.values().map(Arc::as_ref).collect()
         } else {
             names.iter().filter_map(|n| self.service(n)).collect()
         };
+        let chosen: Vec<&Resource> = chosen.iter().map(|s| s.for_zone(t, client_zone)).collect();
         let digest = chosen
             .iter()
-            .fold(FNV_OFFSET, |h, s| fnv(h, &s.get(t).digest.to_le_bytes()));
+            .fold(FNV_OFFSET, |h, r| fnv(h, &r.digest.to_le_bytes()));
         Selection {
             version: format!("{digest:016x}"),
-            resources: chosen.iter().map(|s| s.get(t).any.clone()).collect(),
+            resources: chosen.iter().map(|r| r.any.clone()).collect(),
         }
     }
 }
+
+/// A changed service copied out of the balancer: name, weights version, endpoints
+/// and locality split.
+type Changed = (String, u64, Vec<EndpointInput>, Option<LocalitySplit>);
 
 /// A snapshot half built: what could be kept, and copies of what changed.
 #[derive(Debug)]
 pub struct Pending {
     kept: BTreeMap<String, Arc<ServiceResources>>,
-    changed: Vec<(String, u64, Vec<EndpointInput>)>,
+    changed: Vec<Changed>,
 }
 
 impl Pending {
     /// Builds the changed services' resources.
     pub fn finish(self, policy: LbPolicy) -> Snapshot {
         let mut services = self.kept;
-        for (name, version, eps) in self.changed {
-            let r = ServiceResources::build(&name, version, policy, &eps);
+        for (name, version, eps, split) in self.changed {
+            let r = ServiceResources::build(&name, version, policy, &eps, split.as_ref());
             services.insert(name, Arc::new(r));
         }
         Snapshot { services }

@@ -5,7 +5,9 @@
 //! `changes` signal) and, as a safety net for re-registrations at a new address, every
 //! few seconds; it is republished only when its contents changed. Each stream then
 //! sends, for each type its client subscribed to, the resources it asked for if they
-//! differ from what it was last sent.
+//! differ from what it was last sent. A stream's EDS resources are those of its
+//! client's zone (`node.locality.zone` of its first request), so a locality config
+//! change reaches exactly the streams whose zone's split it changed.
 
 use super::protocol::{StreamState, Verdict};
 use super::resources::{ResourceType, Snapshot};
@@ -130,7 +132,8 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
 /// Builds a snapshot: changed services are copied out under the balancer's lock and
 /// encoded after it is released.
 fn build(state: &State, policy: LbPolicy, previous: &Snapshot) -> Snapshot {
-    let pending = Snapshot::prepare(&state.balancer(), previous);
+    let localities = state.localities();
+    let pending = Snapshot::prepare(&state.balancer(), &localities, previous);
     pending.finish(policy)
 }
 
@@ -182,7 +185,7 @@ impl AggregatedDiscoveryService for Ads {
             snapshots: self.snapshots.clone(),
             shutdown: self.shutdown.clone(),
             protocol: StreamState::new(),
-            node: String::new(),
+            node: None,
             peer,
             tx,
         };
@@ -206,14 +209,33 @@ impl AggregatedDiscoveryService for Ads {
 /// The client went away.
 struct Closed;
 
+/// Who is at the other end of a stream.
+struct ClientNode {
+    /// `node.id`, for logs.
+    id: String,
+    /// `node.locality.zone`; empty when the client gave none.
+    zone: String,
+}
+
+impl AdsStream {
+    fn node_id(&self) -> &str {
+        self.node.as_ref().map_or("", |n| n.id.as_str())
+    }
+
+    fn zone(&self) -> &str {
+        self.node.as_ref().map_or("", |n| n.zone.as_str())
+    }
+}
+
 /// One ADS stream.
 struct AdsStream {
     state: Arc<State>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     shutdown: watch::Receiver<bool>,
     protocol: StreamState,
-    /// The client's node id, from its first request that names one.
-    node: String,
+    /// The client's node, from its first request that carries one: xDS clients send
+    /// it once per stream, and its locality's zone picks the assignment they get.
+    node: Option<ClientNode>,
     peer: Option<SocketAddr>,
     tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
 }
@@ -225,9 +247,11 @@ impl AdsStream {
         let outcome = self.serve(&mut requests).await;
         self.state.metrics.xds_streams.dec();
         match outcome {
-            Ok(()) => tracing::debug!(peer = ?self.peer, node = %self.node, "xDS stream closed"),
+            Ok(()) => {
+                tracing::debug!(peer = ?self.peer, node = %self.node_id(), "xDS stream closed")
+            }
             Err(status) => {
-                tracing::debug!(peer = ?self.peer, node = %self.node, %status, "xDS stream ended");
+                tracing::debug!(peer = ?self.peer, node = %self.node_id(), %status, "xDS stream ended");
                 // Tells the client why, if it is still there.
                 let _ = self.tx.try_send(Err(status));
             }
@@ -270,13 +294,18 @@ impl AdsStream {
     }
 
     async fn on_request(&mut self, req: DiscoveryRequest, snap: &Snapshot) -> Result<(), Closed> {
-        if self.node.is_empty() {
+        if self.node.is_none() {
             if let Some(node) = &req.node {
-                self.node = node.id.clone();
+                let zone = node.locality.as_ref().map_or("", |l| l.zone.as_str());
+                tracing::debug!(peer = ?self.peer, node = %node.id, zone, "xDS client");
+                self.node = Some(ClientNode {
+                    id: node.id.clone(),
+                    zone: zone.to_string(),
+                });
             }
         }
         let Some(t) = ResourceType::from_type_url(&req.type_url) else {
-            tracing::debug!(node = %self.node, type_url = %req.type_url, "xDS request for a type not served; ignored");
+            tracing::debug!(node = %self.node_id(), type_url = %req.type_url, "xDS request for a type not served; ignored");
             return Ok(());
         };
         let error = req.error_detail.as_ref().map(|e| e.message.as_str());
@@ -285,11 +314,11 @@ impl AdsStream {
             .on_request(t, &req.resource_names, &req.response_nonce, error)
         {
             Verdict::Stale => {
-                tracing::debug!(node = %self.node, r#type = t.label(), nonce = %req.response_nonce, "stale xDS request ignored");
+                tracing::debug!(node = %self.node_id(), r#type = t.label(), nonce = %req.response_nonce, "stale xDS request ignored");
                 return Ok(());
             }
             Verdict::Nack { version, message } => {
-                tracing::warn!(node = %self.node, peer = ?self.peer, r#type = t.label(), %version,
+                tracing::warn!(node = %self.node_id(), peer = ?self.peer, r#type = t.label(), %version,
                     accepted = ?self.protocol.get(t).and_then(|s| s.acked.as_deref()),
                     error = %message, "xDS client rejected resources (NACK); it keeps its last accepted version");
                 self.state
@@ -299,10 +328,10 @@ impl AdsStream {
                     .inc();
             }
             Verdict::Ack { version } => {
-                tracing::debug!(node = %self.node, r#type = t.label(), %version, "xDS ACK");
+                tracing::debug!(node = %self.node_id(), r#type = t.label(), %version, "xDS ACK");
             }
             Verdict::Subscribe => {
-                tracing::debug!(node = %self.node, r#type = t.label(), names = ?req.resource_names, "xDS subscription");
+                tracing::debug!(node = %self.node_id(), r#type = t.label(), names = ?req.resource_names, "xDS subscription");
             }
         }
         self.push(t, snap).await
@@ -313,7 +342,12 @@ impl AdsStream {
         let Some(ts) = self.protocol.get(t) else {
             return Ok(());
         };
-        let sel = snap.select(t, ts.subscription.wildcard, &ts.subscription.names);
+        let sel = snap.select(
+            t,
+            ts.subscription.wildcard,
+            &ts.subscription.names,
+            self.zone(),
+        );
         if !self.protocol.should_send(t, &sel.version) {
             return Ok(());
         }
