@@ -49,6 +49,12 @@ pub struct AgentOpts {
     pub aggregators: Option<Vec<String>>,
     /// `--agent-check`: where to answer HAProxy's agent-check; default: nowhere.
     pub agent_check: Option<std::net::SocketAddr>,
+    /// `--metrics`: where to serve Prometheus metrics; default: nowhere.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// `--drain-quiet-ms`; default: the agent's.
+    pub drain_quiet_ms: Option<u64>,
+    /// `--log-json`.
+    pub log_json: bool,
 }
 
 impl AgentOpts {
@@ -72,6 +78,9 @@ impl AgentOpts {
             zone: None,
             aggregators: None,
             agent_check: None,
+            metrics: None,
+            drain_quiet_ms: None,
+            log_json: false,
         }
     }
 
@@ -90,6 +99,24 @@ impl AgentOpts {
     /// Answering HAProxy's agent-check on `addr` (`--agent-check`).
     pub fn agent_check(mut self, addr: std::net::SocketAddr) -> Self {
         self.agent_check = Some(addr);
+        self
+    }
+
+    /// Serving Prometheus metrics on `addr` (`--metrics`).
+    pub fn metrics(mut self, addr: std::net::SocketAddr) -> Self {
+        self.metrics = Some(addr);
+        self
+    }
+
+    /// Counting established TCP connections on `port` as in flight.
+    pub fn inflight_tcp(mut self, port: u16) -> Self {
+        self.inflight = Some(format!("tcp:{port}"));
+        self
+    }
+
+    /// Safe to stop after `ms` with nothing in flight since the drain.
+    pub fn drain_quiet_ms(mut self, ms: u64) -> Self {
+        self.drain_quiet_ms = Some(ms);
         self
     }
 
@@ -145,6 +172,12 @@ pub struct AgentStatus {
     pub draining: bool,
     /// Drain acknowledged by the aggregator.
     pub drain_acknowledged: bool,
+    /// Since when every sample counted nothing in flight.
+    #[serde(default)]
+    pub inflight_zero_since_unix_ms: Option<u64>,
+    /// Sessions established.
+    #[serde(default)]
+    pub connections: u64,
     /// Last error.
     pub last_error: Option<String>,
 }
@@ -158,6 +191,12 @@ pub struct ControlResponse {
     pub status: Option<AgentStatus>,
     /// Whether stopping the service loses nothing.
     pub safe_to_stop: Option<bool>,
+    /// Why it is safe to stop or not.
+    #[serde(default)]
+    pub stop_reason: Option<String>,
+    /// A caveat of a request that was done (a drain file not written).
+    #[serde(default)]
+    pub warning: Option<String>,
     /// What went wrong.
     pub error: Option<String>,
 }
@@ -180,6 +219,24 @@ impl Agent {
             .tempdir()
             .expect("temporary directory for the agent");
         let control = dir.path().join("ctl.sock");
+        let proc = Self::spawn_process(pki, agg, &opts, dir.path(), &control);
+        Agent {
+            opts,
+            control,
+            proc: Some(proc),
+            dir,
+        }
+    }
+
+    /// Starts `ballast-agent run` for `opts` with its control socket (and so its
+    /// drain file) in `dir`.
+    fn spawn_process(
+        pki: &Pki,
+        agg: &Aggregator,
+        opts: &AgentOpts,
+        dir: &Path,
+        control: &Path,
+    ) -> Proc {
         let tls_dir = opts
             .tls_dir
             .clone()
@@ -207,22 +264,43 @@ impl Agent {
             .arg("--tls-dir")
             .arg(&tls_dir)
             .arg("--control")
-            .arg(&control);
+            .arg(control);
         if let Some(zone) = &opts.zone {
             cmd.args(["--zone", zone]);
         }
         if let Some(addr) = opts.agent_check {
             cmd.args(["--agent-check", &addr.to_string()]);
         }
-        let log = dir.path().join("agent.log");
-        let name = format!("ballast-agent {}", opts.node);
-        let proc = Proc::spawn(cmd, &name, &log, 8);
-        Agent {
-            opts,
-            control,
-            proc: Some(proc),
-            dir,
+        if let Some(addr) = opts.metrics {
+            cmd.args(["--metrics", &addr.to_string()]);
         }
+        if let Some(ms) = opts.drain_quiet_ms {
+            cmd.args(["--drain-quiet-ms", &ms.to_string()]);
+        }
+        if opts.log_json {
+            cmd.arg("--log-json");
+        }
+        // One log per run, so that a restart keeps the first run's log.
+        let mut n = 0;
+        let log = loop {
+            let log = dir.join(format!("agent-{n}.log"));
+            if !log.exists() {
+                break log;
+            }
+            n += 1;
+        };
+        let name = format!("ballast-agent {}", opts.node);
+        Proc::spawn(cmd, &name, &log, 8)
+    }
+
+    /// Starts the agent again after [`Agent::stop`], with the same options and
+    /// directory (so the same control socket and drain file), and waits until its
+    /// control socket answers.
+    pub fn restart(&mut self, pki: &Pki, agg: &Aggregator) {
+        assert!(self.proc.is_none(), "the agent is still running");
+        let proc = Self::spawn_process(pki, agg, &self.opts, self.dir.path(), &self.control);
+        self.proc = Some(proc);
+        self.wait_ready();
     }
 
     /// Starts an agent for `opts.node` reporting to `agg`, and waits until its control

@@ -36,6 +36,7 @@ pub struct Backend {
 struct Ctx {
     name: String,
     burn: Duration,
+    delay: Duration,
     requests: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     open: AtomicUsize,
@@ -49,13 +50,32 @@ impl Backend {
 
     /// A backend that also spins the CPU for `burn` on every request.
     pub fn start_burning(name: &str, burn: Duration) -> Backend {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback backend");
+        Self::spawn(
+            name,
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            burn,
+            Duration::ZERO,
+        )
+    }
+
+    /// A backend on `addr` (port 0: a free one) that sleeps `delay` before each
+    /// answer, so that requests stay in flight for a while; use the same address to
+    /// start a stopped backend again.
+    pub fn start_at(name: &str, addr: SocketAddr, delay: Duration) -> Backend {
+        Self::spawn(name, addr, Duration::ZERO, delay)
+    }
+
+    fn spawn(name: &str, addr: SocketAddr, burn: Duration, delay: Duration) -> Backend {
+        assert!(addr.ip().is_loopback(), "loopback only: {addr}");
+        let listener = TcpListener::bind(addr)
+            .unwrap_or_else(|e| panic!("bind a loopback backend on {addr}: {e}"));
         let addr = listener.local_addr().expect("backend address");
         let requests = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let ctx = Arc::new(Ctx {
             name: name.to_string(),
             burn,
+            delay,
             requests: requests.clone(),
             stop: stop.clone(),
             open: AtomicUsize::new(0),
@@ -231,6 +251,9 @@ fn serve(stream: TcpStream, ctx: &Ctx) {
             while Instant::now() < until {
                 x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
             }
+        }
+        if !ctx.delay.is_zero() {
+            std::thread::sleep(ctx.delay);
         }
         let body = format!("{}\n", ctx.name);
         let resp = format!(
