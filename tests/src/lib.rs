@@ -22,6 +22,7 @@
 //! handle drops, panicking or not, and by the kernel if the test thread dies.
 
 pub mod harness;
+pub mod lab;
 
 pub use harness::agent::{start_fleet, Agent, AgentOpts, AgentStatus, ControlResponse};
 pub use harness::aggregator::{Aggregator, AggregatorOpts};

@@ -131,46 +131,101 @@ fn lines(
     from: u32,
     values: impl Fn(&super::StrategyResult) -> Vec<f64>,
 ) -> Result<(), SimError> {
+    let lines = s
+        .results
+        .iter()
+        .map(|r| Line {
+            label: r.label(),
+            points: values(r)
+                .iter()
+                .enumerate()
+                .map(|(c, v)| (f64::from(from) + c as f64 + 1.0, *v))
+                .collect(),
+        })
+        .collect();
+    line_chart(
+        path,
+        &LineChart {
+            title,
+            x_desc: "seconds",
+            y_desc,
+            x_max: f64::from(s.scenario.cycles),
+            y_floor,
+            lines,
+            markers: Vec::new(),
+        },
+    )
+}
+
+/// One labelled line of a [`LineChart`].
+#[derive(Debug, Clone)]
+pub struct Line {
+    /// Legend text.
+    pub label: String,
+    /// (x, y) points, in x order.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// Lines over time on one chart, each in its own colour, y clipped at [`CLIP`].
+#[derive(Debug, Clone)]
+pub struct LineChart<'a> {
+    /// Title; "(clipped at 2)" is appended when a value was clipped.
+    pub title: &'a str,
+    /// X axis label.
+    pub x_desc: &'a str,
+    /// Y axis label.
+    pub y_desc: &'a str,
+    /// The x axis runs from 0 to this.
+    pub x_max: f64,
+    /// The y axis starts here; it ends just above the highest value (at least 1).
+    pub y_floor: f64,
+    /// The lines.
+    pub lines: Vec<Line>,
+    /// X positions of events, drawn as thin grey vertical lines.
+    pub markers: Vec<f64>,
+}
+
+/// Draws `c` as a 760×380 SVG at `path`. Used by the simulator's charts and by the
+/// physical lab's (`tests/src/lab`), so both look alike.
+pub fn line_chart(path: &Path, c: &LineChart) -> Result<(), SimError> {
     let root = SVGBackend::new(path, (760, 380)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| chart_err(path, e))?;
-    let series: Vec<Vec<f64>> = s.results.iter().map(&values).collect();
-    let top = series
-        .iter()
-        .flatten()
-        .copied()
-        .fold(1.0f64, f64::max)
-        .min(CLIP)
-        * 1.05;
-    let title = if series.iter().flatten().any(|v| *v > CLIP) {
-        format!("{title} (clipped at {CLIP})")
+    let ys = || c.lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
+    let top = ys().fold(1.0f64, f64::max).min(CLIP) * 1.05;
+    let title = if ys().any(|v| v > CLIP) {
+        format!("{} (clipped at {CLIP})", c.title)
     } else {
-        title.to_string()
+        c.title.to_string()
     };
     let mut chart = ChartBuilder::on(&root)
         .caption(&title, ("sans-serif", 16))
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(44)
-        .build_cartesian_2d(0f64..f64::from(s.scenario.cycles), y_floor..top)
+        .build_cartesian_2d(0f64..c.x_max, c.y_floor..top)
         .map_err(|e| chart_err(path, e))?;
     chart
         .configure_mesh()
-        .x_desc("seconds")
-        .y_desc(y_desc)
+        .x_desc(c.x_desc)
+        .y_desc(c.y_desc)
         .light_line_style(WHITE)
         .draw()
         .map_err(|e| chart_err(path, e))?;
-    for (i, (r, vals)) in s.results.iter().zip(&series).enumerate() {
+    for x in &c.markers {
+        chart
+            .draw_series(LineSeries::new(
+                vec![(*x, c.y_floor), (*x, top)],
+                RGBColor(180, 180, 180).stroke_width(1),
+            ))
+            .map_err(|e| chart_err(path, e))?;
+    }
+    for (i, line) in c.lines.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
-        let pts: Vec<(f64, f64)> = vals
-            .iter()
-            .enumerate()
-            .map(|(c, v)| (f64::from(from) + c as f64 + 1.0, clip(*v)))
-            .collect();
+        let pts: Vec<(f64, f64)> = line.points.iter().map(|&(x, y)| (x, clip(y))).collect();
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(2)))
             .map_err(|e| chart_err(path, e))?
-            .label(r.label())
+            .label(line.label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color));
     }
     chart

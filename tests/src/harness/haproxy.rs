@@ -37,6 +37,8 @@ pub struct HaproxyOpts {
     pub check_inter_ms: u64,
     /// `balance` algorithm.
     pub balance: String,
+    /// Extra lines for the backend section, such as `option http-server-close`.
+    pub backend_lines: Vec<String>,
 }
 
 impl Default for HaproxyOpts {
@@ -46,6 +48,7 @@ impl Default for HaproxyOpts {
             agent_inter_ms: 500,
             check_inter_ms: 500,
             balance: "roundrobin".to_string(),
+            backend_lines: Vec::new(),
         }
     }
 }
@@ -308,6 +311,9 @@ fn config_text(
         admin = admin.display(),
         balance = opts.balance,
     );
+    for line in &opts.backend_lines {
+        text.push_str(&format!("    {line}\n"));
+    }
     for s in servers {
         text.push_str(&format!(
             "    server {name} {addr} weight {weight} agent-check agent-addr {aip} \

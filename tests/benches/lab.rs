@@ -1,0 +1,24 @@
+//! The full physical lab: writes `docs/lab.md` and `docs/img/lab-*.svg`.
+//! Run with `bash tests/lab/run` (see `ballast_tests::lab` for what it does).
+
+use ballast_tests::lab::{report, run, Plan};
+use std::path::Path;
+
+fn main() {
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    let r = run(&Plan::full());
+    let when = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "an unknown date".into());
+    let charts = report::charts(&r, &docs.join("img"), &["rr", "ballast"])
+        .unwrap_or_else(|e| panic!("charts: {e}"));
+    let md = report::markdown(&r, "bash tests/lab/run", &format!("{when}, {}", r.host));
+    let path = docs.join("lab.md");
+    std::fs::write(&path, &md).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    println!("{md}");
+    println!("wrote {} and {:?}", path.display(), charts);
+}

@@ -1,0 +1,138 @@
+//! The physical lab, short: the same four runs as the full lab (`bash tests/lab/run`,
+//! which writes `docs/lab.md`), a few seconds each, with assertions on the direction
+//! of every result rather than on the full lab's targets, because the test suite
+//! shares a two-core machine with whatever else runs.
+//!
+//! Six CPU-bound backends in cgroups with quotas of 10–30 % of a core behind Debian's
+//! HAProxy 2.6, an open-loop load at 60 % of their calibrated capacity:
+//! 1. round robin saturates the smallest quotas;
+//! 2. Ballast (real agents on the cgroups, a real aggregator, HAProxy's agent-check)
+//!    brings max/avg down, and the p99 latency with it;
+//! 3. a backend that stalls on I/O (a sleep: low CPU, piling-up requests) loses its
+//!    traffic instead of being flooded;
+//! 4. a backend drained, stopped, started again and undrained under load costs no
+//!    request.
+//!
+//! Needs root (cgroups) and Debian's `haproxy`; fails, naming what is missing, without
+//! them. One test, so that nothing else in this binary competes for the CPU.
+
+use ballast_tests::lab::{run, Plan};
+
+#[test]
+fn lab_short() {
+    let plan = Plan::short();
+    let r = run(&plan);
+    let rr = r.run("rr");
+    let ba = r.run("ballast");
+    let table = ballast_tests::lab::report::markdown(
+        &r,
+        "cargo test -p ballast-tests --test lab",
+        "this test",
+    );
+    eprintln!("{table}");
+
+    // Calibration: the quotas hold (capacity follows the quota) and nothing failed.
+    let per_quota: Vec<f64> = r
+        .calibration
+        .capacity
+        .iter()
+        .zip(&plan.quotas)
+        .map(|(c, q)| c / q)
+        .collect();
+    let mut sorted = per_quota.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    assert!(median > 0.0, "no backend served anything: {per_quota:?}");
+    for (i, v) in per_quota.iter().enumerate() {
+        assert!(
+            (v / median - 1.0).abs() < 0.35,
+            "{}: capacity per core {v:.0} is far from the others' {median:.0}: is the quota \
+             enforced? {per_quota:?}",
+            r.names[i]
+        );
+    }
+
+    // 1. Round robin: the smallest quotas near saturation, a clear imbalance.
+    let small = plan.quotas.iter().copied().fold(f64::INFINITY, f64::min);
+    for (i, u) in rr.util.iter().enumerate() {
+        if (plan.quotas[i] - small).abs() < 1e-9 {
+            assert!(
+                *u >= 0.8,
+                "{} at {u:.2} under round robin: not near saturation",
+                r.names[i]
+            );
+        }
+    }
+    assert!(
+        rr.spread.max_over_avg >= 1.25,
+        "round robin max/avg {:.3}: the quotas made no imbalance",
+        rr.spread.max_over_avg
+    );
+
+    // 2. Ballast: balanced, clearly better than round robin, and faster.
+    assert!(
+        ba.spread.max_over_avg <= 1.15,
+        "Ballast's steady max/avg {:.3} (utilization {:?})",
+        ba.spread.max_over_avg,
+        ba.util
+    );
+    assert!(
+        rr.spread.max_over_avg - ba.spread.max_over_avg >= 0.15,
+        "Ballast {:.3} is not clearly below round robin {:.3}",
+        ba.spread.max_over_avg,
+        rr.spread.max_over_avg
+    );
+    assert!(
+        ba.load.p99_ms < rr.load.p99_ms,
+        "p99 under Ballast {:.0} ms, under round robin {:.0} ms",
+        ba.load.p99_ms,
+        rr.load.p99_ms
+    );
+    assert_eq!(
+        ba.whole.errors, 0,
+        "run 2 errors: {:?}",
+        ba.whole.errors_by_kind
+    );
+    assert!(
+        r.converged_after.is_some(),
+        "run 2 never reached max/avg 1.10 in a 5 s window"
+    );
+
+    // 3. The stalled backend is not flooded: its share falls and its in-flight stays
+    //    within its capacity.
+    let d = &r.degraded;
+    assert!(
+        d.share.1 < d.share.0 * 0.6,
+        "{}'s share {:.3} before the stall, {:.3} after: not steered away",
+        r.names[d.backend],
+        d.share.0,
+        d.share.1
+    );
+    assert!(
+        d.inflight_mean.1 <= f64::from(plan.capacity),
+        "{} holds {:.1} requests in flight on average after the stall (capacity {})",
+        r.names[d.backend],
+        d.inflight_mean.1,
+        plan.capacity
+    );
+
+    // 4. Drain, stop, restart, undrain: no request lost, none sent while drained, and
+    //    traffic comes back.
+    let x = &r.restart;
+    let rs = r.run("restart");
+    assert_eq!(
+        rs.whole.errors, 0,
+        "run 4 errors: {:?}",
+        rs.whole.errors_by_kind
+    );
+    assert_eq!(
+        x.served_while_drained, 0,
+        "{} served while drained",
+        r.names[x.backend]
+    );
+    assert!(
+        x.served_after > 0,
+        "{} got no traffic after the undrain",
+        r.names[x.backend]
+    );
+}
