@@ -163,7 +163,7 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
         ),
         (
             "ballast_service_missing_share",
-            "Share of known endpoints whose reports are stale",
+            "Share of endpoints not draining whose reports are stale",
             |s| s.missing_share,
         ),
         ("ballast_service_endpoints", "Known endpoints", |s| {
