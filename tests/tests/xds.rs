@@ -17,13 +17,10 @@
 //! Needs `python3` with `grpcio` (`pip install grpcio`); the test fails, naming the
 //! package, when it is missing.
 
+use ballast_tests::harness::grpc::{require_grpcio, Backends, Round, XdsClient};
 use ballast_tests::*;
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::time::Duration;
 
 const SERVICE: &str = "grpcsvc";
@@ -34,118 +31,6 @@ const CALLS: u32 = 3000;
 /// with 4096 entries places each share to about 1 %, 3000 calls sample it to about
 /// 1 %, and weights drift a little during a round.
 const TOLERANCE: f64 = 0.05;
-
-/// A Python process with piped standard input and output, killed on drop. Closing its
-/// standard input also ends it, so it cannot outlive the test by much.
-struct Python {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-    stderr: PathBuf,
-    what: String,
-}
-
-impl Python {
-    fn spawn(script: &str, args: &[&str], env: &[(&str, &Path)], dir: &Path) -> Python {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("xds")
-            .join(script);
-        let stderr = dir.join(format!("{script}.stderr"));
-        let mut cmd = Command::new("python3");
-        cmd.arg(&path)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
-            // No proxy may capture the loopback connections.
-            .env_remove("http_proxy")
-            .env_remove("https_proxy")
-            .env_remove("grpc_proxy")
-            .env("GRPC_VERBOSITY", "ERROR");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", path.display()));
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped stdout");
-        let lines = ballast_tests::harness::process::lines_of(stdout);
-        Python {
-            child,
-            stdin,
-            lines,
-            stderr,
-            what: script.to_string(),
-        }
-    }
-
-    fn stderr_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
-    /// The next line of output, within `timeout`; panics with its stderr otherwise.
-    fn line(&mut self, timeout: Duration) -> String {
-        match self.lines.recv_timeout(timeout) {
-            Ok(line) => line,
-            Err(e) => {
-                let status = self.child.try_wait().ok().flatten();
-                panic!(
-                    "{}: no output within {timeout:?} ({e}; exit status {status:?}); stderr:\n{}",
-                    self.what,
-                    self.stderr_tail()
-                )
-            }
-        }
-    }
-
-    fn send(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin open");
-        writeln!(stdin, "{line}")
-            .and_then(|_| stdin.flush())
-            .unwrap_or_else(|e| {
-                panic!("{}: write: {e}; stderr:\n{}", self.what, self.stderr_tail())
-            });
-    }
-}
-
-impl Drop for Python {
-    fn drop(&mut self) {
-        self.stdin.take();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Fails, naming the package, unless `python3` can import grpc.
-fn require_grpcio() {
-    let out = Command::new("python3")
-        .args(["-c", "import grpc; print(grpc.__version__)"])
-        .output();
-    match out {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => panic!(
-            "the xDS test needs the Python package grpcio: `python3 -c 'import grpc'` failed. \
-             Install it with `pip install grpcio`.\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => panic!(
-            "the xDS test needs python3 with the package grpcio (`pip install grpcio`): \
-             cannot run python3: {e}"
-        ),
-    }
-}
-
-/// What one round of calls gave.
-#[derive(Debug, serde::Deserialize)]
-struct Round {
-    sent: u32,
-    counts: BTreeMap<String, u32>,
-    errors: BTreeMap<String, u32>,
-    seconds: f64,
-}
 
 /// Each node's share of the weight, `envoy / Σ envoy` over the endpoints not
 /// draining (a draining endpoint's share is 0).
@@ -173,7 +58,7 @@ fn weight_shares(w: &WeightSet) -> BTreeMap<String, f64> {
 /// returns the round and the weights' shares averaged over it.
 fn measured_round(
     agg: &Aggregator,
-    client: &mut Python,
+    client: &mut XdsClient,
     calls: u32,
 ) -> (Round, BTreeMap<String, f64>, Vec<u64>) {
     let running = AtomicBool::new(true);
@@ -200,12 +85,9 @@ fn measured_round(
                 std::thread::sleep(Duration::from_millis(100));
             }
         });
-        client.send(&format!("round {calls} 30"));
-        let line = client.line(Duration::from_secs(40));
+        let round = client.round(calls, Duration::from_secs(30));
         running.store(false, Ordering::Relaxed);
         let samples = sampler.join().expect("sampler");
-        let round: Round =
-            serde_json::from_str(&line).unwrap_or_else(|e| panic!("client said {line:?}: {e}"));
         let mut avg: BTreeMap<String, f64> = BTreeMap::new();
         for w in &samples {
             for (node, share) in weight_shares(w) {
@@ -264,10 +146,7 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
         .map(|i| format!("{SERVICE}-{i}"))
         .collect();
     let node_refs: Vec<&str> = nodes.iter().map(String::as_str).collect();
-    let mut backends = Python::spawn("backends.py", &node_refs, &[], dir.path());
-    let line = backends.line(Duration::from_secs(20));
-    let backend_ports: BTreeMap<String, u16> =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("backends said {line:?}: {e}"));
+    let backends = Backends::start(&node_refs, dir.path());
     pki.issue_nodes(&node_refs);
     let agents: Vec<Agent> = nodes
         .iter()
@@ -275,7 +154,7 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
         .enumerate()
         .map(|(i, (node, speed))| {
             let mut opts = AgentOpts::new(SERVICE, node).speed(speed).seed(i as u64);
-            opts.address = Some(format!("127.0.0.1:{}", backend_ports[node]));
+            opts.address = Some(backends.address(node));
             Agent::start(&pki, &agg, opts)
         })
         .collect();
@@ -307,29 +186,10 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
     eprintln!("converged weights: {:?}", weight_shares(&weights));
 
     // The client, bootstrapped to the aggregator's ADS server.
-    let bootstrap = dir.path().join("bootstrap.json");
-    let doc = serde_json::json!({
-        "xds_servers": [{
-            "server_uri": xds.to_string(),
-            "channel_creds": [{"type": "insecure"}],
-            "server_features": ["xds_v3"],
-        }],
-        "node": {"id": "xds-test-client", "locality": {"zone": "test"}},
-    });
-    std::fs::write(&bootstrap, doc.to_string()).expect("write bootstrap");
-    let target = format!("xds:///{SERVICE}");
-    let mut client = Python::spawn(
-        "client.py",
-        &[&target],
-        &[("GRPC_XDS_BOOTSTRAP", &bootstrap)],
-        dir.path(),
-    );
+    let mut client = XdsClient::start(xds, SERVICE, "xds-test-client", Some("test"), dir.path());
 
     // Warm up: the first calls wait for the resources and connect the subchannels.
-    client.send("round 300 30");
-    let line = client.line(Duration::from_secs(40));
-    let warm: Round =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("client said {line:?}: {e}"));
+    let warm = client.round(300, Duration::from_secs(30));
     assert_eq!(
         warm.counts.values().sum::<u32>(),
         300,

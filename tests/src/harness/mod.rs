@@ -6,6 +6,7 @@ pub mod aggregator;
 pub mod api;
 pub mod backend;
 pub mod etcd;
+pub mod grpc;
 pub mod haproxy;
 pub mod pki;
 pub mod ports;

@@ -1,0 +1,222 @@
+//! Proxyless gRPC peers for the xDS tests: Python `grpcio` backends that answer with
+//! their names, and `grpcio` xDS clients that count calls per backend, driven over
+//! their standard input and output (the scripts are in `tests/xds/`).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A Python process with piped standard input and output, killed on drop. Closing its
+/// standard input also ends it, so it cannot outlive the test by much.
+pub struct Python {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    stderr: PathBuf,
+    what: String,
+}
+
+impl Python {
+    /// Runs `tests/xds/<script>` with `args` and extra environment `env`; its standard
+    /// error goes to a file in `dir` (named after `label`), quoted when it fails.
+    pub fn spawn(
+        script: &str,
+        label: &str,
+        args: &[&str],
+        env: &[(&str, &Path)],
+        dir: &Path,
+    ) -> Python {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("xds")
+            .join(script);
+        let stderr = dir.join(format!("{label}.stderr"));
+        let mut cmd = Command::new("python3");
+        cmd.arg(&path)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+            // No proxy may capture the loopback connections.
+            .env_remove("http_proxy")
+            .env_remove("https_proxy")
+            .env_remove("grpc_proxy")
+            .env("GRPC_VERBOSITY", "ERROR");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", path.display()));
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let lines = super::process::lines_of(stdout);
+        Python {
+            child,
+            stdin,
+            lines,
+            stderr,
+            what: label.to_string(),
+        }
+    }
+
+    /// The last 30 lines of its standard error.
+    pub fn stderr_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// The next line of output, within `timeout`; panics with its stderr otherwise.
+    pub fn line(&mut self, timeout: Duration) -> String {
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => line,
+            Err(e) => {
+                let status = self.child.try_wait().ok().flatten();
+                panic!(
+                    "{}: no output within {timeout:?} ({e}; exit status {status:?}); stderr:\n{}",
+                    self.what,
+                    self.stderr_tail()
+                )
+            }
+        }
+    }
+
+    /// Writes one line to its standard input.
+    pub fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        writeln!(stdin, "{line}")
+            .and_then(|_| stdin.flush())
+            .unwrap_or_else(|e| {
+                panic!("{}: write: {e}; stderr:\n{}", self.what, self.stderr_tail())
+            });
+    }
+}
+
+impl Drop for Python {
+    fn drop(&mut self) {
+        self.stdin.take();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Fails, naming the package, unless `python3` can import grpc.
+pub fn require_grpcio() {
+    let out = Command::new("python3")
+        .args(["-c", "import grpc; print(grpc.__version__)"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => panic!(
+            "the xDS tests need the Python package grpcio: `python3 -c 'import grpc'` failed. \
+             Install it with `pip install grpcio`.\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => panic!(
+            "the xDS tests need python3 with the package grpcio (`pip install grpcio`): \
+             cannot run python3: {e}"
+        ),
+    }
+}
+
+/// gRPC backends, one per name, each answering every call with its name.
+pub struct Backends {
+    /// Each backend's port on 127.0.0.1, by name.
+    pub ports: BTreeMap<String, u16>,
+    _process: Python,
+}
+
+impl Backends {
+    /// Starts one backend per name, in one Python process.
+    pub fn start(names: &[&str], dir: &Path) -> Backends {
+        let mut process = Python::spawn("backends.py", "backends", names, &[], dir);
+        let line = process.line(Duration::from_secs(20));
+        let ports: BTreeMap<String, u16> =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("backends said {line:?}: {e}"));
+        Backends {
+            ports,
+            _process: process,
+        }
+    }
+
+    /// `127.0.0.1:<port>` of backend `name`, as its agent registers it.
+    pub fn address(&self, name: &str) -> String {
+        format!("127.0.0.1:{}", self.ports[name])
+    }
+}
+
+/// What one round of calls gave.
+#[derive(Debug, serde::Deserialize)]
+pub struct Round {
+    /// Calls made.
+    pub sent: u32,
+    /// Calls answered, by backend name.
+    pub counts: BTreeMap<String, u32>,
+    /// Calls failed, by status code.
+    pub errors: BTreeMap<String, u32>,
+    /// How long the round took.
+    pub seconds: f64,
+}
+
+/// A proxyless gRPC client of `xds:///<service>`, bootstrapped to an ADS server.
+pub struct XdsClient {
+    process: Python,
+    label: String,
+}
+
+impl XdsClient {
+    /// A client whose xDS node is `node_id`, in `zone` if given (`node.locality.zone`
+    /// of the bootstrap), resolving `xds:///<service>` through the ADS server at `xds`.
+    pub fn start(
+        xds: SocketAddr,
+        service: &str,
+        node_id: &str,
+        zone: Option<&str>,
+        dir: &Path,
+    ) -> XdsClient {
+        let bootstrap = dir.join(format!("bootstrap-{node_id}.json"));
+        let mut node = serde_json::json!({ "id": node_id });
+        if let Some(zone) = zone {
+            node["locality"] = serde_json::json!({ "zone": zone });
+        }
+        let doc = serde_json::json!({
+            "xds_servers": [{
+                "server_uri": xds.to_string(),
+                "channel_creds": [{"type": "insecure"}],
+                "server_features": ["xds_v3"],
+            }],
+            "node": node,
+        });
+        std::fs::write(&bootstrap, doc.to_string()).expect("write bootstrap");
+        let target = format!("xds:///{service}");
+        let process = Python::spawn(
+            "client.py",
+            node_id,
+            &[&target],
+            &[("GRPC_XDS_BOOTSTRAP", &bootstrap)],
+            dir,
+        );
+        XdsClient {
+            process,
+            label: node_id.to_string(),
+        }
+    }
+
+    /// Makes at most `calls` calls, one at a time, for at most `budget`; the client
+    /// answers within the budget plus 10 s or the test fails.
+    pub fn round(&mut self, calls: u32, budget: Duration) -> Round {
+        self.process
+            .send(&format!("round {calls} {}", budget.as_secs_f64()));
+        let line = self.process.line(budget + Duration::from_secs(10));
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{} said {line:?}: {e}", self.label))
+    }
+
+    /// The last lines of its standard error.
+    pub fn stderr_tail(&self) -> String {
+        self.process.stderr_tail()
+    }
+}
