@@ -13,13 +13,102 @@
 //! 4. a backend drained, stopped, started again and undrained under load costs no
 //!    request.
 //!
+//! A second test makes a run fail part way (a stall the backend refuses) and checks that
+//! the lab's processes and cgroups are gone after the panic.
+//!
 //! Needs root (cgroups) and Debian's `haproxy`; fails, naming what is missing, without
-//! them. One test, so that nothing else in this binary competes for the CPU.
+//! them. The tests take turns (one lock), so that neither competes with the other for
+//! the CPU.
 
 use ballast_tests::lab::{run, Plan};
+use std::sync::Mutex;
+use std::time::Duration;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Children of this process whose command is the lab's backend.
+fn backend_children() -> Vec<u32> {
+    let me = std::process::id().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // `pid (comm) state ppid ...`; comm is cut to 15 bytes.
+            let Some((comm, rest)) = stat.split_once(") ") else {
+                return false;
+            };
+            comm.ends_with("ballast-lab-bac") && rest.split_whitespace().nth(1) == Some(me.as_str())
+        })
+        .collect()
+}
+
+/// The lab's cgroup directories of this process, in every hierarchy.
+fn own_cgroups() -> Vec<String> {
+    let name = format!("ballast-lab-{}", std::process::id());
+    let mut found = Vec::new();
+    for root in ["/sys/fs/cgroup".to_string()].into_iter().chain(
+        std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path().display().to_string()),
+    ) {
+        let dir = format!("{root}/{name}");
+        if std::path::Path::new(&dir).exists() {
+            found.push(dir);
+        }
+    }
+    found
+}
+
+#[test]
+fn a_failing_run_leaves_no_process_and_no_cgroup() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let plan = Plan {
+        calibrate: Duration::from_secs(1),
+        rr: (Duration::from_secs(2), Duration::ZERO),
+        ballast: (Duration::from_secs(3), Duration::from_secs(1)),
+        degraded: (
+            Duration::from_secs(3),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        ),
+        // Above the backend's limit: it answers 400 and run 3 fails with everything up.
+        stall_ms: ballast_lab::backend::MAX_STALL_MS + 1,
+        ..Plan::short()
+    };
+    let failed = std::panic::catch_unwind(|| run(&plan));
+    let msg = match &failed {
+        Ok(_) => panic!("the lab accepted a stall the backend refuses"),
+        Err(e) => e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default(),
+    };
+    assert!(
+        msg.contains("stall web-"),
+        "failed for another reason: {msg}"
+    );
+    assert_eq!(
+        backend_children(),
+        Vec::<u32>::new(),
+        "backends outlived the failed lab"
+    );
+    assert_eq!(
+        own_cgroups(),
+        Vec::<String>::new(),
+        "cgroups outlived the failed lab"
+    );
+}
 
 #[test]
 fn lab_short() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let plan = Plan::short();
     let r = run(&plan);
     let rr = r.run("rr");
