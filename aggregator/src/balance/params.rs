@@ -110,6 +110,12 @@ pub struct Params {
     /// Below this average load the feedback is too thin to steer by: weights are held
     /// and the API says why, rather than chase noise.
     pub thin_load: f64,
+    /// If the average load moves by more than this share between two cycles, the
+    /// second cycle changes nothing: its reports straddle the change, some from before
+    /// and some from after, and would move weights by when each node happened to report
+    /// rather than by how busy it is. Only one cycle in a row is skipped for it, so a
+    /// real new level is steered by at the next cycle. 0 turns the rule off.
+    pub jump_threshold: f64,
     /// Errors raise an endpoint's load by `error_rate × error_penalty`.
     pub error_penalty: f64,
     /// The signal to balance.
@@ -133,6 +139,7 @@ impl Default for Params {
             min_weight: 0.01,
             max_weight: 10.0,
             thin_load: 0.02,
+            jump_threshold: 0.3,
             error_penalty: 1.0,
             metric: LoadMetric::Max,
             strategies: vec![Gate {
@@ -235,6 +242,11 @@ impl Params {
             finite(self.thin_load) && self.thin_load >= 0.0,
             "thin_load",
             "must be 0 or more",
+        )?;
+        check(
+            finite(self.jump_threshold) && self.jump_threshold >= 0.0,
+            "jump_threshold",
+            "must be 0 (off) or more",
         )?;
         check(
             finite(self.error_penalty) && self.error_penalty >= 0.0,

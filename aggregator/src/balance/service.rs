@@ -151,6 +151,13 @@ pub enum SkipReason {
     },
     /// No fresh endpoint is serving.
     NoServingEndpoints,
+    /// The average load jumped since the last cycle; this cycle's reports straddle it.
+    LoadJump {
+        /// The last cycle's average load.
+        from: f64,
+        /// This cycle's.
+        to: f64,
+    },
 }
 
 impl SkipReason {
@@ -161,6 +168,7 @@ impl SkipReason {
             SkipReason::Missing { .. } => "missing",
             SkipReason::ThinFeedback { .. } => "thin_feedback",
             SkipReason::NoServingEndpoints => "no_serving_endpoints",
+            SkipReason::LoadJump { .. } => "load_jump",
         }
     }
 
@@ -179,6 +187,10 @@ impl SkipReason {
                 "feedback too thin to steer by: average load {avg:.4} is below {threshold:.4}; weights held"
             ),
             SkipReason::NoServingEndpoints => "no fresh endpoint is serving".to_string(),
+            SkipReason::LoadJump { from, to } => format!(
+                "average load jumped from {from:.3} to {to:.3}: this cycle's reports \
+                 straddle the change, so weights are held for one cycle"
+            ),
         }
     }
 }
@@ -254,6 +266,8 @@ pub struct Service {
     pub history: VecDeque<HistoryPoint>,
     published: BTreeMap<String, (f64, bool)>,
     published_cycle: u64,
+    /// The last cycle's average load, and whether that cycle was skipped for a jump.
+    last_avg: Option<(f64, bool)>,
 }
 
 impl Service {
@@ -269,6 +283,7 @@ impl Service {
             history: VecDeque::new(),
             published: BTreeMap::new(),
             published_cycle: 0,
+            last_avg: None,
         }
     }
 
@@ -366,6 +381,11 @@ impl Service {
             })
         } else if loads.is_empty() {
             Some(SkipReason::NoServingEndpoints)
+        } else if let Some(from) = self.jumped(spread.avg) {
+            Some(SkipReason::LoadJump {
+                from,
+                to: spread.avg,
+            })
         } else if spread.avg < params.thin_load {
             Some(SkipReason::ThinFeedback {
                 avg: spread.avg,
@@ -375,6 +395,10 @@ impl Service {
             None
         };
 
+        if !loads.is_empty() {
+            let jump = matches!(skipped, Some(SkipReason::LoadJump { .. }));
+            self.last_avg = Some((spread.avg, jump));
+        }
         match skipped {
             None => {
                 self.update_pid(now, spread.avg);
@@ -415,6 +439,15 @@ impl Service {
             missing_share,
             expired,
         }
+    }
+
+    /// The last average, if `avg` jumped away from it and the last cycle was not
+    /// already skipped for a jump.
+    fn jumped(&self, avg: f64) -> Option<f64> {
+        let threshold = self.params.jump_threshold;
+        let (from, was_jump) = self.last_avg?;
+        let moved = (avg - from).abs() / from.max(f64::MIN_POSITIVE);
+        (threshold > 0.0 && !was_jump && from.is_finite() && moved > threshold).then_some(from)
     }
 
     fn expire(&mut self, now: Millis) -> Vec<String> {

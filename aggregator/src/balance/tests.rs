@@ -525,3 +525,57 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_cycle_straddling_a_load_jump_is_skipped_once() {
+    let mut b = fleet(3, params());
+    run_plant(&mut b, &[0.6, 1.0, 1.5], 0.6, 0, 30);
+    let before = weights(&b);
+    // Traffic falls 50×; half the nodes have reported the new level, half the old.
+    report_all(&mut b, 30_000, &[0.9, 0.012, 0.006], &[]);
+    let r = b.cycle(30_000).remove(0);
+    assert!(
+        matches!(r.skipped, Some(SkipReason::LoadJump { .. })),
+        "{:?}",
+        r.skipped
+    );
+    assert_eq!(weights(&b), before, "the straddling cycle moves nothing");
+    // The next cycle sees the new level whole: thin feedback holds the good weights.
+    report_all(&mut b, 31_000, &[0.02, 0.012, 0.006], &[]);
+    let r = b.cycle(31_000).remove(0);
+    assert!(
+        matches!(r.skipped, Some(SkipReason::ThinFeedback { .. })),
+        "{:?}",
+        r.skipped
+    );
+    assert_eq!(weights(&b), before);
+}
+
+#[test]
+fn a_real_new_level_is_steered_by_after_one_skipped_cycle() {
+    let mut b = fleet(3, params());
+    report_all(&mut b, 0, &[0.3, 0.3, 0.3], &[]);
+    assert!(b.cycle(0).remove(0).skipped.is_none());
+    // +50 % and uneven: one cycle held, then the controllers act on the new level.
+    report_all(&mut b, 1000, &[0.9, 0.4, 0.2], &[]);
+    let r = b.cycle(1000).remove(0);
+    assert!(matches!(r.skipped, Some(SkipReason::LoadJump { .. })));
+    report_all(&mut b, 2000, &[0.9, 0.4, 0.2], &[]);
+    let r = b.cycle(2000).remove(0);
+    assert!(r.skipped.is_none(), "{:?}", r.skipped);
+    let w = weights(&b);
+    assert!(w[0] < w[1] && w[1] < w[2], "{w:?}");
+
+    // The rule can be turned off.
+    let mut b = fleet(
+        3,
+        Params {
+            jump_threshold: 0.0,
+            ..params()
+        },
+    );
+    report_all(&mut b, 0, &[0.3, 0.3, 0.3], &[]);
+    b.cycle(0);
+    report_all(&mut b, 1000, &[0.9, 0.4, 0.2], &[]);
+    assert!(b.cycle(1000).remove(0).skipped.is_none());
+}
