@@ -21,7 +21,11 @@
 //! `node.locality.zone = zone_1`, the other with `zone_2`:
 //!
 //! 1. the zone_1 client's calls all go to zone_1; the zone_2 client's split 50/50
-//!    between the zones (within [`TOLERANCE`]);
+//!    between the zones (within [`TOLERANCE`]). A third client, in `zone_3`, which the
+//!    config does not name, gets the default assignment: every zone at locality
+//!    weight 1, so under RING_HASH zone_1's share is its endpoints' share of the
+//!    weight, about two thirds. That is what the zone_2 client would see if its
+//!    zones' endpoint weights were not evened out;
 //! 2. the file is rewritten (zone_1 fails over to zone_2; zone_2 sends 75 % to
 //!    zone_1), nothing is restarted, and the splits follow: the zone_1 client's calls
 //!    all go to zone_2, the zone_2 client's 75/25;
@@ -130,6 +134,18 @@ fn zone_shares(round: &Round) -> BTreeMap<&'static str, f64> {
     shares
 }
 
+/// zone_1's share of the published weight (Envoy scale, over serving endpoints).
+fn zone_1_weight_share(agg: &Aggregator) -> f64 {
+    let w = agg.weights(SERVICE);
+    let serving = || w.weights.values().filter(|e| !e.draining);
+    let total: f64 = serving().map(|e| f64::from(e.envoy)).sum();
+    let zone_1: f64 = serving()
+        .filter(|e| e.zone == "zone_1")
+        .map(|e| f64::from(e.envoy))
+        .sum();
+    zone_1 / total.max(1.0)
+}
+
 /// A full round that must succeed whole.
 fn full_round(client: &mut XdsClient, who: &str, agg: &Aggregator) -> Round {
     let r = client.round(CALLS, ROUND_BUDGET);
@@ -235,8 +251,13 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
     let xds = agg.xds_addr();
     let mut c1 = XdsClient::start(xds, SERVICE, "client-zone-1", Some("zone_1"), work.path());
     let mut c2 = XdsClient::start(xds, SERVICE, "client-zone-2", Some("zone_2"), work.path());
+    let mut c3 = XdsClient::start(xds, SERVICE, "client-zone-3", Some("zone_3"), work.path());
     // Warm up: the first calls wait for the resources and connect the subchannels.
-    for (who, c) in [("zone_1 client", &mut c1), ("zone_2 client", &mut c2)] {
+    for (who, c) in [
+        ("zone_1 client", &mut c1),
+        ("zone_2 client", &mut c2),
+        ("zone_3 client", &mut c3),
+    ] {
         let warm = c.round(200, ROUND_BUDGET);
         assert_eq!(
             warm.counts.values().sum::<u32>(),
@@ -262,6 +283,20 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
     );
     assert_share("zone_2 client", &r2, "zone_1", 0.5);
     assert_share("zone_2 client", &r2, "zone_2", 0.5);
+    // The default, for a zone without a split: zone_1's share of the published weight,
+    // averaged over the round (the weights drift a little).
+    let before = zone_1_weight_share(&agg);
+    let r3 = full_round(&mut c3, "zone_3 client", &agg);
+    let default_share = (before + zone_1_weight_share(&agg)) / 2.0;
+    eprintln!(
+        "seed split: zone_3 client (no split) {:?}, zone_1's share of the weight {default_share:.3}",
+        r3.counts
+    );
+    assert!(
+        default_share > 0.6,
+        "zone_1's two backends should hold about two thirds of the weight, not {default_share:.3}"
+    );
+    assert_share("zone_3 client", &r3, "zone_1", default_share);
 
     // Round 2: the file is rewritten; nothing restarts.
     write_service_file(&config_dir, FAILOVER);
@@ -313,6 +348,7 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
     );
     drop(c1);
     drop(c2);
+    drop(c3);
     drop(agents);
     drop(backends);
 }
