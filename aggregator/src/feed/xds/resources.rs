@@ -500,6 +500,8 @@ pub struct ServiceResources {
     /// Client zone → its ClusterLoadAssignment. A configured zone none of whose
     /// destinations has a serving endpoint has no entry: it gets the default.
     zonal: BTreeMap<String, Resource>,
+    /// The configured client zones that have no entry in `zonal`.
+    fallen_back: BTreeSet<String>,
 }
 
 impl ServiceResources {
@@ -521,18 +523,18 @@ impl ServiceResources {
             )
         }));
         let eps = addressable(service, endpoints);
-        let zonal = split
-            .into_iter()
-            .flatten()
-            .filter_map(|(client, shares)| {
-                let Some(cla) = split_of(service, &eps, shares) else {
-                    tracing::warn!(service, client_zone = %client, destinations = ?shares.keys().collect::<Vec<_>>(),
-                        "no destination zone of the split has a serving endpoint; its clients get every zone");
-                    return None;
-                };
-                Some((client.clone(), Resource::new(service, &cla)))
-            })
-            .collect();
+        let mut zonal = BTreeMap::new();
+        let mut fallen_back = BTreeSet::new();
+        for (client, shares) in split.into_iter().flatten() {
+            match split_of(service, &eps, shares) {
+                Some(cla) => {
+                    zonal.insert(client.clone(), Resource::new(service, &cla));
+                }
+                None => {
+                    fallen_back.insert(client.clone());
+                }
+            }
+        }
         ServiceResources {
             version,
             key,
@@ -544,7 +546,14 @@ impl ServiceResources {
                 Resource::new(service, &default_assignment(service, &eps)),
             ],
             zonal,
+            fallen_back,
         }
+    }
+
+    /// The client zones of the split that get the default assignment because none of
+    /// their destination zones has a serving endpoint.
+    pub fn fallen_back(&self) -> impl Iterator<Item = &str> {
+        self.fallen_back.iter().map(String::as_str)
     }
 
     /// The resource of type `t` as every client gets it (the default assignment for
@@ -620,19 +629,28 @@ impl Snapshot {
                 {
                     kept.insert(svc.name.clone(), r.clone());
                 }
-                _ => changed.push(Self::copy(svc, split)),
+                before => changed.push(Self::copy(svc, split, before.cloned())),
             }
         }
         Pending { kept, changed }
     }
 
-    fn copy(svc: &Service, split: Option<&LocalitySplit>) -> Changed {
-        let eps = svc
-            .endpoints
-            .values()
-            .map(|e| EndpointInput::of(svc, e))
-            .collect();
-        (svc.name.clone(), svc.version, eps, split.cloned())
+    fn copy(
+        svc: &Service,
+        split: Option<&LocalitySplit>,
+        before: Option<Arc<ServiceResources>>,
+    ) -> Changed {
+        Changed {
+            name: svc.name.clone(),
+            version: svc.version,
+            endpoints: svc
+                .endpoints
+                .values()
+                .map(|e| EndpointInput::of(svc, e))
+                .collect(),
+            split: split.cloned(),
+            before,
+        }
     }
 
     /// A snapshot of the given services, by name.
@@ -708,9 +726,17 @@ impl Snapshot {
     }
 }
 
-/// A changed service copied out of the balancer: name, weights version, endpoints
-/// and locality split.
-type Changed = (String, u64, Vec<EndpointInput>, Option<LocalitySplit>);
+/// A changed service, copied out of the balancer.
+#[derive(Debug)]
+struct Changed {
+    name: String,
+    version: u64,
+    endpoints: Vec<EndpointInput>,
+    split: Option<LocalitySplit>,
+    /// Its resources in the previous snapshot, to log fallbacks once, when they begin
+    /// and end, rather than at every rebuild.
+    before: Option<Arc<ServiceResources>>,
+}
 
 /// A snapshot half built: what could be kept, and copies of what changed.
 #[derive(Debug)]
@@ -723,9 +749,34 @@ impl Pending {
     /// Builds the changed services' resources.
     pub fn finish(self, policy: LbPolicy) -> Snapshot {
         let mut services = self.kept;
-        for (name, version, eps, split) in self.changed {
-            let r = ServiceResources::build(&name, version, policy, &eps, split.as_ref());
-            services.insert(name, Arc::new(r));
+        for c in self.changed {
+            let r =
+                ServiceResources::build(&c.name, c.version, policy, &c.endpoints, c.split.as_ref());
+            let was = c.before.as_ref().map(|b| &b.fallen_back);
+            for zone in r
+                .fallen_back
+                .iter()
+                .filter(|z| !was.is_some_and(|w| w.contains(*z)))
+            {
+                let destinations: Vec<&String> = c
+                    .split
+                    .as_ref()
+                    .and_then(|s| s.get(zone))
+                    .map(|d| d.keys().collect())
+                    .unwrap_or_default();
+                tracing::warn!(service = %c.name, client_zone = %zone, ?destinations,
+                    "no destination zone of the locality split has a serving endpoint; \
+                     its clients get the default assignment (every zone)");
+            }
+            for zone in was
+                .into_iter()
+                .flatten()
+                .filter(|z| r.zonal.contains_key(*z))
+            {
+                tracing::info!(service = %c.name, client_zone = %zone,
+                    "the locality split has serving endpoints again; its clients follow it");
+            }
+            services.insert(c.name, Arc::new(r));
         }
         Snapshot { services }
     }

@@ -656,6 +656,16 @@ fn each_client_zone_selects_its_assignment_and_versions_follow_its_split() {
     )]);
     let fallback = web_with(Some(&dead), &eps);
     assert_eq!(fallback.service("web").map(|s| s.zones().count()), Some(0));
+    assert_eq!(
+        fallback
+            .service("web")
+            .map(|s| s.fallen_back().collect::<Vec<_>>()),
+        Some(vec!["zone_1"])
+    );
+    assert_eq!(
+        snap.service("web").map(|s| s.fallen_back().count()),
+        Some(0)
+    );
     assert_eq!(sel(&fallback, "zone_1").version, other.version);
 }
 
