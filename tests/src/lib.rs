@@ -32,6 +32,7 @@ pub use harness::api::{
 pub use harness::backend::Backend;
 pub use harness::etcd::{require_etcd, Etcd, Watch, WatchEvent};
 pub use harness::haproxy::{require_haproxy, Haproxy, HaproxyOpts, ServerState};
+pub use harness::packages::{packages, repo_root, require_tool, Packages, ScratchRoot};
 pub use harness::pki::Pki;
 pub use harness::process::{binary, command, run_bounded, AGENT_BIN, AGGREGATOR_BIN};
 pub use harness::quic::{client_config_without_certificate, RawClient, RawConn};

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod etcd;
 pub mod grpc;
 pub mod haproxy;
+pub mod packages;
 pub mod pki;
 pub mod ports;
 pub mod process;
