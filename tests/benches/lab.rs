@@ -14,8 +14,7 @@ fn main() {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "an unknown date".into());
-    let charts = report::charts(&r, &docs.join("img"), &["rr", "ballast"])
-        .unwrap_or_else(|e| panic!("charts: {e}"));
+    let charts = report::charts(&r, &docs.join("img")).unwrap_or_else(|e| panic!("charts: {e}"));
     let md = report::markdown(&r, "bash tests/lab/run", &format!("{when}, {}", r.host));
     let path = docs.join("lab.md");
     std::fs::write(&path, &md).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

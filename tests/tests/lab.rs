@@ -153,20 +153,20 @@ fn lab_short() {
         }
     }
     assert!(
-        rr.spread.max_over_avg >= 1.25,
+        rr.spread.max_over_avg >= 1.2,
         "round robin max/avg {:.3}: the quotas made no imbalance",
         rr.spread.max_over_avg
     );
 
     // 2. Ballast: balanced, clearly better than round robin, and faster.
     assert!(
-        ba.spread.max_over_avg <= 1.15,
+        ba.spread.max_over_avg <= 1.12,
         "Ballast's steady max/avg {:.3} (utilization {:?})",
         ba.spread.max_over_avg,
         ba.util
     );
     assert!(
-        rr.spread.max_over_avg - ba.spread.max_over_avg >= 0.15,
+        rr.spread.max_over_avg - ba.spread.max_over_avg >= 0.1,
         "Ballast {:.3} is not clearly below round robin {:.3}",
         ba.spread.max_over_avg,
         rr.spread.max_over_avg

@@ -181,7 +181,7 @@ pub struct LineChart<'a> {
     pub y_floor: f64,
     /// The lines.
     pub lines: Vec<Line>,
-    /// X positions of events, drawn as thin grey vertical lines.
+    /// X positions of events, drawn as thin dark grey vertical lines.
     pub markers: Vec<f64>,
 }
 
@@ -215,7 +215,7 @@ pub fn line_chart(path: &Path, c: &LineChart) -> Result<(), SimError> {
         chart
             .draw_series(LineSeries::new(
                 vec![(*x, c.y_floor), (*x, top)],
-                RGBColor(180, 180, 180).stroke_width(1),
+                RGBColor(90, 90, 90).stroke_width(1),
             ))
             .map_err(|e| chart_err(path, e))?;
     }

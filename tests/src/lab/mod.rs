@@ -95,7 +95,7 @@ fn s(secs: u64) -> Duration {
 }
 
 impl Plan {
-    /// The full lab, for `docs/lab.md`: about six minutes.
+    /// The full lab, for `docs/lab.md`: about five minutes.
     pub fn full() -> Plan {
         Plan {
             name: "full",

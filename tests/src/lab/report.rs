@@ -8,12 +8,19 @@ use std::path::{Path, PathBuf};
 /// The targets of the issue, as thresholds.
 pub const TARGET_MAX_OVER_AVG: f64 = 1.05;
 
-/// Writes one chart per run of `names` (`rr`, `ballast`): each backend's CPU use
-/// relative to its quota, sample by sample. Returns the files written.
-pub fn charts(r: &LabResult, dir: &Path, names: &[&str]) -> Result<Vec<PathBuf>, String> {
+/// Writes the charts `docs/lab.md` shows: for runs 1 and 2 each backend's CPU use
+/// relative to its quota, sample by sample; for run 3 the stalled backend's CPU, its
+/// in-flight load and its weight. Returns the files written.
+pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
-    for name in names {
+    let mut draw = |file: &str, c: LineChart| -> Result<(), String> {
+        let path = dir.join(file);
+        line_chart(&path, &c).map_err(|e| e.to_string())?;
+        out.push(path);
+        Ok(())
+    };
+    for name in ["rr", "ballast"] {
         let run = r.run(name);
         let lines = r
             .names
@@ -21,26 +28,17 @@ pub fn charts(r: &LabResult, dir: &Path, names: &[&str]) -> Result<Vec<PathBuf>,
             .enumerate()
             .map(|(i, n)| Line {
                 label: format!("{n} ({:.0} %)", r.plan.quotas[i] * 100.0),
-                points: r
-                    .samples
-                    .iter()
-                    .filter(|s| s.t > run.start && s.t <= run.end)
-                    .filter_map(|s| s.util[i].map(|u| (s.t - run.start, u)))
-                    .collect(),
+                points: series(r, run, |s| s.util[i]),
             })
             .collect();
         let mut markers = vec![run.window.0];
-        if *name == "ballast" {
+        if name == "ballast" {
             markers.extend(r.converged_after);
         }
-        let title = format!(
-            "Run {}: CPU used / quota per backend (1 s samples)",
-            run.title
-        );
-        let path = dir.join(format!("lab-{name}.svg"));
-        line_chart(
-            &path,
-            &LineChart {
+        let title = format!("{}: CPU used / quota per backend (1 s samples)", run.title);
+        draw(
+            &format!("lab-{name}.svg"),
+            LineChart {
                 title: &title,
                 x_desc: "seconds into the run",
                 y_desc: "utilization of the quota",
@@ -49,11 +47,63 @@ pub fn charts(r: &LabResult, dir: &Path, names: &[&str]) -> Result<Vec<PathBuf>,
                 lines,
                 markers,
             },
-        )
-        .map_err(|e| e.to_string())?;
-        out.push(path);
+        )?;
     }
+    let run = r.run("degraded");
+    let k = r.degraded.backend;
+    let cap = f64::from(r.plan.capacity);
+    let title = format!(
+        "{}: {} stalls {} ms per request from {:.0} s",
+        run.title, r.names[k], r.plan.stall_ms, r.degraded.at
+    );
+    draw(
+        "lab-degraded.svg",
+        LineChart {
+            title: &title,
+            x_desc: "seconds into the run",
+            y_desc: "relative to quota, capacity, mean weight",
+            x_max: run.end - run.start,
+            y_floor: 0.0,
+            lines: vec![
+                Line {
+                    label: "CPU / quota".into(),
+                    points: series(r, run, |s| s.util[k]),
+                },
+                Line {
+                    label: format!("in flight / capacity {cap:.0}"),
+                    points: series(r, run, |s| s.inflight[k].map(|v| f64::from(v) / cap)),
+                },
+                Line {
+                    label: "HAProxy weight / mean weight".into(),
+                    points: series(r, run, |s| {
+                        let ws: Vec<f64> =
+                            s.weight.iter().flatten().map(|w| f64::from(*w)).collect();
+                        let mean = ws.iter().sum::<f64>() / ws.len().max(1) as f64;
+                        let w = f64::from(s.weight[k]?);
+                        (mean > 0.0).then(|| w / mean)
+                    }),
+                },
+            ],
+            markers: vec![
+                r.degraded.at,
+                r.degraded.at + r.plan.degraded.2.as_secs_f64(),
+            ],
+        },
+    )?;
     Ok(out)
+}
+
+/// `value(sample)` for the samples of `run`, against seconds into the run.
+fn series(
+    r: &LabResult,
+    run: &RunResult,
+    value: impl Fn(&super::sampler::Sample) -> Option<f64>,
+) -> Vec<(f64, f64)> {
+    r.samples
+        .iter()
+        .filter(|s| s.t > run.start && s.t <= run.end)
+        .filter_map(|s| value(s).map(|v| (s.t - run.start, v)))
+        .collect()
 }
 
 fn pct(v: f64) -> String {
@@ -139,7 +189,8 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          has ten times the default CPU weight, so that other work on the machine does \
          not eat into the quotas being measured.\n\
          - **Work:** every request burns {} rounds of SipHash (calibrated to {} ms of \
-         CPU on this machine), on the request's own task.\n\
+         CPU in the lab's own process), on the request's own task; with the HTTP \
+         handling, a request costs what the table's last column says.\n\
          - **Load:** open loop at **{:.0} req/s** ({} of {:.0}), one connection per \
          request, latency counted from when each request was due.\n\
          - **HAProxy:** `balance roundrobin`, `weight 100`, `option http-server-close`, \
@@ -202,13 +253,21 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          agent-check is switched on. In the steady window max/avg is **{:.3}** \
          (target ≤ {TARGET_MAX_OVER_AVG}) and p99 **{:.0} ms** against round robin's \
          {:.0} ms. The grey lines mark the convergence and the start of the window.\n\n\
-         ![Run 2: utilization per backend under Ballast](img/lab-ballast.svg)\n",
+         ![Run 2: utilization per backend under Ballast](img/lab-ballast.svg)\n\n\
+         HAProxy's weights at the end of the run: {} (the quotas are {}).\n",
         util_list(r, ba),
         r.converged_after
             .map_or("never".to_string(), |t| format!("{t:.0} s")),
         ba.spread.max_over_avg,
         ba.load.p99_ms,
-        rr.load.p99_ms
+        rr.load.p99_ms,
+        final_weights(r, ba),
+        r.plan
+            .quotas
+            .iter()
+            .map(|q| format!("{:.0}", q * 100.0))
+            .collect::<Vec<_>>()
+            .join(" : "),
     );
     let _ = writeln!(
         out,
@@ -220,7 +279,9 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          goes from {} before the stall to {} from {:.0} s after it. Its in-flight \
          requests averaged {:.1} before and {:.1} after (highest {} right after the \
          stall, {} once the controller had reacted); at its old share it would hold \
-         about {:.0}. Errors in the run: {}.\n",
+         about {:.0}. Errors in the run: {}. The dark lines mark the stall and the start \
+         of the measured phase.\n\n\
+         ![Run 3: the stalled backend's CPU, in-flight load and weight](img/lab-degraded.svg)\n",
         d.at,
         r.names[d.backend],
         p.stall_ms,
@@ -254,6 +315,33 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         x.served_after,
         rs.whole.errors,
         rs.whole.requests,
+    );
+
+    let cost = |run: &RunResult| {
+        let cores: f64 = run.util.iter().zip(&p.quotas).map(|(u, q)| u * q).sum();
+        cores * 1000.0 / c.offered.max(1e-9)
+    };
+    let others: Vec<f64> = r.runs.iter().filter_map(|x| x.other_cores).collect();
+    let _ = writeln!(
+        out,
+        "## Conditions and noise\n\n\
+         - The machine was shared: {}; beside the backends, {:.2}–{:.2} cores were busy \
+         during the runs (last column of the table), much of it other work than the \
+         lab's.\n\
+         - The runs used more CPU than the nominal {}: in run 2 a request cost {:.2} ms of \
+         CPU against {:.2} ms when the backends were saturated during calibration. A \
+         backend at partial load wakes up for every request rather than finding the \
+         next one waiting, which probably accounts for most of it; it applies to every \
+         backend alike, so it shifts the average, not the spread.\n\
+         - Contention moves all backends together (the common swings in the run 2 chart), \
+         which max/avg is blind to by construction; the median 5 s max/avg column shows \
+         what the short-term noise adds to the window's figure.\n",
+        r.host,
+        others.iter().copied().fold(f64::INFINITY, f64::min),
+        others.iter().copied().fold(0.0, f64::max),
+        pct(p.utilization),
+        cost(ba),
+        mean(&c.cpu_ms),
     );
 
     let _ = writeln!(
@@ -315,6 +403,29 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         r.seconds
     );
     out
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// HAProxy's weights at the last sample of `run`, by backend.
+fn final_weights(r: &LabResult, run: &RunResult) -> String {
+    let last = r
+        .samples
+        .iter()
+        .rev()
+        .find(|s| s.t <= run.end && s.weight.iter().all(Option::is_some));
+    match last {
+        Some(s) => r
+            .names
+            .iter()
+            .zip(&s.weight)
+            .map(|(n, w)| format!("{n} {}", w.unwrap_or(0)))
+            .collect::<Vec<_>>()
+            .join(", "),
+        None => "not sampled".to_string(),
+    }
 }
 
 fn util_list(r: &LabResult, run: &RunResult) -> String {
