@@ -45,12 +45,15 @@ impl Shared {
     /// written: taking traffic off a node must not depend on its disk. The error says
     /// what will not survive a restart.
     pub fn set_draining(&self, on: bool) -> Result<(), DrainFileError> {
-        self.draining.store(on, Ordering::Relaxed);
+        let was = self.draining.swap(on, Ordering::Relaxed);
         self.update(|s| {
             s.draining = on;
             // The quiet period counts from the drain: a node idle before it proves
-            // nothing about the load balancers having seen it.
-            s.inflight_zero_since_unix_ms = None;
+            // nothing about the load balancers having seen it. A repeated drain (a
+            // script that retries) does not start it again.
+            if on != was {
+                s.inflight_zero_since_unix_ms = None;
+            }
         });
         match self.config.drain_path() {
             Some(path) if on => write_drain_file(path),
@@ -312,6 +315,13 @@ mod tests {
             "the quiet period restarts at the drain"
         );
         assert!(drained_on_disk(&cfg).expect("readable"), "{file:?}");
+        shared.update(|s| s.inflight_zero_since_unix_ms = Some(2));
+        shared.set_draining(true).expect("drain twice is fine");
+        assert_eq!(
+            shared.status().inflight_zero_since_unix_ms,
+            Some(2),
+            "a repeated drain keeps the quiet period"
+        );
         shared.set_draining(false).expect("removed");
         assert!(!drained_on_disk(&cfg).expect("readable"));
         shared.set_draining(false).expect("undrain twice is fine");
