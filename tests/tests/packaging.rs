@@ -62,7 +62,7 @@ fn both_debs_install_into_a_scratch_root_with_files_users_enabled_units_and_a_wo
     require_deb_tools();
     require_tool("systemd-analyze", "apt-get install systemd");
     let pkgs = packages();
-    let root = ScratchRoot::new();
+    let root = ScratchRoot::mount();
     dpkg_install(&root, &[&pkgs.agent_deb, &pkgs.aggregator_deb], &[]);
 
     // Every documented file is where docs/packaging.md says, and dpkg owns it.
@@ -184,7 +184,7 @@ fn both_debs_install_into_a_scratch_root_with_files_users_enabled_units_and_a_wo
 fn an_upgrade_keeps_the_operators_edited_config() {
     require_deb_tools();
     let pkgs = packages();
-    let root = ScratchRoot::new();
+    let root = ScratchRoot::mount();
     dpkg_install(&root, &[&pkgs.agent_deb], &[]);
     let shipped = root.read("/etc/ballast/agent.toml");
     let edited = format!("{AGENT_SETTINGS}{shipped}");

@@ -151,7 +151,7 @@ const CHROOT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sb
 
 impl ScratchRoot {
     /// Mounts the overlay and waits, at most 20 s, until it is ready.
-    pub fn new() -> ScratchRoot {
+    pub fn mount() -> ScratchRoot {
         require_tool("unshare", "apt-get install util-linux");
         require_tool("nsenter", "apt-get install util-linux");
         let dir = tempfile::Builder::new()
