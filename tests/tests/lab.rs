@@ -123,7 +123,7 @@ fn lab_short() {
     // Calibration: the quotas hold (capacity follows the quota) and nothing failed.
     let per_quota: Vec<f64> = r
         .calibration
-        .capacity
+        .saturated
         .iter()
         .zip(&plan.quotas)
         .map(|(c, q)| c / q)

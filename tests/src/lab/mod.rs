@@ -28,7 +28,9 @@ use crate::harness::pki::Pki;
 use crate::harness::ports::free_tcp;
 use crate::harness::process::{command, Proc};
 use crate::harness::wait::wait_for;
+use ballast_agent::sample::cgroup::CgroupCpu;
 use ballast_agent::sample::prometheus::parse_gauge;
+use ballast_agent::sample::CpuSource;
 use ballast_aggregator::balance::stats::Spread;
 use ballast_lab::backend::INFLIGHT_METRIC;
 use ballast_lab::load::{self, summarize, LoadRun, LoadSpec, Mode, Summary};
@@ -136,14 +138,92 @@ impl Plan {
 pub struct Calibration {
     /// Hash rounds per request.
     pub rounds: u64,
-    /// Requests per second each backend sustained at its quota (closed loop).
-    pub capacity: Vec<f64>,
-    /// CPU per request each backend used, ms (cgroup usage over requests served).
+    /// Requests per second each backend sustained when saturated (closed loop).
+    pub saturated: Vec<f64>,
+    /// CPU per request each backend used at the plan's utilization (open loop at that
+    /// share of its saturated rate), ms, from its cgroup's accounting.
     pub cpu_ms: Vec<f64>,
+    /// Requests per second each backend can take at that cost: its quota over it.
+    pub capacity: Vec<f64>,
     /// The fleet's capacity, requests per second.
     pub total: f64,
-    /// The open-loop rate of every run.
+    /// The open-loop rate of every run: the plan's utilization of `total`.
     pub offered: f64,
+}
+
+/// Finds the fleet's capacity, every backend at once and straight to it (no HAProxy):
+/// first closed loop, so that each runs at its quota and what it serves per second is
+/// its saturated rate; then open loop at the plan's utilization of that rate, which
+/// gives the CPU a request costs at that load. A backend that is not saturated costs
+/// more per request than one that is (it wakes up for each request instead of finding
+/// the next one waiting), so the capacity the runs are offered a share of is the quota
+/// over that cost: the offered load then is the planned utilization, not more.
+fn calibrate(backends: &[Backend], plan: &Plan, rounds: u64) -> Calibration {
+    let secs = plan.calibrate.as_secs_f64();
+    let phase = |mode: &dyn Fn(usize) -> Mode| -> (Vec<f64>, Vec<f64>) {
+        let mut cpus: Vec<CgroupCpu> = backends
+            .iter()
+            .map(|b| CgroupCpu::open(&b.group.spec).unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+        for c in &mut cpus {
+            let _ = c.sample();
+        }
+        let handles: Vec<_> = backends
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                load::spawn(LoadSpec {
+                    target: b.addr,
+                    path: "/work".into(),
+                    mode: mode(i),
+                    duration: plan.calibrate,
+                    max_requests: 1_000_000,
+                    timeout: REQUEST_TIMEOUT,
+                    max_outstanding: MAX_OUTSTANDING,
+                })
+                .expect("calibration load")
+            })
+            .collect();
+        let served: Vec<f64> = handles
+            .into_iter()
+            .zip(backends)
+            .map(|(h, b)| {
+                let s = summarize(&h.join().expect("calibration run").outcomes);
+                assert_eq!(
+                    s.errors, 0,
+                    "{} calibration: {:?}",
+                    b.name, s.errors_by_kind
+                );
+                s.ok as f64 / secs
+            })
+            .collect();
+        let util = cpus
+            .iter_mut()
+            .map(|c| c.sample().ok().flatten().unwrap_or(0.0))
+            .collect();
+        (served, util)
+    };
+    let (saturated, _) = phase(&|_| Mode::Closed { concurrency: 3 });
+    let (served, util) = phase(&|i| Mode::Open {
+        rate: (saturated[i] * plan.utilization).max(1.0),
+    });
+    let cpu_ms: Vec<f64> = (0..backends.len())
+        .map(|i| util[i] * plan.quotas[i] * 1000.0 / served[i].max(1e-9))
+        .collect();
+    let capacity: Vec<f64> = cpu_ms
+        .iter()
+        .zip(&plan.quotas)
+        .map(|(ms, q)| q * 1000.0 / ms.max(1e-9))
+        .collect();
+    let total: f64 = capacity.iter().sum();
+    Calibration {
+        rounds,
+        saturated,
+        cpu_ms,
+        capacity,
+        total,
+        offered: total * plan.utilization,
+    }
 }
 
 /// One run's figures.
@@ -469,43 +549,14 @@ pub fn run(plan: &Plan) -> LabResult {
         let guard = StopOnDrop(&stop);
         let now = || epoch.elapsed().as_secs_f64();
 
-        // Calibration: every backend at once, closed loop, straight to it, so each
-        // runs at its quota: what it serves per second there is its capacity.
-        let cal_from = now();
-        let handles: Vec<_> = backends
-            .iter()
-            .map(|b| {
-                load::spawn(LoadSpec {
-                    target: b.addr,
-                    path: "/work".into(),
-                    mode: Mode::Closed { concurrency: 3 },
-                    duration: plan.calibrate,
-                    max_requests: 1_000_000,
-                    timeout: REQUEST_TIMEOUT,
-                    max_outstanding: MAX_OUTSTANDING,
-                })
-                .expect("calibration load")
-            })
-            .collect();
-        let cal_runs: Vec<LoadRun> = handles
-            .into_iter()
-            .map(|h| h.join().expect("calibration run"))
-            .collect();
-        let cal_to = now();
-        for (r, b) in cal_runs.iter().zip(&backends) {
-            let s = summarize(&r.outcomes);
-            assert_eq!(
-                s.errors, 0,
-                "{} calibration errors: {:?}",
-                b.name, s.errors_by_kind
-            );
-        }
-        let total: f64 = cal_runs
-            .iter()
-            .map(|r| summarize(&r.outcomes).ok as f64 / plan.calibrate.as_secs_f64())
-            .sum();
-        let rate = total * plan.utilization;
-        eprintln!("calibration: {total:.0} req/s in all; offering {rate:.0} req/s");
+        let calibration = calibrate(&backends, plan, rounds);
+        let rate = calibration.offered;
+        eprintln!(
+            "calibration: {:.0} req/s when saturated, {:.0} at the planned load's cost; \
+             offering {rate:.0} req/s",
+            calibration.saturated.iter().sum::<f64>(),
+            calibration.total
+        );
         let frontend = hap.frontend();
         let mut runs = Vec::new();
 
@@ -630,8 +681,7 @@ pub fn run(plan: &Plan) -> LabResult {
         drop(agents);
         drop(agg);
         Raw {
-            calibration: (cal_from, cal_to, cal_runs),
-            rate,
+            calibration,
             runs,
             stalled: (k, stalled_at),
             restart: (j, marks),
@@ -639,17 +689,14 @@ pub fn run(plan: &Plan) -> LabResult {
         }
     });
     drop(hap);
-    let result = analyse(plan, layout.name(), names, rounds, raw, host, started);
+    let result = analyse(plan, layout.name(), names, raw, host, started);
     eprintln!("lab ({}) took {:.0} s", plan.name, result.seconds);
     result
 }
 
 /// What the runs produced, before analysis.
 struct Raw {
-    /// Calibration window (lab seconds) and the closed-loop runs, one per backend.
-    calibration: (f64, f64, Vec<LoadRun>),
-    /// The open-loop rate.
-    rate: f64,
+    calibration: Calibration,
     /// Each run's start (lab seconds) and requests.
     runs: Vec<(f64, LoadRun)>,
     /// The stalled backend and when, in run 3's seconds.
@@ -688,36 +735,14 @@ fn analyse(
     plan: &Plan,
     layout: &str,
     names: Vec<String>,
-    rounds: u64,
     raw: Raw,
     host: String,
     started: Instant,
 ) -> LabResult {
     let n = names.len();
     let samples = raw.samples;
-    let (cal_from, cal_to, cal_runs) = raw.calibration;
-    let secs = plan.calibrate.as_secs_f64();
-    let capacity: Vec<f64> = cal_runs
-        .iter()
-        .map(|r| summarize(&r.outcomes).ok as f64 / secs)
-        .collect();
-    let cal_util = sampler::mean_util(
-        &samples,
-        n,
-        cal_from,
-        cal_to + plan.sample_every.as_secs_f64(),
-    );
-    let cpu_ms = (0..n)
-        .map(|i| cal_util[i] * plan.quotas[i] * 1000.0 / capacity[i].max(1e-9))
-        .collect();
-    let total = capacity.iter().sum();
-    let calibration = Calibration {
-        rounds,
-        capacity,
-        cpu_ms,
-        total,
-        offered: raw.rate,
-    };
+    let calibration = raw.calibration;
+    let rate = calibration.offered;
 
     let specs: [(&'static str, &'static str, Duration, Duration); 4] = [
         ("rr", "1. round robin", plan.rr.0, plan.rr.1),
@@ -802,7 +827,7 @@ fn analyse(
         ),
         inflight_max: after.iter().copied().max().unwrap_or(0),
         inflight_max_late: after_late.iter().copied().max().unwrap_or(0),
-        flood_at_old_share: share_before * raw.rate * plan.stall_ms as f64 / 1000.0,
+        flood_at_old_share: share_before * rate * plan.stall_ms as f64 / 1000.0,
         cpu_late: sampler::mean_util(&samples, n, start3 + late, start3 + end3)[k],
     };
 

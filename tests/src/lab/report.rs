@@ -164,23 +164,36 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
     let _ = writeln!(out, "## Setup\n");
     let _ = writeln!(
         out,
-        "| backend | CPU quota | sustained at its quota (closed loop) | CPU per request |\n\
-         |---|---|---|---|"
+        "| backend | CPU quota | saturated (closed loop) | CPU per request at {} load | \
+         capacity at that cost |\n|---|---|---|---|---|",
+        pct(p.utilization)
     );
     for (i, n) in r.names.iter().enumerate() {
         let _ = writeln!(
             out,
-            "| {n} | {} of a core | {:.0} req/s | {:.2} ms |",
+            "| {n} | {} of a core | {:.0} req/s | {:.2} ms | {:.0} req/s |",
             pct(p.quotas[i]),
+            c.saturated[i],
+            c.cpu_ms[i],
             c.capacity[i],
-            c.cpu_ms.get(i).copied().unwrap_or(0.0)
         );
     }
     let _ = writeln!(
         out,
-        "| **all** | {} | **{:.0} req/s** | |\n",
+        "| **all** | {} | {:.0} req/s | | **{:.0} req/s** |\n",
         pct(p.quotas.iter().sum()),
+        c.saturated.iter().sum::<f64>(),
         c.total
+    );
+    let _ = writeln!(
+        out,
+        "Calibration drives every backend straight (no HAProxy), first closed loop to \
+         find what it serves at its quota, then open loop at {} of that to measure what a \
+         request costs at the load the runs will offer. A backend that is not saturated \
+         spends more CPU per request (it wakes up for each one instead of finding the \
+         next one waiting), so the capacity the runs are offered a share of is the quota \
+         over that cost.\n",
+        pct(p.utilization)
     );
     let _ = writeln!(
         out,
@@ -190,7 +203,7 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          not eat into the quotas being measured.\n\
          - **Work:** every request burns {} rounds of SipHash (calibrated to {} ms of \
          CPU in the lab's own process), on the request's own task; with the HTTP \
-         handling, a request costs what the table's last column says.\n\
+         handling, a request costs what the table says.\n\
          - **Load:** open loop at **{:.0} req/s** ({} of {:.0}), one connection per \
          request, latency counted from when each request was due.\n\
          - **HAProxy:** `balance roundrobin`, `weight 100`, `option http-server-close`, \
@@ -328,20 +341,19 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          - The machine was shared: {}; beside the backends, {:.2}–{:.2} cores were busy \
          during the runs (last column of the table), much of it other work than the \
          lab's.\n\
-         - The runs used more CPU than the nominal {}: in run 2 a request cost {:.2} ms of \
-         CPU against {:.2} ms when the backends were saturated during calibration. A \
-         backend at partial load wakes up for every request rather than finding the \
-         next one waiting, which probably accounts for most of it; it applies to every \
-         backend alike, so it shifts the average, not the spread.\n\
+         - In run 2 a request cost {:.2} ms of CPU, against {:.2} ms measured during \
+         calibration at the same load: the difference moves the average utilization \
+         away from the planned {}, for every backend alike, so it shifts the average, \
+         not the spread.\n\
          - Contention moves all backends together (the common swings in the run 2 chart), \
          which max/avg is blind to by construction; the median 5 s max/avg column shows \
          what the short-term noise adds to the window's figure.\n",
         r.host,
         others.iter().copied().fold(f64::INFINITY, f64::min),
         others.iter().copied().fold(0.0, f64::max),
-        pct(p.utilization),
         cost(ba),
         mean(&c.cpu_ms),
+        pct(p.utilization),
     );
 
     let _ = writeln!(
