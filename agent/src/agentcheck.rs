@@ -39,14 +39,21 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
+/// The next connection on `listener`. Accept errors (out of file descriptors and the
+/// like) pause the loop instead of spinning it; the listener itself stays usable.
+pub async fn accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => return stream,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 /// Answers every connection with one line, then closes it.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            // Out of file descriptors and the like: pause instead of spinning.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
+        let mut stream = accept(&listener).await;
         let line = reply(&shared);
         tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(2), async {

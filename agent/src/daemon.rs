@@ -252,7 +252,7 @@ impl Agent {
             )));
         }
         if let Some(addr) = shared.config.metrics {
-            let listener = crate::metrics::bind(addr)
+            let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|source| AgentError::Metrics { addr, source })?;
             tasks.push(tokio::spawn(crate::metrics::serve(

@@ -10,7 +10,6 @@
 use crate::daemon::Shared;
 use crate::status::Status;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -287,19 +286,10 @@ async fn answer(stream: &mut tokio::net::TcpStream, shared: &Shared) {
     let _ = stream.shutdown().await;
 }
 
-/// Binds the metrics port; a bad address is an error at start.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
-}
-
 /// Serves `GET /metrics` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            // Out of file descriptors and the like: pause instead of spinning.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
+        let mut stream = crate::agentcheck::accept(&listener).await;
         if shared.metrics.open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
             shared.metrics.open.fetch_sub(1, Ordering::SeqCst);
             continue; // dropped: closed at once
