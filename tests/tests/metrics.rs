@@ -4,7 +4,8 @@
 //!   accepted and rejected, per-service max/avg, p95/avg and missing share, skipped
 //!   cycles, the cycle-duration histogram, feed pushes (xDS, store writes, the HTTP
 //!   watch) and NACKs, and config reloads and rejections. An open watch stream shows
-//!   in the watch gauge and its events in the watch counter.
+//!   in the watch gauge and its events in the watch counter. Run with `--log-json`,
+//!   its log lines are JSON objects.
 //! - The agent, run with `--metrics` and `--log-json`, serves `GET /metrics` with its
 //!   sample-duration histogram, reports sent and failed, connection state, drain state
 //!   and last load; malformed, oversized, unknown and idle requests get an error or are
@@ -51,6 +52,22 @@ fn value(text: &str, name: &str) -> f64 {
     sum_samples(&parse_metrics(text), name, &[])
 }
 
+/// Asserts that every line of `log` is a JSON object of `tracing`'s JSON format, and
+/// that one of them contains `want`.
+fn assert_json_log(log: &str, want: &str) {
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty(), "no log lines");
+    for line in &lines {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a log line is not JSON ({e}): {line}"));
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
+    }
+    assert!(
+        lines.iter().any(|l| l.contains(want)),
+        "no {want:?} in:\n{log}"
+    );
+}
+
 #[test]
 fn aggregator_metrics_have_every_family() {
     let pki = Pki::new();
@@ -59,6 +76,7 @@ fn aggregator_metrics_have_every_family() {
         .report_interval_ms(300)
         .grace_ms(300);
     opts.xds = true;
+    opts.log_json = true;
     let agg = Aggregator::start(&pki, opts);
     pki.issue_nodes(&["scraped-1", "scraped-2"]);
     let _agents: Vec<Agent> = ["scraped-1", "scraped-2"]
@@ -165,6 +183,7 @@ fn aggregator_metrics_have_every_family() {
         );
     }
 
+    assert_json_log(&agg.log_tail(50), "agent connected");
     drop(watch);
     wait_for(
         Duration::from_secs(10),
@@ -311,13 +330,5 @@ fn agent_serves_metrics_and_survives_bad_requests() {
     );
 
     // Its logs are JSON lines.
-    let log = agent.log_tail(50);
-    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert!(!lines.is_empty(), "no log lines");
-    for line in &lines {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .unwrap_or_else(|e| panic!("a log line is not JSON ({e}): {line}"));
-        assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
-    }
-    assert!(lines.iter().any(|l| l.contains("drain requested")), "{log}");
+    assert_json_log(&agent.log_tail(50), "drain requested");
 }

@@ -34,6 +34,8 @@ pub struct AggregatorOpts {
     pub etcd: Option<(String, String)>,
     /// `--config-dir`: the per-service config directory, watched live.
     pub config_dir: Option<PathBuf>,
+    /// `--log-json`.
+    pub log_json: bool,
 }
 
 impl Default for AggregatorOpts {
@@ -46,6 +48,7 @@ impl Default for AggregatorOpts {
             xds: false,
             etcd: None,
             config_dir: None,
+            log_json: false,
         }
     }
 }
@@ -179,6 +182,9 @@ impl Aggregator {
         }
         if let Some(dir) = &self.opts.config_dir {
             cmd.arg("--config-dir").arg(dir);
+        }
+        if self.opts.log_json {
+            cmd.arg("--log-json");
         }
         if let Some(toml) = &self.opts.config_toml {
             let path = self.dir.path().join("aggregator.toml");
