@@ -293,7 +293,10 @@ fn config_check_gives_exit_codes_for_ci() {
 
 /// The store's view of one service: each endpoint's published weight and its
 /// per-strategy weights, at a version.
-fn store_weights(agg: &Aggregator, service: &str) -> Option<(u64, BTreeMap<String, (f64, f64, f64)>)> {
+fn store_weights(
+    agg: &Aggregator,
+    service: &str,
+) -> Option<(u64, BTreeMap<String, (f64, f64, f64)>)> {
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(agg.store_path()).ok()?).ok()?;
     let svc = &doc["services"][service];

@@ -113,8 +113,9 @@ pub struct Params {
     /// If the average load moves by more than this share between two cycles, the
     /// second cycle changes nothing: its reports straddle the change, some from before
     /// and some from after, and would move weights by when each node happened to report
-    /// rather than by how busy it is. Only one cycle in a row is skipped for it, so a
-    /// real new level is steered by at the next cycle. 0 turns the rule off.
+    /// rather than by how busy it is. Cycles are skipped while the average keeps
+    /// jumping, at most three in a row, so a real new level is steered by as soon as it
+    /// settles. 0 turns the rule off.
     pub jump_threshold: f64,
     /// Errors raise an endpoint's load by `error_rate × error_penalty`.
     pub error_penalty: f64,

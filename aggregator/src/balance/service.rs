@@ -126,6 +126,11 @@ impl Endpoint {
     }
 }
 
+/// The most cycles in a row skipped because the average keeps jumping. Reports lag
+/// and are spread over a cycle, so a sudden change can take two or three cycles to show
+/// whole; a load that keeps climbing past that is a real trend, and is steered by.
+pub const MAX_JUMP_SKIPS: u32 = 3;
+
 /// Why a cycle changed no weights.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reason", rename_all = "snake_case")]
@@ -266,8 +271,9 @@ pub struct Service {
     pub history: VecDeque<HistoryPoint>,
     published: BTreeMap<String, (f64, bool)>,
     published_cycle: u64,
-    /// The last cycle's average load, and whether that cycle was skipped for a jump.
-    last_avg: Option<(f64, bool)>,
+    /// The last cycle's average load, and how many cycles in a row before it were
+    /// skipped for a jump.
+    last_avg: Option<(f64, u32)>,
 }
 
 impl Service {
@@ -381,23 +387,24 @@ impl Service {
             })
         } else if loads.is_empty() {
             Some(SkipReason::NoServingEndpoints)
-        } else if let Some(from) = self.jumped(spread.avg) {
-            Some(SkipReason::LoadJump {
-                from,
-                to: spread.avg,
-            })
         } else if spread.avg < params.thin_load {
             Some(SkipReason::ThinFeedback {
                 avg: spread.avg,
                 threshold: params.thin_load,
             })
         } else {
-            None
+            self.jumped(spread.avg).map(|from| SkipReason::LoadJump {
+                from,
+                to: spread.avg,
+            })
         };
 
         if !loads.is_empty() {
-            let jump = matches!(skipped, Some(SkipReason::LoadJump { .. }));
-            self.last_avg = Some((spread.avg, jump));
+            let run = match (skipped, self.last_avg) {
+                (Some(SkipReason::LoadJump { .. }), Some((_, run))) => run + 1,
+                _ => 0,
+            };
+            self.last_avg = Some((spread.avg, run));
         }
         match skipped {
             None => {
@@ -441,13 +448,14 @@ impl Service {
         }
     }
 
-    /// The last average, if `avg` jumped away from it and the last cycle was not
-    /// already skipped for a jump.
+    /// The last average, if `avg` jumped away from it and the run of jump skips is
+    /// not yet at its limit.
     fn jumped(&self, avg: f64) -> Option<f64> {
         let threshold = self.params.jump_threshold;
-        let (from, was_jump) = self.last_avg?;
+        let (from, run) = self.last_avg?;
         let moved = (avg - from).abs() / from.max(f64::MIN_POSITIVE);
-        (threshold > 0.0 && !was_jump && from.is_finite() && moved > threshold).then_some(from)
+        (threshold > 0.0 && run < MAX_JUMP_SKIPS && from.is_finite() && moved > threshold)
+            .then_some(from)
     }
 
     fn expire(&mut self, now: Millis) -> Vec<String> {

@@ -1,5 +1,6 @@
 //! Tests of every cycle rule, driven through the public API with an explicit clock.
 
+use super::service::MAX_JUMP_SKIPS;
 use super::Strategy;
 use super::*;
 use proptest::prelude::*;
@@ -540,9 +541,13 @@ fn a_cycle_straddling_a_load_jump_is_skipped_once() {
         r.skipped
     );
     assert_eq!(weights(&b), before, "the straddling cycle moves nothing");
-    // The next cycle sees the new level whole: thin feedback holds the good weights.
-    report_all(&mut b, 31_000, &[0.02, 0.012, 0.006], &[]);
+    // Reports still straddle: still held.
+    report_all(&mut b, 31_000, &[0.2, 0.012, 0.006], &[]);
     let r = b.cycle(31_000).remove(0);
+    assert!(matches!(r.skipped, Some(SkipReason::LoadJump { .. })));
+    // The next cycle sees the new level whole: thin feedback holds the good weights.
+    report_all(&mut b, 32_000, &[0.02, 0.012, 0.006], &[]);
+    let r = b.cycle(32_000).remove(0);
     assert!(
         matches!(r.skipped, Some(SkipReason::ThinFeedback { .. })),
         "{:?}",
@@ -565,6 +570,22 @@ fn a_real_new_level_is_steered_by_after_one_skipped_cycle() {
     assert!(r.skipped.is_none(), "{:?}", r.skipped);
     let w = weights(&b);
     assert!(w[0] < w[1] && w[1] < w[2], "{w:?}");
+
+    // A load that keeps climbing is a trend: steered by after at most three skips.
+    let mut b = fleet(3, params());
+    let mut level = 0.05;
+    let mut skipped = 0;
+    for c in 0..6u64 {
+        report_all(&mut b, c * 1000, &[level * 1.5, level, level * 0.5], &[]);
+        let r = b.cycle(c * 1000).remove(0);
+        if matches!(r.skipped, Some(SkipReason::LoadJump { .. })) {
+            skipped += 1;
+        } else if c > 0 {
+            break;
+        }
+        level *= 1.6;
+    }
+    assert_eq!(skipped, MAX_JUMP_SKIPS);
 
     // The rule can be turned off.
     let mut b = fleet(
