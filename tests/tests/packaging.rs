@@ -162,15 +162,34 @@ fn both_debs_install_into_a_scratch_root_with_files_users_enabled_units_and_a_wo
         &node,
     ]);
     let node_dir = format!("/etc/ballast/tls/nodes/{node}");
-    for file in ["node.pem", "node.key"] {
-        root.ok(&["cp", &format!("{node_dir}/{file}"), "/etc/ballast/tls/"]);
-    }
+    root.ok(&[
+        "install",
+        "-m",
+        "0644",
+        &format!("{node_dir}/node.pem"),
+        "/etc/ballast/tls/",
+    ]);
+    root.ok(&[
+        "install",
+        "-m",
+        "0640",
+        "-g",
+        "ballast-agent",
+        &format!("{node_dir}/node.key"),
+        "/etc/ballast/tls/",
+    ]);
     let shipped = root.read("/etc/ballast/agent.toml");
     root.write(
         "/etc/ballast/agent.toml",
         &format!("{AGENT_SETTINGS}{shipped}"),
     );
+    // As the unit runs it: as the service's user, who can read the key only through
+    // the group README.tls gives it.
     let checked = root.ok(&[
+        "runuser",
+        "-u",
+        "ballast-agent",
+        "--",
         "ballast-agent",
         "check",
         "--config",
