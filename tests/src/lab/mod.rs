@@ -402,15 +402,19 @@ impl Http {
     }
 
     fn get(&self, url: &str) -> Result<String, String> {
-        let resp = self.0.get(url).send().map_err(|e| format!("{url}: {e}"))?;
-        if !resp.status().is_success() {
-            return Err(format!("{url}: {}", resp.status()));
-        }
-        resp.text().map_err(|e| format!("{url}: {e}"))
+        Self::body(url, self.0.get(url).send())
     }
 
     fn post(&self, url: &str) -> Result<String, String> {
-        let resp = self.0.post(url).send().map_err(|e| format!("{url}: {e}"))?;
+        Self::body(url, self.0.post(url).send())
+    }
+
+    /// The body of a successful answer, or why there is none.
+    fn body(
+        url: &str,
+        sent: reqwest::Result<reqwest::blocking::Response>,
+    ) -> Result<String, String> {
+        let resp = sent.map_err(|e| format!("{url}: {e}"))?;
         if !resp.status().is_success() {
             return Err(format!("{url}: {}", resp.status()));
         }

@@ -244,7 +244,9 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         "\nLatency is over the requests due in the window; errors are over the whole \
          run. \"Other cores busy\" is how much of the machine everything outside the \
          backends used meanwhile (HAProxy, the generator, Ballast, and anything else \
-         running on the machine): the noise the figures were taken under.\n"
+         running on the machine): the noise the figures were taken under. With six \
+         backends the nearest-rank 95th percentile is the highest one, so p95/avg equals \
+         max/avg.\n"
     );
 
     let _ = writeln!(
