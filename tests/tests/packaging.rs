@@ -380,3 +380,59 @@ fn the_rpms_hold_the_documented_files_config_and_systemd_scriptlets() {
         );
     }
 }
+
+#[test]
+fn an_rpm_upgrade_keeps_the_operators_edited_config_and_erase_saves_it() {
+    require_tool("rpm", "apt-get install rpm");
+    require_tool(
+        "cargo-generate-rpm",
+        "cargo install --locked cargo-generate-rpm",
+    );
+    let pkgs = packages();
+    let root = ScratchRoot::mount();
+    // --nodeps: Debian's rpm database knows none of the libraries dpkg installed.
+    root.copy_in(&pkgs.agent_rpm, "/tmp/agent-1.rpm");
+    root.ok(&["rpm", "-i", "--nodeps", "/tmp/agent-1.rpm"]);
+    let entry = root.ok(&["getent", "passwd", "ballast-agent"]);
+    assert!(
+        entry.contains(":Ballast host agent:"),
+        "%pre made no user: {entry}"
+    );
+    let edited = format!("{AGENT_SETTINGS}{}", root.read("/etc/ballast/agent.toml"));
+    root.write("/etc/ballast/agent.toml", &edited);
+
+    // A second build, release 2, with the same default config.
+    let builds = tempfile::tempdir().expect("tempdir");
+    let mut build = Command::new("cargo");
+    build
+        .args(["generate-rpm", "-p", "agent", "--profile", "dev"])
+        .args(["--payload-compress", "none", "-s", "release = \"2\"", "-o"])
+        .arg(builds.path())
+        .current_dir(repo_root());
+    let built = run_bounded(build, Duration::from_secs(300));
+    assert!(
+        built.status.success(),
+        "cargo generate-rpm: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let second = std::fs::read_dir(builds.path())
+        .expect("read builds")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "rpm"))
+        .expect("the second rpm");
+    root.copy_in(&second, "/tmp/agent-2.rpm");
+    root.ok(&["rpm", "-U", "--nodeps", "/tmp/agent-2.rpm"]);
+    let installed = root.ok(&["rpm", "-q", "ballast-agent"]);
+    assert!(
+        installed.contains("0.1.0-2"),
+        "after the upgrade: {installed}"
+    );
+    assert_eq!(root.read("/etc/ballast/agent.toml"), edited);
+    assert!(!root.exists("/etc/ballast/agent.toml.rpmnew"));
+
+    // Erasing keeps the operator's edit as .rpmsave.
+    root.ok(&["rpm", "-e", "--nodeps", "ballast-agent"]);
+    assert!(!root.exists("/usr/bin/ballast-agent"));
+    assert_eq!(root.read("/etc/ballast/agent.toml.rpmsave"), edited);
+}
