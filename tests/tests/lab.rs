@@ -198,6 +198,13 @@ fn lab_short() {
         d.share.1
     );
     assert!(
+        d.inflight_max_late <= 2 * plan.capacity,
+        "{} reached {} requests in flight after the controller had reacted (capacity {})",
+        r.names[d.backend],
+        d.inflight_max_late,
+        plan.capacity
+    );
+    assert!(
         d.inflight_mean.1 <= f64::from(plan.capacity),
         "{} holds {:.1} requests in flight on average after the stall (capacity {})",
         r.names[d.backend],
