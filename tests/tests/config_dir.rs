@@ -291,12 +291,16 @@ fn config_check_gives_exit_codes_for_ci() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
 
-/// The store's view of one service: each endpoint's published weight and its
-/// per-strategy weights, at a version.
+/// One endpoint in the store: its published weight, its PID weight and its round-robin
+/// weight.
+type StoredWeights = (f64, f64, f64);
+
+/// The store's view of one service at a version: each endpoint's published weight and
+/// its per-strategy weights.
 fn store_weights(
     agg: &Aggregator,
     service: &str,
-) -> Option<(u64, BTreeMap<String, (f64, f64, f64)>)> {
+) -> Option<(u64, BTreeMap<String, StoredWeights>)> {
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(agg.store_path()).ok()?).ok()?;
     let svc = &doc["services"][service];
