@@ -363,7 +363,15 @@ fn rounds_for(work_ms: f64) -> u64 {
     ((work_ms / 1000.0) / best * PROBE as f64).round().max(1.0) as u64
 }
 
-fn spawn_backend(b: &mut Backend, rounds: u64, cgroups: &Cgroups, logs: &Path, http: &Http) {
+/// Starts `b` in its cgroup and waits until it answers. `Err` holds the end of its log
+/// when it exited during the start (e.g. its port was taken meanwhile).
+fn spawn_backend(
+    b: &mut Backend,
+    rounds: u64,
+    cgroups: &Cgroups,
+    logs: &Path,
+    http: &Http,
+) -> Result<(), String> {
     let mut cmd = command(BACKEND_BIN);
     cmd.args(["--listen", &b.addr.to_string()])
         .args(["--name", &b.name])
@@ -380,11 +388,15 @@ fn spawn_backend(b: &mut Backend, rounds: u64, cgroups: &Cgroups, logs: &Path, h
         &format!("{} to answer", b.name),
         || {
             if let Some(st) = proc.exit_status() {
-                panic!("{} exited at start ({st}):\n{}", b.name, proc.log_tail(20));
+                return Ok(Err(format!(
+                    "{} exited at start ({st}):\n{}",
+                    b.name,
+                    proc.log_tail(20)
+                )));
             }
-            http.get(&url).map(|_| ())
+            http.get(&url).map(|_| Ok(()))
         },
-    );
+    )
 }
 
 /// A small blocking HTTP client for the backends' admin and health endpoints.
@@ -503,7 +515,13 @@ pub fn run(plan: &Plan) -> LabResult {
         });
     }
     for b in &mut backends {
-        spawn_backend(b, rounds, &cgroups, logs.path(), &http);
+        // A port picked free can be taken before the backend binds it: then another.
+        let mut attempts = 0;
+        while let Err(e) = spawn_backend(b, rounds, &cgroups, logs.path(), &http) {
+            attempts += 1;
+            assert!(e.contains("cannot bind") && attempts < 5, "{e}");
+            b.addr = SocketAddr::from(([127, 0, 0, 1], free_tcp()));
+        }
     }
     let names: Vec<String> = backends.iter().map(|b| b.name.clone()).collect();
     let servers: Vec<(&str, SocketAddr, SocketAddr)> = backends
@@ -663,7 +681,8 @@ pub fn run(plan: &Plan) -> LabResult {
         assert!(!killed, "{name} did not stop on SIGTERM ({status})");
         marks[2] = now() - start;
         std::thread::sleep(plan.restart.2);
-        spawn_backend(&mut backends[j], rounds, &cgroups, logs.path(), &http);
+        spawn_backend(&mut backends[j], rounds, &cgroups, logs.path(), &http)
+            .unwrap_or_else(|e| panic!("restarting {name}: {e}"));
         wait_for(
             Duration::from_secs(15),
             "HAProxy to see the restarted backend up",
