@@ -94,7 +94,8 @@ pub struct Flags {
     /// In-flight source: tcp:PORTS, prometheus:URL#METRIC, synthetic:speed=..,offered=.. or none.
     #[arg(long, env = "BALLAST_INFLIGHT", global = true)]
     pub inflight: Option<InflightSpec>,
-    /// In-flight requests that mean fully busy.
+    /// In-flight requests that mean fully busy. Unset (0), the aggregator judges the
+    /// count against the rest of the service: no guess needed.
     #[arg(long, env = "BALLAST_CAPACITY", global = true)]
     pub capacity: Option<u32>,
     /// Report interval in milliseconds.

@@ -30,7 +30,8 @@ pub struct AgentConfig {
     pub cpu: CpuSpec,
     /// In-flight source; defaults to established TCP connections on `port`.
     pub inflight: Option<InflightSpec>,
-    /// In-flight requests that mean fully busy.
+    /// In-flight requests that mean fully busy, if the operator knows; 0 (the default)
+    /// lets the aggregator judge the count against the rest of the service.
     pub capacity: u32,
     /// TLS files.
     pub tls: TlsFiles,
@@ -64,7 +65,7 @@ impl Default for AgentConfig {
             interval_ms: 1000,
             cpu: CpuSpec::Host,
             inflight: None,
-            capacity: 100,
+            capacity: 0,
             tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "node"),
             control_socket: PathBuf::from("/run/ballast/agent.sock"),
             agent_check: None,

@@ -64,23 +64,33 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
     if json {
         let v = serde_json::json!({
             "cpu": s.cpu, "inflight": s.inflight, "capacity": s.capacity,
+            "inflight_detail": sampler.inflight_detail(),
             "error_rate": s.error_rate, "load": s.load, "sources": sampler.describe(),
         });
         println!("{v}");
     } else {
         println!("sources   {}", sampler.describe());
         println!("cpu       {:.1} %", s.cpu * 100.0);
-        println!(
-            "in-flight {} of {} ({:.1} %)",
-            s.inflight,
-            s.capacity,
-            if s.capacity > 0 {
-                f64::from(s.inflight) / f64::from(s.capacity) * 100.0
-            } else {
-                0.0
-            }
-        );
-        println!("load      {:.3}  (max of cpu and in-flight share)", s.load);
+        let detail = sampler
+            .inflight_detail()
+            .map(|d| format!(" ({d})"))
+            .unwrap_or_default();
+        if s.capacity > 0 {
+            println!(
+                "in-flight {}{detail}, {:.1} % of the configured capacity {}",
+                s.inflight,
+                f64::from(s.inflight) / f64::from(s.capacity) * 100.0,
+                s.capacity
+            );
+            println!("load      {:.3}  (max of cpu and in-flight share)", s.load);
+        } else {
+            println!("in-flight {}{detail}", s.inflight);
+            println!(
+                "load      {:.3}  (cpu here; the aggregator adds the in-flight term by \
+                 comparing this count per unit of weight with the rest of the service)",
+                s.load
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -130,6 +140,18 @@ fn print_human(req: Request, resp: &Response) {
         s.last_inflight
             .map(|v| v.to_string())
             .unwrap_or_else(|| "-".into())
+    );
+    if let Some(d) = &s.inflight_detail {
+        println!("in-flight   {d}");
+    }
+    let trust = match s.inflight_trusted {
+        Some(true) => "in-flight count trusted",
+        Some(false) => "in-flight count set aside: it does not follow this node's weight",
+        None => "no reply yet",
+    };
+    println!(
+        "aggregator's view  load {} ({trust})",
+        fmt_opt(s.aggregator_load, 3)
     );
     println!(
         "weight      {} (cycle {})",

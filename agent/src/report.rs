@@ -223,6 +223,8 @@ async fn session(
                         s.weight_cycle = Some(r.cycle);
                         s.weight_unix_ms = Some(ballast_shared::unix_ms());
                         s.drain_acknowledged = r.draining;
+                        s.aggregator_load = Some(f64::from(r.load));
+                        s.inflight_trusted = Some(r.inflight_trusted);
                     });
                     if r.interval_ms != interval_ms && (100..=60_000).contains(&r.interval_ms) {
                         interval_ms = r.interval_ms;
@@ -263,13 +265,12 @@ fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<
         }
     };
     let draining = shared.draining.load(Ordering::Relaxed);
+    let now_ms = ballast_shared::unix_ms();
     let report = Report {
         seq,
-        timestamp_ms: ballast_shared::unix_ms(),
         cpu: sample.cpu as f32,
         inflight: sample.inflight,
         capacity: sample.capacity,
-        load: sample.load as f32,
         error_rate: sample.error_rate.map(|e| e as f32),
         state: if draining {
             NodeState::Draining
@@ -281,9 +282,10 @@ fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<
         s.last_load = Some(sample.load);
         s.last_cpu = Some(sample.cpu);
         s.last_inflight = Some(sample.inflight);
-        s.last_report_unix_ms = Some(report.timestamp_ms);
+        s.inflight_detail = sampler.inflight_detail();
+        s.last_report_unix_ms = Some(now_ms);
         s.inflight_zero_since_unix_ms = if sample.inflight == 0 {
-            s.inflight_zero_since_unix_ms.or(Some(report.timestamp_ms))
+            s.inflight_zero_since_unix_ms.or(Some(now_ms))
         } else {
             None
         };

@@ -26,6 +26,16 @@ pub struct Status {
     pub last_cpu: Option<f64>,
     /// In-flight count of the last sample.
     pub last_inflight: Option<u32>,
+    /// How the in-flight count was derived, e.g. "3 of 12 connections owe a response".
+    #[serde(default)]
+    pub inflight_detail: Option<String>,
+    /// The load the aggregator steers this node by (it judges the in-flight count
+    /// against the fleet), from its last reply.
+    #[serde(default)]
+    pub aggregator_load: Option<f64>,
+    /// Whether the aggregator trusts this node's in-flight count, from its last reply.
+    #[serde(default)]
+    pub inflight_trusted: Option<bool>,
     /// Milliseconds since the Unix epoch of the last report.
     pub last_report_unix_ms: Option<u64>,
     /// The weight last received, mean 1.0.

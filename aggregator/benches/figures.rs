@@ -45,17 +45,14 @@ fn release_dir() -> PathBuf {
 fn sizes() {
     let typical = Report {
         seq: 3600,
-        timestamp_ms: ballast_shared::unix_ms(),
         cpu: 0.42,
         inflight: 17,
-        capacity: 100,
-        load: 0.42,
+        capacity: 0,
         error_rate: None,
         state: NodeState::Serving,
     };
     let worst = Report {
         seq: u32::MAX,
-        timestamp_ms: u64::MAX,
         inflight: u32::MAX,
         capacity: u32::MAX,
         error_rate: Some(0.5),
@@ -67,6 +64,8 @@ fn sizes() {
         cycle: 86_400,
         interval_ms: 1000,
         draining: false,
+        load: 0.42,
+        inflight_trusted: true,
     };
     let hello = Hello {
         node: "web-042.dc1.example.com".into(),

@@ -11,7 +11,7 @@ pub mod wire;
 /// The ALPN protocol name. Its suffix is the protocol version, so an agent and an
 /// aggregator that cannot understand each other fail the handshake instead of
 /// exchanging bytes neither can decode.
-pub const ALPN: &[u8] = b"ballast/1";
+pub const ALPN: &[u8] = b"ballast/2";
 
 /// The version of the Ballast software, carried in the agent's hello.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The version byte that opens every encoded message.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 
 /// The largest encoded message either side accepts or sends, in bytes. Every message
 /// fits one QUIC datagram on a 1280-byte path MTU with room to spare.
@@ -69,16 +69,16 @@ pub enum NodeState {
 pub struct Report {
     /// Increases by one per report; lets the aggregator drop reordered datagrams.
     pub seq: u32,
-    /// When the sample was taken, milliseconds since the Unix epoch.
-    pub timestamp_ms: u64,
     /// CPU utilization relative to what the service may use. May exceed 1.
     pub cpu: f32,
-    /// Requests in flight at the sample.
+    /// Requests awaiting a response at the sample.
     pub inflight: u32,
-    /// The in-flight count that means fully busy.
+    /// The in-flight count that means fully busy, when the operator configured one;
+    /// 0 (the default) lets the aggregator judge the count against the fleet.
+    ///
+    /// The report carries no load of its own and no timestamp: the aggregator computes
+    /// the load (it alone sees the fleet) and times reports by their arrival.
     pub capacity: u32,
-    /// The load the agent computed, `max(cpu, inflight / capacity)` plus any error penalty.
-    pub load: f32,
     /// Errors per request over the window, when the agent measures it.
     pub error_rate: Option<f32>,
     /// Serving or draining.
@@ -104,6 +104,11 @@ pub struct Reply {
     pub interval_ms: u32,
     /// Whether the aggregator has this node as draining.
     pub draining: bool,
+    /// The load the aggregator steers this node by, from its last cycle.
+    pub load: f32,
+    /// Whether the aggregator trusts this node's in-flight count. A count that does
+    /// not follow the node's weight is not load, and is set aside until it does.
+    pub inflight_trusted: bool,
 }
 
 /// Why the aggregator refused something.
@@ -308,11 +313,9 @@ mod tests {
     fn report() -> Report {
         Report {
             seq: 4_000_000_000,
-            timestamp_ms: 1_800_000_000_000,
             cpu: 0.73,
             inflight: 1_000_000,
             capacity: 1_000_000,
-            load: 1.2,
             error_rate: Some(0.5),
             state: NodeState::Draining,
         }
@@ -345,6 +348,8 @@ mod tests {
                 cycle: 7,
                 interval_ms: 1000,
                 draining: false,
+                load: 0.62,
+                inflight_trusted: true,
             }),
         ];
         for m in msgs {

@@ -33,11 +33,9 @@ fn hello(node: &str) -> Hello {
 fn report(seq: u32) -> Report {
     Report {
         seq,
-        timestamp_ms: unix_ms(),
         cpu: 0.0,
         inflight: 10,
         capacity: 100,
-        load: 0.1,
         error_rate: None,
         state: NodeState::Serving,
     }

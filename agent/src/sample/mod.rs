@@ -95,10 +95,22 @@ pub trait InflightSource: Send {
     fn sample(&mut self) -> Result<u32, SampleError>;
     /// A one-line description for logs and `status`.
     fn describe(&self) -> String;
+    /// How the last sample's count was derived, in one short line for `sample` and
+    /// `status`, e.g. `3 of 12 connections owe a response`; `None` (the default) when
+    /// the count is all there is to say.
+    fn detail(&self) -> Option<String> {
+        None
+    }
     /// Tells the source the capacity its count will be divided by. [`Sampler::new`] calls
     /// it so that a source which models utilization (the synthetic one) can express it
     /// in the same units; real counters ignore it.
     fn set_capacity(&mut self, _capacity: u32) {}
+    /// The capacity the source's count is expressed against, for a source that models
+    /// utilization rather than counting requests; `None` (the default) for counters,
+    /// whose count the aggregator judges against the fleet.
+    fn own_capacity(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Where CPU utilization comes from. Serialized with a `kind` tag for config files.
@@ -126,7 +138,8 @@ pub enum CpuSpec {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum InflightSpec {
-    /// Established TCP connections whose local port is one of `ports`.
+    /// TCP connections whose local port is one of `ports` and that are owed a response
+    /// (they received data after they last sent any, or hold unread bytes).
     Tcp {
         /// The service's listening ports.
         ports: Vec<u16>,
@@ -389,14 +402,20 @@ pub struct Sampler {
 
 impl Sampler {
     /// Combines the two sources. `capacity` is the in-flight count that means "fully
-    /// loaded"; 0 makes in-flight requests not count.
+    /// loaded", when the operator knows it; 0 (the default) reports the count without
+    /// one, for the aggregator to judge against the fleet, and the agent's own load is
+    /// then its CPU (a source that models utilization brings its own capacity).
     pub fn new(
         cpu: Option<Box<dyn CpuSource>>,
         mut inflight: Option<Box<dyn InflightSource>>,
         capacity: u32,
     ) -> Self {
+        let mut capacity = capacity;
         if let Some(src) = inflight.as_mut() {
             src.set_capacity(capacity);
+            if capacity == 0 {
+                capacity = src.own_capacity().unwrap_or(0);
+            }
         }
         Sampler {
             cpu,
@@ -430,6 +449,12 @@ impl Sampler {
             error_rate: self.error_rate,
             load,
         })
+    }
+
+    /// How the in-flight source derived its last count ([`InflightSource::detail`]),
+    /// e.g. `3 of 12 connections owe a response`; `None` without a source or detail.
+    pub fn inflight_detail(&self) -> Option<String> {
+        self.inflight.as_ref().and_then(|s| s.detail())
     }
 
     /// A one-line description of both sources and the capacity.
@@ -651,6 +676,7 @@ mod tests {
         let sample = s.sample().unwrap();
         assert_eq!((sample.cpu, sample.inflight, sample.load), (0.0, 0, 0.0));
         assert_eq!(s.describe(), "cpu: none; in-flight: none; capacity: 0");
+        assert_eq!(s.inflight_detail(), None);
     }
 
     #[test]

@@ -167,8 +167,17 @@ impl InflightSource for SyntheticInflight {
         )
     }
 
+    /// A configured capacity replaces the model's; none (0) keeps it.
     fn set_capacity(&mut self, capacity: u32) {
-        self.capacity = capacity;
+        if capacity > 0 {
+            self.capacity = capacity;
+        }
+    }
+
+    /// The model expresses utilization as a count against its own capacity, so that
+    /// is the capacity its count means even when none is configured.
+    fn own_capacity(&self) -> Option<u32> {
+        Some(self.capacity)
     }
 }
 

@@ -1,24 +1,50 @@
-//! In-flight requests as established TCP connections to the service's ports.
+//! In-flight requests as the TCP connections to the service's ports that are owed a
+//! response.
 //!
-//! Needs no change to the service, which is why it is the default. It counts
-//! connections, not requests, so it suits services with one request per connection or
-//! short keep-alive; behind a pooling proxy, use the Prometheus gauge instead.
+//! Needs no change to the service, which is why it is the default. It counts requests,
+//! not connections: a pooling proxy (HAProxy with connection reuse, Envoy) keeps idle
+//! connections open, and an idle connection counts 0. A connection counts 1 when the
+//! service owes it a response:
+//!
+//! - it received data more recently than it sent any (`tcp_info`'s
+//!   `tcpi_last_data_recv` < `tcpi_last_data_sent`): a request arrived, and no response
+//!   has started since; or
+//! - it holds bytes the service has not read yet (`idiag_rqueue`, `rx_queue`).
+//!
+//! Both ages are whole jiffies (4 ms at `HZ=250`): equal ages read as "answered", so a
+//! fresh connection with no data is not in flight, and a request arriving in the very
+//! tick its predecessor's response left is missed until the next one on that
+//! connection, unless it is still unread.
+//!
+//! What it cannot see: a connection carries at most one count, so an HTTP/2 or gRPC
+//! connection with several outstanding streams counts 1, and counts 0 from the moment
+//! one of its responses is sent until the next request arrives on it. For multiplexed
+//! clients the count is a lower bound that saturates at the number of connections
+//! (`docs/inflight.md` has the measurements); the aggregator compares it across the
+//! fleet, so its scale does not matter, but a fleet with few connections per backend
+//! sees a coarse signal. A service that pushes data without being asked (server
+//! streaming, WebSocket) looks answered while it sends.
 //!
 //! Two ways to count, both seeing the agent's network namespace (the agent must share
 //! the service's: run on the host network, or as a sidecar in its pod):
 //!
 //! - a `NETLINK_SOCK_DIAG` dump (the private `netlink` submodule), where the kernel
-//!   filters on state and port and returns only the matching sockets. This is the
-//!   normal path: one walk of the established hash, a send and one or two receives,
-//!   instead of formatting the whole TCP table as text. The walk still visits every
-//!   hash bucket, so its cost follows `net.ipv4.tcp_ehash_entries` (sized from RAM at
-//!   boot).
+//!   filters on state and port and returns only the matching sockets, each with its
+//!   `tcp_info`. This is the normal path: one walk of the established hash, a send and
+//!   one or two receives, instead of formatting the whole TCP table as text. The walk
+//!   still visits every hash bucket, so its cost follows `net.ipv4.tcp_ehash_entries`
+//!   (sized from RAM at boot).
 //! - `/proc/net/tcp` and `/proc/net/tcp6`, parsed here. Used when netlink sock_diag is
 //!   unavailable (some sandboxes and restricted containers), and for tables named
-//!   explicitly with [`TcpInflight::open_at`]. The kernel formats every socket of the
-//!   namespace (TIME_WAIT included) and serves one page, about 27 sockets, per `read`,
-//!   and each `read` walks the established hash again: the cost grows with both the
-//!   table and the hash size, which is what makes this path slow on a big host.
+//!   explicitly with [`TcpInflight::open_at`]. These tables have no last-send or
+//!   last-receive times, so this path counts only the connections with unread bytes
+//!   (`rx_queue > 0`), the one piece of "owed" evidence they hold: a lower bound, which
+//!   misses every request the service has read and not yet answered. (`tx_queue` is
+//!   response bytes on their way out, evidence of the opposite.) The kernel formats
+//!   every socket of the namespace (TIME_WAIT included) and serves one page, about 27
+//!   sockets, per `read`, and each `read` walks the established hash again: the cost
+//!   grows with both the table and the hash size, which is what makes this path slow
+//!   on a big host.
 
 mod netlink;
 
@@ -45,36 +71,57 @@ const MAX_LINE_BYTES: usize = 1024 * 1024;
 /// permanent one costs only a failed `socket(2)` every few minutes.
 const NETLINK_RETRY_SAMPLES: u32 = 300;
 
+/// The TCP connections to the service's ports in one sample.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct TcpCount {
+    /// Connections owed a response: the in-flight count. Through `/proc`, only those
+    /// with unread bytes.
+    pub owed: u32,
+    /// All established connections, idle ones included.
+    pub established: u32,
+}
+
+impl TcpCount {
+    /// Both counts summed, saturating.
+    fn plus(self, other: TcpCount) -> TcpCount {
+        TcpCount {
+            owed: self.owed.saturating_add(other.owed),
+            established: self.established.saturating_add(other.established),
+        }
+    }
+}
+
 /// Counts the ESTABLISHED sockets whose local port is one of `ports` in `/proc/net/tcp`
-/// or `/proc/net/tcp6` text. `what` names the source in errors.
+/// or `/proc/net/tcp6` text, and those of them with unread bytes (`rx_queue > 0`, the
+/// only sign of an owed response these tables carry). `what` names the source in errors.
 ///
 /// Matching the local port counts the connections clients made to the service and
 /// ignores the service's own outgoing connections, whose local ports are ephemeral.
-pub fn count_established<R: BufRead>(
+pub fn count_connections<R: BufRead>(
     reader: R,
     ports: &[u16],
     what: &str,
-) -> Result<u32, SampleError> {
+) -> Result<TcpCount, SampleError> {
     count_table(reader, &mut Vec::new(), ports, what)
 }
 
-/// [`count_established`] on a string, for fixtures.
-pub fn count_established_str(text: &str, ports: &[u16]) -> Result<u32, SampleError> {
-    count_established(text.as_bytes(), ports, "tcp table")
+/// [`count_connections`] on a string, for fixtures.
+pub fn count_connections_str(text: &str, ports: &[u16]) -> Result<TcpCount, SampleError> {
+    count_connections(text.as_bytes(), ports, "tcp table")
 }
 
-/// [`count_established`] reading through `buf`, which keeps its size between calls
+/// [`count_connections`] reading through `buf`, which keeps its size between calls
 /// (it grows only if one line does not fit, up to [`MAX_LINE_BYTES`]).
 fn count_table<R: Read>(
     mut reader: R,
     buf: &mut Vec<u8>,
     ports: &[u16],
     what: &str,
-) -> Result<u32, SampleError> {
+) -> Result<TcpCount, SampleError> {
     if buf.is_empty() {
         buf.resize(8 * 1024, 0);
     }
-    let mut count = 0u32;
+    let mut count = TcpCount::default();
     let mut line_no = 0usize;
     // buf[..end] holds read bytes; complete lines are consumed from the front.
     let mut end = 0usize;
@@ -99,14 +146,13 @@ fn count_table<R: Read>(
         let mut start = 0usize;
         while let Some(nl) = buf[start..end].iter().position(|&b| b == b'\n') {
             line_no += 1;
-            count =
-                count.saturating_add(count_line(&buf[start..start + nl], ports, what, line_no)?);
+            count = count.plus(count_line(&buf[start..start + nl], ports, what, line_no)?);
             start += nl + 1;
         }
         if eof {
             if start < end {
                 line_no += 1;
-                count = count.saturating_add(count_line(&buf[start..end], ports, what, line_no)?);
+                count = count.plus(count_line(&buf[start..end], ports, what, line_no)?);
             }
             return Ok(count);
         }
@@ -116,16 +162,21 @@ fn count_table<R: Read>(
     }
 }
 
-/// 1 if `line` is an established socket on one of `ports`, 0 for other sockets and
-/// the header.
-fn count_line(line: &[u8], ports: &[u16], what: &str, line_no: usize) -> Result<u32, SampleError> {
+/// One established socket on one of `ports` (owed if its `rx_queue` is not empty), or
+/// nothing for other sockets and the header.
+fn count_line(
+    line: &[u8],
+    ports: &[u16],
+    what: &str,
+    line_no: usize,
+) -> Result<TcpCount, SampleError> {
     let mut fields = line
         .split(|b| b.is_ascii_whitespace())
         .filter(|f| !f.is_empty());
     // The header's first field is `sl`; every socket line starts with `N:`.
     match fields.next() {
         Some(sl) if sl.ends_with(b":") => {}
-        _ => return Ok(0),
+        _ => return Ok(TcpCount::default()),
     }
     let bad = |why: &str| {
         SampleError::parse(
@@ -135,6 +186,7 @@ fn count_line(line: &[u8], ports: &[u16], what: &str, line_no: usize) -> Result<
     };
     let local = fields.next().ok_or_else(|| bad("no local address"))?;
     let state = fields.nth(1).ok_or_else(|| bad("no state"))?;
+    let queues = fields.next();
     let port = local
         .iter()
         .rposition(|&b| b == b':')
@@ -144,7 +196,19 @@ fn count_line(line: &[u8], ports: &[u16], what: &str, line_no: usize) -> Result<
     let state = hex(state)
         .and_then(|s| u8::try_from(s).ok())
         .ok_or_else(|| bad("bad state"))?;
-    Ok(u32::from(state == ESTABLISHED && ports.contains(&port)))
+    if state != ESTABLISHED || !ports.contains(&port) {
+        return Ok(TcpCount::default());
+    }
+    // `tx_queue:rx_queue`; for an established socket `rx_queue` is the bytes received
+    // and not yet read.
+    let rx_queue = queues
+        .and_then(|q| q.iter().position(|&b| b == b':').map(|c| &q[c + 1..]))
+        .and_then(hex)
+        .ok_or_else(|| bad("bad tx_queue:rx_queue"))?;
+    Ok(TcpCount {
+        owed: u32::from(rx_queue > 0),
+        established: 1,
+    })
 }
 
 /// A hexadecimal field; `None` if empty, not hex, or beyond `u32`.
@@ -174,11 +238,11 @@ impl ProcTables {
     }
 
     /// The sum over the tables. Missing tables are skipped, but at least one must exist.
-    fn count(&mut self, ports: &[u16]) -> Result<u32, SampleError> {
+    fn count(&mut self, ports: &[u16]) -> Result<TcpCount, SampleError> {
         if self.buf.len() < PROC_BUF_BYTES {
             self.buf.resize(PROC_BUF_BYTES, 0);
         }
-        let mut total = 0u32;
+        let mut total = TcpCount::default();
         let mut first_missing = None;
         let mut read_any = false;
         for path in &self.files {
@@ -194,7 +258,7 @@ impl ProcTables {
             };
             read_any = true;
             let what = path.display().to_string();
-            total = total.saturating_add(count_table(file, &mut self.buf, ports, &what)?);
+            total = total.plus(count_table(file, &mut self.buf, ports, &what)?);
         }
         match first_missing {
             Some((path, e)) if !read_any => Err(SampleError::io(path, e)),
@@ -218,7 +282,8 @@ enum Path {
     },
 }
 
-/// Established connections to the service's ports, IPv4 and IPv6.
+/// The connections to the service's ports, IPv4 and IPv6, that are owed a response
+/// (see the module documentation), and all established ones.
 #[derive(Debug)]
 pub struct TcpInflight {
     ports: Vec<u16>,
@@ -227,6 +292,8 @@ pub struct TcpInflight {
     netlink: Option<DiagCounter>,
     proc: ProcTables,
     path: Path,
+    /// The last successful sample, and the path that took it.
+    last: Option<(TcpCount, Path)>,
 }
 
 impl TcpInflight {
@@ -240,6 +307,7 @@ impl TcpInflight {
             proc: ProcTables::new(vec!["/proc/net/tcp".into(), "/proc/net/tcp6".into()]),
             ports,
             path: Path::Netlink,
+            last: None,
         };
         src.sample()?;
         Ok(src)
@@ -257,6 +325,7 @@ impl TcpInflight {
             path: Path::Proc {
                 netlink_retry_in: 0,
             },
+            last: None,
         };
         src.sample()?;
         Ok(src)
@@ -271,9 +340,24 @@ impl TcpInflight {
         Ok(())
     }
 
+    /// Samples both counts. [`InflightSource::sample`] returns the owed one.
+    pub fn sample_count(&mut self) -> Result<TcpCount, SampleError> {
+        let count = match self.sample_netlink() {
+            Some(n) => n,
+            None => self.proc.count(&self.ports)?,
+        };
+        self.last = Some((count, self.path));
+        Ok(count)
+    }
+
+    /// The counts of the last successful sample (zeros before any).
+    pub fn last_count(&self) -> TcpCount {
+        self.last.map(|(count, _)| count).unwrap_or_default()
+    }
+
     /// Counts through netlink if the current path (or a due retry) says so; `None`
     /// means "use /proc".
-    fn sample_netlink(&mut self) -> Option<u32> {
+    fn sample_netlink(&mut self) -> Option<TcpCount> {
         let counter = self.netlink.as_mut()?;
         match &mut self.path {
             Path::Netlink => match counter.count() {
@@ -306,22 +390,43 @@ impl TcpInflight {
 }
 
 impl InflightSource for TcpInflight {
+    /// The connections owed a response.
     fn sample(&mut self) -> Result<u32, SampleError> {
-        match self.sample_netlink() {
-            Some(n) => Ok(n),
-            None => self.proc.count(&self.ports),
-        }
+        Ok(self.sample_count()?.owed)
     }
 
     /// The ports and the way they are counted now, e.g.
-    /// `tcp established to port 80,443 via netlink sock_diag`.
+    /// `tcp connections owed a response on port 80,443 via netlink sock_diag (tcp_info)`,
+    /// or through `/proc`,
+    /// `... via /proc/net/tcp, /proc/net/tcp6 (counts only connections with unread
+    /// bytes; a lower bound)`.
     fn describe(&self) -> String {
         let ports: Vec<String> = self.ports.iter().map(u16::to_string).collect();
         let via = match self.path {
-            Path::Netlink => "netlink sock_diag".to_string(),
-            Path::Proc { .. } => self.proc.describe(),
+            Path::Netlink => "netlink sock_diag (tcp_info)".to_string(),
+            Path::Proc { .. } => format!(
+                "{} (counts only connections with unread bytes; a lower bound)",
+                self.proc.describe()
+            ),
         };
-        format!("tcp established to port {} via {via}", ports.join(","))
+        format!(
+            "tcp connections owed a response on port {} via {via}",
+            ports.join(",")
+        )
+    }
+
+    /// The last sample's two counts, e.g. `3 of 12 connections owe a response`, or
+    /// through `/proc`, `3 of 12 connections have unread bytes`.
+    fn detail(&self) -> Option<String> {
+        let (count, path) = self.last?;
+        let what = match path {
+            Path::Netlink => "owe a response",
+            Path::Proc { .. } => "have unread bytes",
+        };
+        Some(format!(
+            "{} of {} connections {what}",
+            count.owed, count.established
+        ))
     }
 }
 
@@ -337,6 +442,8 @@ mod tests {
    4: 0100007F:1F90 0100007F:D433 06 00000000:00000000 03:00000F9E 00000000     0        0 0 3 0000000000000000
    5: 0A00000A:20FB 0A000001:C350 01 00000000:00000000 00:00000000 00000000     0        0 1155 1 0000000000000000 20 4 30 10 -1
    6: 0A00000A:0050 0A000001:C351 01 00000000:00000000 00:00000000 00000000     0        0 1156 1 0000000000000000 20 4 30 10 -1
+   7: 0100007F:1F90 0100007F:D434 01 00000000:000001A2 00:00000000 00000000     0        0 1157 1 0000000000000000 20 4 30 10 -1
+   8: 0100007F:1F90 0100007F:D435 01 00000F00:00000000 00:00000000 00000000     0        0 1158 1 0000000000000000 20 4 30 10 -1
 ";
 
     const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -345,18 +452,51 @@ mod tests {
    2: 0000000000000000FFFF00000100007F:20FB 0000000000000000FFFF00000100007F:E002 01 00000000:00000000 00:00000000 00000000     0        0 2003 1 0000000000000000 20 4 30 10 -1
 ";
 
+    /// The established count of a fixture.
+    fn established(text: &str, ports: &[u16]) -> u32 {
+        count_connections_str(text, ports).unwrap().established
+    }
+
     #[test]
     fn counts_established_on_local_ports_only() {
-        // 8080 = 1F90: two established inbound; the listener (0A), the TIME_WAIT (06)
+        // 8080 = 1F90: four established inbound; the listener (0A), the TIME_WAIT (06)
         // and the outgoing socket *to* 8080 (remote port) do not count.
-        assert_eq!(count_established_str(TCP, &[8080]).unwrap(), 2);
+        assert_eq!(established(TCP, &[8080]), 4);
         // 8443 = 20FB on 10.0.0.10.
-        assert_eq!(count_established_str(TCP, &[8080, 8443]).unwrap(), 3);
-        assert_eq!(count_established_str(TCP, &[80]).unwrap(), 1);
-        assert_eq!(count_established_str(TCP, &[9999]).unwrap(), 0);
-        assert_eq!(count_established_str(TCP6, &[8080]).unwrap(), 1);
-        assert_eq!(count_established_str(TCP6, &[8080, 8443]).unwrap(), 2);
-        assert_eq!(count_established_str("", &[8080]).unwrap(), 0);
+        assert_eq!(established(TCP, &[8080, 8443]), 5);
+        assert_eq!(established(TCP, &[80]), 1);
+        assert_eq!(established(TCP, &[9999]), 0);
+        assert_eq!(established(TCP6, &[8080]), 1);
+        assert_eq!(established(TCP6, &[8080, 8443]), 2);
+        assert_eq!(established("", &[8080]), 0);
+    }
+
+    /// Through `/proc`, a connection is owed a response only with unread bytes
+    /// (`rx_queue`); a response on its way out (`tx_queue`) is not.
+    #[test]
+    fn proc_counts_connections_with_unread_bytes_as_owed() {
+        assert_eq!(
+            count_connections_str(TCP, &[8080]).unwrap(),
+            TcpCount {
+                owed: 1,
+                established: 4
+            }
+        );
+        assert_eq!(count_connections_str(TCP6, &[8080]).unwrap().owed, 0);
+        // The queue field is read only where it matters, and must then be hex.
+        for bad in [
+            "   0: 0100007F:1F90 0100007F:D431 01",
+            "   0: 0100007F:1F90 0100007F:D431 01 00000000",
+            "   0: 0100007F:1F90 0100007F:D431 01 00000000:",
+            "   0: 0100007F:1F90 0100007F:D431 01 00000000:0000000G",
+        ] {
+            let err = count_connections_str(bad, &[8080]).unwrap_err();
+            assert!(err.to_string().contains("rx_queue"), "{err}");
+        }
+        assert_eq!(
+            count_connections_str("   0: 0100007F:1F90 0100007F:D431 0A", &[8080]).unwrap(),
+            TcpCount::default()
+        );
     }
 
     #[test]
@@ -367,7 +507,7 @@ mod tests {
             "   0: 0100007F:1F90 0100007F:D431 ZZ",
             "   0: 0100007F:1F90",
         ] {
-            let err = count_established_str(bad, &[8080]).unwrap_err();
+            let err = count_connections_str(bad, &[8080]).unwrap_err();
             assert!(err.to_string().contains("line 1"), "{err}");
         }
     }
@@ -379,38 +519,50 @@ mod tests {
         std::fs::write(&v4, TCP).unwrap();
         std::fs::write(&v6, TCP6).unwrap();
         let mut src = TcpInflight::open_at(vec![v4.clone(), v6.clone()], vec![8080]).unwrap();
-        assert_eq!(src.sample().unwrap(), 3);
+        assert_eq!(src.sample().unwrap(), 1);
+        assert_eq!(
+            src.last_count(),
+            TcpCount {
+                owed: 1,
+                established: 5
+            }
+        );
         assert_eq!(
             src.describe(),
             format!(
-                "tcp established to port 8080 via {}, {}",
+                "tcp connections owed a response on port 8080 via {}, {} \
+                 (counts only connections with unread bytes; a lower bound)",
                 v4.display(),
                 v6.display()
             )
         );
+        assert_eq!(
+            src.detail().as_deref(),
+            Some("1 of 5 connections have unread bytes")
+        );
         std::fs::remove_file(&v6).unwrap();
-        assert_eq!(src.sample().unwrap(), 2);
+        assert_eq!(src.sample_count().unwrap().established, 4);
         std::fs::remove_file(&v4).unwrap();
         let err = src.sample().unwrap_err();
         assert!(err.to_string().contains("tcp"), "{err}");
         assert!(TcpInflight::open_at(vec![v4], vec![]).is_err());
     }
 
-    /// A real connection on this machine shows up in the real `/proc/net/tcp`.
+    /// A real connection on this machine shows up in the agent's count.
     #[test]
-    fn real_proc_net_tcp_sees_a_local_connection() {
+    fn real_connections_are_counted_established() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let mut src = TcpInflight::open(vec![port]).unwrap();
-        assert_eq!(src.sample().unwrap(), 0);
+        assert_eq!(src.sample_count().unwrap(), TcpCount::default());
         let client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         let (server, _) = listener.accept().unwrap();
-        assert_eq!(src.sample().unwrap(), 1);
+        assert_eq!(src.sample_count().unwrap().established, 1);
         // The client's side has the port as its remote port and must not count; a second
         // connection does.
         let client2 = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         let (server2, _) = listener.accept().unwrap();
-        assert_eq!(src.sample().unwrap(), 2);
+        assert_eq!(src.sample_count().unwrap().established, 2);
         drop((client, server, client2, server2));
     }
 
@@ -421,93 +573,217 @@ mod tests {
         let text = format!("{}{}", line.repeat(500), line.trim_end());
         let mut buf = vec![0; 64];
         let n = count_table(text.as_bytes(), &mut buf, &[8080], "t").unwrap();
-        assert_eq!(n, 501);
+        assert_eq!(n.established, 501);
         assert_eq!(buf.len(), 128, "grows only to fit a line");
         // CRLF and blank lines are harmless; a line too long for any buffer is an error.
         assert_eq!(
-            count_established_str(&format!("\r\n{}\r\n\n", line.trim_end()), &[8080]).unwrap(),
+            established(&format!("\r\n{}\r\n\n", line.trim_end()), &[8080]),
             1
         );
         let long = format!("   1: {}", "A".repeat(MAX_LINE_BYTES));
-        let err = count_established_str(&long, &[8080]).unwrap_err();
+        let err = count_connections_str(&long, &[8080]).unwrap_err();
         assert!(err.to_string().contains("longer than"), "{err}");
         // Not UTF-8 outside the fields that matter: still counted; inside them: an error.
         let mut bytes = line.as_bytes().to_vec();
-        bytes.extend_from_slice(b"   2: 0100007F:1F90 0100007F:D431 01 \xff\xfe\n");
-        assert_eq!(count_established(&bytes[..], &[8080], "t").unwrap(), 2);
-        assert!(count_established(&b"   2: 0100007F:1F\xff 0 01\n"[..], &[8080], "t").is_err());
+        bytes.extend_from_slice(b"   2: 0100007F:1F90 0100007F:D431 01 0:0 \xff\xfe\n");
+        assert_eq!(
+            count_connections(&bytes[..], &[8080], "t")
+                .unwrap()
+                .established,
+            2
+        );
+        assert!(count_connections(&b"   2: 0100007F:1F\xff 0 01\n"[..], &[8080], "t").is_err());
     }
 
-    /// Waits up to 2 s for `src` to count `want`: closed sockets leave ESTABLISHED as the
-    /// peer processes the FIN, which is quick but not synchronous.
-    fn wait_for(src: &mut TcpInflight, want: u32) -> u32 {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    use std::io::Write as _;
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    /// Waits up to 10 s for `src` to count `want`, sampling every 5 ms, and returns the
+    /// last count. Socket state follows the peer's actions quickly on loopback but not
+    /// synchronously (a FIN, a segment in flight), so tests wait for a condition instead
+    /// of sleeping a fixed time.
+    fn wait_for(src: &mut TcpInflight, want: TcpCount) -> TcpCount {
+        let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let n = src.sample().unwrap();
-            if n == want || std::time::Instant::now() > deadline {
+            let n = src.sample_count().unwrap();
+            if n == want || Instant::now() > deadline {
                 return n;
             }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
+    /// Lets the kernel's clock tick at least once. `tcp_info`'s ages are whole jiffies
+    /// (10 ms at the smallest `HZ`, 100), and a request received in the same tick as the
+    /// connection's last send reads as answered, so a test that wants "received after
+    /// sent" must not send in that tick. A lower bound on elapsed time, not a race.
+    fn cross_tick() {
+        std::thread::sleep(Duration::from_millis(25));
+    }
+
     /// `n` accepted connections to `listener`, as (client, server) pairs.
-    fn connect_n(
-        listener: &std::net::TcpListener,
-        n: usize,
-    ) -> Vec<(std::net::TcpStream, std::net::TcpStream)> {
+    fn connect_n(listener: &TcpListener, n: usize) -> Vec<(TcpStream, TcpStream)> {
         let addr = listener.local_addr().unwrap();
         (0..n)
             .map(|_| {
-                let client = std::net::TcpStream::connect(addr).unwrap();
+                let client = TcpStream::connect(addr).unwrap();
                 let (server, _) = listener.accept().unwrap();
                 (client, server)
             })
             .collect()
     }
 
-    /// Real sockets, counted by both paths: the server side of N connections, not the
-    /// client side, not another port's connections, and none once they are closed.
-    fn check_real_connections(bind: &str) {
-        const N: usize = 5;
-        let listener = std::net::TcpListener::bind(bind).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        // Noise: connections to another port, whose clients have ephemeral local ports.
-        let other = std::net::TcpListener::bind(bind).unwrap();
-        let noise = connect_n(&other, 3);
+    /// The counts `owed` of `established`.
+    fn tc(owed: u32, established: u32) -> TcpCount {
+        TcpCount { owed, established }
+    }
 
-        let mut netlink = TcpInflight::open(vec![port]).unwrap();
+    /// The server reads exactly `n` bytes of a request.
+    fn read_request(server: &mut TcpStream, n: usize) {
+        let mut buf = vec![0u8; n];
+        server.read_exact(&mut buf).unwrap();
+    }
+
+    /// Both sources on `port`: netlink (checked to be on that path) and `/proc`.
+    fn both_sources(port: u16) -> (TcpInflight, TcpInflight) {
+        let netlink = TcpInflight::open(vec![port]).unwrap();
         assert_eq!(netlink.path, Path::Netlink, "{}", netlink.describe());
-        assert_eq!(
-            netlink.describe(),
-            format!("tcp established to port {port} via netlink sock_diag")
-        );
-        let mut proc = TcpInflight::open_at(
+        let proc = TcpInflight::open_at(
             vec!["/proc/net/tcp".into(), "/proc/net/tcp6".into()],
             vec![port],
         )
         .unwrap();
-        assert!(proc
-            .describe()
-            .ends_with("via /proc/net/tcp, /proc/net/tcp6"));
-        assert_eq!(netlink.sample().unwrap(), 0);
-        assert_eq!(proc.sample().unwrap(), 0);
+        (netlink, proc)
+    }
 
+    /// Real sockets, counted by both paths: the server side of N connections, not the
+    /// client side, not another port's connections, and none once they are closed.
+    fn check_real_connections(bind: &str) {
+        const N: usize = 5;
+        let listener = TcpListener::bind(bind).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // Noise: connections to another port, whose clients have ephemeral local ports.
+        let other = TcpListener::bind(bind).unwrap();
+        let noise = connect_n(&other, 3);
+
+        let (mut netlink, mut proc) = both_sources(port);
+        assert_eq!(
+            netlink.describe(),
+            format!(
+                "tcp connections owed a response on port {port} via netlink sock_diag (tcp_info)"
+            )
+        );
+        assert!(proc.describe().ends_with(
+            "via /proc/net/tcp, /proc/net/tcp6 \
+             (counts only connections with unread bytes; a lower bound)"
+        ));
+        assert_eq!(netlink.sample_count().unwrap(), tc(0, 0));
+        assert_eq!(proc.sample_count().unwrap(), tc(0, 0));
+
+        // Fresh connections with no data are established and owe nothing.
         let conns = connect_n(&listener, N);
-        assert_eq!(netlink.sample().unwrap(), N as u32);
+        assert_eq!(netlink.sample_count().unwrap(), tc(0, N as u32));
+        assert_eq!(
+            netlink.detail().as_deref(),
+            Some("0 of 5 connections owe a response")
+        );
         // The kernel-side filter returned only these sockets, not the noise.
         assert_eq!(netlink.netlink.as_ref().unwrap().last_returned, N as u32);
-        assert_eq!(proc.sample().unwrap(), N as u32);
+        assert_eq!(proc.sample_count().unwrap(), tc(0, N as u32));
         // The per-family requests, used where the single-walk one is refused, agree.
         let mut per_family = DiagCounter::new(&[port]).per_family_only();
-        assert_eq!(per_family.count().unwrap(), N as u32);
+        assert_eq!(per_family.count().unwrap(), tc(0, N as u32));
         assert_eq!(per_family.last_returned, N as u32);
 
         drop(conns);
-        assert_eq!(wait_for(&mut netlink, 0), 0);
-        assert_eq!(wait_for(&mut proc, 0), 0);
-        assert_eq!(per_family.count().unwrap(), 0);
+        assert_eq!(wait_for(&mut netlink, tc(0, 0)), tc(0, 0));
+        assert_eq!(wait_for(&mut proc, tc(0, 0)), tc(0, 0));
+        assert_eq!(per_family.count().unwrap(), tc(0, 0));
         drop(noise);
+    }
+
+    /// One connection through a request's life: idle, unread, read and unanswered,
+    /// answered, and a second request; netlink sees each, `/proc` only the unread one.
+    fn check_request_lifecycle(bind: &str) {
+        let listener = TcpListener::bind(bind).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (mut netlink, mut proc) = both_sources(port);
+        let mut conns = connect_n(&listener, 1);
+        let (client, server) = &mut conns[0];
+
+        // An idle accepted connection.
+        cross_tick();
+        assert_eq!(netlink.sample_count().unwrap(), tc(0, 1));
+        assert_eq!(proc.sample_count().unwrap(), tc(0, 1));
+
+        for round in 0..2 {
+            // A request the server has not read: unread bytes, seen by both paths.
+            client.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+            assert_eq!(wait_for(&mut netlink, tc(1, 1)), tc(1, 1), "round {round}");
+            assert_eq!(wait_for(&mut proc, tc(1, 1)), tc(1, 1), "round {round}");
+            assert_eq!(
+                netlink.detail().as_deref(),
+                Some("1 of 1 connections owe a response")
+            );
+
+            // Read but not answered: netlink still counts it; /proc cannot (its lower
+            // bound).
+            read_request(server, 18);
+            assert_eq!(wait_for(&mut netlink, tc(1, 1)), tc(1, 1), "round {round}");
+            assert_eq!(wait_for(&mut proc, tc(0, 1)), tc(0, 1), "round {round}");
+            // And stays counted while the service works.
+            cross_tick();
+            assert_eq!(netlink.sample_count().unwrap(), tc(1, 1), "round {round}");
+
+            // Answered: counts 0 again, and the client reading it changes nothing.
+            server.write_all(b"HTTP/1.1 200 OK\r\n\r\n").unwrap();
+            assert_eq!(wait_for(&mut netlink, tc(0, 1)), tc(0, 1), "round {round}");
+            read_request(client, 19);
+            cross_tick();
+            assert_eq!(netlink.sample_count().unwrap(), tc(0, 1), "round {round}");
+            assert_eq!(proc.sample_count().unwrap(), tc(0, 1), "round {round}");
+        }
+    }
+
+    /// Several connections in each state at once.
+    fn check_mixed_connections(bind: &str) {
+        let listener = TcpListener::bind(bind).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (mut netlink, mut proc) = both_sources(port);
+        // 3 idle, 2 unread, 4 read and unanswered, 3 answered.
+        let (idle, unread, read, answered) = (3, 2, 4, 3);
+        let mut conns = connect_n(&listener, idle + unread + read + answered);
+        let total = conns.len() as u32;
+        cross_tick();
+        for (i, (client, server)) in conns.iter_mut().enumerate().skip(idle) {
+            client.write_all(b"ping").unwrap();
+            if i >= idle + unread {
+                read_request(server, 4);
+            }
+            if i >= idle + unread + read {
+                server.write_all(b"pong").unwrap();
+            }
+        }
+        let owed = (unread + read) as u32;
+        assert_eq!(wait_for(&mut netlink, tc(owed, total)), tc(owed, total));
+        assert_eq!(
+            netlink.detail(),
+            Some(format!("{owed} of {total} connections owe a response"))
+        );
+        assert_eq!(
+            wait_for(&mut proc, tc(unread as u32, total)),
+            tc(unread as u32, total)
+        );
+        // Answer every request: nothing is owed.
+        for (_, server) in conns.iter_mut().skip(idle).take(unread) {
+            read_request(server, 4);
+        }
+        for (_, server) in conns.iter_mut().skip(idle).take(unread + read) {
+            server.write_all(b"pong").unwrap();
+        }
+        assert_eq!(wait_for(&mut netlink, tc(0, total)), tc(0, total));
+        assert_eq!(wait_for(&mut proc, tc(0, total)), tc(0, total));
     }
 
     #[test]
@@ -517,11 +793,41 @@ mod tests {
 
     #[test]
     fn netlink_and_proc_count_real_ipv6_connections() {
-        if std::net::TcpListener::bind("[::1]:0").is_err() {
-            eprintln!("no IPv6 loopback; skipped");
-            return;
+        check_real_connections(IPV6);
+    }
+
+    #[test]
+    fn a_request_is_owed_until_answered_ipv4() {
+        check_request_lifecycle("127.0.0.1:0");
+    }
+
+    #[test]
+    fn a_request_is_owed_until_answered_ipv6() {
+        check_request_lifecycle(IPV6);
+    }
+
+    #[test]
+    fn mixed_connections_ipv4() {
+        check_mixed_connections("127.0.0.1:0");
+    }
+
+    #[test]
+    fn mixed_connections_ipv6() {
+        check_mixed_connections(IPV6);
+    }
+
+    /// IPv6 loopback, which these tests require rather than skip: without it the IPv6
+    /// path would go untested and the suite would still pass.
+    const IPV6: &str = "[::1]:0";
+
+    #[test]
+    fn ipv6_loopback_is_available() {
+        if let Err(e) = TcpListener::bind(IPV6) {
+            panic!(
+                "cannot bind {IPV6} ({e}): the IPv6 tests need IPv6 loopback \
+                 (`ip -6 addr show lo` should list ::1; check net.ipv6.conf.lo.disable_ipv6)"
+            );
         }
-        check_real_connections("[::1]:0");
     }
 
     /// A failing netlink dump falls back to /proc for the same sample, and netlink is
@@ -535,10 +841,12 @@ mod tests {
         assert_eq!(src.path, Path::Netlink);
         // An invalid filter opcode: the kernel's audit answers EINVAL.
         src.netlink = Some(DiagCounter::with_filter(&[port], Some(&[0xff, 4, 8, 0])));
-        assert_eq!(src.sample().unwrap(), 2);
+        assert_eq!(src.sample_count().unwrap(), tc(0, 2));
         assert!(
-            src.describe()
-                .ends_with("via /proc/net/tcp, /proc/net/tcp6"),
+            src.describe().ends_with(
+                "via /proc/net/tcp, /proc/net/tcp6 \
+                 (counts only connections with unread bytes; a lower bound)"
+            ),
             "{}",
             src.describe()
         );
@@ -552,14 +860,14 @@ mod tests {
         src.path = Path::Proc {
             netlink_retry_in: 1,
         };
-        assert_eq!(src.sample().unwrap(), 2);
+        assert_eq!(src.sample_count().unwrap(), tc(0, 2));
         assert_eq!(
             src.path,
             Path::Proc {
                 netlink_retry_in: 0
             }
         );
-        assert_eq!(src.sample().unwrap(), 2);
+        assert_eq!(src.sample_count().unwrap(), tc(0, 2));
         assert_eq!(
             src.path,
             Path::Proc {
@@ -571,7 +879,7 @@ mod tests {
         src.path = Path::Proc {
             netlink_retry_in: 0,
         };
-        assert_eq!(src.sample().unwrap(), 2);
+        assert_eq!(src.sample_count().unwrap(), tc(0, 2));
         assert_eq!(src.path, Path::Netlink);
         drop(conns);
     }

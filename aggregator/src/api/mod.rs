@@ -145,7 +145,7 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
         &'static str,
         fn(&views::ServiceSummary) -> f64,
     );
-    let gauges: [Gauge; 5] = [
+    let gauges: [Gauge; 6] = [
         (
             "ballast_service_max_over_avg",
             "Max over average load of fresh serving endpoints",
@@ -169,6 +169,23 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
         ("ballast_service_endpoints", "Known endpoints", |s| {
             s.endpoints as f64
         }),
+        (
+            "ballast_service_inflight_distrusted",
+            "Endpoints whose in-flight count does not follow their weight and is set aside",
+            |s| s.inflight_distrusted as f64,
+        ),
+    ];
+    let counters: [Gauge; 2] = [
+        (
+            "ballast_service_inflight_distrusts",
+            "Times an endpoint's in-flight count was set aside for not following its weight",
+            |s| s.inflight_distrusts as f64,
+        ),
+        (
+            "ballast_service_feed_forward_steps",
+            "Cycles that stepped weights straight to the capacity estimate",
+            |s| s.feed_forward_steps as f64,
+        ),
     ];
     let summaries: Vec<views::ServiceSummary> = b
         .services()
@@ -179,6 +196,12 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
         let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} gauge");
         for s in &summaries {
             let _ = writeln!(out, "{name}{{service=\"{}\"}} {}", s.name, value(s));
+        }
+    }
+    for (name, help, value) in counters {
+        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
+        for s in &summaries {
+            let _ = writeln!(out, "{name}_total{{service=\"{}\"}} {}", s.name, value(s));
         }
     }
     out.push_str("# EOF\n");

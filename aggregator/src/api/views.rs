@@ -26,6 +26,13 @@ pub struct ServiceSummary {
     pub version: u64,
     /// Why the last cycle was skipped, if it was.
     pub last_skip: Option<String>,
+    /// Endpoints whose in-flight count is set aside now, because it did not follow
+    /// their weight.
+    pub inflight_distrusted: usize,
+    /// Times an endpoint's in-flight count was set aside.
+    pub inflight_distrusts: u64,
+    /// Cycles that stepped weights straight to the capacity estimate.
+    pub feed_forward_steps: u64,
 }
 
 impl ServiceSummary {
@@ -42,6 +49,9 @@ impl ServiceSummary {
             cycles: s.cycles,
             version: svc.version,
             last_skip: s.last_skip.map(|r| r.describe()),
+            inflight_distrusted: s.inflight_distrusted,
+            inflight_distrusts: s.inflight_distrusts,
+            feed_forward_steps: s.feed_forward_steps,
         }
     }
 }
@@ -116,8 +126,12 @@ pub struct EndpointView {
     pub cpu: f64,
     /// Reported in-flight requests.
     pub inflight: u32,
-    /// Reported capacity.
+    /// Reported capacity; 0 means none configured (judged against the fleet).
     pub capacity: u32,
+    /// What the last cycle made of the in-flight count: how it was derived, its
+    /// smoothed value, its ratio to the service's typical count per unit of weight,
+    /// whether it set the load, and whether it is trusted.
+    pub inflight_estimate: crate::balance::inflight::InflightEstimate,
     /// Published weight, mean 1.0.
     pub weight: f64,
     /// State.
@@ -139,6 +153,7 @@ impl EndpointView {
                 cpu: e.observation.cpu,
                 inflight: e.observation.inflight,
                 capacity: e.observation.capacity,
+                inflight_estimate: e.inflight.estimate,
                 weight: e.weight,
                 state: e.state(now, &svc.params),
                 report_age_ms: e.report_age(now),

@@ -11,6 +11,7 @@
 //! from the cold-start weight, give draining endpoints 0, normalise within bounds, and
 //! mix the enabled strategies by their gates.
 
+pub mod inflight;
 pub mod mixture;
 pub mod normalize;
 pub mod params;
@@ -86,6 +87,10 @@ pub struct Assignment {
     pub draining: bool,
     /// Whether the report was accepted (false for a reordered, older report).
     pub accepted: bool,
+    /// The load the balancer steers the node by, as of its last cycle.
+    pub load: f64,
+    /// Whether its in-flight count is trusted.
+    pub inflight_trusted: bool,
 }
 
 /// All services and their endpoints.
@@ -197,6 +202,8 @@ impl Balancer {
             cycle,
             draining: ep.draining,
             accepted,
+            load: ep.load,
+            inflight_trusted: !ep.inflight.distrusted(),
         })
     }
 

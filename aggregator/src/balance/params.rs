@@ -70,12 +70,14 @@ pub struct Gate {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LoadMetric {
-    /// `max(cpu, inflight / capacity)`: Robinhood's choice, immune to the dead spiral.
+    /// `max(cpu, in-flight)`: Robinhood's choice, immune to the dead spiral. The
+    /// in-flight term is the count over the agent's capacity when one is configured,
+    /// and otherwise the count per unit of weight against the service's typical value.
     #[default]
     Max,
     /// CPU utilization alone.
     Cpu,
-    /// In-flight requests over capacity alone.
+    /// In-flight requests alone: over the capacity, or relative to the fleet.
     Inflight,
 }
 
@@ -121,6 +123,11 @@ pub struct Params {
     pub error_penalty: f64,
     /// The signal to balance.
     pub metric: LoadMetric,
+    /// When loads are far apart at steady weights, step once to weights proportional
+    /// to each endpoint's capacity estimate (its weight over its load) and let the
+    /// controllers trim from there: a fleet converges in a cycle or two instead of
+    /// ramping there at `max_growth` per cycle.
+    pub feed_forward: bool,
     /// The strategies in force and their gates.
     pub strategies: Vec<Gate>,
 }
@@ -143,6 +150,7 @@ impl Default for Params {
             jump_threshold: 0.3,
             error_penalty: 1.0,
             metric: LoadMetric::Max,
+            feed_forward: true,
             strategies: vec![Gate {
                 strategy: Strategy::Pid,
                 gate: 1.0,

@@ -1,5 +1,6 @@
 //! One service's endpoints and its balancing cycle.
 
+use super::inflight::{self, InflightTracker};
 use super::mixture::mix;
 use super::normalize::normalize_bounded;
 use super::params::{LoadMetric, Params, Strategy};
@@ -66,6 +67,8 @@ pub struct Endpoint {
     /// Whether its weight was earned: set by its first controller update or by a
     /// restore. Only established endpoints make a newcomer cold.
     pub established: bool,
+    /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
+    pub inflight: InflightTracker,
 }
 
 impl Endpoint {
@@ -86,6 +89,7 @@ impl Endpoint {
             pid: Pid::default(),
             last_update: None,
             established: false,
+            inflight: InflightTracker::default(),
         }
     }
 
@@ -120,6 +124,7 @@ impl Endpoint {
     fn start_cold(&mut self, params: &Params) {
         self.warming = true;
         self.pid.reset();
+        self.inflight.reset();
         self.last_update = None;
         self.strategy_weights
             .insert(Strategy::Pid, params.cold_start_weight);
@@ -156,6 +161,9 @@ pub enum SkipReason {
     },
     /// No fresh endpoint is serving.
     NoServingEndpoints,
+    /// The last cycle stepped weights straight to the capacity estimate; this cycle's
+    /// reports were taken partly before the load balancers applied them.
+    Settling,
     /// The average load jumped since the last cycle; this cycle's reports straddle it.
     LoadJump {
         /// The last cycle's average load.
@@ -174,6 +182,7 @@ impl SkipReason {
             SkipReason::ThinFeedback { .. } => "thin_feedback",
             SkipReason::NoServingEndpoints => "no_serving_endpoints",
             SkipReason::LoadJump { .. } => "load_jump",
+            SkipReason::Settling => "settling",
         }
     }
 
@@ -192,6 +201,9 @@ impl SkipReason {
                 "feedback too thin to steer by: average load {avg:.4} is below {threshold:.4}; weights held"
             ),
             SkipReason::NoServingEndpoints => "no fresh endpoint is serving".to_string(),
+            SkipReason::Settling => "the last cycle stepped weights to the capacity estimate; \
+                 weights are held one cycle while the load balancers apply them"
+                .to_string(),
             SkipReason::LoadJump { from, to } => format!(
                 "average load jumped from {from:.3} to {to:.3}: this cycle's reports \
                  straddle the change, so weights are held for one cycle"
@@ -250,6 +262,13 @@ pub struct ServiceStats {
     pub missing_share: f64,
     /// Whether the feedback is currently too thin to steer by.
     pub thin_feedback: bool,
+    /// Feed-forward steps: cycles that moved weights straight to the capacity estimate.
+    pub feed_forward_steps: u64,
+    /// Times an endpoint's in-flight count was found not to follow its weight and was
+    /// distrusted.
+    pub inflight_distrusts: u64,
+    /// Endpoints whose in-flight count is distrusted now.
+    pub inflight_distrusted: usize,
 }
 
 /// A service: its endpoints, parameters and counters.
@@ -274,6 +293,12 @@ pub struct Service {
     /// The last cycle's average load, and how many cycles in a row before it were
     /// skipped for a jump.
     last_avg: Option<(f64, u32)>,
+    /// The first cycle at which a feed-forward step may be taken again.
+    feed_forward_from: u64,
+    /// Weights are held through this cycle after a feed-forward step.
+    settle_through: u64,
+    /// The largest relative change of a controller weight in the last cycle.
+    last_step: f64,
 }
 
 impl Service {
@@ -290,6 +315,9 @@ impl Service {
             published: BTreeMap::new(),
             published_cycle: 0,
             last_avg: None,
+            feed_forward_from: 0,
+            settle_through: 0,
+            last_step: 0.0,
         }
     }
 
@@ -335,6 +363,9 @@ impl Service {
         ep.last_report = Some(now);
         ep.last_seen = now;
         ep.observation = obs;
+        ep.inflight.observe(obs.inflight);
+        // Until the next cycle judges the count against the fleet, the load is what the
+        // report says on its own.
         ep.load = obs.load(params);
         if obs.draining && !ep.draining {
             ep.draining = true;
@@ -354,6 +385,7 @@ impl Service {
         let expired = self.expire(now);
 
         let params = self.params.clone();
+        self.assess_loads(now);
         // A draining endpoint is left out: a lame duck whose agent was stopped after
         // the drain is silent on purpose and carries no traffic, so its silence hides
         // no load, and maintenance on a few nodes must not freeze the rest.
@@ -387,6 +419,8 @@ impl Service {
             })
         } else if loads.is_empty() {
             Some(SkipReason::NoServingEndpoints)
+        } else if cycle <= self.settle_through {
+            Some(SkipReason::Settling)
         } else if spread.avg < params.thin_load {
             Some(SkipReason::ThinFeedback {
                 avg: spread.avg,
@@ -414,6 +448,7 @@ impl Service {
             }
             Some(reason) => {
                 *self.stats.skipped.entry(reason.label()).or_insert(0) += 1;
+                self.last_step = 0.0;
             }
         }
         // Drains and returns take effect even in a skipped cycle: they are operator
@@ -448,6 +483,42 @@ impl Service {
         }
     }
 
+    /// Sets the load of every fresh serving endpoint: its CPU and error penalty, and its
+    /// in-flight count judged against the fleet (see [`inflight`]).
+    fn assess_loads(&mut self, now: Millis) {
+        let params = &self.params;
+        let mut items: Vec<(inflight::Input, &mut InflightTracker)> = Vec::new();
+        let mut loads: Vec<&mut f64> = Vec::new();
+        for ep in self.endpoints.values_mut() {
+            if ep.draining || !ep.is_fresh(now, params) {
+                continue;
+            }
+            let obs = ep.observation;
+            let input = inflight::Input {
+                base: obs.base_load(params),
+                cpu: ballast_shared::load::sanitize(obs.cpu),
+                capacity: obs.capacity,
+                inflight: obs.inflight,
+                weight: ep.weight,
+            };
+            items.push((input, &mut ep.inflight));
+            loads.push(&mut ep.load);
+        }
+        let assessed = inflight::assess(params, &mut items);
+        drop(items);
+        let mut newly = 0u64;
+        for (load, a) in loads.into_iter().zip(&assessed) {
+            *load = a.load;
+            newly += u64::from(a.newly_distrusted);
+        }
+        self.stats.inflight_distrusts += newly;
+        self.stats.inflight_distrusted = self
+            .endpoints
+            .values()
+            .filter(|e| e.inflight.distrusted())
+            .count();
+    }
+
     /// The last average, if `avg` jumped away from it and the run of jump skips is
     /// not yet at its limit.
     fn jumped(&self, avg: f64) -> Option<f64> {
@@ -473,6 +544,21 @@ impl Service {
     }
 
     fn update_pid(&mut self, now: Millis, avg: f64) {
+        let before: Vec<f64> = self
+            .endpoints
+            .values()
+            .map(|e| e.strategy_weight(Strategy::Pid))
+            .collect();
+        self.step_pid(now, avg);
+        self.last_step = self
+            .endpoints
+            .values()
+            .zip(before)
+            .map(|(e, w)| (e.strategy_weight(Strategy::Pid) / w.max(f64::MIN_POSITIVE) - 1.0).abs())
+            .fold(0.0, f64::max);
+    }
+
+    fn step_pid(&mut self, now: Millis, avg: f64) {
         let params = &self.params;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
@@ -498,7 +584,28 @@ impl Service {
                 held.push(ep);
             }
         }
-        for ep in fresh.iter_mut() {
+        let cycle = self.stats.cycles;
+        let feed_forward = params.feed_forward
+            && held.is_empty()
+            && self.last_step < FEED_FORWARD_STEADY
+            && cycle >= self.feed_forward_from
+            && feed_forward_applies(&fresh, avg);
+        if feed_forward {
+            // Each endpoint's capacity is about its weight over its load: step straight
+            // to weights in that proportion, and let the controllers trim from there.
+            for ep in fresh.iter_mut() {
+                let factor = (avg / ep.load).clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
+                let w = ep.strategy_weight(Strategy::Pid) * factor;
+                ep.strategy_weights.insert(Strategy::Pid, w);
+                ep.pid.reset();
+                ep.last_update = Some(now);
+                ep.established = true;
+            }
+            self.stats.feed_forward_steps += 1;
+            self.settle_through = cycle + FEED_FORWARD_SETTLE;
+            self.feed_forward_from = cycle + FEED_FORWARD_HOLDOFF;
+        }
+        for ep in fresh.iter_mut().filter(|_| !feed_forward) {
             let error = (avg - ep.load) / avg;
             let dt = ep
                 .last_update
@@ -539,7 +646,49 @@ impl Service {
             ep.strategy_weights.insert(Strategy::Pid, w);
         }
     }
+}
 
+/// A feed-forward step moves no weight by more than this factor: a load near zero says
+/// little about how much more the endpoint could take.
+pub const FEED_FORWARD_MAX: f64 = 4.0;
+/// Feed-forward needs an average load of at least this: enough traffic for the loads
+/// to say how each endpoint's capacity compares.
+pub const FEED_FORWARD_MIN_AVG: f64 = 0.1;
+/// ...and a spread at least this wide (the mean relative distance from the average):
+/// near balance the controllers trim better than an estimate, and one noisy endpoint
+/// among many must not trigger a step.
+pub const FEED_FORWARD_MIN_SPREAD: f64 = 0.1;
+/// ...and weights that held still in the cycle the loads were measured in (no weight
+/// moved by more than this share): a load measured under other weights than the ones
+/// in force says nothing about the capacity behind them.
+pub const FEED_FORWARD_STEADY: f64 = 0.05;
+/// Cycles after a feed-forward step whose weights are held: their reports were taken
+/// partly before the load balancers applied the step.
+pub const FEED_FORWARD_SETTLE: u64 = 1;
+/// Cycles after a feed-forward step before another may be taken: the controllers trim
+/// the first one, and a second would undo their work.
+pub const FEED_FORWARD_HOLDOFF: u64 = 10;
+
+/// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one
+/// has a new report (the caller checks that none is held), none is ramping up from a
+/// cold start or bound by its in-flight term (a stalled node's capacity is not its
+/// weight over its load), the average is high enough and the spread wide enough.
+fn feed_forward_applies(fresh: &[&mut Endpoint], avg: f64) -> bool {
+    if fresh.is_empty() || avg < FEED_FORWARD_MIN_AVG {
+        return false;
+    }
+    let calm = fresh
+        .iter()
+        .all(|e| !e.warming && !e.inflight.estimate.binding && !e.inflight.distrusted());
+    let spread = fresh
+        .iter()
+        .map(|e| (e.load - avg).abs() / avg)
+        .sum::<f64>()
+        / fresh.len() as f64;
+    calm && spread >= FEED_FORWARD_MIN_SPREAD
+}
+
+impl Service {
     fn publish_mixture(&mut self) {
         let gates = self.params.strategies.clone();
         for ep in self.endpoints.values_mut() {
@@ -642,7 +791,18 @@ impl Service {
 }
 
 impl Observation {
-    /// The load to steer by under `params`' metric and error penalty.
+    /// The load without the in-flight term: the CPU (unless the metric ignores it) plus
+    /// the error penalty. The cycle adds the in-flight term, judged against the fleet.
+    pub fn base_load(&self, params: &Params) -> f64 {
+        let cpu = match params.metric {
+            LoadMetric::Inflight => 0.0,
+            LoadMetric::Max | LoadMetric::Cpu => self.cpu,
+        };
+        ballast_shared::load::combine(cpu, 0, 0, self.error_rate, params.error_penalty)
+    }
+
+    /// The load this report shows on its own: its CPU, its in-flight count over its
+    /// capacity if it has one, and the error penalty, under `params`' metric.
     pub fn load(&self, params: &Params) -> f64 {
         let (cpu, inflight, capacity) = match params.metric {
             LoadMetric::Max => (self.cpu, self.inflight, self.capacity),

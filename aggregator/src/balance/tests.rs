@@ -7,9 +7,12 @@ use proptest::prelude::*;
 
 const SVC: &str = "web";
 
+/// The rules one at a time: no grace period, and no feed-forward step (its own tests
+/// below), so that each cycle is one controller update.
 fn params() -> Params {
     Params {
         grace_ms: 0,
+        feed_forward: false,
         ..Params::default()
     }
 }
@@ -599,4 +602,155 @@ fn a_real_new_level_is_steered_by_after_one_skipped_cycle() {
     b.cycle(0);
     report_all(&mut b, 1000, &[0.9, 0.4, 0.2], &[]);
     assert!(b.cycle(1000).remove(0).skipped.is_none());
+}
+
+/// From equal weights, one feed-forward step puts a fleet of three speeds within a few
+/// per cent of balance; the cycle after it holds while the load balancers apply it, and
+/// the controllers trim from there.
+#[test]
+fn feed_forward_steps_to_the_capacity_estimate() {
+    let speeds = [0.6, 0.6, 1.0, 1.0, 1.0, 1.5, 1.5, 0.6, 1.0, 1.5];
+    let mut b = fleet(
+        speeds.len(),
+        Params {
+            grace_ms: 0,
+            ..Params::default()
+        },
+    );
+    let first = run_plant(&mut b, &speeds, 0.6, 0, 1);
+    assert!(first > 1.3, "equal weights start imbalanced: {first}");
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.stats.feed_forward_steps, 1);
+    // Weights in proportion to speed after one step: the plant is linear.
+    let w = weights(&b);
+    for (wi, si) in w.iter().zip(&speeds) {
+        let mean_speed = speeds.iter().sum::<f64>() / speeds.len() as f64;
+        assert!((wi - si / mean_speed).abs() < 1e-9, "{w:?}");
+    }
+    let r = {
+        report_all(&mut b, 1000, &[0.6; 10], &[]);
+        b.cycle(1000).remove(0)
+    };
+    assert_eq!(r.skipped, Some(SkipReason::Settling));
+    let settled = run_plant(&mut b, &speeds, 0.6, 2000, 2);
+    assert!(
+        settled < 1.001,
+        "max/avg two cycles after the step: {settled}"
+    );
+    // The controllers trim from here; no second step within the hold-off.
+    run_plant(&mut b, &speeds, 0.6, 4000, 5);
+    assert_eq!(b.service(SVC).expect("svc").stats.feed_forward_steps, 1);
+}
+
+/// No step while a newcomer ramps up, while a report is missing or held, near balance,
+/// or with too little traffic to estimate from.
+#[test]
+fn feed_forward_waits_for_trustworthy_loads() {
+    let ff = Params {
+        grace_ms: 0,
+        ..Params::default()
+    };
+    let steps = |b: &Balancer| b.service(SVC).expect("svc").stats.feed_forward_steps;
+    // Too little traffic: average 0.05.
+    let mut b = fleet(4, ff.clone());
+    report_all(&mut b, 0, &[0.02, 0.08, 0.05, 0.05], &[]);
+    b.cycle(0);
+    assert_eq!(steps(&b), 0);
+    // Near balance: 10 % apart.
+    let mut b = fleet(4, ff.clone());
+    report_all(&mut b, 0, &[0.55, 0.6, 0.65, 0.6], &[]);
+    b.cycle(0);
+    assert_eq!(steps(&b), 0);
+    // One report lost: its weight is held, so nothing steps.
+    let mut b = fleet(4, ff.clone());
+    report_all(&mut b, 0, &[0.5, 0.5, 0.5, 0.5], &[]);
+    b.cycle(0);
+    report_all(&mut b, 1000, &[0.9, 0.3, 0.5, 0.5], &[3]);
+    b.cycle(1000);
+    assert_eq!(steps(&b), 0);
+    // A newcomer ramping up from the cold-start weight.
+    let mut b = fleet(4, ff);
+    run_plant(&mut b, &[1.0; 4], 0.6, 0, 3);
+    b.register(3000, SVC, "n4", "10.0.0.4:80", "")
+        .expect("registers");
+    report_all(&mut b, 4000, &[0.9, 0.6, 0.3, 0.6, 0.06], &[]);
+    b.cycle(4000);
+    assert_eq!(steps(&b), 0);
+}
+
+fn inflight_obs(cpu: f64, inflight: u32) -> Observation {
+    Observation {
+        cpu,
+        inflight,
+        ..Observation::default()
+    }
+}
+
+/// A node stalled on I/O (idle CPU, requests held ten times longer than elsewhere)
+/// loses weight under the default capacity-free in-flight term and keeps losing it
+/// while the stall lasts; the healthy nodes stay balanced by CPU.
+#[test]
+fn a_stalled_node_loses_weight_without_a_capacity() {
+    let mut b = fleet(6, params());
+    for c in 0..15u64 {
+        let now = c * 1000;
+        let w = weights(&b);
+        for (i, wi) in w.iter().enumerate() {
+            // Healthy: 2 requests per unit of weight at 0.6 CPU; the stalled n5: 20
+            // per unit of weight (ten times the latency) at 2 % CPU.
+            let (cpu, per_weight) = if i == 5 { (0.02, 20.0) } else { (0.6, 2.0) };
+            let n = (per_weight * wi).round() as u32;
+            b.observe(now, SVC, &format!("n{i}"), inflight_obs(cpu, n))
+                .expect("observes");
+        }
+        b.cycle(now);
+    }
+    let svc = b.service(SVC).expect("svc");
+    let stalled = &svc.endpoints["n5"];
+    assert!(stalled.weight < 0.1, "stalled weight {}", stalled.weight);
+    assert!(
+        stalled.inflight.estimate.trusted,
+        "its count follows its weight"
+    );
+    assert_eq!(svc.stats.inflight_distrusts, 0);
+    assert_eq!(
+        stalled.inflight.estimate.derivation,
+        inflight::Derivation::FleetRelative
+    );
+    for i in 0..5 {
+        let e = &svc.endpoints[&format!("n{i}")];
+        assert!(!e.inflight.estimate.binding, "n{i} is steered by CPU");
+    }
+}
+
+/// Thirteen idle connections counted as in flight on a node with no CPU: the term drives
+/// its weight to the floor, the count does not follow, and after a few cycles it is
+/// distrusted (counted in the stats) and the node is balanced by its CPU again.
+#[test]
+fn a_count_that_ignores_the_weight_is_distrusted_and_the_weight_recovers() {
+    let mut b = fleet(6, params());
+    let mut floor_seen = false;
+    for c in 0..40u64 {
+        let now = c * 1000;
+        let w = weights(&b);
+        for (i, wi) in w.iter().enumerate() {
+            let o = if i == 5 {
+                // CPU follows the traffic it gets; the count is stuck at 13.
+                inflight_obs(0.6 * wi, 13)
+            } else {
+                inflight_obs(0.6 * wi, 1)
+            };
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        b.cycle(now);
+        let svc = b.service(SVC).expect("svc");
+        floor_seen |= svc.endpoints["n5"].weight < 0.05;
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert!(floor_seen, "the stuck count first drove the weight down");
+    assert_eq!(svc.stats.inflight_distrusts, 1);
+    assert_eq!(svc.stats.inflight_distrusted, 1);
+    let e = &svc.endpoints["n5"];
+    assert!(!e.inflight.estimate.trusted);
+    assert!(e.weight > 0.9, "balanced by CPU again: {}", e.weight);
 }

@@ -149,6 +149,8 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
                     cycle: a.cycle,
                     interval_ms: state.report_interval_ms,
                     draining: a.draining,
+                    load: a.load as f32,
+                    inflight_trusted: a.inflight_trusted,
                 });
                 if let Ok(bytes) = wire::encode(&reply) {
                     let _ = conn.send_datagram(bytes.into());

@@ -1,4 +1,5 @@
-//! Counting established TCP sockets through `NETLINK_SOCK_DIAG`, the interface `ss` uses.
+//! Counting established TCP sockets, and those owed a response, through
+//! `NETLINK_SOCK_DIAG`, the interface `ss` uses.
 //!
 //! Why not `/proc/net/tcp`: the kernel formats every socket of the namespace as text and
 //! serves it one page (about 27 sockets) per `read`, each `read` re-entering the
@@ -12,12 +13,21 @@
 //! why the single-walk `TCPDIAG_GETSOCK` request is preferred to one
 //! `SOCK_DIAG_BY_FAMILY` request per family.
 //!
-//! Everything the kernel sends is treated as untrusted bytes: [`parse_chunk`] checks
-//! every length against the buffer and never panics.
+//! Each request asks for the `INET_DIAG_INFO` extension, so every returned record carries
+//! the socket's `struct tcp_info`. Two of its fields, the milliseconds since data was
+//! last sent and last received, and the record's `idiag_rqueue` (bytes received that the
+//! service has not read) tell whether the service owes the connection a response
+//! ([`owes_response`]). The kernel fills `tcp_info` only for the sockets that pass the
+//! filter, so the extension adds work per matching socket, not to the walk.
+//!
+//! Everything the kernel sends is treated as untrusted bytes: [`parse_chunk`] and the
+//! attribute walk in [`tcp_times`] check every length against the buffer and never
+//! panic.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use super::TcpCount;
 use crate::sample::SampleError;
 
 /// `SOCK_DIAG_BY_FAMILY` from `linux/sock_diag.h` (not exported by libc).
@@ -37,6 +47,14 @@ const INET_DIAG_BC_S_GE: u8 = 2;
 const INET_DIAG_BC_S_LE: u8 = 3;
 /// `TCP_ESTABLISHED` from `include/net/tcp_states.h`.
 const TCP_ESTABLISHED: u8 = 1;
+/// `INET_DIAG_INFO` from `linux/inet_diag.h`: the reply attribute holding `struct
+/// tcp_info`, requested by setting bit `INET_DIAG_INFO - 1` of `idiag_ext`.
+const INET_DIAG_INFO: u16 = 2;
+/// The `idiag_ext` bits this module requests.
+const IDIAG_EXT: u8 = 1 << (INET_DIAG_INFO - 1);
+/// `NLA_TYPE_MASK` from `linux/netlink.h`: an attribute's type without the nested and
+/// byte-order flags.
+const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// `sizeof(struct nlmsghdr)`.
 const NLMSG_HDRLEN: usize = 16;
@@ -53,6 +71,12 @@ const NLA_HDRLEN: usize = 4;
 /// Offsets inside `struct inet_diag_msg`.
 const MSG_STATE: usize = 1;
 const MSG_SPORT: usize = 4;
+/// `idiag_rqueue`: for an established socket, bytes received and not yet read.
+const MSG_RQUEUE: usize = 56;
+/// Offsets inside `struct tcp_info` (`linux/tcp.h`), both `__u32` milliseconds since
+/// the event, counted in jiffies (4 ms steps at `HZ=250`).
+const TCPI_LAST_DATA_SENT: usize = 44;
+const TCPI_LAST_DATA_RECV: usize = 52;
 
 /// The receive buffer. The kernel sizes its dump chunks to the largest buffer a socket
 /// has received into (capped near 32 KiB), so 64 KiB always holds a whole chunk: an
@@ -78,14 +102,14 @@ struct Request {
 
 /// How a dump ended, short of a broken socket or a malformed answer.
 enum Dump {
-    /// `NLMSG_DONE`: the number of matching sockets.
-    Counted(u32),
+    /// `NLMSG_DONE`: the matching sockets.
+    Counted(TcpCount),
     /// The kernel refused the request with this errno (`NLMSG_ERROR`).
     Refused(i32),
 }
 
-/// Counts established TCP sockets, IPv4 and IPv6, whose local port is in a set, over
-/// one reusable netlink socket.
+/// Counts established TCP sockets, IPv4 and IPv6, whose local port is in a set, and
+/// those of them owed a response, over one reusable netlink socket.
 #[derive(Debug)]
 pub(super) struct DiagCounter {
     /// Sorted and deduplicated, for `binary_search`.
@@ -143,11 +167,12 @@ impl DiagCounter {
         self
     }
 
-    /// The number of established sockets on the ports, both families.
+    /// The established sockets on the ports, both families, and how many of them are
+    /// owed a response.
     ///
     /// A failure on a socket kept from an earlier sample is retried once on a new
     /// socket, since a stale socket (a dump left half-read) is the likeliest cause.
-    pub(super) fn count(&mut self) -> Result<u32, SampleError> {
+    pub(super) fn count(&mut self) -> Result<TcpCount, SampleError> {
         let reused = self.sock.is_some();
         match self.count_once() {
             Ok(n) => Ok(n),
@@ -156,7 +181,7 @@ impl DiagCounter {
         }
     }
 
-    fn count_once(&mut self) -> Result<u32, SampleError> {
+    fn count_once(&mut self) -> Result<TcpCount, SampleError> {
         let result = self.dump_all();
         if result.is_err() {
             self.sock = None;
@@ -164,7 +189,7 @@ impl DiagCounter {
         result
     }
 
-    fn dump_all(&mut self) -> Result<u32, SampleError> {
+    fn dump_all(&mut self) -> Result<TcpCount, SampleError> {
         let fd = match self.sock.take() {
             Some(fd) => fd,
             None => open_socket().map_err(|e| SampleError::io(WHAT, e))?,
@@ -186,10 +211,10 @@ impl DiagCounter {
                 }
             }
         }
-        let mut total = 0u32;
+        let mut total = TcpCount::default();
         for family in 0..self.per_family.len() {
             match self.dump(raw, Some(family))? {
-                Dump::Counted(n) => total = total.saturating_add(n),
+                Dump::Counted(n) => total = total.plus(n),
                 Dump::Refused(errno) => {
                     return Err(SampleError::io(WHAT, io::Error::from_raw_os_error(errno)))
                 }
@@ -207,7 +232,7 @@ impl DiagCounter {
             None => &mut self.both,
             Some(i) => match self.per_family.get_mut(i) {
                 Some(req) => req,
-                None => return Ok(Dump::Counted(0)),
+                None => return Ok(Dump::Counted(TcpCount::default())),
             },
         };
         if let Some(field) = req.bytes.get_mut(8..12) {
@@ -215,7 +240,7 @@ impl DiagCounter {
         }
         send_to_kernel(fd, &req.bytes).map_err(|e| SampleError::io(WHAT, e))?;
         let kind = req.kind;
-        let mut matched = 0u32;
+        let mut matched = TcpCount::default();
         loop {
             let n = recv(fd, &mut self.buf).map_err(|e| SampleError::io(WHAT, e))?;
             let data = match n {
@@ -230,7 +255,10 @@ impl DiagCounter {
                 n => &self.buf[..n],
             };
             let chunk = parse_chunk(data, seq, kind, &self.ports)?;
-            matched = matched.saturating_add(chunk.matched);
+            matched = matched.plus(TcpCount {
+                owed: chunk.owed,
+                established: chunk.established,
+            });
             self.last_returned = self.last_returned.saturating_add(chunk.sockets);
             if let Some(errno) = chunk.refused {
                 return Ok(Dump::Refused(errno));
@@ -248,7 +276,9 @@ pub(super) struct Chunk {
     /// Socket records for this request.
     pub(super) sockets: u32,
     /// Of those, established sockets whose local port is in the set.
-    pub(super) matched: u32,
+    pub(super) established: u32,
+    /// Of those, the sockets owed a response ([`owes_response`]).
+    pub(super) owed: u32,
     /// `NLMSG_DONE` (or an `NLMSG_ERROR`) ended the answer.
     pub(super) done: bool,
     /// The errno of an `NLMSG_ERROR`: the kernel refused the request.
@@ -257,13 +287,14 @@ pub(super) struct Chunk {
 
 /// Parses one datagram of a dump answering request `seq`, whose socket records have
 /// message type `kind`, counting the established sockets whose local port is in
-/// `ports` (sorted).
+/// `ports` (sorted), and those of them owed a response.
 ///
 /// Messages with another sequence number are skipped (leftovers of an earlier request).
 /// An `NLMSG_ERROR` is reported in [`Chunk::refused`]; `NLMSG_DONE` carrying a negative
 /// errno (a dump that failed midway) becomes [`SampleError::Io`]; a length that does not
-/// fit the buffer or a record shorter than `struct inet_diag_msg` becomes
-/// [`SampleError::Parse`]. Never panics.
+/// fit the buffer, a record shorter than `struct inet_diag_msg`, or a matching record
+/// whose attributes are malformed ([`tcp_times`]) becomes [`SampleError::Parse`]. Never
+/// panics.
 pub(super) fn parse_chunk(
     buf: &[u8],
     seq: u32,
@@ -337,7 +368,15 @@ pub(super) fn parse_chunk(
                 // The kernel already filtered on state (and on port when the filter was
                 // sent); checking again keeps the count right without the filter.
                 if state == TCP_ESTABLISHED && ports.binary_search(&sport).is_ok() {
-                    chunk.matched = chunk.matched.saturating_add(1);
+                    chunk.established = chunk.established.saturating_add(1);
+                    let rqueue = ne_u32(payload, MSG_RQUEUE).unwrap_or(0);
+                    let attrs = payload.get(INET_DIAG_MSG_LEN..).unwrap_or_default();
+                    let times = tcp_times(attrs).map_err(|detail| {
+                        bad(format!("socket record at offset {offset}: {detail}"))
+                    })?;
+                    if owes_response(rqueue, times) {
+                        chunk.owed = chunk.owed.saturating_add(1);
+                    }
                 }
             }
             // NLMSG_NOOP and types this code does not know carry nothing to count.
@@ -345,6 +384,71 @@ pub(super) fn parse_chunk(
         }
     }
     Ok(chunk)
+}
+
+/// The two ages this module reads from a socket's `struct tcp_info`, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct TcpTimes {
+    /// `tcpi_last_data_sent`: since the socket last sent data.
+    pub(super) last_data_sent_ms: u32,
+    /// `tcpi_last_data_recv`: since the socket last received data.
+    pub(super) last_data_recv_ms: u32,
+}
+
+/// Whether the service owes a connection a response: it has bytes the service has not
+/// read (`rqueue > 0`), or it received data more recently than it sent any.
+///
+/// Both ages are whole jiffies, so a request that arrives in the tick its predecessor's
+/// response left reads as equal; equal means "answered" (the safe reading for a fresh
+/// connection, whose two times are both set when it is accepted, and for an idle pooled
+/// one). Without `tcp_info` (`times` is `None`), only unread bytes count.
+pub(super) fn owes_response(rqueue: u32, times: Option<TcpTimes>) -> bool {
+    rqueue > 0 || times.is_some_and(|t| t.last_data_recv_ms < t.last_data_sent_ms)
+}
+
+/// Finds `INET_DIAG_INFO` among the netlink attributes that follow a record's `struct
+/// inet_diag_msg` and reads the two ages from it; `Ok(None)` if it is absent.
+///
+/// Each attribute is a `struct nlattr` (`u16` length including the 4-byte header, `u16`
+/// type), padded to 4 bytes; the last one's padding may be absent. An attribute whose
+/// length does not fit, or an `INET_DIAG_INFO` too short to hold the two fields, is an
+/// error (a description of it). Never panics.
+pub(super) fn tcp_times(attrs: &[u8]) -> Result<Option<TcpTimes>, String> {
+    let mut rest = attrs;
+    while !rest.is_empty() {
+        let at = attrs.len() - rest.len();
+        let (Some(len), Some(kind)) = (ne_u16(rest, 0), ne_u16(rest, 2)) else {
+            return Err(format!(
+                "{} bytes at attribute offset {at}: shorter than an attribute header",
+                rest.len()
+            ));
+        };
+        let len = usize::from(len);
+        let Some(value) = rest.get(NLA_HDRLEN..len) else {
+            return Err(format!(
+                "attribute at offset {at} claims {len} bytes, {} available",
+                rest.len()
+            ));
+        };
+        if kind & NLA_TYPE_MASK == INET_DIAG_INFO {
+            let (Some(sent), Some(recv)) = (
+                ne_u32(value, TCPI_LAST_DATA_SENT),
+                ne_u32(value, TCPI_LAST_DATA_RECV),
+            ) else {
+                return Err(format!(
+                    "INET_DIAG_INFO of {} bytes, too short for tcp_info's times",
+                    value.len()
+                ));
+            };
+            return Ok(Some(TcpTimes {
+                last_data_sent_ms: sent,
+                last_data_recv_ms: recv,
+            }));
+        }
+        let next = (len + 3) & !3;
+        rest = rest.get(next..).unwrap_or_default();
+    }
+    Ok(None)
 }
 
 fn ne_u32(b: &[u8], at: usize) -> Option<u32> {
@@ -429,9 +533,14 @@ pub(super) fn port_filter(ranges: &[(u16, u16)]) -> Option<Vec<u8>> {
 }
 
 /// A dump request of type `kind` (`SOCK_DIAG_BY_FAMILY` or `TCPDIAG_GETSOCK`) for
-/// established TCP sockets of `family`, with `filter` as its bytecode attribute. The
-/// sequence number (bytes 8..12) is zero.
+/// established TCP sockets of `family` with their `tcp_info` (`INET_DIAG_INFO`), with
+/// `filter` as its bytecode attribute. The sequence number (bytes 8..12) is zero.
 fn build_request(kind: u16, family: u8, filter: Option<&[u8]>) -> Request {
+    build_request_ext(kind, family, filter, IDIAG_EXT)
+}
+
+/// [`build_request`] asking for the extensions `ext` (tests measure the cost of none).
+fn build_request_ext(kind: u16, family: u8, filter: Option<&[u8]>, ext: u8) -> Request {
     let filter = filter.filter(|bc| NLA_HDRLEN + bc.len() <= usize::from(u16::MAX) - 3);
     let attr_len = filter.map_or(0, |bc| NLA_HDRLEN + bc.len());
     let body_len = if kind == SOCK_DIAG_BY_FAMILY {
@@ -450,17 +559,17 @@ fn build_request(kind: u16, family: u8, filter: Option<&[u8]>) -> Request {
     req.extend_from_slice(&0u32.to_ne_bytes()); // nlmsg_seq, set per request
     req.extend_from_slice(&0u32.to_ne_bytes()); // nlmsg_pid: the kernel fills it in
     if kind == SOCK_DIAG_BY_FAMILY {
-        // struct inet_diag_req_v2: family, protocol, no extensions, pad, states, then
-        // the sockid, which a dump ignores.
+        // struct inet_diag_req_v2: family, protocol, extensions, pad, states, then the
+        // sockid, which a dump ignores.
         let tcp = u8::try_from(libc::IPPROTO_TCP).unwrap_or(6);
-        req.extend_from_slice(&[family, tcp, 0, 0]);
+        req.extend_from_slice(&[family, tcp, ext, 0]);
         req.extend_from_slice(&states);
         req.extend_from_slice(&[0; SOCKID_LEN]);
     } else {
-        // struct inet_diag_req: family (ignored by a dump), no address prefixes, no
+        // struct inet_diag_req: family (ignored by a dump), no address prefixes, the
         // extensions, the sockid, states, and the unused table mask. The message type
         // says TCP.
-        req.extend_from_slice(&[family, 0, 0, 0]);
+        req.extend_from_slice(&[family, 0, 0, ext]);
         req.extend_from_slice(&[0; SOCKID_LEN]);
         req.extend_from_slice(&states);
         req.extend_from_slice(&0u32.to_ne_bytes());
@@ -587,14 +696,54 @@ mod tests {
         m
     }
 
-    /// An `inet_diag_msg` record with attribute bytes after it, as the kernel sends.
-    fn socket(state: u8, sport: u16) -> Vec<u8> {
+    /// One netlink attribute, padded to 4 bytes.
+    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+        let mut a = Vec::new();
+        a.extend_from_slice(&((NLA_HDRLEN + value.len()) as u16).to_ne_bytes());
+        a.extend_from_slice(&kind.to_ne_bytes());
+        a.extend_from_slice(value);
+        a.resize((a.len() + 3) & !3, 0);
+        a
+    }
+
+    /// A `struct tcp_info` of the kernel's current size with the two ages set.
+    fn tcp_info(sent_ms: u32, recv_ms: u32) -> Vec<u8> {
+        let mut info = vec![0u8; 232];
+        info[TCPI_LAST_DATA_SENT..TCPI_LAST_DATA_SENT + 4].copy_from_slice(&sent_ms.to_ne_bytes());
+        info[TCPI_LAST_DATA_RECV..TCPI_LAST_DATA_RECV + 4].copy_from_slice(&recv_ms.to_ne_bytes());
+        info
+    }
+
+    /// The payload of an `inet_diag_msg` record followed by `attrs`.
+    fn record(state: u8, sport: u16, rqueue: u32, attrs: &[u8]) -> Vec<u8> {
         let mut p = vec![0u8; INET_DIAG_MSG_LEN];
         p[0] = 2;
         p[MSG_STATE] = state;
         p[MSG_SPORT..MSG_SPORT + 2].copy_from_slice(&sport.to_be_bytes());
-        p.extend_from_slice(&[5, 0, 8, 0, 0, 0, 0, 0]); // INET_DIAG_SHUTDOWN attr
-        msg(SOCK_DIAG_BY_FAMILY, 7, &p)
+        p[MSG_RQUEUE..MSG_RQUEUE + 4].copy_from_slice(&rqueue.to_ne_bytes());
+        p.extend_from_slice(attrs);
+        p
+    }
+
+    /// A record as the kernel sends it for an idle socket: `INET_DIAG_INFO` (equal ages)
+    /// and `INET_DIAG_SHUTDOWN`.
+    fn socket(state: u8, sport: u16) -> Vec<u8> {
+        owed_socket(state, sport, 0, Some((500, 500)))
+    }
+
+    /// A record with `rqueue` unread bytes and, if given, `tcp_info` with the ages
+    /// (sent, received).
+    fn owed_socket(state: u8, sport: u16, rqueue: u32, times: Option<(u32, u32)>) -> Vec<u8> {
+        let mut attrs = Vec::new();
+        if let Some((sent, recv)) = times {
+            attrs.extend(attr(INET_DIAG_INFO, &tcp_info(sent, recv)));
+        }
+        attrs.extend(attr(8, &[0])); // INET_DIAG_SHUTDOWN
+        msg(
+            SOCK_DIAG_BY_FAMILY,
+            7,
+            &record(state, sport, rqueue, &attrs),
+        )
     }
 
     fn done(seq: u32, status: i32) -> Vec<u8> {
@@ -620,7 +769,7 @@ mod tests {
         let chunk = parse(&buf, 7, &ports).unwrap();
         let want = Chunk {
             sockets: 4,
-            matched: 2,
+            established: 2,
             ..Chunk::default()
         };
         assert_eq!(chunk, want);
@@ -632,7 +781,7 @@ mod tests {
         assert_eq!(
             parse_chunk(&buf, 7, TCPDIAG_GETSOCK, &ports)
                 .unwrap()
-                .matched,
+                .established,
             1
         );
         // A DONE for another request does not end this one.
@@ -675,12 +824,15 @@ mod tests {
         // (without `done` before the DONE message is whole).
         for cut in 0..good.len() {
             match parse(&good[..cut], 7, &[80]) {
-                Ok(chunk) => assert!(!chunk.done && (cut == 0 || cut == 96), "cut {cut}"),
+                Ok(chunk) => assert!(
+                    !chunk.done && (cut == 0 || cut == good.len() - 20),
+                    "cut {cut}"
+                ),
                 Err(SampleError::Parse { .. }) => {}
                 Err(e) => panic!("cut {cut}: {e}"),
             }
         }
-        assert_eq!(parse(&good, 7, &[80]).unwrap().matched, 1);
+        assert_eq!(parse(&good, 7, &[80]).unwrap().established, 1);
         let mut short_len = good.clone();
         short_len[0..4].copy_from_slice(&8u32.to_ne_bytes()); // shorter than a header
         assert!(parse(&short_len, 7, &[80]).is_err());
@@ -702,7 +854,123 @@ mod tests {
         assert!(parse(&unpadded, 7, &[80]).unwrap().done);
     }
 
+    #[test]
+    fn owed_when_received_after_last_send_or_unread() {
+        let mut buf = Vec::new();
+        buf.extend(owed_socket(TCP_ESTABLISHED, 80, 0, Some((500, 500)))); // idle: equal
+        buf.extend(owed_socket(TCP_ESTABLISHED, 80, 0, Some((900, 40)))); // read, unanswered
+        buf.extend(owed_socket(TCP_ESTABLISHED, 80, 0, Some((40, 900)))); // answered
+        buf.extend(owed_socket(TCP_ESTABLISHED, 80, 12, Some((40, 900)))); // unread
+        buf.extend(owed_socket(TCP_ESTABLISHED, 80, 0, None)); // no tcp_info: 0
+        buf.extend(owed_socket(TCP_ESTABLISHED, 80, 3, None)); // no tcp_info, unread
+        buf.extend(owed_socket(TCP_ESTABLISHED, 81, 3, Some((9, 1)))); // other port
+        buf.extend(owed_socket(8, 80, 3, Some((9, 1)))); // CLOSE_WAIT
+        let chunk = parse(&buf, 7, &[80]).unwrap();
+        assert_eq!((chunk.sockets, chunk.established, chunk.owed), (8, 6, 3));
+
+        // INET_DIAG_INFO anywhere among the attributes, with the type's flag bits set,
+        // or as the last attribute without padding.
+        let info = attr(INET_DIAG_INFO | 0x8000, &tcp_info(7, 3));
+        let mut attrs = attr(4, b"cubic\0");
+        attrs.extend(&info);
+        attrs.extend(attr(8, &[0]));
+        let rec = msg(SOCK_DIAG_BY_FAMILY, 7, &record(1, 80, 0, &attrs));
+        assert_eq!(parse(&rec, 7, &[80]).unwrap().owed, 1);
+        let mut odd = attr(4, b"cubic\0");
+        odd.extend(attr(INET_DIAG_INFO, &tcp_info(7, 3)[..57]));
+        odd.truncate(odd.len() - 3);
+        assert_eq!(
+            tcp_times(&odd).unwrap(),
+            Some(TcpTimes {
+                last_data_sent_ms: 7,
+                last_data_recv_ms: 3
+            })
+        );
+        assert_eq!(tcp_times(&[]).unwrap(), None);
+    }
+
+    #[test]
+    fn malformed_attributes_are_errors_not_panics() {
+        let good = attr(INET_DIAG_INFO, &tcp_info(7, 3));
+        // Every cut inside the attribute is an error.
+        for cut in 1..good.len() {
+            assert!(tcp_times(&good[..cut]).is_err(), "cut {cut}");
+        }
+        // A length below the header, or beyond the buffer.
+        for len in [0u16, 1, 3, good.len() as u16 + 1, u16::MAX] {
+            let mut bad = good.clone();
+            bad[0..2].copy_from_slice(&len.to_ne_bytes());
+            assert!(tcp_times(&bad).is_err(), "len {len}");
+        }
+        // INET_DIAG_INFO too short for the receive time (at 52..56).
+        assert!(tcp_times(&attr(INET_DIAG_INFO, &[0; 55])).is_err());
+        assert!(tcp_times(&attr(INET_DIAG_INFO, &[0; 56])).is_ok());
+        // A malformed attribute in a matching record fails the chunk; in a record the
+        // port check drops, it is not read.
+        let mut attrs = attr(8, &[0]);
+        attrs.extend_from_slice(&[9, 9]);
+        let rec = msg(SOCK_DIAG_BY_FAMILY, 7, &record(1, 80, 0, &attrs));
+        match parse(&rec, 7, &[80]) {
+            Err(SampleError::Parse { detail, .. }) => {
+                assert!(detail.contains("attribute"), "{detail}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(parse(&rec, 7, &[81]).unwrap().sockets, 1);
+    }
+
     proptest! {
+        /// The attribute walk on arbitrary bytes.
+        #[test]
+        fn arbitrary_attributes_never_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..400),
+        ) {
+            let _ = tcp_times(&bytes);
+        }
+
+        /// `INET_DIAG_INFO` among arbitrary other attributes is found, with its values;
+        /// a corrupted length somewhere is an error or a result, never a panic.
+        #[test]
+        fn info_is_found_among_other_attributes(
+            before in proptest::collection::vec(
+                (0u16..=20, proptest::collection::vec(any::<u8>(), 0..40)), 0..5),
+            after in proptest::collection::vec(
+                (0u16..=20, proptest::collection::vec(any::<u8>(), 0..40)), 0..5),
+            sent in any::<u32>(),
+            recv in any::<u32>(),
+            info_len in 56usize..300,
+            corrupt_at in any::<prop::sample::Index>(),
+            corrupt_len in any::<u16>(),
+        ) {
+            let mut attrs = Vec::new();
+            for (kind, value) in &before {
+                let kind = if *kind == INET_DIAG_INFO { 1 } else { *kind };
+                attrs.extend(attr(kind, value));
+            }
+            let mut info = tcp_info(sent, recv);
+            info.resize(info_len, 0);
+            attrs.extend(attr(INET_DIAG_INFO, &info));
+            for (kind, value) in &after {
+                attrs.extend(attr(*kind, value));
+            }
+            let want = TcpTimes { last_data_sent_ms: sent, last_data_recv_ms: recv };
+            prop_assert_eq!(tcp_times(&attrs), Ok(Some(want)));
+            let rec = msg(SOCK_DIAG_BY_FAMILY, 1, &record(1, 80, 0, &attrs));
+            let chunk = parse(&rec, 1, &[80]).unwrap();
+            prop_assert_eq!(chunk.owed, u32::from(recv < sent));
+
+            // Corrupt one 4-byte-aligned position's length field.
+            if !attrs.is_empty() {
+                let at = corrupt_at.index(attrs.len() / 4) * 4;
+                if at + 2 <= attrs.len() {
+                    attrs[at..at + 2].copy_from_slice(&corrupt_len.to_ne_bytes());
+                }
+                let _ = tcp_times(&attrs);
+                let rec = msg(SOCK_DIAG_BY_FAMILY, 1, &record(1, 80, 0, &attrs));
+                let _ = parse(&rec, 1, &[80]);
+            }
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(
             bytes in proptest::collection::vec(any::<u8>(), 0..600),
@@ -839,7 +1107,7 @@ mod tests {
         assert_eq!(ne_u32(&v2, 0), Some(v2.len() as u32));
         assert_eq!(ne_u16(&v2, 4), Some(SOCK_DIAG_BY_FAMILY));
         assert_eq!(ne_u16(&v2, 6), Some(0x301)); // NLM_F_REQUEST | NLM_F_DUMP
-        assert_eq!(&v2[16..20], &[2, 6, 0, 0]);
+        assert_eq!(&v2[16..20], &[2, 6, 1 << (INET_DIAG_INFO - 1), 0]);
         assert_eq!(ne_u32(&v2, 20), Some(1 << TCP_ESTABLISHED));
         assert_eq!(ne_u16(&v2, 72), Some(20));
         assert_eq!(ne_u16(&v2, 74), Some(INET_DIAG_REQ_BYTECODE));
@@ -849,6 +1117,7 @@ mod tests {
         let compat = build_request(TCPDIAG_GETSOCK, 0, Some(&bc)).bytes;
         assert_eq!(compat.len(), 16 + 60 + 4 + 16);
         assert_eq!(ne_u16(&compat, 4), Some(TCPDIAG_GETSOCK));
+        assert_eq!(&compat[16..20], &[0, 0, 0, 1 << (INET_DIAG_INFO - 1)]);
         assert_eq!(ne_u32(&compat, 16 + 52), Some(1 << TCP_ESTABLISHED));
         assert_eq!(ne_u16(&compat, 76), Some(20));
         assert_eq!(ne_u16(&compat, 78), Some(INET_DIAG_REQ_BYTECODE));
@@ -858,10 +1127,10 @@ mod tests {
     #[test]
     fn kernel_answers_both_request_types() {
         let mut both = DiagCounter::new(&[9]);
-        assert_eq!(both.count().unwrap(), 0);
+        assert_eq!(both.count().unwrap(), TcpCount::default());
         assert!(both.use_both, "the kernel refused TCPDIAG_GETSOCK");
         let mut per_family = DiagCounter::new(&[9]).per_family_only();
-        assert_eq!(per_family.count().unwrap(), 0);
+        assert_eq!(per_family.count().unwrap(), TcpCount::default());
     }
 
     /// A kernel refusing the single-walk request is asked per family instead.
@@ -870,19 +1139,19 @@ mod tests {
         let mut counter = DiagCounter::new(&[9]);
         // An invalid filter opcode in that request only: the kernel answers EINVAL.
         counter.both = build_request(TCPDIAG_GETSOCK, 0, Some(&[0xff, 4, 8, 0]));
-        assert_eq!(counter.count().unwrap(), 0);
+        assert_eq!(counter.count().unwrap(), TcpCount::default());
         assert!(!counter.use_both);
-        assert_eq!(counter.count().unwrap(), 0);
+        assert_eq!(counter.count().unwrap(), TcpCount::default());
     }
 
     /// A socket closed under the counter is replaced on the next sample.
     #[test]
     fn netlink_reopens_a_broken_socket() {
         let mut counter = DiagCounter::new(&[9]);
-        assert_eq!(counter.count().unwrap(), 0);
+        assert_eq!(counter.count().unwrap(), TcpCount::default());
         assert!(counter.sock.is_some());
         // Replace the socket by one that is not netlink: every call on it fails.
         counter.sock = Some(std::fs::File::open("/dev/null").unwrap().into());
-        assert_eq!(counter.count().unwrap(), 0);
+        assert_eq!(counter.count().unwrap(), TcpCount::default());
     }
 }

@@ -1,0 +1,196 @@
+//! What the gRPC in-flight test and the measurement bench share: the Python server
+//! with a known in-flight count, its load generator, sampling and statistics.
+
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ballast_agent::sample::tcp::TcpInflight;
+
+/// A child process killed and reaped when dropped.
+pub struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/grpc/inflight_server.py")
+}
+
+pub fn require_grpcio() {
+    let ok = Command::new("python3")
+        .args(["-c", "import grpc"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "these tests need python3 with the package grpcio: `python3 -c 'import grpc'` \
+         failed (`pip install grpcio`, or run `bash tests/run`, which installs it)"
+    );
+}
+
+/// Reads lines of `child`'s stdout until one starts with `prefix`; returns the rest.
+pub fn wait_line(child: &mut Child, prefix: &str) -> String {
+    let out = child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(out).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.starts_with(prefix) => {
+                // Keep draining in the background so the child never blocks on a full pipe.
+                std::thread::spawn(move || lines.for_each(drop));
+                return line[prefix.len()..].trim().to_string();
+            }
+            Some(Ok(_)) => {}
+            other => panic!(
+                "{} exited before printing {prefix:?}: {other:?}",
+                script().display()
+            ),
+        }
+    }
+}
+
+/// The server: its process, port and state file.
+pub struct Server {
+    _proc: Proc,
+    pub port: u16,
+    pub state: File,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    pub fn start(service_ms: f64) -> Server {
+        require_grpcio();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inflight");
+        let mut child = Command::new("python3")
+            .arg(script())
+            .args(["serve", "--service-ms", &service_ms.to_string(), "--state"])
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", script().display()));
+        let port = wait_line(&mut child, "port ").parse().unwrap();
+        let state = File::open(&path).unwrap();
+        Server {
+            _proc: Proc(child),
+            port,
+            state,
+            _dir: dir,
+        }
+    }
+
+    /// The number of calls inside the server's handler now.
+    fn truth(&self) -> u32 {
+        let mut b = [0u8; 4];
+        self.state.read_exact_at(&mut b, 0).unwrap();
+        u32::from_le_bytes(b)
+    }
+
+    /// Starts `channels` connections with `callers` concurrent callers each, and waits
+    /// until every connection is up.
+    pub fn load(&self, channels: u32, callers: u32, think_ms: f64, secs: f64) -> Proc {
+        let mut child = Command::new("python3")
+            .arg(script())
+            .args(["load", "--target", &format!("127.0.0.1:{}", self.port)])
+            .args(["--channels", &channels.to_string()])
+            .args(["--callers", &callers.to_string()])
+            .args(["--think-ms", &think_ms.to_string()])
+            .args(["--duration", &secs.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_line(&mut child, "ready");
+        Proc(child)
+    }
+}
+
+/// One sample: the true in-flight (mean of the readings just before and just after),
+/// and the agent's owed and established counts.
+#[derive(Debug, Clone, Copy)]
+pub struct Point {
+    pub truth: f64,
+    pub owed: u32,
+    pub established: u32,
+}
+
+/// `n` samples `every` apart, after `warmup`.
+pub fn measure(server: &Server, warmup: Duration, n: usize, every: Duration) -> Vec<Point> {
+    let mut src = TcpInflight::open(vec![server.port]).unwrap();
+    std::thread::sleep(warmup);
+    let mut points = Vec::with_capacity(n);
+    let mut next = Instant::now();
+    for _ in 0..n {
+        let before = server.truth();
+        let count = src.sample_count().unwrap();
+        let after = server.truth();
+        points.push(Point {
+            truth: f64::from(before + after) / 2.0,
+            owed: count.owed,
+            established: count.established,
+        });
+        next += every;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    points
+}
+
+/// Summary figures of a run.
+#[derive(Debug)]
+pub struct Stats {
+    pub connections: u32,
+    pub mean_truth: f64,
+    pub mean_owed: f64,
+    /// Mean of owed − truth.
+    pub mean_error: f64,
+    pub mean_abs_error: f64,
+    /// Mean of min(truth, connections): the best a count of connections can do.
+    pub mean_ceiling: f64,
+    pub max_owed: u32,
+    /// Correlation of owed with truth over the samples.
+    pub correlation: f64,
+}
+
+pub fn stats(points: &[Point]) -> Stats {
+    let n = points.len() as f64;
+    let mean = |f: &dyn Fn(&Point) -> f64| points.iter().map(f).sum::<f64>() / n;
+    let connections = points.iter().map(|p| p.established).max().unwrap_or(0);
+    let mean_truth = mean(&|p| p.truth);
+    let mean_owed = mean(&|p| f64::from(p.owed));
+    let cov = mean(&|p| (p.truth - mean_truth) * (f64::from(p.owed) - mean_owed));
+    let var_t = mean(&|p| (p.truth - mean_truth).powi(2));
+    let var_o = mean(&|p| (f64::from(p.owed) - mean_owed).powi(2));
+    Stats {
+        connections,
+        mean_truth,
+        mean_owed,
+        mean_error: mean(&|p| f64::from(p.owed) - p.truth),
+        mean_abs_error: mean(&|p| (f64::from(p.owed) - p.truth).abs()),
+        mean_ceiling: mean(&|p| p.truth.min(f64::from(p.established))),
+        max_owed: points.iter().map(|p| p.owed).max().unwrap_or(0),
+        correlation: if var_t > 0.0 && var_o > 0.0 {
+            cov / (var_t * var_o).sqrt()
+        } else {
+            f64::NAN
+        },
+    }
+}
+
+/// Service time and think time of the short tests, in milliseconds. The think time is
+/// long against the kernel's clock tick (4 ms at `HZ=250`): a call that arrives in the
+/// tick its connection's previous response left reads as answered (see the module
+/// documentation of `sample::tcp`), and the measurement shows how much that costs with
+/// back-to-back calls; these tests check the estimate away from that limit.
+pub const SERVICE_MS: f64 = 20.0;
+pub const THINK_MS: f64 = 50.0;

@@ -1,0 +1,452 @@
+//! The in-flight term of an endpoint's load, without a capacity guess.
+//!
+//! An agent counts the requests its service owes a response. What that count means
+//! depends on the service: a dozen requests in flight is nothing for a proxy with a
+//! thousand threads and a pile-up for a single-threaded worker. A configured capacity
+//! (`inflight / capacity`) needs somebody to know that number, and the wrong number
+//! either hides a stalled node or pins a healthy one at the weight floor.
+//!
+//! So by default the count is judged against the fleet instead, two ways, and an
+//! endpoint must stand out both ways before its count says anything:
+//!
+//! - **Per unit of weight.** Little's law says that the requests in flight at an
+//!   endpoint are its arrival rate times its latency; its arrival rate follows the
+//!   weight the load balancers apply, so the count per unit of weight is a latency
+//!   proxy that needs no throughput figure. Healthy endpoints of one service have
+//!   latencies within a small factor of each other (a slower generation of hardware is
+//!   slower per request by its speed ratio); a node stalled on I/O holds its requests
+//!   many times longer. Where traffic does not follow the weight exactly (clients that
+//!   each see a subset of the endpoints, least-request pickers) this alone misjudges.
+//! - **Per unit of CPU.** A CPU-bound endpoint's in-flight count over its utilization
+//!   is its parallelism (more as it queues), the same at balance whatever its speed or
+//!   its share of the traffic; a stalled node holds requests while its CPU idles. This
+//!   alone misjudges endpoints with more cores than the rest.
+//!
+//! The smaller of the two ratios to the service's typical values is the endpoint's
+//! excess. The term binds only above [`TOLERANCE`], and then grows with the excess: a
+//! stalled node loses weight for as long as it stays stalled, while the others keep
+//! being balanced by CPU.
+//!
+//! A count that does not respond to the weight is not load: pooled connections or
+//! long polls counted as requests, a broken gauge. When the term holds an endpoint
+//! near the weight floor with idle CPU and the count did not fall as its weight fell
+//! by [`UNRESPONSIVE_DROP`], the term is distrusted for that endpoint (the API and a
+//! metric say so) and its load is its CPU. A node that truly stalls is told apart by
+//! its requests completing: with less weight, fewer arrive and fewer are in flight. If
+//! a distrusted count then rises with the weight (a hung node piling up new
+//! requests), it is load after all and is trusted again for the rest of the episode.
+
+use super::params::{LoadMetric, Params};
+use serde::{Deserialize, Serialize};
+
+/// The weight of a new report in the smoothed in-flight count. Reports are point
+/// samples of a small integer; smoothing over a few of them is what makes a count of
+/// 0, 1, 0, 2 mean "about one".
+pub const SMOOTHING: f64 = 0.4;
+/// How far above the service's typical in-flight per unit of weight an endpoint must be
+/// before the in-flight term binds. Healthy endpoints of different speeds differ by
+/// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
+/// node by ten times or more.
+pub const TOLERANCE: f64 = 2.0;
+/// An endpoint with fewer requests than this in flight on average is not piling them
+/// up, whatever its weight: one request at a small weight is noise, not a stall.
+pub const MIN_INFLIGHT: f64 = 1.0;
+/// The typical in-flight per unit of weight is at least this, so that a nearly idle
+/// fleet does not turn one request into a large multiple.
+pub const MIN_TYPICAL: f64 = 0.5;
+/// CPU utilization below this counts as zero when dividing by it.
+pub const MIN_CPU: f64 = 0.01;
+/// CPU below this share of the fleet's average CPU load counts as idle.
+pub const IDLE_CPU: f64 = 0.25;
+/// The weight must have fallen by this factor (or to twice the floor) while the count
+/// held before the count is called unresponsive.
+pub const UNRESPONSIVE_DROP: f64 = 8.0;
+/// "Held" means at least this share of the count when the episode began.
+pub const UNRESPONSIVE_KEEP: f64 = 0.5;
+/// Cycles in a row the count must hold at the low weight: reports and the load
+/// balancers lag the weight by a cycle or two, so a count that falls late is still a
+/// count that falls.
+pub const UNRESPONSIVE_CYCLES: u32 = 3;
+/// A distrusted count that rises above this multiple of its level (plus one request)
+/// responds to the weight after all.
+pub const RESPONSIVE_RISE: f64 = 1.5;
+
+/// How the in-flight term was derived, for the API and the agents' status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Derivation {
+    /// No in-flight count is measured, or the metric ignores it.
+    #[default]
+    None,
+    /// Judged against the service's typical in-flight per unit of weight.
+    FleetRelative,
+    /// Divided by the capacity the agent was configured with.
+    Capacity,
+}
+
+/// What the cycle made of an endpoint's in-flight count.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct InflightEstimate {
+    /// How the term was derived.
+    pub derivation: Derivation,
+    /// The smoothed count of requests in flight.
+    pub smoothed: f64,
+    /// How far the count stands out (fleet-relative only; 1 is typical): the smaller of
+    /// its ratios per unit of weight and per unit of CPU to the service's typical ones.
+    pub ratio: f64,
+    /// The in-flight term, in units of load.
+    pub term: f64,
+    /// Whether the term set the endpoint's load this cycle.
+    pub binding: bool,
+    /// Whether the term is trusted. An untrusted term does not count.
+    pub trusted: bool,
+}
+
+/// One endpoint's in-flight memory across reports and cycles.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct InflightTracker {
+    smoothed: Option<f64>,
+    /// The count when the term was distrusted.
+    distrusted_at: Option<f64>,
+    /// The count and weight when the term began to bind in this episode.
+    episode: Option<(f64, f64)>,
+    /// The count rose with the weight in this episode: it is load.
+    proven: bool,
+    /// Cycles in a row the count held at a low weight.
+    held_cycles: u32,
+    /// The last cycle's verdict.
+    pub estimate: InflightEstimate,
+}
+
+impl InflightTracker {
+    /// Takes a reported count into the smoothed one.
+    pub fn observe(&mut self, inflight: u32) {
+        let x = f64::from(inflight);
+        self.smoothed = Some(match self.smoothed {
+            Some(s) => s + SMOOTHING * (x - s),
+            None => x,
+        });
+    }
+
+    /// The smoothed count; 0 before any report.
+    pub fn smoothed(&self) -> f64 {
+        self.smoothed.unwrap_or(0.0)
+    }
+
+    /// Whether the term is currently distrusted.
+    pub fn distrusted(&self) -> bool {
+        self.distrusted_at.is_some()
+    }
+
+    /// Forgets the episode and the smoothing, as after a drain or a restart.
+    pub fn reset(&mut self) {
+        *self = InflightTracker::default();
+    }
+}
+
+/// One endpoint's inputs to [`assess`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Input {
+    /// Load without the in-flight term: CPU and the error penalty, as the metric says.
+    pub base: f64,
+    /// CPU utilization, to tell an idle node.
+    pub cpu: f64,
+    /// The configured capacity; 0 for fleet-relative.
+    pub capacity: u32,
+    /// The last reported count.
+    pub inflight: u32,
+    /// The published weight the load balancers applied while the count was taken.
+    pub weight: f64,
+}
+
+/// What [`assess`] returns per endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Assessed {
+    /// The load to steer by.
+    pub load: f64,
+    /// Whether the term was distrusted in this cycle (a new distrust, for the metric).
+    pub newly_distrusted: bool,
+}
+
+/// The lower median: for two values the smaller, so that one stalled node of two does
+/// not become the typical one.
+fn lower_median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    let mid = v.len().checked_sub(1)? / 2;
+    v.get(mid).copied()
+}
+
+/// Computes the load of every fresh serving endpoint of a service from its inputs and
+/// updates each tracker's verdict. `items` pairs each endpoint's inputs with its tracker.
+pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> Vec<Assessed> {
+    let counts_inflight = params.metric != LoadMetric::Cpu;
+    let n = items.len().max(1) as f64;
+    let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
+    let per_weight =
+        |i: &Input, t: &InflightTracker| t.smoothed() / i.weight.max(params.min_weight);
+    let per_cpu = |i: &Input, t: &InflightTracker| t.smoothed() / i.cpu.max(MIN_CPU);
+    let typical = |f: &dyn Fn(&Input, &InflightTracker) -> f64, floor: f64| {
+        lower_median(
+            items
+                .iter()
+                .filter(|(i, _)| i.capacity == 0)
+                .map(|(i, t)| f(i, t))
+                .collect(),
+        )
+        .unwrap_or(0.0)
+        .max(floor)
+    };
+    let typical_weight = typical(&per_weight, MIN_TYPICAL);
+    let typical_cpu = typical(&per_cpu, MIN_TYPICAL);
+    // With in-flight as the only signal the CPU says nothing.
+    let use_cpu = params.metric == LoadMetric::Max;
+    // Under `max` the term is scaled to the fleet's CPU load and binds only well above
+    // typical; with in-flight as the only signal it is the relative latency itself.
+    let (scale, tolerance, floor) = match params.metric {
+        LoadMetric::Inflight => (1.0, 1.0, 0.0),
+        _ => (avg_base, TOLERANCE, MIN_INFLIGHT),
+    };
+    let idle_cpu = IDLE_CPU * avg_base;
+    items
+        .iter_mut()
+        .map(|(input, tracker)| {
+            let smoothed = tracker.smoothed();
+            let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
+                (Derivation::None, 0.0, 0.0)
+            } else if input.capacity > 0 {
+                let term =
+                    ballast_shared::load::inflight_utilization(input.inflight, input.capacity);
+                (Derivation::Capacity, 0.0, term)
+            } else {
+                let by_weight = per_weight(input, tracker) / typical_weight;
+                let by_cpu = per_cpu(input, tracker) / typical_cpu;
+                let ratio = if use_cpu {
+                    by_weight.min(by_cpu)
+                } else {
+                    by_weight
+                };
+                let term = if smoothed >= floor {
+                    scale * ratio / tolerance
+                } else {
+                    0.0
+                };
+                (Derivation::FleetRelative, ratio, term)
+            };
+            let binding = term > input.base;
+            let newly_distrusted = tracker.judge(
+                binding,
+                smoothed,
+                input.weight,
+                input.cpu <= idle_cpu,
+                params.min_weight,
+            );
+            let trusted = !tracker.distrusted();
+            let load = if trusted && binding { term } else { input.base };
+            tracker.estimate = InflightEstimate {
+                derivation,
+                smoothed,
+                ratio,
+                term,
+                binding: trusted && binding,
+                trusted,
+            };
+            Assessed {
+                load: ballast_shared::load::sanitize(load),
+                newly_distrusted,
+            }
+        })
+        .collect()
+}
+
+impl InflightTracker {
+    /// Advances the trust verdict by one cycle. Returns true when the term is
+    /// distrusted now and was not before.
+    fn judge(&mut self, binding: bool, count: f64, weight: f64, idle: bool, floor: f64) -> bool {
+        if let Some(level) = self.distrusted_at {
+            if count >= level * RESPONSIVE_RISE + 1.0 {
+                // More weight brought more requests that stay: a hung node, not a
+                // stuck gauge. Trusted from now on, until the count drains away.
+                self.distrusted_at = None;
+                self.proven = true;
+                self.episode = Some((count, weight));
+            } else if count < MIN_INFLIGHT {
+                self.distrusted_at = None;
+                self.episode = None;
+                self.proven = false;
+            }
+            return false;
+        }
+        if binding {
+            self.episode.get_or_insert((count, weight));
+        } else if count < MIN_INFLIGHT {
+            self.episode = None;
+            self.proven = false;
+        }
+        let Some((count0, weight0)) = self.episode else {
+            return false;
+        };
+        let weight_fell = weight <= (weight0 / UNRESPONSIVE_DROP).max(floor * 2.0);
+        let count_held = count >= count0 * UNRESPONSIVE_KEEP && count >= MIN_INFLIGHT;
+        if binding && !self.proven && weight_fell && count_held && idle {
+            self.held_cycles += 1;
+        } else {
+            self.held_cycles = 0;
+        }
+        if self.held_cycles >= UNRESPONSIVE_CYCLES {
+            self.held_cycles = 0;
+            self.distrusted_at = Some(count);
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(base: f64, cpu: f64, inflight: u32, weight: f64) -> Input {
+        Input {
+            base,
+            cpu,
+            capacity: 0,
+            inflight,
+            weight,
+        }
+    }
+
+    /// Runs `assess` over parallel vectors of inputs and trackers.
+    fn run(params: &Params, inputs: &[Input], trackers: &mut [InflightTracker]) -> Vec<f64> {
+        for (i, t) in inputs.iter().zip(trackers.iter_mut()) {
+            t.observe(i.inflight);
+        }
+        let mut items: Vec<(Input, &mut InflightTracker)> =
+            inputs.iter().copied().zip(trackers.iter_mut()).collect();
+        assess(params, &mut items).iter().map(|a| a.load).collect()
+    }
+
+    #[test]
+    fn a_balanced_fleet_is_steered_by_cpu() {
+        let p = Params::default();
+        // Six nodes, 2 to 4 requests each at equal weights: all within tolerance.
+        let inputs: Vec<Input> = [2, 3, 4, 2, 3, 3]
+            .iter()
+            .map(|&n| input(0.6, 0.6, n, 1.0))
+            .collect();
+        let mut t = vec![InflightTracker::default(); 6];
+        let loads = run(&p, &inputs, &mut t);
+        assert!(loads.iter().all(|&l| (l - 0.6).abs() < 1e-12), "{loads:?}");
+        assert!(t.iter().all(|t| t.estimate.trusted && !t.estimate.binding));
+        assert_eq!(t[0].estimate.derivation, Derivation::FleetRelative);
+    }
+
+    #[test]
+    fn a_stalled_node_is_loaded_by_its_excess_whatever_its_weight() {
+        let p = Params::default();
+        let mut t = vec![InflightTracker::default(); 6];
+        // Five healthy nodes at 3 in flight, weight 1; the stalled one holds 20 at
+        // weight 1, then 2 at weight 0.1: the same latency, the same verdict.
+        for (stalled, w) in [(20, 1.0), (2, 0.1)] {
+            let mut inputs: Vec<Input> = (0..5).map(|_| input(0.6, 0.6, 3, 1.0)).collect();
+            inputs.push(input(0.05, 0.05, stalled, w));
+            let mut fresh = vec![InflightTracker::default(); 6];
+            let loads = run(&p, &inputs, &mut fresh);
+            // 20/3 = 6.7× typical over a tolerance of 2, times the average CPU.
+            let avg = (0.6 * 5.0 + 0.05) / 6.0;
+            assert!(
+                (loads[5] - avg * 20.0 / 3.0 / 2.0).abs() < 1e-9,
+                "{loads:?}"
+            );
+            assert!(fresh[5].estimate.binding);
+            t = fresh;
+        }
+        assert!(t[5].estimate.ratio > 6.0);
+    }
+
+    #[test]
+    fn fewer_than_one_request_is_noise() {
+        let p = Params::default();
+        let inputs = vec![
+            input(0.6, 0.6, 0, 1.0),
+            input(0.6, 0.6, 0, 1.0),
+            input(0.1, 0.1, 1, 0.1),
+        ];
+        let mut t = vec![InflightTracker::default(); 3];
+        t[2].observe(0);
+        let loads = run(&p, &inputs, &mut t);
+        // Smoothed 0.4 < 1: the cold node's single request does not count.
+        assert_eq!(loads[2], 0.1);
+    }
+
+    #[test]
+    fn a_capacity_is_an_absolute_override() {
+        let p = Params::default();
+        let mut i = input(0.2, 0.2, 8, 1.0);
+        i.capacity = 10;
+        let mut t = vec![InflightTracker::default()];
+        let loads = run(&p, &[i], &mut t);
+        assert_eq!(loads[0], 0.8);
+        assert_eq!(t[0].estimate.derivation, Derivation::Capacity);
+        // Under the CPU metric the count is ignored.
+        let cpu_only = Params {
+            metric: LoadMetric::Cpu,
+            ..Params::default()
+        };
+        let mut t = vec![InflightTracker::default()];
+        assert_eq!(run(&cpu_only, &[i], &mut t)[0], 0.2);
+        assert_eq!(t[0].estimate.derivation, Derivation::None);
+    }
+
+    /// A count stuck at 13 while the weight falls to the floor and the CPU is idle:
+    /// distrusted, then the load is the CPU; a count that then rises with the weight is
+    /// trusted again.
+    #[test]
+    fn a_count_that_does_not_follow_the_weight_is_distrusted() {
+        let p = Params::default();
+        let mut t = vec![InflightTracker::default(); 4];
+        let mut distrusted_at = None;
+        let mut w = 1.0;
+        for cycle in 0..20 {
+            let mut inputs: Vec<Input> = (0..3).map(|_| input(0.6, 0.6, 2, 1.0)).collect();
+            inputs.push(input(0.0, 0.0, 13, w));
+            let loads = run(&p, &inputs, &mut t);
+            if t[3].distrusted() {
+                distrusted_at.get_or_insert(cycle);
+                assert_eq!(loads[3], 0.0, "cycle {cycle}: the CPU alone");
+                assert!(!t[3].estimate.trusted);
+            } else {
+                assert!(loads[3] > 0.6, "cycle {cycle}: {loads:?}");
+            }
+            w = (w * 0.5).max(p.min_weight);
+        }
+        // 1 → 1/8 takes three halvings, then the count holds for three cycles.
+        assert_eq!(distrusted_at, Some(3 + UNRESPONSIVE_CYCLES as usize - 1));
+        // The weight comes back up and the count climbs with it: a hung node.
+        let mut inputs: Vec<Input> = (0..3).map(|_| input(0.6, 0.6, 2, 1.0)).collect();
+        inputs.push(input(0.0, 0.0, 40, 0.5));
+        for _ in 0..5 {
+            run(&p, &inputs, &mut t);
+        }
+        assert!(!t[3].distrusted() && t[3].estimate.binding);
+    }
+
+    /// A stalled node whose requests complete: its count falls with its weight, so it
+    /// is never distrusted, and it is not pinned at the floor by a count of zero.
+    #[test]
+    fn a_count_that_follows_the_weight_stays_trusted() {
+        let p = Params::default();
+        let mut t = vec![InflightTracker::default(); 4];
+        let mut w: f64 = 1.0;
+        for _ in 0..30 {
+            let mut inputs: Vec<Input> = (0..3).map(|_| input(0.6, 0.6, 2, 1.0)).collect();
+            // Latency 10× the others': 20 requests per unit of weight.
+            let held = (20.0 * w).round() as u32;
+            inputs.push(input(0.0, 0.0, held, w));
+            let loads = run(&p, &inputs, &mut t);
+            assert!(!t[3].distrusted());
+            // A crude controller: down while loaded above the average, up otherwise.
+            w = if loads[3] > 0.45 { w * 0.5 } else { w * 1.5 }.clamp(0.01, 10.0);
+        }
+        assert!(w < 0.2, "the stalled node keeps a small weight: {w}");
+    }
+}
