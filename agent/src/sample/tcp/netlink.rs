@@ -77,6 +77,10 @@ const MSG_RQUEUE: usize = 56;
 /// the event, counted in jiffies (4 ms steps at `HZ=250`).
 const TCPI_LAST_DATA_SENT: usize = 44;
 const TCPI_LAST_DATA_RECV: usize = 52;
+/// `tcpi_data_segs_in` and `tcpi_data_segs_out` (Linux 4.6 and later): segments that
+/// carried data, each way, since the connection began.
+const TCPI_DATA_SEGS_IN: usize = 152;
+const TCPI_DATA_SEGS_OUT: usize = 156;
 
 /// The receive buffer. The kernel sizes its dump chunks to the largest buffer a socket
 /// has received into (capped near 32 KiB), so 64 KiB always holds a whole chunk: an
@@ -393,17 +397,26 @@ pub(super) struct TcpTimes {
     pub(super) last_data_sent_ms: u32,
     /// `tcpi_last_data_recv`: since the socket last received data.
     pub(super) last_data_recv_ms: u32,
+    /// Whether the socket has received data but never sent any (`tcpi_data_segs_in >
+    /// 0`, `tcpi_data_segs_out == 0`); false on kernels whose `tcp_info` lacks them.
+    pub(super) never_answered: bool,
 }
 
 /// Whether the service owes a connection a response: it has bytes the service has not
 /// read (`rqueue > 0`), or it received data more recently than it sent any.
 ///
 /// Both ages are whole jiffies, so a request that arrives in the tick its predecessor's
-/// response left reads as equal; equal means "answered" (the safe reading for a fresh
-/// connection, whose two times are both set when it is accepted, and for an idle pooled
-/// one). Without `tcp_info` (`times` is `None`), only unread bytes count.
+/// response left reads as equal; equal means "answered" (the safe reading for an idle
+/// pooled connection), unless the connection has received data and never sent any: a
+/// fresh connection's send time is set when it is accepted, and a client that sends its
+/// request at once (every proxy does) lands in that same tick. Without `tcp_info`
+/// (`times` is `None`), only unread bytes count.
 pub(super) fn owes_response(rqueue: u32, times: Option<TcpTimes>) -> bool {
-    rqueue > 0 || times.is_some_and(|t| t.last_data_recv_ms < t.last_data_sent_ms)
+    rqueue > 0
+        || times.is_some_and(|t| {
+            t.last_data_recv_ms < t.last_data_sent_ms
+                || (t.last_data_recv_ms == t.last_data_sent_ms && t.never_answered)
+        })
 }
 
 /// Finds `INET_DIAG_INFO` among the netlink attributes that follow a record's `struct
@@ -440,9 +453,17 @@ pub(super) fn tcp_times(attrs: &[u8]) -> Result<Option<TcpTimes>, String> {
                     value.len()
                 ));
             };
+            let never_answered = matches!(
+                (
+                    ne_u32(value, TCPI_DATA_SEGS_IN),
+                    ne_u32(value, TCPI_DATA_SEGS_OUT)
+                ),
+                (Some(segs_in), Some(0)) if segs_in > 0
+            );
             return Ok(Some(TcpTimes {
                 last_data_sent_ms: sent,
                 last_data_recv_ms: recv,
+                never_answered,
             }));
         }
         let next = (len + 3) & !3;
@@ -883,10 +904,29 @@ mod tests {
             tcp_times(&odd).unwrap(),
             Some(TcpTimes {
                 last_data_sent_ms: 7,
-                last_data_recv_ms: 3
+                last_data_recv_ms: 3,
+                never_answered: false,
             })
         );
         assert_eq!(tcp_times(&[]).unwrap(), None);
+
+        // Equal ages: answered, unless data came in and none ever went out (a fresh
+        // connection whose request arrived in the tick it was accepted).
+        let mut fresh = tcp_info(500, 500);
+        fresh[TCPI_DATA_SEGS_IN..TCPI_DATA_SEGS_IN + 4].copy_from_slice(&1u32.to_ne_bytes());
+        let rec = msg(
+            SOCK_DIAG_BY_FAMILY,
+            7,
+            &record(1, 80, 0, &attr(INET_DIAG_INFO, &fresh)),
+        );
+        assert_eq!(parse(&rec, 7, &[80]).unwrap().owed, 1);
+        fresh[TCPI_DATA_SEGS_OUT..TCPI_DATA_SEGS_OUT + 4].copy_from_slice(&1u32.to_ne_bytes());
+        let rec = msg(
+            SOCK_DIAG_BY_FAMILY,
+            7,
+            &record(1, 80, 0, &attr(INET_DIAG_INFO, &fresh)),
+        );
+        assert_eq!(parse(&rec, 7, &[80]).unwrap().owed, 0);
     }
 
     #[test]
@@ -953,7 +993,7 @@ mod tests {
             for (kind, value) in &after {
                 attrs.extend(attr(*kind, value));
             }
-            let want = TcpTimes { last_data_sent_ms: sent, last_data_recv_ms: recv };
+            let want = TcpTimes { last_data_sent_ms: sent, last_data_recv_ms: recv, never_answered: false };
             prop_assert_eq!(tcp_times(&attrs), Ok(Some(want)));
             let rec = msg(SOCK_DIAG_BY_FAMILY, 1, &record(1, 80, 0, &attrs));
             let chunk = parse(&rec, 1, &[80]).unwrap();
