@@ -202,7 +202,7 @@ impl SkipReason {
             ),
             SkipReason::NoServingEndpoints => "no fresh endpoint is serving".to_string(),
             SkipReason::Settling => "the last cycle stepped weights to the capacity estimate; \
-                 weights are held one cycle while the load balancers apply them"
+                 weights are held while the load balancers apply them"
                 .to_string(),
             SkipReason::LoadJump { from, to } => format!(
                 "average load jumped from {from:.3} to {to:.3}: this cycle's reports \
@@ -663,23 +663,28 @@ pub const FEED_FORWARD_MIN_SPREAD: f64 = 0.1;
 /// in force says nothing about the capacity behind them.
 pub const FEED_FORWARD_STEADY: f64 = 0.05;
 /// Cycles after a feed-forward step whose weights are held: their reports were taken
-/// partly before the load balancers applied the step.
-pub const FEED_FORWARD_SETTLE: u64 = 1;
+/// partly before the load balancers applied the step. A new weight reaches the load
+/// balancers within a report interval or a health-check interval, and shows in the
+/// load a report later, so two cycles.
+pub const FEED_FORWARD_SETTLE: u64 = 2;
 /// Cycles after a feed-forward step before another may be taken: the controllers trim
 /// the first one, and a second would undo their work.
 pub const FEED_FORWARD_HOLDOFF: u64 = 10;
 
 /// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one
 /// has a new report (the caller checks that none is held), none is ramping up from a
-/// cold start or bound by its in-flight term (a stalled node's capacity is not its
-/// weight over its load), the average is high enough and the spread wide enough.
+/// cold start or stands out by its in-flight count against the fleet (a stalled node's
+/// capacity is not its weight over its load), the average is high enough and the
+/// spread wide enough.
 fn feed_forward_applies(fresh: &[&mut Endpoint], avg: f64) -> bool {
     if fresh.is_empty() || avg < FEED_FORWARD_MIN_AVG {
         return false;
     }
-    let calm = fresh
-        .iter()
-        .all(|e| !e.warming && !e.inflight.estimate.binding && !e.inflight.distrusted());
+    let calm = fresh.iter().all(|e| {
+        let stalled = e.inflight.estimate.binding
+            && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
+        !e.warming && !stalled && !e.inflight.distrusted()
+    });
     let spread = fresh
         .iter()
         .map(|e| (e.load - avg).abs() / avg)

@@ -605,7 +605,7 @@ fn a_real_new_level_is_steered_by_after_one_skipped_cycle() {
 }
 
 /// From equal weights, one feed-forward step puts a fleet of three speeds within a few
-/// per cent of balance; the cycle after it holds while the load balancers apply it, and
+/// per cent of balance; the two cycles after it hold while the load balancers apply it, and
 /// the controllers trim from there.
 #[test]
 fn feed_forward_steps_to_the_capacity_estimate() {
@@ -632,7 +632,12 @@ fn feed_forward_steps_to_the_capacity_estimate() {
         b.cycle(1000).remove(0)
     };
     assert_eq!(r.skipped, Some(SkipReason::Settling));
-    let settled = run_plant(&mut b, &speeds, 0.6, 2000, 2);
+    let r = {
+        report_all(&mut b, 2000, &[0.6; 10], &[]);
+        b.cycle(2000).remove(0)
+    };
+    assert_eq!(r.skipped, Some(SkipReason::Settling));
+    let settled = run_plant(&mut b, &speeds, 0.6, 3000, 2);
     assert!(
         settled < 1.001,
         "max/avg two cycles after the step: {settled}"
