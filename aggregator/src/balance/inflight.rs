@@ -47,10 +47,15 @@ pub const SMOOTHING: f64 = 0.4;
 /// before the in-flight term binds. Healthy endpoints of different speeds differ by
 /// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
 /// node by ten times or more.
-pub const TOLERANCE: f64 = 2.0;
+pub const TOLERANCE: f64 = 3.0;
 /// An endpoint with fewer requests than this in flight on average is not piling them
-/// up, whatever its weight: one request at a small weight is noise, not a stall.
-pub const MIN_INFLIGHT: f64 = 1.0;
+/// up: its count says nothing. Kept low on purpose: a stalled node held at a small
+/// weight has a small count, and its count per unit of weight is what keeps it there
+/// (a higher floor lets it climb back and be flooded again, in a cycle).
+pub const MIN_INFLIGHT: f64 = 0.25;
+/// A count must be at least this to be judged unresponsive: one that has drained to a
+/// request or less has followed the weight.
+pub const MIN_STUCK: f64 = 1.0;
 /// The typical in-flight per unit of weight is at least this, so that a nearly idle
 /// fleet does not turn one request into a large multiple.
 pub const MIN_TYPICAL: f64 = 0.5;
@@ -157,6 +162,9 @@ pub struct Input {
     pub inflight: u32,
     /// The published weight the load balancers applied while the count was taken.
     pub weight: f64,
+    /// Ramping up from a cold start: its few requests at a small weight are noise
+    /// against the fleet, so the count is not judged against it until it has warmed.
+    pub warming: bool,
 }
 
 /// What [`assess`] returns per endpoint.
@@ -218,6 +226,8 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
                 let term =
                     ballast_shared::load::inflight_utilization(input.inflight, input.capacity);
                 (Derivation::Capacity, 0.0, term)
+            } else if input.warming {
+                (Derivation::FleetRelative, 0.0, 0.0)
             } else {
                 let by_weight = per_weight(input, tracker) / typical_weight;
                 let by_cpu = per_cpu(input, tracker) / typical_cpu;
@@ -270,7 +280,7 @@ impl InflightTracker {
                 self.distrusted_at = None;
                 self.proven = true;
                 self.episode = Some((count, weight));
-            } else if count < MIN_INFLIGHT {
+            } else if count < MIN_STUCK {
                 self.distrusted_at = None;
                 self.episode = None;
                 self.proven = false;
@@ -279,7 +289,7 @@ impl InflightTracker {
         }
         if binding {
             self.episode.get_or_insert((count, weight));
-        } else if count < MIN_INFLIGHT {
+        } else if count < MIN_STUCK {
             self.episode = None;
             self.proven = false;
         }
@@ -287,7 +297,7 @@ impl InflightTracker {
             return false;
         };
         let weight_fell = weight <= (weight0 / UNRESPONSIVE_DROP).max(floor * 2.0);
-        let count_held = count >= count0 * UNRESPONSIVE_KEEP && count >= MIN_INFLIGHT;
+        let count_held = count >= count0 * UNRESPONSIVE_KEEP && count >= MIN_STUCK;
         if binding && !self.proven && weight_fell && count_held && idle {
             self.held_cycles += 1;
         } else {
@@ -313,6 +323,7 @@ mod tests {
             capacity: 0,
             inflight,
             weight,
+            warming: false,
         }
     }
 
@@ -355,7 +366,7 @@ mod tests {
             // 20/3 = 6.7× typical over a tolerance of 2, times the average CPU.
             let avg = (0.6 * 5.0 + 0.05) / 6.0;
             assert!(
-                (loads[5] - avg * 20.0 / 3.0 / 2.0).abs() < 1e-9,
+                (loads[5] - avg * 20.0 / 3.0 / TOLERANCE).abs() < 1e-9,
                 "{loads:?}"
             );
             assert!(fresh[5].estimate.binding);
@@ -365,18 +376,33 @@ mod tests {
     }
 
     #[test]
-    fn fewer_than_one_request_is_noise() {
+    fn a_fraction_of_a_request_or_a_warming_node_is_not_judged() {
         let p = Params::default();
         let inputs = vec![
             input(0.6, 0.6, 0, 1.0),
             input(0.6, 0.6, 0, 1.0),
             input(0.1, 0.1, 1, 0.1),
         ];
+        // A count that smooths to 0.18 (0.3, then an empty sample) is below
+        // MIN_INFLIGHT: it does not count.
         let mut t = vec![InflightTracker::default(); 3];
-        t[2].observe(0);
-        let loads = run(&p, &inputs, &mut t);
-        // Smoothed 0.4 < 1: the cold node's single request does not count.
+        t[2].smoothed = Some(0.3);
+        let mut drained = inputs.clone();
+        drained[2].inflight = 0;
+        let loads = run(&p, &drained, &mut t);
         assert_eq!(loads[2], 0.1);
+        // A warming node's single request at a tenth of the weight is not judged.
+        let mut warming = inputs.clone();
+        warming[2].warming = true;
+        let mut t = vec![InflightTracker::default(); 3];
+        let loads = run(&p, &warming, &mut t);
+        assert_eq!(loads[2], 0.1);
+        assert_eq!(t[2].estimate.term, 0.0);
+        // The same node once warm: one request per tenth of a weight against none
+        // elsewhere is an excess.
+        let mut t = vec![InflightTracker::default(); 3];
+        let loads = run(&p, &inputs, &mut t);
+        assert!(loads[2] > 0.1, "{loads:?}");
     }
 
     #[test]

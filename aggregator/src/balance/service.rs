@@ -264,6 +264,9 @@ pub struct ServiceStats {
     pub thin_feedback: bool,
     /// Feed-forward steps: cycles that moved weights straight to the capacity estimate.
     pub feed_forward_steps: u64,
+    /// Feed-forward steps put back because max/avg was worse after them; after one,
+    /// the service takes no more steps.
+    pub feed_forward_undone: u64,
     /// Times an endpoint's in-flight count was found not to follow its weight and was
     /// distrusted.
     pub inflight_distrusts: u64,
@@ -299,6 +302,18 @@ pub struct Service {
     settle_through: u64,
     /// The largest relative change of a controller weight in the last cycle.
     last_step: f64,
+    /// The weights a feed-forward step replaced, until the first update after it shows
+    /// whether it helped.
+    feed_forward_undo: Option<FeedForwardUndo>,
+}
+
+/// What a feed-forward step replaced.
+#[derive(Debug, Clone, PartialEq)]
+struct FeedForwardUndo {
+    /// Each stepped endpoint's controller weight before the step.
+    weights: BTreeMap<String, f64>,
+    /// max/avg of the loads the step was computed from.
+    max_over_avg: f64,
 }
 
 impl Service {
@@ -318,6 +333,7 @@ impl Service {
             feed_forward_from: 0,
             settle_through: 0,
             last_step: 0.0,
+            feed_forward_undo: None,
         }
     }
 
@@ -442,7 +458,9 @@ impl Service {
         }
         match skipped {
             None => {
-                self.update_pid(now, spread.avg);
+                if !self.undo_feed_forward(spread.max_over_avg) {
+                    self.update_pid(now, spread.avg);
+                }
                 self.stats.updates += 1;
                 self.weights_cycle = cycle;
             }
@@ -500,6 +518,7 @@ impl Service {
                 capacity: obs.capacity,
                 inflight: obs.inflight,
                 weight: ep.weight,
+                warming: ep.warming,
             };
             items.push((input, &mut ep.inflight));
             loads.push(&mut ep.load);
@@ -593,8 +612,24 @@ impl Service {
         if feed_forward {
             // Each endpoint's capacity is about its weight over its load: step straight
             // to weights in that proportion, and let the controllers trim from there.
+            // What the step replaces is kept, to be put back if it made things worse.
+            self.feed_forward_undo = Some(FeedForwardUndo {
+                weights: fresh
+                    .iter()
+                    .map(|e| (e.node.clone(), e.strategy_weight(Strategy::Pid)))
+                    .collect(),
+                max_over_avg: fresh.iter().map(|e| e.load).fold(0.0, f64::max) / avg,
+            });
             for ep in fresh.iter_mut() {
-                let factor = (avg / ep.load).clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
+                // A node that stands out by its in-flight count is stalled, not small:
+                // the controller, not the estimate, moves it.
+                let stalled = ep.inflight.estimate.binding
+                    && ep.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
+                let factor = if stalled {
+                    1.0
+                } else {
+                    (avg / ep.load).clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX)
+                };
                 let w = ep.strategy_weight(Strategy::Pid) * factor;
                 ep.strategy_weights.insert(Strategy::Pid, w);
                 ep.pid.reset();
@@ -650,7 +685,10 @@ impl Service {
 
 /// A feed-forward step moves no weight by more than this factor: a load near zero says
 /// little about how much more the endpoint could take.
-pub const FEED_FORWARD_MAX: f64 = 4.0;
+pub const FEED_FORWARD_MAX: f64 = 2.0;
+/// A step is kept if the first update after it finds max/avg's excess over 1 at most
+/// this share of what it was before the step.
+pub const FEED_FORWARD_KEEP: f64 = 0.5;
 /// Feed-forward needs an average load of at least this: enough traffic for the loads
 /// to say how each endpoint's capacity compares.
 pub const FEED_FORWARD_MIN_AVG: f64 = 0.1;
@@ -694,6 +732,29 @@ fn feed_forward_applies(fresh: &[&mut Endpoint], avg: f64) -> bool {
 }
 
 impl Service {
+    /// At the first update after a feed-forward step: if the step did not close at
+    /// least half of the excess of max/avg over 1 (traffic that does not follow the
+    /// weights, such as clients that each see a subset of the endpoints, defeats the
+    /// estimate), put the old weights back and take no more steps for this service.
+    /// Returns whether it did.
+    fn undo_feed_forward(&mut self, max_over_avg: f64) -> bool {
+        let Some(undo) = self.feed_forward_undo.take() else {
+            return false;
+        };
+        if max_over_avg - 1.0 <= FEED_FORWARD_KEEP * (undo.max_over_avg - 1.0) {
+            return false;
+        }
+        for (node, w) in &undo.weights {
+            if let Some(ep) = self.endpoints.get_mut(node) {
+                ep.strategy_weights.insert(Strategy::Pid, *w);
+                ep.pid.reset();
+            }
+        }
+        self.stats.feed_forward_undone += 1;
+        self.feed_forward_from = u64::MAX;
+        true
+    }
+
     fn publish_mixture(&mut self) {
         let gates = self.params.strategies.clone();
         for ep in self.endpoints.values_mut() {

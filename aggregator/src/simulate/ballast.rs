@@ -7,7 +7,20 @@
 //! materially, as the weight feeds do.
 
 use super::fleet::Measurement;
+use super::strategy::AgentConfig;
+use crate::balance::inflight::InflightEstimate;
 use crate::balance::{BalanceError, Balancer, CycleResult, Observation, Params};
+
+/// Counts of what the core made of the in-flight counts in one cycle.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InflightVerdicts {
+    /// Endpoints whose load was set by the in-flight term.
+    pub binding: u32,
+    /// Endpoints whose in-flight count is distrusted.
+    pub distrusted: u32,
+    /// Feed-forward steps so far.
+    pub feed_forward_steps: u64,
+}
 
 /// The one service the simulated fleet is.
 pub const SERVICE: &str = "sim";
@@ -18,6 +31,7 @@ pub struct BallastAdapter {
     balancer: Balancer,
     names: Vec<String>,
     seq: Vec<u32>,
+    agent: AgentConfig,
 }
 
 fn name(idx: usize) -> String {
@@ -26,12 +40,19 @@ fn name(idx: usize) -> String {
 }
 
 impl BallastAdapter {
-    /// A balancer at `now` with `endpoints` registered endpoints.
-    pub fn new(params: Params, endpoints: usize, now: u64) -> Result<Self, BalanceError> {
+    /// A balancer at `now` with `endpoints` registered endpoints, whose agents
+    /// measure in-flight requests as `agent` says.
+    pub fn new(
+        params: Params,
+        endpoints: usize,
+        now: u64,
+        agent: AgentConfig,
+    ) -> Result<Self, BalanceError> {
         let mut a = BallastAdapter {
             balancer: Balancer::new(params, now),
             names: Vec::new(),
             seq: Vec::new(),
+            agent,
         };
         for i in 0..endpoints {
             a.register(now, i)?;
@@ -62,8 +83,8 @@ impl BallastAdapter {
         let obs = Observation {
             seq: Some(*seq),
             cpu: m.cpu,
-            inflight: m.inflight,
-            capacity: m.capacity,
+            inflight: m.inflight.get(self.agent.measure),
+            capacity: self.agent.capacity,
             error_rate: Some(m.error_rate),
             draining: false,
         };
@@ -73,6 +94,27 @@ impl BallastAdapter {
     /// Runs the aggregator's cycle.
     pub fn cycle(&mut self, now: u64) -> Option<CycleResult> {
         self.balancer.cycle_service(now, SERVICE)
+    }
+
+    /// What the last cycle made of the in-flight counts: how many endpoints' loads
+    /// were set by their in-flight term, and how many terms are distrusted.
+    pub fn inflight_verdicts(&self) -> InflightVerdicts {
+        let mut v = InflightVerdicts::default();
+        if let Some(s) = self.balancer.service(SERVICE) {
+            for e in s.endpoints.values() {
+                v.binding += u32::from(e.inflight.estimate.binding);
+                v.distrusted += u32::from(e.inflight.distrusted());
+            }
+            v.feed_forward_steps = s.stats.feed_forward_steps;
+        }
+        v
+    }
+
+    /// The in-flight verdict of endpoint `idx` after the last cycle, if it is known.
+    pub fn inflight_estimate(&self, idx: usize) -> Option<InflightEstimate> {
+        let svc = self.balancer.service(SERVICE)?;
+        let node = self.names.get(idx)?;
+        svc.endpoints.get(node).map(|e| e.inflight.estimate)
     }
 
     /// The published weights by endpoint index (0 for an unknown endpoint).

@@ -268,3 +268,58 @@ pub fn watched(path: &Path, s: &ScenarioSummary, what: &str) -> Result<(), SimEr
         },
     )
 }
+
+/// The step response: max/avg of the load the weights imply (averaged over seeds) of
+/// every arm, with the 5 % band above the static oracle, up to
+/// [`super::step::SHOWN`] cycles after the disturbance.
+pub fn step_response(path: &Path, r: &super::step::StepResponse) -> Result<(), SimError> {
+    let end = r
+        .arms
+        .iter()
+        .map(|a| a.curve.len())
+        .min()
+        .unwrap_or(0)
+        .min(r.disturbance as usize + super::step::SHOWN);
+    let curve = |c: &[f64]| -> Vec<(f64, f64)> {
+        c.iter()
+            .take(end)
+            .enumerate()
+            .map(|(i, v)| (i as f64 + 1.0, v.max(0.9)))
+            .collect()
+    };
+    let mut lines: Vec<Line> = r
+        .arms
+        .iter()
+        .map(|a| Line {
+            label: a.label(),
+            points: curve(&a.curve),
+        })
+        .collect();
+    lines.push(Line {
+        label: "static weights + 5 %".to_string(),
+        points: (0..(r.disturbance as usize).min(end))
+            .map(|i| {
+                (
+                    i as f64 + 1.0,
+                    r.oracle_before * (1.0 + super::step::WITHIN),
+                )
+            })
+            .collect(),
+    });
+    let title = format!(
+        "{}: max/avg of the load the weights imply (mean of {} seeds)",
+        r.title, r.seeds
+    );
+    line_chart(
+        path,
+        &LineChart {
+            title: &title,
+            x_desc: "seconds",
+            y_desc: "max / avg",
+            x_max: end as f64,
+            y_floor: 0.9,
+            lines,
+            markers: vec![f64::from(r.disturbance)],
+        },
+    )
+}

@@ -4,8 +4,9 @@
 use super::fleet::{Fault, Fleet, CYCLE_MS, TICKS_PER_CYCLE, TICK_MS};
 use super::random::{stream, Stream};
 use super::scenario::{EventKind, Loss, Scenario};
-use super::strategy::{Strategy, StrategyKind};
+use super::strategy::{AgentConfig, Strategy, StrategyKind};
 use super::SimError;
+use crate::balance::inflight::InflightEstimate;
 use crate::balance::{Params, PidGains};
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -15,8 +16,8 @@ use rand::Rng;
 pub struct Recording {
     /// The strategy.
     pub kind: StrategyKind,
-    /// True load per endpoint per cycle, `max(cpu, mean in-flight / capacity)`;
-    /// endpoints that have not joined yet are absent (shorter rows).
+    /// True load per endpoint per cycle, `max(cpu, mean requests in flight /
+    /// SCORE_CAPACITY)`; endpoints that have not joined yet are absent (shorter rows).
     pub load: Vec<Vec<f64>>,
     /// CPU utilization per endpoint per cycle.
     pub cpu: Vec<Vec<f64>>,
@@ -36,6 +37,20 @@ pub struct Recording {
     pub watched_inflight: Vec<u32>,
     /// 99th percentile latency of requests completed from the disturbance on, in ms.
     pub p99_latency_ms: f64,
+    /// Each endpoint's cores × speed, by index, at the end of the run.
+    pub capacities: Vec<f64>,
+    /// Per cycle, max/avg of the load the weights in force imply (see
+    /// `Fleet::implied_max_over_avg`): the imbalance the weights cause, without
+    /// request noise.
+    pub implied: Vec<f64>,
+    /// Per cycle, how many endpoints' loads Ballast set by their in-flight term.
+    pub inflight_binding: Vec<u32>,
+    /// Per cycle, how many endpoints' in-flight counts Ballast distrusted.
+    pub inflight_distrusted: Vec<u32>,
+    /// Ballast's feed-forward steps over the run.
+    pub feed_forward_steps: u64,
+    /// The watched endpoint's in-flight verdict after each cycle, from Ballast.
+    pub watched_estimate: Vec<Option<InflightEstimate>>,
 }
 
 /// Gilbert–Elliott loss: each endpoint's report path is good or bad, and bad paths
@@ -107,7 +122,9 @@ pub fn simulate_with(
 
     let mut fleet = Fleet::new(&scenario.fleet, &mut fleet_rng, &mut arrivals);
     params.validate()?;
-    let mut strategy = Strategy::new(kind, params, fleet.endpoints.len(), 0)?;
+    let capacities: Vec<f64> = fleet.endpoints.iter().map(|e| e.cores * e.speed).collect();
+    let agent = AgentConfig::of(&scenario.fleet);
+    let mut strategy = Strategy::new(kind, params, &capacities, 0, agent)?;
     strategy.publish(&mut fleet.clients, &mut picker);
     let mut loss = LossModel::new(scenario.loss);
     let initial_clients = fleet.clients.len();
@@ -133,6 +150,12 @@ pub fn simulate_with(
         watched: None,
         watched_inflight: Vec::with_capacity(cycles),
         p99_latency_ms: 0.0,
+        capacities: Vec::new(),
+        implied: Vec::with_capacity(cycles),
+        inflight_binding: Vec::with_capacity(cycles),
+        inflight_distrusted: Vec::with_capacity(cycles),
+        feed_forward_steps: 0,
+        watched_estimate: Vec::with_capacity(cycles),
     };
 
     for cycle in 0..scenario.cycles {
@@ -152,7 +175,8 @@ pub fn simulate_with(
                 }
                 EventKind::Join { speed } => {
                     let idx = fleet.join(speed, start, &mut fleet_rng);
-                    strategy.join(start, idx)?;
+                    let e = &fleet.endpoints[idx];
+                    strategy.join(start, idx, e.cores * e.speed)?;
                     watched = Some(idx);
                 }
                 EventKind::DegradeIo { share } => {
@@ -167,6 +191,7 @@ pub fn simulate_with(
             }
         }
         strategy.publish(&mut fleet.clients, &mut picker);
+        rec.implied.push(fleet.implied_max_over_avg());
         if cycle == scenario.disturbance {
             fleet.reset_latency();
         }
@@ -213,10 +238,17 @@ pub fn simulate_with(
         let outcome = strategy.cycle(end);
         strategy.publish(&mut fleet.clients, &mut picker);
         rec.skipped.push(outcome.skipped);
+        let v = strategy.inflight_verdicts().unwrap_or_default();
+        rec.inflight_binding.push(v.binding);
+        rec.inflight_distrusted.push(v.distrusted);
+        rec.feed_forward_steps = v.feed_forward_steps;
+        rec.watched_estimate
+            .push(watched.and_then(|w| strategy.inflight_estimate(w)));
         rec.weights.push(strategy.weights().map(<[f64]>::to_vec));
     }
     rec.watched = watched;
     rec.p99_latency_ms = fleet.latency.quantile(0.99);
+    rec.capacities = fleet.endpoints.iter().map(|e| e.cores * e.speed).collect();
     Ok(rec)
 }
 

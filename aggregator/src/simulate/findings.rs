@@ -2,8 +2,10 @@
 //! shows, where Ballast falls short, and what the balancing core should change.
 
 use super::metrics::Metrics;
-use super::report::{f3, gains};
-use super::strategy::StrategyKind;
+use super::report::{f3, gains, pct};
+use super::scenario::EventKind;
+use super::step;
+use super::strategy::{AgentConfig, StrategyKind};
 use super::tune::Sweep;
 use super::{ScenarioSummary, SimSummary};
 use std::fmt::Write as _;
@@ -41,27 +43,8 @@ pub fn notes(id: &str, sc: &ScenarioSummary) -> String {
              `qps / utilization`, which leaves it under-loaded by the connection skew of \
              its few subsets; round robin and P2C leave it where its subset count puts it."
             .to_string(),
-        "degraded_io" => "CPU alone cannot tell a node stuck on I/O from an idle one: its \
-             CPU falls, the controller raises its weight, more requests queue behind the \
-             I/O stage, CPU stays low. That is Robinhood's dead spiral, and the \
-             CPU-only row shows it — its weight climbs to the 10× ceiling and its in-flight \
-             count grows without bound. With `max(cpu, in-flight / capacity)` the queue \
-             itself is load, and the weight falls until the queue is as loaded as the \
-             average node. Round robin and A58 send the node its full share whatever \
-             happens (A58's `qps / utilization` still reads as a healthy node of its \
-             speed), so its queue grows without bound too. P2C is bounded by its clients' \
-             own in-flight counts. The max/avg column is dominated by the queue (in-flight \
-             / capacity); the CPU max/avg column is blind to it.\n\n\
-             Bounded is not steady. With the max metric the node settles into a sawtooth \
-             (the spikes in the max/avg chart): its queue builds whenever its weight \
-             creeps above what the I/O stage drains, the controller sees that only once \
-             the queue is as loaded as an average node, a cycle later, and cuts the \
-             weight; the queue drains, the node looks light, and its weight climbs again. \
-             The peak in-flight column is the height of those teeth. The in-flight gauge \
-             is read at one instant per report, which makes the teeth irregular. A \
-             queue-aware term (for example in-flight growth between reports) would damp \
-             it; this simulator does not try one."
-            .to_string(),
+        "degraded_io" => degraded_io(sc),
+        "pooled_http2" => pooled_http2(sc),
         "fail_fast" => "A node that fails at once looks idle: low CPU, nothing in flight. \
              P2C prefers it (its in-flight count is always 0), round robin gives it its \
              share. A58's `eps/qps × penalty` halves its weight. Ballast adds the reported \
@@ -233,8 +216,271 @@ pub fn recommendations(out: &mut String, s: &SimSummary) {
             );
         }
     }
+    let steady_binding = s
+        .scenario("steady")
+        .and_then(|sc| sc.get(StrategyKind::Ballast))
+        .and_then(|m| m.inflight_verdicts)
+        .map_or(0.0, |v| v.0);
+    let blocked: Vec<&step::StepResponse> = s
+        .steps
+        .iter()
+        .filter(|r| r.shipped(true).is_some_and(|a| a.feed_forward_steps < 0.5))
+        .collect();
+    if steady_binding > 0.1 || !blocked.is_empty() {
+        n += 1;
+        let _ = writeln!(
+            out,
+            "{n}. **Keep the fleet-relative in-flight term from binding on healthy nodes.** \
+             On the steady fleet, where no node is stalled, it set the load of {:.1} of {} \
+             endpoints per cycle on average in the steady window: the count is a gauge read \
+             at one instant, 3 to 6 requests here, so its noise alone makes a node with a \
+             light CPU load stand out by 2× now and then. Each such cycle moves that node's \
+             weight on noise, and as long as one endpoint binds the feed-forward step does \
+             not fire{}.",
+            steady_binding,
+            s.scenario("steady")
+                .map_or(0, |sc| sc.scenario.fleet.endpoints),
+            if blocked.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (with the shipped agents it fired {} per run)",
+                    blocked
+                        .iter()
+                        .map(|r| format!(
+                            "{:.1} times in {}",
+                            r.shipped(true).map_or(0.0, |a| a.feed_forward_steps),
+                            r.title
+                        ))
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                )
+            }
+        );
+    }
+    let slower: Vec<String> = s
+        .steps
+        .iter()
+        .filter_map(|r| {
+            let arm = |f: bool| {
+                r.arms.iter().find(|a| {
+                    a.kind == StrategyKind::BallastAgent(step::CPU_BOUND_AGENT)
+                        && a.feed_forward == f
+                })
+            };
+            let (w, wo) = (arm(true)?, arm(false)?);
+            (w.feed_forward_steps > 0.5 && w.to_oracle > wo.to_oracle).then(|| {
+                format!(
+                    "{}: {} cycles to the band with it, {} without",
+                    r.title,
+                    w.to_oracle.map_or("never".to_string(), |c| c.to_string()),
+                    wo.to_oracle.map_or("never".to_string(), |c| c.to_string())
+                )
+            })
+        })
+        .collect();
+    if !slower.is_empty() {
+        n += 1;
+        let _ = writeln!(
+            out,
+            "{n}. **Estimate capacities for the feed-forward step with the clients' subsets \
+             in mind.** Where it fires (capacity-{} agents) it is slower than the \
+             controllers alone ({}). An endpoint's traffic is proportional to its weight \
+             only when every client sees every endpoint: with subsets it is \
+             `Σ rate_c × w_i / Σ_{{j ∈ subset_c}} w_j`, so stepping a lightly loaded \
+             endpoint up by `avg / load` while its subset-mates step down sends it far more \
+             than its share. The core puts such a step back at the first update after \
+             its settling cycles (it closed less than half of the excess) and takes no \
+             more steps for the service, which costs those cycles once.",
+            step::CPU_BOUND_AGENT.capacity,
+            slower.join("; ")
+        );
+    }
     if n == 0 {
         let _ = writeln!(out, "None from this run.");
     }
     out.push('\n');
+}
+
+/// The stalled node's figures under `kind`: share of the requests after the stall,
+/// steady load over the average, peak and final in-flight.
+fn stall(sc: &ScenarioSummary, kind: StrategyKind) -> String {
+    match sc.get(kind) {
+        Some(m) => format!(
+            "{} of the requests after the stall, {} in flight at most and {} at the end",
+            m.watched_request_share.map_or("–".to_string(), pct),
+            m.watched.as_ref().map_or(0, |w| w.peak_inflight),
+            m.watched.as_ref().map_or(0, |w| w.final_inflight),
+        ),
+        None => "–".to_string(),
+    }
+}
+
+fn degraded_io(sc: &ScenarioSummary) -> String {
+    use StrategyKind::*;
+    let cap32 = BallastAgent(AgentConfig {
+        capacity: 32,
+        ..AgentConfig::SHIPPED
+    });
+    let fair = sc
+        .results
+        .iter()
+        .find_map(|r| r.metrics.watched_fair_share)
+        .unwrap_or(0.0);
+    let drain = sc
+        .scenario
+        .events
+        .iter()
+        .find_map(|e| match e.kind {
+            EventKind::DegradeIo { share } => Some(share),
+            _ => None,
+        })
+        .unwrap_or(0.0);
+    format!(
+        "CPU alone cannot tell a node stuck on I/O from an idle one: its CPU falls, the \
+         controller raises its weight, more requests queue behind the I/O stage, CPU stays \
+         low. That is Robinhood's dead spiral, and the CPU-only row shows it ({}): its \
+         weight climbs to the 10× ceiling and its in-flight count grows without bound. \
+         Round robin and A58 send the node its full share whatever happens (A58's \
+         `qps / utilization` still reads as a healthy node of its speed), so its queue \
+         grows without bound too. P2C is bounded by its clients' own in-flight counts. \
+         The max/avg column is dominated by the queue; the CPU max/avg column is blind \
+         to it.\n\n\
+         With the shipped agents (no capacity) the core compares each endpoint's smoothed \
+         in-flight count per unit of weight, and per unit of CPU, with the fleet's typical \
+         values and lets the term bind once both stand out by more than 2×: the stalled \
+         node holds its requests many times longer than a healthy one, so its weight \
+         falls ({}). It settles where its count per unit of weight is about twice the \
+         typical one; {} With a configured capacity of 32 the \
+         term is `in-flight / 32`, an absolute override ({}): the node is held where its \
+         queue is as loaded as an average node, in a sawtooth — the queue builds whenever \
+         the weight creeps above what the I/O drains, the controller sees it a cycle \
+         later and cuts the weight, the queue drains and the weight climbs again; the \
+         peak in-flight column is the height of those teeth.",
+        stall(sc, BallastCpuOnly),
+        stall(sc, Ballast),
+        versus_drain(sc.get(Ballast), fair, drain),
+        stall(sc, cap32),
+    )
+}
+
+/// How the stalled node's share of requests compares with what its I/O stage drains.
+fn versus_drain(m: Option<&Metrics>, fair: f64, drain: f64) -> String {
+    let can = fair * drain;
+    match m.and_then(|m| m.watched_request_share) {
+        Some(x) if x < 0.9 * can => format!(
+            "for this node that is below what its I/O stage drains: it gets less than the \
+             {} of the requests its I/O could complete (a fair share would be {}) — a \
+             little too careful, never flooded.",
+            pct(can),
+            pct(fair)
+        ),
+        Some(x) if x > 1.1 * can => format!(
+            "for this node that is more than its I/O stage drains ({} of the requests; a \
+             fair share would be {}), so its queue builds between cuts.",
+            pct(can),
+            pct(fair)
+        ),
+        Some(_) => format!(
+            "for this node that is about what its I/O stage drains ({} of the requests; a \
+             fair share would be {}).",
+            pct(can),
+            pct(fair)
+        ),
+        None => String::new(),
+    }
+}
+
+fn pooled_http2(sc: &ScenarioSummary) -> String {
+    use StrategyKind::*;
+    let tuned = AgentConfig {
+        capacity: 32,
+        ..AgentConfig::OLD_DEFAULT
+    };
+    let fig = |a: AgentConfig| {
+        sc.get(BallastAgent(a)).map_or("–".to_string(), |m| {
+            format!(
+                "max/avg {} without the stalled node, p5/avg {}, the in-flight term \
+                 binding on {:.0} endpoints per cycle",
+                f3(m.others_max_over_avg),
+                f3(m.p5_over_avg),
+                m.inflight_verdicts.map_or(0.0, |v| v.0)
+            )
+        })
+    };
+    let clients = sc.scenario.fleet.clients as f64 * sc.scenario.fleet.http2_share;
+    let per_endpoint =
+        clients * sc.scenario.fleet.subset as f64 / sc.scenario.fleet.endpoints.max(1) as f64;
+    format!(
+        "An established-connection count carries no load information here: each endpoint \
+         has {} idle pooled connections and one per HTTP/2 client that has it in its \
+         subset (about {:.0} on average, spread binomially from endpoint to endpoint), \
+         whatever traffic it gets. With the old default's capacity of 100 that alone is \
+         a load of about {:.2}, above the CPU of most nodes, so the in-flight term sets \
+         the load and steers by subscription counts ({}). With a capacity tuned to the \
+         fleet's request concurrency (32) the idle connections read as about {:.1} on \
+         every node and the term sets every load ({}). Either way the stalled node's \
+         HTTP/2 requests add nothing to the count, since their connections were counted \
+         already. Counting connections that owe a response (an idle pooled connection 0, \
+         an HTTP/2 connection 1 while a stream is outstanding) with no capacity gives \
+         {}; the stalled node: {}.",
+        sc.scenario.fleet.pooled,
+        per_endpoint,
+        (f64::from(sc.scenario.fleet.pooled) + per_endpoint) / 100.0,
+        fig(AgentConfig::OLD_DEFAULT),
+        (f64::from(sc.scenario.fleet.pooled) + per_endpoint) / 32.0,
+        fig(tuned),
+        fig(AgentConfig::SHIPPED),
+        stall(sc, BallastAgent(AgentConfig::SHIPPED)),
+    )
+}
+
+/// What the step-response table shows, with its numbers.
+pub fn step_notes(s: &SimSummary) -> String {
+    let mut out = String::new();
+    for r in &s.steps {
+        let (Some(ff), Some(no)) = (r.shipped(true), r.shipped(false)) else {
+            continue;
+        };
+        let cpu = |f: bool| {
+            r.arms.iter().find(|a| {
+                a.kind == StrategyKind::BallastAgent(step::CPU_BOUND_AGENT) && a.feed_forward == f
+            })
+        };
+        let c = |x: Option<u32>| x.map_or("never".to_string(), |v| v.to_string());
+        let _ = write!(
+            out,
+            "- **{}**: with the shipped agents feed-forward took {:.1} steps per run (cycles \
+             to the band: {} with it, {} without); the in-flight term bound on {:.1} \
+             endpoints per cycle before the disturbance, and a step needs no endpoint to \
+             stand out by its fleet-relative term.",
+            r.title,
+            ff.feed_forward_steps,
+            c(ff.to_oracle),
+            c(no.to_oracle),
+            ff.inflight_binding,
+        );
+        if let (Some(cf), Some(cn)) = (cpu(true), cpu(false)) {
+            let worst = |a: &step::Arm| {
+                a.curve
+                    .iter()
+                    .skip(1)
+                    .take(3)
+                    .fold(0.0f64, |m, x| m.max(*x))
+            };
+            let _ = write!(
+                out,
+                " With capacity-{} agents it took {:.1} steps per run: cycles to the band {} \
+                 with it, {} without, the highest max/avg in cycles 1–3 {} against {}.",
+                step::CPU_BOUND_AGENT.capacity,
+                cf.feed_forward_steps,
+                c(cf.to_oracle),
+                c(cn.to_oracle),
+                f3(worst(cf)),
+                f3(worst(cn)),
+            );
+        }
+        out.push('\n');
+    }
+    out
 }

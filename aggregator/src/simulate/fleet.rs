@@ -9,6 +9,13 @@
 //! least-request pickers and the dead spiral need. Completions inside a tick are
 //! resolved exactly by tracking virtual time, so short requests do not waste the rest
 //! of their tick.
+//!
+//! The agent's in-flight count is modelled as what its source would see
+//! ([`InflightMeasure`]): the true request count (a service-side gauge), established
+//! TCP connections (the old TCP source, which counts idle pooled and multiplexed
+//! connections as busy), or connections that owe a response (the new TCP source).
+//! Scoring never uses what the agent sees: the true load is
+//! `max(cpu, mean requests in flight / SCORE_CAPACITY)` whatever the agent reports.
 
 use super::random::{exponential, lognormal, normal, Alias, Normals};
 use super::scenario::FleetSpec;
@@ -26,6 +33,64 @@ pub const CYCLE_MS: u64 = 1000;
 pub const TICKS_PER_CYCLE: u64 = CYCLE_MS / TICK_MS;
 /// CPU cost of a failed request relative to a served one.
 const FAIL_COST: f64 = 0.05;
+/// The in-flight count that scores as fully busy in the true load
+/// (`max(cpu, mean requests in flight / SCORE_CAPACITY)`), whatever capacity the
+/// agents are configured with, so that runs whose agents differ are scored alike.
+/// Four requests per core of the 8-core endpoints: at 45 % CPU an endpoint holds 3 to
+/// 6 requests, so the term only matters once requests queue, as on a stalled node.
+pub const SCORE_CAPACITY: f64 = 32.0;
+
+/// What the agent's in-flight source counts on an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InflightMeasure {
+    /// The true number of requests in flight, as a service-side gauge (a Prometheus
+    /// metric of the service itself) reports it.
+    Requests,
+    /// Established TCP connections, the old TCP source: idle pooled connections of
+    /// the proxy tier, one connection per HTTP/2 client that has the endpoint in its
+    /// subset, and one per HTTP/1 request in flight — whether or not they carry load.
+    Established,
+    /// Connections that owe a response, the new TCP source: an HTTP/1 request holds
+    /// its own connection, so it counts 1; an HTTP/2 connection counts 1 while it has
+    /// at least one outstanding stream; an idle connection counts 0.
+    #[default]
+    Owed,
+}
+
+impl InflightMeasure {
+    /// How the report tables name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            InflightMeasure::Requests => "requests",
+            InflightMeasure::Established => "established connections",
+            InflightMeasure::Owed => "connections owing a response",
+        }
+    }
+}
+
+/// One report's in-flight count under every measure, so that strategies whose agents
+/// are configured differently can share one run of the fleet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InflightCounts {
+    /// Requests in flight (on the CPU and waiting for I/O).
+    pub requests: u32,
+    /// Established connections.
+    pub established: u32,
+    /// Connections that owe a response.
+    pub owed: u32,
+}
+
+impl InflightCounts {
+    /// The count `measure` sees.
+    pub fn get(&self, measure: InflightMeasure) -> u32 {
+        match measure {
+            InflightMeasure::Requests => self.requests,
+            InflightMeasure::Established => self.established,
+            InflightMeasure::Owed => self.owed,
+        }
+    }
+}
 
 /// A request inside an endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -38,6 +103,9 @@ struct Job {
     slot: u32,
     arrived_ms: u64,
     error: bool,
+    /// Whether it came on a multiplexed HTTP/2 connection rather than a connection
+    /// of its own.
+    http2: bool,
 }
 
 impl PartialEq for Job {
@@ -94,10 +162,9 @@ pub struct Window {
 pub struct Measurement {
     /// CPU utilization over the window, with measurement noise.
     pub cpu: f64,
-    /// In-flight requests at the moment of the report (a gauge, as the agent reads it).
-    pub inflight: u32,
-    /// The configured in-flight capacity.
-    pub capacity: u32,
+    /// The in-flight count at the moment of the report (a gauge, as the agent reads
+    /// it), under each measure an agent's source may take.
+    pub inflight: InflightCounts,
     /// Completions per second over the window.
     pub qps: f64,
     /// Failures per second over the window.
@@ -113,8 +180,14 @@ pub struct Endpoint {
     pub speed: f64,
     /// Cores.
     pub cores: f64,
-    /// In-flight capacity, for the load metric.
-    pub capacity: u32,
+    /// Idle connections the proxy tier keeps open to it, whatever the traffic.
+    pub pooled: u32,
+    /// HTTP/2 clients with it in their subset: one connection each.
+    pub http2_connections: u32,
+    /// HTTP/2 clients with at least one request in flight to it.
+    pub http2_active: u32,
+    /// Requests in flight that came on HTTP/1 connections of their own.
+    pub http1_inflight: u32,
     /// The tick within each cycle at which its agent reports.
     pub phase: u64,
     /// The injected fault.
@@ -146,7 +219,10 @@ impl Endpoint {
         Endpoint {
             speed,
             cores: f64::from(spec.cores.max(1)),
-            capacity: spec.capacity,
+            pooled: spec.pooled,
+            http2_connections: 0,
+            http2_active: 0,
+            http1_inflight: 0,
             phase,
             fault: Fault::None,
             report: w,
@@ -163,8 +239,24 @@ impl Endpoint {
         self.ps.len() + self.io.len()
     }
 
+    /// What each in-flight source sees now.
+    pub fn inflight_counts(&self) -> InflightCounts {
+        let sat = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        InflightCounts {
+            requests: sat(self.inflight()),
+            established: self
+                .pooled
+                .saturating_add(self.http2_connections)
+                .saturating_add(self.http1_inflight),
+            owed: self.http1_inflight.saturating_add(self.http2_active),
+        }
+    }
+
     fn admit(&mut self, mut job: Job) {
         self.report.arrivals += 1;
+        if !job.http2 {
+            self.http1_inflight += 1;
+        }
         self.metric.arrivals += 1;
         match self.fault {
             Fault::None => {
@@ -220,6 +312,9 @@ impl Endpoint {
                 let latency_ms = end_ms.saturating_sub(job.arrived_ms);
                 self.report.completions += 1;
                 self.metric.completions += 1;
+                if !job.http2 {
+                    self.http1_inflight = self.http1_inflight.saturating_sub(1);
+                }
                 if job.error {
                     self.report.errors += 1;
                     self.metric.errors += 1;
@@ -256,8 +351,7 @@ impl Endpoint {
         let secs = span / 1000.0;
         Measurement {
             cpu,
-            inflight: u32::try_from(self.inflight()).unwrap_or(u32::MAX),
-            capacity: self.capacity,
+            inflight: self.inflight_counts(),
             qps: f64::from(w.completions) / secs,
             eps: f64::from(w.errors) / secs,
             error_rate: if w.completions > 0 {
@@ -269,8 +363,8 @@ impl Endpoint {
     }
 
     /// Closes the cycle-aligned window at `now` and returns the true load over it,
-    /// `max(cpu, mean in-flight / capacity)`, without measurement noise, the CPU
-    /// utilization alone, and the window's counters.
+    /// `max(cpu, mean requests in flight / SCORE_CAPACITY)`, without measurement
+    /// noise, the CPU utilization alone, and the window's counters.
     pub fn take_metric(&mut self, now: u64) -> (f64, f64, Window) {
         let w = std::mem::replace(
             &mut self.metric,
@@ -281,11 +375,7 @@ impl Endpoint {
         );
         let span = now.saturating_sub(w.start_ms).max(1) as f64;
         let cpu = w.busy_core_ms / (self.cores * span);
-        let inflight = if self.capacity > 0 {
-            w.inflight_ms / span / f64::from(self.capacity)
-        } else {
-            0.0
-        };
+        let inflight = w.inflight_ms / span / SCORE_CAPACITY;
         (cpu.max(inflight), cpu, w)
     }
 }
@@ -297,6 +387,9 @@ pub struct Client {
     pub subset: Vec<u32>,
     /// Its requests in flight to each subset slot.
     pub inflight: Vec<u32>,
+    /// Whether it multiplexes its requests to an endpoint on one HTTP/2 connection
+    /// (a gRPC client); otherwise each request holds a connection of its own.
+    pub http2: bool,
     /// Requests per ms.
     pub rate: f64,
     /// The strategy's per-client state.
@@ -405,13 +498,25 @@ impl Fleet {
             .map(|_| lognormal(rng, 1.0, self.spec.client_rate_sigma))
             .collect();
         let sum: f64 = raw.iter().sum::<f64>().max(1e-12);
-        for r in raw {
+        let share = self.spec.http2_share.clamp(0.0, 1.0);
+        for (i, r) in raw.into_iter().enumerate() {
             let subset: Vec<u32> = rand::seq::index::sample(rng, n, s)
                 .into_iter()
                 .map(|i| i as u32)
                 .collect();
+            // Every 1/share-th client speaks HTTP/2: a fixed stride rather than a coin
+            // flip, so that the fleet's random stream is the same whatever the share.
+            let http2 = ((i + 1) as f64 * share).floor() > (i as f64 * share).floor();
+            if http2 {
+                for &e in &subset {
+                    if let Some(ep) = self.endpoints.get_mut(e as usize) {
+                        ep.http2_connections += 1;
+                    }
+                }
+            }
             self.clients.push(Client {
                 inflight: vec![0; subset.len()],
+                http2,
                 picker: PickerState::new(subset.len(), rng),
                 subset,
                 rate: r / sum * rate,
@@ -453,6 +558,9 @@ impl Fleet {
                 c.subset.push(idx as u32);
                 c.inflight.push(0);
                 c.picker.add_slot();
+                if c.http2 {
+                    self.endpoints[idx].http2_connections += 1;
+                }
             }
         }
         idx
@@ -489,13 +597,18 @@ impl Fleet {
                 continue;
             };
             client.inflight[slot] += 1;
-            self.endpoints[ep as usize].admit(Job {
+            let endpoint = &mut self.endpoints[ep as usize];
+            if client.http2 && client.inflight[slot] == 1 {
+                endpoint.http2_active += 1;
+            }
+            endpoint.admit(Job {
                 finish: 0.0,
                 cost,
                 client: c as u32,
                 slot: slot as u32,
                 arrived_ms: now,
                 error: false,
+                http2: client.http2,
             });
         }
         let dt = TICK_MS as f64;
@@ -507,11 +620,47 @@ impl Fleet {
             if let Some(c) = self.clients.get_mut(d.client as usize) {
                 if let Some(n) = c.inflight.get_mut(d.slot as usize) {
                     *n = n.saturating_sub(1);
+                    if c.http2 && *n == 0 {
+                        let ep = c.subset.get(d.slot as usize).copied();
+                        if let Some(e) = ep.and_then(|i| self.endpoints.get_mut(i as usize)) {
+                            e.http2_active = e.http2_active.saturating_sub(1);
+                        }
+                    }
                 }
             }
             self.latency.record(d.latency_ms);
         }
         self.done = done;
+    }
+
+    /// Max/avg of the CPU load the clients' current weights imply: each endpoint's
+    /// expected request rate (every client's rate split over its subset by its
+    /// scheduler's weights) times the mean cost, over its cores × speed. It is the
+    /// imbalance the weights themselves cause, without the request noise of a
+    /// one-second measurement and without queues, so a step response read from it
+    /// counts cycles of the controller rather than luck of the draw.
+    pub fn implied_max_over_avg(&self) -> f64 {
+        let mut rate = vec![0.0; self.endpoints.len()];
+        for c in &self.clients {
+            let w = c.picker.weights();
+            let sum: f64 = w.iter().filter(|x| x.is_finite() && **x > 0.0).sum();
+            for (slot, &e) in c.subset.iter().enumerate() {
+                let share = match w.get(slot) {
+                    _ if sum <= 0.0 => 1.0 / c.subset.len() as f64,
+                    Some(&x) if x.is_finite() && x > 0.0 => x / sum,
+                    _ => 0.0,
+                };
+                if let Some(r) = rate.get_mut(e as usize) {
+                    *r += c.rate * share;
+                }
+            }
+        }
+        let loads: Vec<f64> = rate
+            .iter()
+            .zip(&self.endpoints)
+            .map(|(r, e)| r * self.spec.mean_cost_ms / (e.cores * e.speed))
+            .collect();
+        crate::balance::Spread::of(&loads).max_over_avg
     }
 
     /// Forgets the latencies recorded so far.
@@ -539,6 +688,7 @@ mod tests {
                 slot: i,
                 arrived_ms: 0,
                 error: false,
+                http2: false,
             });
         }
         let mut done = Vec::new();
@@ -562,11 +712,60 @@ mod tests {
                 slot: 0,
                 arrived_ms: t * 10,
                 error: false,
+                http2: false,
             });
             e.advance((t + 1) * 10, 10.0, &mut done);
         }
         assert!(e.inflight() > 80, "in flight {}", e.inflight());
         assert!(done.len() <= 11);
+    }
+
+    #[test]
+    fn each_source_counts_what_it_sees() {
+        let spec = FleetSpec {
+            endpoints: 1,
+            clients: 4,
+            subset: 1,
+            pooled: 5,
+            http2_share: 0.5,
+            ..FleetSpec::default()
+        };
+        let mut rng =
+            crate::simulate::random::stream(1, "counts", crate::simulate::random::Stream::Fleet);
+        let mut arrivals = rng.clone();
+        let mut fleet = Fleet::new(&spec, &mut rng, &mut arrivals);
+        assert_eq!(fleet.clients.iter().filter(|c| c.http2).count(), 2);
+        let idle = fleet.endpoints[0].inflight_counts();
+        // Idle: the pool and the two HTTP/2 connections are established, nothing is owed.
+        assert_eq!((idle.requests, idle.established, idle.owed), (0, 7, 0));
+        // Three requests from one HTTP/2 client, two from one HTTP/1 client.
+        let h2 = fleet.clients.iter().position(|c| c.http2).unwrap_or(0);
+        let h1 = fleet.clients.iter().position(|c| !c.http2).unwrap_or(0);
+        for (c, n) in [(h2, 3), (h1, 2)] {
+            for _ in 0..n {
+                let http2 = fleet.clients[c].http2;
+                fleet.clients[c].inflight[0] += 1;
+                if http2 && fleet.clients[c].inflight[0] == 1 {
+                    fleet.endpoints[0].http2_active += 1;
+                }
+                fleet.endpoints[0].admit(Job {
+                    finish: 0.0,
+                    cost: 1e6,
+                    client: c as u32,
+                    slot: 0,
+                    arrived_ms: 0,
+                    error: false,
+                    http2,
+                });
+            }
+        }
+        let busy = fleet.endpoints[0].inflight_counts();
+        assert_eq!(busy.requests, 5);
+        // Established: the pool, two HTTP/2 connections, two HTTP/1 requests.
+        assert_eq!(busy.established, 9);
+        // Owed: one per HTTP/1 request, one for the HTTP/2 client with streams open.
+        assert_eq!(busy.owed, 3);
+        assert_eq!(busy.get(InflightMeasure::Owed), 3);
     }
 
     #[test]

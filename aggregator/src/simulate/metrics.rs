@@ -1,4 +1,4 @@
-//! The figures of issue 3, derived from a run's recording.
+//! The balance figures, derived from a run's recording.
 //!
 //! Request-level noise is large at one-second resolution (a few hundred heavy-tailed
 //! requests per endpoint per second), so every figure says over what it averages:
@@ -22,6 +22,9 @@ pub const SETTLE_BAND: f64 = 0.05;
 pub const OVERSHOOT_HORIZON: usize = 30;
 /// Trailing window of the charts and the 5 s ratio, in cycles.
 pub const CHART_WINDOW: usize = 5;
+/// A weight within this factor of a bound (`Params::min_weight` or `max_weight`
+/// times the mean) counts as sitting at it.
+pub const PIN_TOLERANCE: f64 = 1.05;
 
 /// Utilization quantiles per cycle, for the charts.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -81,6 +84,19 @@ pub struct Watched {
     pub final_inflight: u32,
 }
 
+/// Weights that sat at a bound of the normaliser for at least half of the steady
+/// window: a controller whose signal does not respond to the weight drives weights
+/// to the bounds and leaves them there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Pinned {
+    /// Endpoints at the floor (`min_weight` × the mean).
+    pub floor: u32,
+    /// Endpoints at the ceiling (`max_weight` × the mean).
+    pub ceiling: u32,
+    /// Whether the watched endpoint is among those at the floor.
+    pub watched_at_floor: bool,
+}
+
 /// Figures of one strategy in one scenario.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Metrics {
@@ -121,6 +137,27 @@ pub struct Metrics {
     pub skipped: BTreeMap<String, u32>,
     /// The watched endpoint, if the scenario has one.
     pub watched: Option<Watched>,
+    /// The watched endpoint's share of all requests that arrived from the
+    /// disturbance on.
+    pub watched_request_share: Option<f64>,
+    /// Its share of the fleet's cores × speed: what balanced weights would send it.
+    pub watched_fair_share: Option<f64>,
+    /// Steady-state max/avg over the endpoints other than the watched one: how the
+    /// rest of the fleet fares, which a runaway queue on the watched node would
+    /// otherwise hide behind its own ratio.
+    pub others_max_over_avg: f64,
+    /// Steady-state p95/avg over the endpoints other than the watched one.
+    pub others_p95_over_avg: f64,
+    /// Steady-state mean load of the smallest endpoints (least cores × speed) other
+    /// than the watched one, over the others' average: far below 1 is a small node
+    /// starved, far above it one flooded.
+    pub smallest_ratio: f64,
+    /// Weights pinned at a bound in the steady window; `None` without weights.
+    pub pinned: Option<Pinned>,
+    /// Mean number of endpoints per cycle in the steady window whose load Ballast
+    /// set by the in-flight term, and whose in-flight count it distrusted; `None`
+    /// for strategies without Ballast.
+    pub inflight_verdicts: Option<(f64, f64)>,
     /// Utilization quantiles per cycle (5 s trailing means).
     pub series: Series,
     /// Max/avg per cycle at 5 s resolution.
@@ -246,6 +283,65 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
         }
     });
 
+    let (watched_request_share, watched_fair_share) = match rec.watched {
+        Some(w) => {
+            let total: u64 = rec.arrivals[dist..]
+                .iter()
+                .flat_map(|r| r.iter().map(|&a| u64::from(a)))
+                .sum();
+            let mine: u64 = rec.arrivals[dist..]
+                .iter()
+                .filter_map(|r| r.get(w).map(|&a| u64::from(a)))
+                .sum();
+            let cap: f64 = rec.capacities.iter().sum();
+            (
+                (total > 0).then(|| mine as f64 / total as f64),
+                rec.capacities.get(w).filter(|_| cap > 0.0).map(|c| c / cap),
+            )
+        }
+        None => (None, None),
+    };
+    let others: Vec<f64> = steady_set
+        .iter()
+        .filter(|&&i| Some(i) != rec.watched)
+        .filter_map(|&i| endpoint_mean(&rec.load, i, steady_from, cycles))
+        .collect();
+    let others = Spread::of(&others);
+    let smallest = steady_set
+        .iter()
+        .filter(|&&i| Some(i) != rec.watched)
+        .filter_map(|&i| rec.capacities.get(i).copied())
+        .fold(f64::INFINITY, f64::min);
+    let small_mean = mean(
+        steady_set
+            .iter()
+            .filter(|&&i| {
+                Some(i) != rec.watched
+                    && rec
+                        .capacities
+                        .get(i)
+                        .is_some_and(|c| (c - smallest).abs() < 1e-9)
+            })
+            .filter_map(|&i| endpoint_mean(&rec.load, i, steady_from, cycles)),
+    );
+    let smallest_ratio = if others.avg > 0.0 {
+        small_mean / others.avg
+    } else {
+        0.0
+    };
+    let pinned = pinned(&rec.weights[steady_from..], rec.watched);
+    let inflight_verdicts = rec.kind.uses_ballast().then(|| {
+        let m = |v: &[u32]| {
+            mean(
+                v.get(steady_from..)
+                    .unwrap_or(&[])
+                    .iter()
+                    .map(|&x| f64::from(x)),
+            )
+        };
+        (m(&rec.inflight_binding), m(&rec.inflight_distrusted))
+    });
+
     Metrics {
         max_over_avg: spread.max_over_avg,
         cpu_max_over_avg: cpu_spread.max_over_avg,
@@ -270,6 +366,13 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
         p99_latency_ms: rec.p99_latency_ms,
         skipped,
         watched,
+        watched_request_share,
+        watched_fair_share,
+        others_max_over_avg: others.max_over_avg,
+        others_p95_over_avg: others.p95_over_avg,
+        smallest_ratio,
+        pinned,
+        inflight_verdicts,
         series,
         ratio,
         transient,
@@ -388,6 +491,40 @@ pub fn peak_and_reach(curve: &[f64]) -> (f64, Option<u32>) {
     let peak = curve[..horizon].iter().copied().fold(0.0f64, f64::max);
     let reach = curve.iter().position(|&r| r >= 0.95).map(|k| k as u32);
     (peak, reach)
+}
+
+/// The endpoints whose weight sat at a bound (within [`PIN_TOLERANCE`]) in at least
+/// half of the cycles of `weights`.
+fn pinned(weights: &[Option<Vec<f64>>], watched: Option<usize>) -> Option<Pinned> {
+    let p = crate::balance::Params::default();
+    let mut floor: Vec<usize> = Vec::new();
+    let mut ceiling: Vec<usize> = Vec::new();
+    for w in weights {
+        let w = w.as_ref()?;
+        let m = mean(w.iter().copied().filter(|x| *x > 0.0));
+        if m <= 0.0 {
+            continue;
+        }
+        if floor.len() < w.len() {
+            floor.resize(w.len(), 0);
+            ceiling.resize(w.len(), 0);
+        }
+        for (i, x) in w.iter().enumerate() {
+            let r = x / m;
+            if r <= p.min_weight * PIN_TOLERANCE {
+                floor[i] += 1;
+            } else if r >= p.max_weight / PIN_TOLERANCE {
+                ceiling[i] += 1;
+            }
+        }
+    }
+    let half = weights.len().div_ceil(2).max(1);
+    let count = |v: &[usize]| u32::try_from(v.iter().filter(|&&n| n >= half).count()).unwrap_or(0);
+    Some(Pinned {
+        floor: count(&floor),
+        ceiling: count(&ceiling),
+        watched_at_floor: watched.is_some_and(|w| floor.get(w).is_some_and(|&n| n >= half)),
+    })
 }
 
 fn churn(weights: &[Option<Vec<f64>>]) -> Option<f64> {

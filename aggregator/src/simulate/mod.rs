@@ -1,4 +1,4 @@
-//! The fleet simulator of issue 3: a deterministic, seeded, discrete-time model of a
+//! The fleet simulator: a deterministic, seeded, discrete-time model of a
 //! heterogeneous fleet that compares load balancing strategies on the same fleets and
 //! requests, tunes the PID defaults, and writes `docs/balance.md` and its charts.
 //!
@@ -8,9 +8,10 @@
 //! The modules, in the order data flows through them: [`scenario`] (what happens),
 //! [`random`] (seeded streams), [`fleet`] (endpoints, clients, requests), [`strategy`]
 //! and [`ballast`] (who picks which endpoint), [`engine`] (one run, recorded per
-//! cycle), [`metrics`] (the figures), [`tune`] (the gain sweep), [`experiment`] (the
-//! evidence for changes to the core), and the outputs: [`chart`], [`report`] with
-//! [`headline`] and [`findings`].
+//! cycle), [`metrics`] (the figures), [`tune`] (the gain sweep), [`step`] (the step
+//! response against static weights, with and without the feed-forward first step),
+//! [`experiment`] (the evidence for changes to the core), and the outputs: [`chart`],
+//! [`report`] with [`headline`] and [`findings`].
 
 pub mod ballast;
 pub mod chart;
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod random;
 pub mod report;
 pub mod scenario;
+pub mod step;
 pub mod strategy;
 pub mod tune;
 
@@ -171,6 +173,8 @@ pub struct SimSummary {
     pub sweep: Option<tune::Sweep>,
     /// Experiments behind the recommended core changes, when every scenario ran.
     pub experiments: Vec<experiment::Experiment>,
+    /// The step response against static weights, when every scenario ran.
+    pub steps: Vec<step::StepResponse>,
     /// Files written.
     pub written: Vec<PathBuf>,
 }
@@ -203,6 +207,11 @@ pub fn run(opts: &SimOptions) -> Result<SimSummary, SimError> {
     } else {
         Vec::new()
     };
+    let steps = if opts.scenarios.is_none() {
+        step::run(opts.seed, gains, opts.quick)?
+    } else {
+        Vec::new()
+    };
     let mut summary = SimSummary {
         seed: opts.seed,
         quick: opts.quick,
@@ -210,6 +219,7 @@ pub fn run(opts: &SimOptions) -> Result<SimSummary, SimError> {
         scenarios: results,
         sweep,
         experiments,
+        steps,
         written: Vec::new(),
     };
     if !opts.out_dir.as_os_str().is_empty() {

@@ -1,9 +1,11 @@
 //! `docs/balance.md` and its charts, generated from a [`SimSummary`]: every number in
 //! the document comes from the run that wrote it.
 
+use super::fleet::SCORE_CAPACITY;
 use super::metrics::{Metrics, CHART_WINDOW, OVERSHOOT_HORIZON, SETTLE_BAND, SETTLE_HOLD};
+use super::scenario::EventKind;
 use super::tune::{self, Sweep};
-use super::{chart, findings, headline, ScenarioSummary, SimError, SimSummary, REGENERATE};
+use super::{chart, findings, headline, step, ScenarioSummary, SimError, SimSummary, REGENERATE};
 use crate::balance::{Params, PidGains};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -30,6 +32,11 @@ pub fn write(dir: &Path, s: &SimSummary) -> Result<Vec<PathBuf>, SimError> {
             written.push(w);
         }
     }
+    for r in &s.steps {
+        let p = img.join(format!("balance-{}-step-response.svg", r.scenario));
+        chart::step_response(&p, r)?;
+        written.push(p);
+    }
     let md = dir.join("balance.md");
     std::fs::write(&md, markdown(s)).map_err(|source| SimError::Io {
         path: md.clone(),
@@ -42,7 +49,7 @@ pub fn write(dir: &Path, s: &SimSummary) -> Result<Vec<PathBuf>, SimError> {
 pub(super) fn watched_name(id: &str) -> Option<&'static str> {
     match id {
         "cold_join" => Some("the newcomer's"),
-        "degraded_io" => Some("the degraded node's"),
+        "degraded_io" | "pooled_http2" => Some("the degraded node's"),
         "fail_fast" => Some("the failing node's"),
         _ => None,
     }
@@ -153,6 +160,62 @@ fn scenario_table(out: &mut String, sc: &ScenarioSummary) {
     }
 }
 
+/// For scenarios with a stalled node: where its requests went after the stall, how
+/// the smallest nodes fared, and whether weights sat at a bound.
+fn stall_table(out: &mut String, sc: &ScenarioSummary) {
+    let Some(drain) = sc.scenario.events.iter().find_map(|e| match e.kind {
+        EventKind::DegradeIo { share } => Some(share),
+        _ => None,
+    }) else {
+        return;
+    };
+    let fair = sc
+        .results
+        .iter()
+        .find_map(|r| r.metrics.watched_fair_share)
+        .unwrap_or(0.0);
+    let _ = writeln!(
+        out,
+        "\nThe other nodes, steady window, and where the stalled node's requests went:\n\n\
+         | strategy | max/avg without the stalled node | p95/avg without it | stalled node's \
+         share of requests after the stall (balanced {}, its I/O drains {}) | smallest nodes' \
+         load / avg | weights pinned at a bound (half the steady window or more) | endpoints \
+         whose in-flight term binds / is distrusted, per cycle |",
+        pct(fair),
+        pct(fair * drain)
+    );
+    out.push_str("|---|---:|---:|---:|---:|---|---:|\n");
+    for r in &sc.results {
+        let m = &r.metrics;
+        let pinned = match m.pinned {
+            None => "–".to_string(),
+            Some(p) if p.floor == 0 && p.ceiling == 0 => "none".to_string(),
+            Some(p) => format!(
+                "{} at the floor{}, {} at the ceiling",
+                p.floor,
+                if p.watched_at_floor {
+                    " (the stalled node among them)"
+                } else {
+                    ""
+                },
+                p.ceiling
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            r.label(),
+            f3(m.others_max_over_avg),
+            f3(m.others_p95_over_avg),
+            m.watched_request_share.map_or("–".to_string(), pct),
+            f3(m.smallest_ratio),
+            pinned,
+            m.inflight_verdicts
+                .map_or("–".to_string(), |(b, d)| format!("{b:.1} / {d:.1}")),
+        );
+    }
+}
+
 fn sweep_table(out: &mut String, sw: &Sweep) {
     out.push_str(
         "| kp | ki | kd | steady max/avg | settle from equal weights | overshoot | churn / cycle \
@@ -245,8 +308,15 @@ pub fn markdown(s: &SimSummary) -> String {
          about one window.\n\
          - **Endpoints.** Three hardware generations at speeds 0.6, 1.0 and 1.4, 8 cores \
          each. Requests are served by processor sharing (each gets at most one core), \
-         so in-flight counts and latencies are real. In-flight capacity (the agent's \
-         `capacity`) is 32.\n\
+         so in-flight counts and latencies are real.\n\
+         - **Agents.** As shipped unless a row says otherwise: the in-flight source counts \
+         connections that owe a response and no `capacity` is configured (0), so the \
+         core judges each endpoint's in-flight count against the fleet's typical value \
+         rather than against an absolute number. Clients send each request on a \
+         connection of its own (HTTP/1) and no proxy pools connections, so that count is \
+         the number of requests in flight; the pooled-connections scenario changes \
+         that. Rows that name a capacity are about a configured one (`in-flight / \
+         capacity`).\n\
          - **Requests.** One Poisson stream split among clients by their rates \
          (log-normal, σ 0.5); CPU cost log-normal with mean 10 ms and σ 1.0 (coefficient \
          of variation 1.3: a heavy tail). Offered load 45 % of the fleet's CPU.\n\
@@ -258,7 +328,9 @@ pub fn markdown(s: &SimSummary) -> String {
          - **Ballast.** `Params::default()` except `grace_ms = 0` (the simulated \
          aggregator does not restart): cycle {} ms, staleness {} ms, skip above {:.0} % \
          missing, cold-start weight {}, growth ≤ ×{} and shrink ≥ ×{} per cycle, weights \
-         within [{}, {}] × the mean, metric `max(cpu, in-flight / capacity)`.\n\
+         within [{}, {}] × the mean, metric `max(cpu, in-flight term)` (the term \
+         fleet-relative, or `in-flight / capacity` where the agents configure one), the \
+         feed-forward first step on.\n\
          - **Client pickers.** Weighted round robin is earliest-deadline-first per client, \
          rebuilt with random offsets on each weight update (Envoy's and gRPC's EDF). \
          A58: `qps / (utilization + eps/qps × 1.0)` from each endpoint's own server-wide \
@@ -284,9 +356,13 @@ pub fn markdown(s: &SimSummary) -> String {
     let _ = writeln!(out, "## How the figures are computed\n");
     let _ = writeln!(
         out,
-        "*Load* is `max(cpu, mean in-flight / capacity)` over each one-second cycle, \
-         measured without noise; it exceeds 1 only when requests queue. One second of one \
-         endpoint is noisy (a few hundred heavy-tailed requests: ±7–10 %), so:\n\n\
+        "*Load* is `max(cpu, mean requests in flight / {SCORE_CAPACITY})` over each \
+         one-second cycle, measured without noise; it exceeds 1 only when requests queue. \
+         The {SCORE_CAPACITY} is a scoring constant (four requests per core of these \
+         8-core endpoints, which hold 3 to 6 at 45 % CPU), the same for every row \
+         whatever the agents count or are configured with, so that rows whose agents \
+         differ are scored alike. One second of one endpoint is noisy (a few hundred \
+         heavy-tailed requests: ±7–10 %), so:\n\n\
          - **max/avg, p95/avg, p5/avg**: over each endpoint's *mean* load in the steady \
          window (the last part of the run), the imbalance a fleet must be sized for. \
          **CPU max/avg** is the same with CPU alone, Robinhood's metric.\n\
@@ -319,6 +395,7 @@ pub fn markdown(s: &SimSummary) -> String {
             sc.scenario.about, sc.scenario.cycles, sc.scenario.steady_from
         );
         scenario_table(&mut out, sc);
+        stall_table(&mut out, sc);
         out.push('\n');
         let n = findings::notes(id, sc);
         if !n.is_empty() {
@@ -336,6 +413,12 @@ pub fn markdown(s: &SimSummary) -> String {
                 sc.scenario.title
             );
         }
+        if id == "cold_join" {
+            step_section(&mut out, s);
+        }
+    }
+    if s.scenario("cold_join").is_none() {
+        step_section(&mut out, s);
     }
 
     if let Some(sw) = &s.sweep {
@@ -344,6 +427,96 @@ pub fn markdown(s: &SimSummary) -> String {
     findings::shortfalls(&mut out, s);
     findings::recommendations(&mut out, s);
     out
+}
+
+/// The step response against static weights, with and without feed-forward.
+fn step_section(out: &mut String, s: &SimSummary) {
+    if s.steps.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "## Step response: the feed-forward first step\n");
+    let seeds = s.steps.first().map_or(0, |r| r.seeds);
+    let _ = writeln!(
+        out,
+        "From equal weights (cycle 0 of the step and cold-join scenarios), how many cycles \
+         until max/avg is within {:.0} % of what static weights proportional to each \
+         node's cores × speed give (the oracle: it knows the hardware, not the connection \
+         skew, so Ballast ends below it); and from the disturbance, how many until max/avg \
+         is back within {:.0} % of its own level over the {} cycles before. Max/avg here is \
+         that of the load the weights in force imply — each endpoint's expected request \
+         rate from the clients' rates and weights, times the mean cost, over its cores × \
+         speed — not of one second's measured load: one second of a few hundred \
+         heavy-tailed requests per endpoint puts max/avg near 1.25 even at perfect \
+         weights, as much as the whole gap between equal weights' skew and the oracle's. \
+         Each curve is the mean of {seeds} seeds; a cycle counts once max/avg stays within \
+         the band for {} cycles. Cycle *n* is served under the weights of the update at \
+         the end of cycle *n − 1*; cycle 0 is served at equal weights, so 1 is the \
+         fastest possible. Without feed-forward is `Params {{ feed_forward: false, .. }}`. \
+         Ballast runs with the shipped agents (capacity 0: in-flight judged against the \
+         fleet) and with agents configured with capacity {} (`in-flight / {}`, which \
+         never binds on a healthy node here), to show the feed-forward step on CPU alone.\n",
+        step::WITHIN * 100.0,
+        step::WITHIN * 100.0,
+        step::LEVEL_WINDOW,
+        step::HOLD,
+        step::CPU_BOUND_AGENT.capacity,
+        step::CPU_BOUND_AGENT.capacity,
+    );
+    out.push_str(
+        "| scenario | strategy | cycles to within 5 % of static weights | max/avg in cycles \
+         0–5 | level before the disturbance | cycles back to it after | feed-forward steps \
+         per run | endpoints with the in-flight term binding, per cycle |\n",
+    );
+    out.push_str("|---|---|---:|---|---:|---:|---:|---:|\n");
+    let c = |x: Option<u32>| x.map_or("never".to_string(), |v| v.to_string());
+    for r in &s.steps {
+        for a in &r.arms {
+            let first = a
+                .curve
+                .iter()
+                .take(6)
+                .map(|x| format!("{x:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let ballast = a.kind.uses_ballast();
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.title,
+                a.label(),
+                if ballast {
+                    c(a.to_oracle)
+                } else {
+                    format!("({} itself)", f3(r.oracle_before))
+                },
+                first,
+                f3(a.level),
+                c(a.recovery),
+                if ballast {
+                    format!("{:.1}", a.feed_forward_steps)
+                } else {
+                    "–".to_string()
+                },
+                if ballast {
+                    format!("{:.1}", a.inflight_binding)
+                } else {
+                    "–".to_string()
+                },
+            );
+        }
+    }
+    out.push('\n');
+    let note = findings::step_notes(s);
+    if !note.is_empty() {
+        let _ = writeln!(out, "{note}\n");
+    }
+    for r in &s.steps {
+        let _ = writeln!(
+            out,
+            "![{} step response](img/balance-{}-step-response.svg)\n",
+            r.title, r.scenario
+        );
+    }
 }
 
 fn tuning(out: &mut String, s: &SimSummary, sw: &Sweep) {
@@ -357,7 +530,7 @@ fn tuning(out: &mut String, s: &SimSummary, sw: &Sweep) {
          the shipped default (the derivative filter and integral limit stay at their \
          defaults), each over {} seeds whose \
          transient curves are averaged before settling, overshoot and the newcomer's \
-         peak are read. A point is admissible if it meets the issue's dynamic targets \
+         peak are read. A point is admissible if it meets the dynamic targets \
          (overshoot ≤ 5 % from equal weights and after the step, the step settled within \
          10 cycles, the newcomer never above 1.1×). Among admissible points the one with \
          the most margin to those limits wins (`tune::margin`: the largest of overshoot \

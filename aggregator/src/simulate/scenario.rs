@@ -1,7 +1,8 @@
-//! The scenarios of issue 3: one fleet each, a timeline of events, and the strategies
+//! The scenarios: one fleet each, a timeline of events, and the strategies
 //! compared on it.
 
-use super::strategy::StrategyKind;
+use super::fleet::InflightMeasure;
+use super::strategy::{AgentConfig, StrategyKind};
 
 /// The shape of a fleet and its traffic.
 #[derive(Debug, Clone, PartialEq)]
@@ -13,8 +14,20 @@ pub struct FleetSpec {
     pub speeds: Vec<f64>,
     /// Cores per endpoint: requests beyond this many share the CPU.
     pub cores: u32,
-    /// In-flight requests that the agent's config calls fully busy.
+    /// The agents' configured in-flight capacity: 0, the shipped default, lets the
+    /// balancer judge the in-flight count against the fleet's typical value; above 0
+    /// it is an absolute override (`inflight / capacity`). Strategies may run their
+    /// agents with another (see `StrategyKind::BallastAgent`).
     pub capacity: u32,
+    /// What the agents' in-flight source counts (the shipped TCP source: connections
+    /// that owe a response).
+    pub inflight: InflightMeasure,
+    /// Idle connections the proxy tier keeps open to each endpoint (HAProxy and Envoy
+    /// keep server-side pools), whatever the traffic.
+    pub pooled: u32,
+    /// Share of the clients that multiplex their requests to an endpoint over one
+    /// HTTP/2 connection (gRPC); the others open a connection per request in flight.
+    pub http2_share: f64,
     /// Clients at the start.
     pub clients: usize,
     /// Endpoints per client (the discovery system's subset size).
@@ -37,7 +50,10 @@ impl Default for FleetSpec {
             endpoints: 50,
             speeds: vec![0.6, 1.0, 1.4],
             cores: 8,
-            capacity: 32,
+            capacity: 0,
+            inflight: InflightMeasure::Owed,
+            pooled: 0,
+            http2_share: 0.0,
             clients: 300,
             subset: 10,
             client_rate_sigma: 0.5,
@@ -166,7 +182,12 @@ impl Scenario {
     }
 }
 
-/// Every scenario of issue 3, in report order.
+/// Idle connections the proxy tier keeps to each endpoint in the pooled-connections
+/// scenario: say 8 proxies with 4 worker threads, each keeping one connection to
+/// every backend.
+pub const POOLED: u32 = 32;
+
+/// Every scenario, in report order.
 pub fn all() -> Vec<Scenario> {
     use StrategyKind::*;
     let base = vec![RoundRobin, Ballast, A58, P2c, EnvoyLeastRequest];
@@ -235,7 +256,9 @@ pub fn all() -> Vec<Scenario> {
             about: "At cycle 30 one endpoint (speed 1.0) gets stuck on slow I/O: its \
                     requests queue for an I/O stage that completes half of its fair \
                     request rate. Its CPU falls, its in-flight count grows. Ballast runs \
-                    twice: steering by CPU alone, and by max(CPU, in-flight / capacity).",
+                    three times: steering by CPU alone; with the shipped agents (in-flight \
+                    judged against the fleet's typical value, capacity 0); and with agents \
+                    configured with a capacity of 32 (`in-flight / 32`).",
             fleet: fleet.clone(),
             cycles: 120,
             disturbance: 30,
@@ -249,9 +272,50 @@ pub fn all() -> Vec<Scenario> {
                 RoundRobin,
                 BallastCpuOnly,
                 Ballast,
+                BallastAgent(AgentConfig {
+                    capacity: 32,
+                    ..AgentConfig::SHIPPED
+                }),
                 A58,
                 P2c,
                 EnvoyLeastRequest,
+            ],
+            spread_excludes_watched: false,
+        },
+        Scenario {
+            id: "pooled_http2",
+            title: "Pooled and HTTP/2 connections",
+            about: "The degraded-I/O fleet behind connections that carry no load: the \
+                    proxy tier keeps 32 idle pooled connections open to every endpoint, \
+                    and half of the clients are HTTP/2 (gRPC) clients with one multiplexed \
+                    connection to each endpoint of their subset; the other half send each \
+                    request on a connection of its own. At cycle 30 one endpoint (speed \
+                    1.0) stalls on I/O as in the degraded-I/O scenario. Ballast runs with \
+                    three agent configurations: the old default (established connections, \
+                    capacity 100), established connections with a capacity tuned to the \
+                    fleet (32), and the new default (connections that owe a response, \
+                    capacity 0: judged against the fleet's typical value).",
+            fleet: FleetSpec {
+                pooled: POOLED,
+                http2_share: 0.5,
+                ..fleet.clone()
+            },
+            cycles: 120,
+            disturbance: 30,
+            steady_from: 80,
+            events: vec![Event {
+                cycle: 30,
+                kind: EventKind::DegradeIo { share: 0.5 },
+            }],
+            loss: Loss::NONE,
+            strategies: vec![
+                RoundRobin,
+                BallastAgent(AgentConfig::OLD_DEFAULT),
+                BallastAgent(AgentConfig {
+                    capacity: 32,
+                    ..AgentConfig::OLD_DEFAULT
+                }),
+                BallastAgent(AgentConfig::SHIPPED),
             ],
             spread_excludes_watched: false,
         },

@@ -8,7 +8,8 @@
 //! gRPC picker do), or with Envoy's weighted least request.
 
 use super::ballast::BallastAdapter;
-use super::fleet::{Client, Measurement};
+use super::fleet::{Client, InflightMeasure, Measurement};
+use super::scenario::FleetSpec;
 use crate::balance::{BalanceError, LoadMetric, Params};
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -18,15 +19,74 @@ const A58_BLACKOUT_MS: u64 = 10_000;
 /// gRPC A58's `error_utilization_penalty` default.
 const A58_ERROR_PENALTY: f64 = 1.0;
 
+/// How the agents that feed Ballast measure in-flight requests and what capacity
+/// they are configured with: the connection-counting source and the capacity decide
+/// whether the in-flight term of the load carries load information at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct AgentConfig {
+    /// What the in-flight source counts.
+    pub measure: InflightMeasure,
+    /// The configured capacity; 0 (the shipped default) leaves the in-flight count
+    /// to be judged against the fleet's typical value.
+    pub capacity: u32,
+}
+
+impl AgentConfig {
+    /// The shipped agent: connections that owe a response, no capacity.
+    pub const SHIPPED: AgentConfig = AgentConfig {
+        measure: InflightMeasure::Owed,
+        capacity: 0,
+    };
+    /// The agent before connections owing a response: established connections
+    /// against a capacity of 100.
+    pub const OLD_DEFAULT: AgentConfig = AgentConfig {
+        measure: InflightMeasure::Established,
+        capacity: 100,
+    };
+
+    /// The agents of a fleet as its scenario configures them.
+    pub fn of(spec: &FleetSpec) -> Self {
+        AgentConfig {
+            measure: spec.inflight,
+            capacity: spec.capacity,
+        }
+    }
+
+    /// How tables name it.
+    pub fn label(self) -> String {
+        let cap = if self.capacity == 0 {
+            "fleet-relative (capacity 0)".to_string()
+        } else {
+            format!("capacity {}", self.capacity)
+        };
+        let what = format!("{}, {cap}", self.measure.label());
+        if self == AgentConfig::SHIPPED {
+            format!("new default: {what}")
+        } else if self == AgentConfig::OLD_DEFAULT {
+            format!("old default: {what}")
+        } else {
+            what
+        }
+    }
+}
+
 /// A load balancing strategy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StrategyKind {
     /// Each client rotates through its subset: equal weights.
     RoundRobin,
-    /// Ballast PID weights from `max(cpu, in-flight / capacity)`, applied by weighted
-    /// round robin.
+    /// Ballast PID weights from `max(cpu, in-flight term)`, applied by weighted round
+    /// robin, with the scenario's agents.
     Ballast,
+    /// Ballast as [`StrategyKind::Ballast`], with agents configured as given rather
+    /// than as the scenario's default: to compare in-flight sources and capacities on
+    /// the same fleet.
+    BallastAgent(AgentConfig),
+    /// Static weights proportional to each endpoint's cores × speed, applied by
+    /// weighted round robin: what a perfectly informed static configuration would do,
+    /// the reference for the step response. It does not see connection skew.
+    Oracle,
     /// Ballast steering by CPU alone (`LoadMetric::Cpu`), to show the dead spiral.
     BallastCpuOnly,
     /// gRPC A58 client-side weighted round robin: `qps / (util + eps/qps × penalty)`
@@ -44,6 +104,8 @@ impl StrategyKind {
         match self {
             StrategyKind::RoundRobin => "round_robin",
             StrategyKind::Ballast => "ballast",
+            StrategyKind::BallastAgent(_) => "ballast_agent",
+            StrategyKind::Oracle => "oracle",
             StrategyKind::BallastCpuOnly => "ballast_cpu_only",
             StrategyKind::A58 => "a58_wrr",
             StrategyKind::P2c => "p2c",
@@ -52,14 +114,16 @@ impl StrategyKind {
     }
 
     /// Human label for tables and charts.
-    pub fn label(self) -> &'static str {
+    pub fn label(self) -> String {
         match self {
-            StrategyKind::RoundRobin => "round robin",
-            StrategyKind::Ballast => "Ballast PID",
-            StrategyKind::BallastCpuOnly => "Ballast PID, CPU only",
-            StrategyKind::A58 => "gRPC A58 WRR",
-            StrategyKind::P2c => "P2C least request",
-            StrategyKind::EnvoyLeastRequest => "Envoy WLR + Ballast",
+            StrategyKind::RoundRobin => "round robin".to_string(),
+            StrategyKind::Ballast => "Ballast PID".to_string(),
+            StrategyKind::BallastAgent(a) => format!("Ballast, {}", a.label()),
+            StrategyKind::Oracle => "static weights by cores × speed".to_string(),
+            StrategyKind::BallastCpuOnly => "Ballast PID, CPU only".to_string(),
+            StrategyKind::A58 => "gRPC A58 WRR".to_string(),
+            StrategyKind::P2c => "P2C least request".to_string(),
+            StrategyKind::EnvoyLeastRequest => "Envoy WLR + Ballast".to_string(),
         }
     }
 
@@ -67,13 +131,16 @@ impl StrategyKind {
     pub fn uses_ballast(self) -> bool {
         matches!(
             self,
-            StrategyKind::Ballast | StrategyKind::BallastCpuOnly | StrategyKind::EnvoyLeastRequest
+            StrategyKind::Ballast
+                | StrategyKind::BallastAgent(_)
+                | StrategyKind::BallastCpuOnly
+                | StrategyKind::EnvoyLeastRequest
         )
     }
 
     /// Whether it applies weights (and so has a weight churn).
     pub fn has_weights(self) -> bool {
-        self.uses_ballast() || self == StrategyKind::A58
+        self.uses_ballast() || matches!(self, StrategyKind::A58 | StrategyKind::Oracle)
     }
 }
 
@@ -100,6 +167,12 @@ impl PickerState {
             weight: vec![1.0; slots],
             vnow: 0.0,
         }
+    }
+
+    /// The weight each subset slot has in this client's scheduler (1 for every slot
+    /// of strategies without weights).
+    pub fn weights(&self) -> &[f64] {
+        &self.weight
     }
 
     /// Makes room for one more slot; it gets a weight at the next rebuild.
@@ -181,19 +254,27 @@ pub struct Strategy {
 }
 
 impl Strategy {
-    /// A strategy for `endpoints` endpoints at time `now`; `params` are Ballast's.
+    /// A strategy for endpoints of `capacities` (cores × speed each) at time `now`;
+    /// `params` are Ballast's and `agent` how the scenario's agents measure in-flight
+    /// requests (a [`StrategyKind::BallastAgent`] brings its own).
     pub fn new(
         kind: StrategyKind,
         params: &Params,
-        endpoints: usize,
+        capacities: &[f64],
         now: u64,
+        agent: AgentConfig,
     ) -> Result<Self, BalanceError> {
+        let endpoints = capacities.len();
         let ballast = if kind.uses_ballast() {
             let mut p = params.clone();
             if kind == StrategyKind::BallastCpuOnly {
                 p.metric = LoadMetric::Cpu;
             }
-            Some(BallastAdapter::new(p, endpoints, now)?)
+            let agent = match kind {
+                StrategyKind::BallastAgent(a) => a,
+                _ => agent,
+            };
+            Some(BallastAdapter::new(p, endpoints, now, agent)?)
         } else {
             None
         };
@@ -207,6 +288,9 @@ impl Strategy {
         if let Some(b) = &s.ballast {
             s.weights = b.weights();
         }
+        if kind == StrategyKind::Oracle {
+            s.weights = capacities.to_vec();
+        }
         Ok(s)
     }
 
@@ -218,9 +302,11 @@ impl Strategy {
         }
         match self.kind {
             StrategyKind::RoundRobin => client.picker.round_robin(n),
-            StrategyKind::Ballast | StrategyKind::BallastCpuOnly | StrategyKind::A58 => {
-                client.picker.edf(None)
-            }
+            StrategyKind::Ballast
+            | StrategyKind::BallastAgent(_)
+            | StrategyKind::BallastCpuOnly
+            | StrategyKind::A58
+            | StrategyKind::Oracle => client.picker.edf(None),
             StrategyKind::EnvoyLeastRequest => client.picker.edf(Some(&client.inflight)),
             StrategyKind::P2c => {
                 if n == 1 {
@@ -295,11 +381,14 @@ impl Strategy {
         out
     }
 
-    /// A cold endpoint joined at `now`.
-    pub fn join(&mut self, now: u64, idx: usize) -> Result<(), BalanceError> {
+    /// A cold endpoint of `capacity` (cores × speed) joined at `now`.
+    pub fn join(&mut self, now: u64, idx: usize, capacity: f64) -> Result<(), BalanceError> {
         while self.weights.len() <= idx {
             self.weights.push(1.0);
             self.a58.push(A58Endpoint::default());
+        }
+        if self.kind == StrategyKind::Oracle {
+            self.weights[idx] = capacity;
         }
         if let Some(b) = &mut self.ballast {
             b.register(now, idx)?;
@@ -354,6 +443,19 @@ impl Strategy {
                 }
             }
         }
+    }
+
+    /// What Ballast's last cycle made of the in-flight counts; `None` without Ballast.
+    pub fn inflight_verdicts(&self) -> Option<super::ballast::InflightVerdicts> {
+        self.ballast.as_ref().map(BallastAdapter::inflight_verdicts)
+    }
+
+    /// Ballast's in-flight verdict on endpoint `idx` after its last cycle.
+    pub fn inflight_estimate(
+        &self,
+        idx: usize,
+    ) -> Option<crate::balance::inflight::InflightEstimate> {
+        self.ballast.as_ref()?.inflight_estimate(idx)
     }
 
     /// The weights in force, for churn figures; `None` for strategies without weights.

@@ -7,7 +7,7 @@
 //! settling, overshoot and the newcomer's peak are read off them, because one run's
 //! request noise alone moves those figures by a few per cent.
 //!
-//! A point is *admissible* when it meets the dynamic targets: overshoot at
+//! A point is *admissible* when it meets the dynamic targets: overshoot at
 //! most 5 % from equal weights and after the step, the step settled within 10 cycles,
 //! and the newcomer never above 1.1× the average. Among admissible points the one
 //! with the most margin to those limits wins (see [`margin`]); ties within 0.02 go to
