@@ -72,6 +72,57 @@ fn sample_and_check_need_no_daemon() {
         "{v}"
     );
 
+    // The shipped TCP source with no capacity: a connection whose request the service
+    // has not answered counts, an idle one does not, and the JSON and the human form
+    // both say how the count was made.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+    let port = listener.local_addr().expect("address").port();
+    let mut busy = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let _idle = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    std::io::Write::write_all(&mut busy, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
+    let (_a, _) = listener.accept().expect("accept");
+    let (_b, _) = listener.accept().expect("accept");
+    let tcp = format!("tcp:{port}");
+    let mut cmd = command(AGENT_BIN);
+    cmd.args([
+        "sample",
+        "--json",
+        "--window",
+        "0.1",
+        "--cpu",
+        "none",
+        "--inflight",
+        &tcp,
+    ]);
+    let out = run_bounded(cmd, Duration::from_secs(20));
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("JSON");
+    assert_eq!(
+        v["inflight"], 1,
+        "one of two connections owes a response: {v}"
+    );
+    assert_eq!(v["capacity"], 0, "no capacity by default: {v}");
+    assert_eq!(
+        v["inflight_detail"], "1 of 2 connections owe a response",
+        "{v}"
+    );
+    let mut cmd = command(AGENT_BIN);
+    cmd.args([
+        "sample",
+        "--window",
+        "0.1",
+        "--cpu",
+        "none",
+        "--inflight",
+        &tcp,
+    ]);
+    let out = run_bounded(cmd, Duration::from_secs(20));
+    let text = stdout(&out);
+    assert!(
+        text.contains("1 of 2 connections owe a response") && text.contains("aggregator adds"),
+        "{text}"
+    );
+
     // The human format says the same in words.
     let mut cmd = command(AGENT_BIN);
     cmd.args(["sample", "--window", "0.1", "--cpu", "none"]);
@@ -144,12 +195,32 @@ fn status_drain_and_undrain_through_the_daemon() {
     assert!(w.is_finite() && w > 0.0, "weight {w}");
     assert!(s.reports_sent > 0 && !s.draining, "{s:?}");
     assert_eq!(st.safe_to_stop, Some(false));
-    // The human form names the aggregator and the weight.
+    // The reply also says how the aggregator sees the node: the load it steers by and
+    // whether it trusts the in-flight count (these agents' synthetic counts follow
+    // their weights, so it does).
+    let out = node.cli(&["status", "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let raw: serde_json::Value = serde_json::from_str(stdout(&out).trim())
+        .unwrap_or_else(|e| panic!("status --json printed no JSON: {e}: {}", stdout(&out)));
+    let status = &raw["status"];
+    assert_eq!(
+        status["inflight_trusted"],
+        serde_json::Value::Bool(true),
+        "{raw}"
+    );
+    let seen = finite(status, "aggregator_load");
+    assert!(
+        seen > 0.1 && seen < 2.0,
+        "the aggregator's load {seen}: {raw}"
+    );
+    // The human form names the aggregator, the weight and the aggregator's view.
     let out = node.cli(&["status"]);
     assert!(out.status.success(), "{out:?}");
     let text = stdout(&out);
     assert!(
-        text.contains(&agg.quic_addr().to_string()) && text.contains("weight"),
+        text.contains(&agg.quic_addr().to_string())
+            && text.contains("weight")
+            && text.contains("in-flight count trusted"),
         "{text}"
     );
 
