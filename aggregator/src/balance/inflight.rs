@@ -176,13 +176,24 @@ pub struct Assessed {
     pub newly_distrusted: bool,
 }
 
-/// The lower median: for two values the smaller, so that one stalled node of two does
-/// not become the typical one.
-fn lower_median(mut v: Vec<f64>) -> Option<f64> {
-    let mid = v.len().checked_sub(1)? / 2;
+/// The median, except that of two values it is the smaller, so that one stalled node
+/// of two does not become the typical one. Of an even number above two, the mean of the
+/// middle pair: a lower median of a few small noisy counts sits low and makes healthy
+/// nodes look like outliers.
+fn typical_of(mut v: Vec<f64>) -> Option<f64> {
+    let n = v.len();
+    if n == 0 {
+        return None;
+    }
+    let mid = (n - 1) / 2;
     // A selection, not a sort: linear in the endpoints of the service.
-    let (_, m, _) = v.select_nth_unstable_by(mid, f64::total_cmp);
-    Some(*m)
+    let (_, m, upper) = v.select_nth_unstable_by(mid, f64::total_cmp);
+    let lower = *m;
+    if n % 2 == 1 || n == 2 {
+        return Some(lower);
+    }
+    let next = upper.iter().copied().fold(f64::INFINITY, f64::min);
+    Some((lower + next) / 2.0)
 }
 
 /// Computes the load of every fresh serving endpoint of a service from its inputs and
@@ -195,7 +206,7 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
         |i: &Input, t: &InflightTracker| t.smoothed() / i.weight.max(params.min_weight);
     let per_cpu = |i: &Input, t: &InflightTracker| t.smoothed() / i.cpu.max(MIN_CPU);
     let typical = |f: &dyn Fn(&Input, &InflightTracker) -> f64, floor: f64| {
-        lower_median(
+        typical_of(
             items
                 .iter()
                 .filter(|(i, _)| i.capacity == 0)
@@ -335,6 +346,15 @@ mod tests {
         let mut items: Vec<(Input, &mut InflightTracker)> =
             inputs.iter().copied().zip(trackers.iter_mut()).collect();
         assess(params, &mut items).iter().map(|a| a.load).collect()
+    }
+
+    #[test]
+    fn the_typical_value_is_the_median_and_of_two_the_smaller() {
+        assert_eq!(typical_of(vec![]), None);
+        assert_eq!(typical_of(vec![3.0]), Some(3.0));
+        assert_eq!(typical_of(vec![10.0, 1.0]), Some(1.0));
+        assert_eq!(typical_of(vec![5.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(typical_of(vec![4.0, 1.0, 2.0, 9.0]), Some(3.0));
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub struct AgentOpts {
     pub seed: u64,
     /// `--capacity`.
     pub capacity: u32,
+    /// Pass no `--capacity` at all, so that the agent runs with its own default, as
+    /// a deployment that leaves it unset does; `capacity` is then unused.
+    pub default_capacity: bool,
     /// `--interval-ms`, until the aggregator says otherwise.
     pub interval_ms: u32,
     /// `--inflight`, replacing the synthetic source.
@@ -70,6 +73,7 @@ impl AgentOpts {
                 .bytes()
                 .fold(7u64, |h, b| h.wrapping_mul(31) ^ u64::from(b)),
             capacity: 1000,
+            default_capacity: false,
             interval_ms: 500,
             inflight: None,
             cpu: "none".to_string(),
@@ -259,12 +263,14 @@ impl Agent {
             .args(["--aggregator", &aggregators.join(",")])
             .args(["--cpu", &opts.cpu])
             .args(["--inflight", &opts.inflight_spec()])
-            .args(["--capacity", &opts.capacity.to_string()])
             .args(["--interval-ms", &opts.interval_ms.to_string()])
             .arg("--tls-dir")
             .arg(&tls_dir)
             .arg("--control")
             .arg(control);
+        if !opts.default_capacity {
+            cmd.args(["--capacity", &opts.capacity.to_string()]);
+        }
         if let Some(zone) = &opts.zone {
             cmd.args(["--zone", zone]);
         }

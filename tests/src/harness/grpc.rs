@@ -220,3 +220,25 @@ impl XdsClient {
         self.process.stderr_tail()
     }
 }
+
+/// Writes a gRPC xDS bootstrap for node `node_id` (in `zone` if given) that points at
+/// the ADS server `xds` with insecure credentials, as `dir/bootstrap-<node_id>.json`,
+/// and returns its path: the file `GRPC_XDS_BOOTSTRAP` names for a client of its own
+/// making (a load generator, say) rather than an [`XdsClient`].
+pub fn write_bootstrap(xds: SocketAddr, node_id: &str, zone: Option<&str>, dir: &Path) -> PathBuf {
+    let path = dir.join(format!("bootstrap-{node_id}.json"));
+    let mut node = serde_json::json!({ "id": node_id });
+    if let Some(zone) = zone {
+        node["locality"] = serde_json::json!({ "zone": zone });
+    }
+    let doc = serde_json::json!({
+        "xds_servers": [{
+            "server_uri": xds.to_string(),
+            "channel_creds": [{"type": "insecure"}],
+            "server_features": ["xds_v3"],
+        }],
+        "node": node,
+    });
+    std::fs::write(&path, doc.to_string()).expect("write the xDS bootstrap");
+    path
+}
