@@ -7,6 +7,7 @@
 //! - [`load`]: an open-loop generator. Requests leave at a fixed rate whether or not
 //!   earlier ones have been answered, so an overloaded backend shows up as latency and
 //!   errors instead of silently slowing the client down, as a closed-loop tool would.
+//!   They go over a bounded pool of keep-alive connections, as real clients send them.
 //!
 //! The orchestration (cgroups, HAProxy, agents, the runs and the report) lives in the
 //! integration tests' `lab` module, which reuses their harness.

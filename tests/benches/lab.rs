@@ -1,4 +1,5 @@
-//! The full physical lab: writes `docs/lab.md` and `docs/img/lab-*.svg`.
+//! The full physical lab: writes `docs/lab.md` and `docs/img/lab-*.svg`, then exits
+//! non-zero, naming each target missed, if any is.
 //! Run with `bash tests/lab/run` (see `ballast_tests::lab` for what it does).
 
 use ballast_tests::lab::{report, run, Plan};
@@ -20,4 +21,13 @@ fn main() {
     std::fs::write(&path, &md).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     println!("{md}");
     println!("wrote {} and {:?}", path.display(), charts);
+    let missed: Vec<report::Target> = report::targets(&r).into_iter().filter(|t| !t.met).collect();
+    if !missed.is_empty() {
+        eprintln!("the lab missed {} target(s):", missed.len());
+        for t in &missed {
+            eprintln!("  - {}: {}", t.what, t.measured);
+        }
+        std::process::exit(1);
+    }
+    println!("every target met");
 }

@@ -1,20 +1,26 @@
-//! The physical lab, short: the same four runs as the full lab (`bash tests/lab/run`,
-//! which writes `docs/lab.md`), a few seconds each, with assertions on the direction
-//! of every result rather than on the full lab's targets, because the test suite
-//! shares a two-core machine with whatever else runs.
+//! The physical lab, short: the same five runs as the full lab (`bash tests/lab/run`,
+//! which writes `docs/lab.md`), a few seconds each, with the same deployment — HAProxy's
+//! default connection handling (keep-alive, pooled idle server connections), keep-alive
+//! clients, Ballast's shipped defaults — and the same scenarios, asserted with bounds
+//! measured from this test's own noise on a shared two-core machine. Where an absolute
+//! bound cannot be tight there, a figure is compared with the oracle or round robin
+//! measured in the same run.
 //!
 //! Six CPU-bound backends in cgroups with quotas of 10–30 % of a core behind Debian's
 //! HAProxy 2.6, an open-loop load at 60 % of their calibrated capacity:
 //! 1. round robin saturates the smallest quotas;
-//! 2. Ballast (real agents on the cgroups, a real aggregator, HAProxy's agent-check)
-//!    brings max/avg down, and the p99 latency with it;
-//! 3. a backend that stalls on I/O (a sleep: low CPU, piling-up requests) loses its
-//!    traffic instead of being flooded;
-//! 4. a backend drained, stopped, started again and undrained under load costs no
+//! 2. the oracle (static weights proportional to the quotas) balances them;
+//! 3. Ballast, from equal weights, then a surge that saturates the smallest backend and
+//!    leaves HAProxy holding a pool of connections to it, balances them about as well
+//!    as the oracle, quickly, and starves no backend;
+//! 4. a backend that stalls on I/O (a sleep: low CPU, piling-up requests) loses its
+//!    new requests, and the others keep their latency;
+//! 5. a backend drained, stopped, started again and undrained under load costs no
 //!    request.
 //!
 //! A second test makes a run fail part way (a stall the backend refuses) and checks that
-//! the lab's processes and cgroups are gone after the panic.
+//! the lab's processes (backends, HAProxy, agents, aggregator) and cgroups are gone after
+//! the panic.
 //!
 //! Needs root (cgroups) and Debian's `haproxy`; fails, naming what is missing, without
 //! them. The tests take turns (one lock), so that neither competes with the other for
@@ -26,24 +32,46 @@ use std::time::Duration;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Children of this process whose command is the lab's backend.
-fn backend_children() -> Vec<u32> {
+/// The lab's processes, by the command name the kernel keeps (cut to 15 bytes).
+const LAB_COMMANDS: [&str; 4] = [
+    "ballast-lab-bac",
+    "haproxy",
+    "ballast-agent",
+    "ballast-aggrega",
+];
+
+/// Children of this process that are one of the lab's processes, as `pid command`.
+/// Fails when `/proc` cannot be read: an empty list must mean none were found, not that
+/// nothing could be looked at.
+fn lab_children() -> Result<Vec<String>, String> {
     let me = std::process::id().to_string();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            // `pid (comm) state ppid ...`; comm is cut to 15 bytes.
-            let Some((comm, rest)) = stat.split_once(") ") else {
-                return false;
-            };
-            comm.ends_with("ballast-lab-bac") && rest.split_whitespace().nth(1) == Some(me.as_str())
-        })
-        .collect()
+    let entries = std::fs::read_dir("/proc").map_err(|e| format!("/proc: {e}"))?;
+    let mut found = Vec::new();
+    let mut seen_self = false;
+    for e in entries {
+        let e = e.map_err(|e| format!("/proc: {e}"))?;
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        // A process may exit between the listing and the read: then it is no child.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        seen_self |= pid.to_string() == me;
+        // `pid (comm) state ppid ...`; the command may hold spaces and parentheses, so
+        // it ends at the last ") ".
+        let Some((head, rest)) = stat.rsplit_once(") ") else {
+            return Err(format!("/proc/{pid}/stat: {stat:?}"));
+        };
+        let comm = head.split_once(" (").map_or("", |(_, c)| c);
+        if rest.split_whitespace().nth(1) == Some(me.as_str()) && LAB_COMMANDS.contains(&comm) {
+            found.push(format!("{pid} {comm}"));
+        }
+    }
+    if !seen_self {
+        return Err("this process is not in /proc: it cannot show the lab's children".into());
+    }
+    Ok(found)
 }
 
 /// The lab's cgroup directories of this process, in every hierarchy.
@@ -68,16 +96,15 @@ fn own_cgroups() -> Vec<String> {
 #[test]
 fn a_failing_run_leaves_no_process_and_no_cgroup() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let s = Duration::from_secs;
     let plan = Plan {
-        calibrate: Duration::from_secs(1),
-        rr: (Duration::from_secs(2), Duration::ZERO),
-        ballast: (Duration::from_secs(3), Duration::from_secs(1)),
-        degraded: (
-            Duration::from_secs(3),
-            Duration::from_secs(1),
-            Duration::from_secs(1),
-        ),
-        // Above the backend's limit: it answers 400 and run 3 fails with everything up.
+        calibrate: s(1),
+        rr: (s(2), Duration::ZERO),
+        oracle: (s(2), Duration::ZERO),
+        ballast: (s(3), s(1)),
+        surge: (1.3, s(1), s(1)),
+        degraded: (s(3), s(1), s(1)),
+        // Above the backend's limit: it answers 400 and run 4 fails with everything up.
         stall_ms: ballast_lab::backend::MAX_STALL_MS + 1,
         ..Plan::short()
     };
@@ -95,9 +122,9 @@ fn a_failing_run_leaves_no_process_and_no_cgroup() {
         "failed for another reason: {msg}"
     );
     assert_eq!(
-        backend_children(),
-        Vec::<u32>::new(),
-        "backends outlived the failed lab"
+        lab_children().expect("the lab's leftover processes"),
+        Vec::<String>::new(),
+        "processes outlived the failed lab"
     );
     assert_eq!(
         own_cgroups(),
@@ -112,13 +139,42 @@ fn lab_short() {
     let plan = Plan::short();
     let r = run(&plan);
     let rr = r.run("rr");
+    let or = r.run("oracle");
     let ba = r.run("ballast");
+    let rs = r.run("restart");
+    let sat = &r.saturation;
+    let d = &r.degraded;
     let table = ballast_tests::lab::report::markdown(
         &r,
         "cargo test -p ballast-tests --test lab",
         "this test",
     );
     eprintln!("{table}");
+    // One line of the figures the bounds below were set from.
+    eprintln!(
+        "lab figures: rr {:.3} oracle {:.3} ballast {:.3} ballast/oracle {:.3} min/avg {:.3} \
+         smallest {:.3} converged {:?} pooled {} idle {} own {} share {:.4} share_low_after \
+         {:?} inflight_max {} others_p99 {:.1} oracle_p99 {:.1} rr_p99 {:.1} ballast_p99 {:.1} \
+         errors {}",
+        rr.spread.max_over_avg,
+        or.spread.max_over_avg,
+        ba.spread.max_over_avg,
+        ba.spread.max_over_avg / or.spread.max_over_avg,
+        ba.min_over_avg(),
+        sat.steady_rel_util,
+        r.convergence.after,
+        sat.hap_conns_peak,
+        sat.hap_idle_peak,
+        sat.backend_conns_peak,
+        d.share.1,
+        d.share_low_after,
+        d.inflight_max,
+        d.others.p99_ms,
+        or.load.p99_ms,
+        rr.load.p99_ms,
+        ba.load.p99_ms,
+        r.runs.iter().map(|x| x.whole.errors).sum::<u64>(),
+    );
 
     // Calibration: the quotas hold (capacity follows the quota) and nothing failed.
     let per_quota: Vec<f64> = r
@@ -141,7 +197,15 @@ fn lab_short() {
         );
     }
 
-    // 1. Round robin: the smallest quotas near saturation, a clear imbalance.
+    // The bounds below were set from ten runs of this test on the shared two-core
+    // machine it runs on (load average 1.8–6.2), before Ballast met its targets in the
+    // lab: the spread of each figure over those runs is the margin beside it. Figures
+    // of Ballast's own come with a margin from the noise of the same figure under the
+    // oracle, which is what a balancer as good as the oracle would show.
+
+    // 1. Round robin: the smallest quotas near saturation, a clear imbalance. Measured
+    //    1.41–1.45; the bound is 0.1 below the lowest, twice the spread, so a lab whose
+    //    quotas make no imbalance fails and noise does not.
     let small = plan.quotas.iter().copied().fold(f64::INFINITY, f64::min);
     for (i, u) in rr.util.iter().enumerate() {
         if (plan.quotas[i] - small).abs() < 1e-9 {
@@ -153,72 +217,105 @@ fn lab_short() {
         }
     }
     assert!(
-        rr.spread.max_over_avg >= 1.2,
+        rr.spread.max_over_avg >= 1.3,
         "round robin max/avg {:.3}: the quotas made no imbalance",
         rr.spread.max_over_avg
     );
 
-    // 2. Ballast: balanced, clearly better than round robin, and faster.
+    // 2. The oracle balances what round robin does not. Measured 1.010–1.034: the bound
+    //    is the highest plus twice that spread (0.024), so the lab itself (quotas,
+    //    HAProxy's weights) is checked before Ballast is compared with it.
     assert!(
-        ba.spread.max_over_avg <= 1.12,
-        "Ballast's steady max/avg {:.3} (utilization {:?})",
-        ba.spread.max_over_avg,
+        or.spread.max_over_avg <= 1.08,
+        "the oracle's max/avg {:.3}: the lab cannot balance even with the true weights \
+         (utilization {:?})",
+        or.spread.max_over_avg,
+        or.util
+    );
+
+    // 3. Ballast through a surge. First, that the surge saturated: HAProxy held a
+    //    pool of connections to the smallest backend. Measured 44–62; the bound is the
+    //    lowest less the spread, rounded down (20), and above the dozen the scenario
+    //    needs.
+    assert!(
+        sat.hap_conns_peak >= 20,
+        "HAProxy held at most {} connections to {} during the surge ({:.2}× the fleet's capacity): \
+         no pool to mislead an agent",
+        sat.hap_conns_peak,
+        r.names[sat.backend],
+        sat.overload
+    );
+    // No backend starved: the target, 0.85 of the mean. The oracle's lowest backend
+    // sits at 0.96–0.99 of the mean, so the target leaves three times that noise.
+    assert!(
+        ba.min_over_avg() >= 0.85,
+        "a backend at {:.2}× the mean under Ballast (utilization {:?})",
+        ba.min_over_avg(),
         ba.util
     );
+    // As balanced as the oracle: the target, 3 %, plus the oracle's own spread over the
+    // runs (1.010–1.034, 0.024), rounded up: 1.06.
     assert!(
-        rr.spread.max_over_avg - ba.spread.max_over_avg >= 0.1,
-        "Ballast {:.3} is not clearly below round robin {:.3}",
+        ba.spread.max_over_avg <= or.spread.max_over_avg * 1.06,
+        "Ballast's max/avg {:.3} against the oracle's {:.3} (utilization {:?})",
         ba.spread.max_over_avg,
-        rr.spread.max_over_avg
+        or.spread.max_over_avg,
+        ba.util
     );
+    // Fast: the target is 5 s from the first reports that carried the load (one report
+    // interval after it started); the bound adds one sample of the sampler's 1 s grid.
+    // Measured 4 and 5 s (the feed-forward step lands 3–4 s after the start, after the
+    // cycles whose reports straddle the load's start); 7 and 8 s before the step was
+    // allowed past a node that was merely overloaded.
+    let converged = r.convergence.after_reports.unwrap_or(f64::INFINITY);
     assert!(
-        ba.load.p99_ms < rr.load.p99_ms,
-        "p99 under Ballast {:.0} ms, under round robin {:.0} ms",
-        ba.load.p99_ms,
-        rr.load.p99_ms
+        converged <= 6.0,
+        "converged {converged:.0} s after the first loaded reports (bound: max/avg {:.3})",
+        r.convergence.bound
     );
     assert_eq!(
         ba.whole.errors, 0,
-        "run 2 errors: {:?}",
+        "run 3 errors: {:?}",
         ba.whole.errors_by_kind
     );
+
+    // 4. The stalled backend loses its new requests; the others keep their latency.
+    //    Its share is over ~2900 requests, whose sampling noise at 3 % is ±0.3 %: the
+    //    bound is the target plus 0.5 %. (Measured 0.4–1.1 % in seven runs of ten, and
+    //    4.2–4.5 % in three where the stalled backend's weight crept back: a behaviour,
+    //    not noise, which this bound is there to catch.)
     assert!(
-        r.converged_after.is_some(),
-        "run 2 never reached max/avg 1.10 in a 5 s window"
+        d.share.1 < 0.035,
+        "{}'s share of new requests {:.3} from {:.0} s after the stall ({:.3} before)",
+        r.names[d.backend],
+        d.share.1,
+        plan.degraded.2.as_secs_f64(),
+        d.share.0
+    );
+    // The others' p99 against the oracle's. Without the stalled backend (30 % of the
+    // capacity) the other five run at 86 % utilization where the oracle ran at 60 %,
+    // and a queue's tail grows with 1/(1 - utilization): 2.9× from that alone. Over
+    // seven runs the others' p99 was 4.7–11.6 ms against the oracle's 5–7 ms, once
+    // 41 ms (a burst of the machine's other work in an 11 s window whose p99 is its 22
+    // slowest requests). The bound is 1.5× the oracle's, scaled by that 2.9, plus 40 ms
+    // for such a burst: a flooded stall (its 250 ms sleep) or the others mis-balanced
+    // (round robin's p99 reaches hundreds of ms) is far beyond it. The full lab reports
+    // the 1.5× target itself.
+    let stalled_share = plan.quotas[d.backend] / plan.quotas.iter().sum::<f64>();
+    let tail = (1.0 - plan.utilization) / (1.0 - plan.utilization / (1.0 - stalled_share));
+    assert!(
+        d.others.p99_ms <= or.load.p99_ms * 1.5 * tail + 40.0,
+        "the other backends' p99 {:.0} ms during the stall, the oracle's {:.0} ms",
+        d.others.p99_ms,
+        or.load.p99_ms
     );
 
-    // 3. The stalled backend is not flooded: its share falls and its in-flight stays
-    //    within its capacity.
-    let d = &r.degraded;
-    assert!(
-        d.share.1 < d.share.0 * 0.6,
-        "{}'s share {:.3} before the stall, {:.3} after: not steered away",
-        r.names[d.backend],
-        d.share.0,
-        d.share.1
-    );
-    assert!(
-        d.inflight_max_late <= 2 * plan.capacity,
-        "{} reached {} requests in flight after the controller had reacted (capacity {})",
-        r.names[d.backend],
-        d.inflight_max_late,
-        plan.capacity
-    );
-    assert!(
-        d.inflight_mean.1 <= f64::from(plan.capacity),
-        "{} holds {:.1} requests in flight on average after the stall (capacity {})",
-        r.names[d.backend],
-        d.inflight_mean.1,
-        plan.capacity
-    );
-
-    // 4. Drain, stop, restart, undrain: no request lost, none sent while drained, and
+    // 5. Drain, stop, restart, undrain: no request lost, none sent while drained, and
     //    traffic comes back.
     let x = &r.restart;
-    let rs = r.run("restart");
     assert_eq!(
         rs.whole.errors, 0,
-        "run 4 errors: {:?}",
+        "run 5 errors: {:?}",
         rs.whole.errors_by_kind
     );
     assert_eq!(

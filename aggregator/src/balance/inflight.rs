@@ -43,6 +43,18 @@ use serde::{Deserialize, Serialize};
 /// samples of a small integer; smoothing over a few of them is what makes a count of
 /// 0, 1, 0, 2 mean "about one".
 pub const SMOOTHING: f64 = 0.4;
+/// The weight of a new report that is lower than the smoothed count. A backlog that
+/// drains shows at once: a count that lags behind an emptied queue would go on
+/// pushing the endpoint down after the cause is gone.
+pub const SMOOTHING_DOWN: f64 = 0.8;
+/// The term is at most this multiple of the fleet's average CPU load: enough to take
+/// weight off the endpoint every cycle, and never so much that one endpoint's excess
+/// drags the average the others are steered to.
+pub const TERM_CAP: f64 = 2.0;
+/// Cycles of weight remembered: the count per unit of weight divides by the largest,
+/// because the requests in flight now arrived under the weights of the last cycles,
+/// and a weight that fell faster than a queue drains must not inflate the ratio.
+pub const WEIGHT_MEMORY: usize = 3;
 /// How far above the service's typical in-flight per unit of weight an endpoint must be
 /// before the in-flight term binds. Healthy endpoints of different speeds differ by
 /// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
@@ -68,10 +80,14 @@ pub const IDLE_CPU: f64 = 0.25;
 pub const UNRESPONSIVE_DROP: f64 = 8.0;
 /// "Held" means at least this share of the count when the episode began.
 pub const UNRESPONSIVE_KEEP: f64 = 0.5;
+/// ...and over the cycles it is watched at the low weight it must not fall below this
+/// share of where it stood when the watch began: a backlog that drains at its own pace
+/// (a node whose requests complete slowly) falls steadily, a stuck count does not.
+pub const UNRESPONSIVE_FLAT: f64 = 0.9;
 /// Cycles in a row the count must hold at the low weight: reports and the load
 /// balancers lag the weight by a cycle or two, so a count that falls late is still a
 /// count that falls.
-pub const UNRESPONSIVE_CYCLES: u32 = 3;
+pub const UNRESPONSIVE_CYCLES: u32 = 5;
 /// A distrusted count that rises above this multiple of its level (plus one request)
 /// responds to the weight after all.
 pub const RESPONSIVE_RISE: f64 = 1.5;
@@ -117,8 +133,11 @@ pub struct InflightTracker {
     episode: Option<(f64, f64)>,
     /// The count rose with the weight in this episode: it is load.
     proven: bool,
-    /// Cycles in a row the count held at a low weight.
+    /// Cycles in a row the count held at a low weight, and its level when they began.
     held_cycles: u32,
+    held_from: f64,
+    /// The published weights of the last cycles, newest first.
+    weights: [f64; WEIGHT_MEMORY],
     /// The last cycle's verdict.
     pub estimate: InflightEstimate,
 }
@@ -128,6 +147,7 @@ impl InflightTracker {
     pub fn observe(&mut self, inflight: u32) {
         let x = f64::from(inflight);
         self.smoothed = Some(match self.smoothed {
+            Some(s) if x < s => s + SMOOTHING_DOWN * (x - s),
             Some(s) => s + SMOOTHING * (x - s),
             None => x,
         });
@@ -202,8 +222,14 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
-    let per_weight =
-        |i: &Input, t: &InflightTracker| t.smoothed() / i.weight.max(params.min_weight);
+    for (input, tracker) in items.iter_mut() {
+        tracker.weights.rotate_right(1);
+        tracker.weights[0] = input.weight;
+    }
+    let per_weight = |_: &Input, t: &InflightTracker| {
+        let w = t.weights.iter().copied().fold(0.0, f64::max);
+        t.smoothed() / w.max(params.min_weight)
+    };
     let per_cpu = |i: &Input, t: &InflightTracker| t.smoothed() / i.cpu.max(MIN_CPU);
     let typical = |f: &dyn Fn(&Input, &InflightTracker) -> f64, floor: f64| {
         typical_of(
@@ -248,7 +274,7 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
                     by_weight
                 };
                 let term = if smoothed >= floor {
-                    scale * ratio / tolerance
+                    (scale * ratio / tolerance).min(scale * TERM_CAP)
                 } else {
                     0.0
                 };
@@ -310,7 +336,16 @@ impl InflightTracker {
         let weight_fell = weight <= (weight0 / UNRESPONSIVE_DROP).max(floor * 2.0);
         let count_held = count >= count0 * UNRESPONSIVE_KEEP && count >= MIN_STUCK;
         if binding && !self.proven && weight_fell && count_held && idle {
-            self.held_cycles += 1;
+            if self.held_cycles == 0 {
+                self.held_from = count;
+            }
+            if count >= self.held_from * UNRESPONSIVE_FLAT {
+                self.held_cycles += 1;
+            } else {
+                // Falling: requests complete. Watch again from here.
+                self.held_cycles = 1;
+                self.held_from = count;
+            }
         } else {
             self.held_cycles = 0;
         }
@@ -383,10 +418,10 @@ mod tests {
             inputs.push(input(0.05, 0.05, stalled, w));
             let mut fresh = vec![InflightTracker::default(); 6];
             let loads = run(&p, &inputs, &mut fresh);
-            // 20/3 = 6.7× typical over a tolerance of 2, times the average CPU.
+            // 20/3 = 6.7× typical over the tolerance, times the average CPU, capped.
             let avg = (0.6 * 5.0 + 0.05) / 6.0;
             assert!(
-                (loads[5] - avg * 20.0 / 3.0 / TOLERANCE).abs() < 1e-9,
+                (loads[5] - (avg * 20.0 / 3.0 / TOLERANCE).min(avg * TERM_CAP)).abs() < 1e-9,
                 "{loads:?}"
             );
             assert!(fresh[5].estimate.binding);

@@ -621,15 +621,7 @@ impl Service {
                 max_over_avg: fresh.iter().map(|e| e.load).fold(0.0, f64::max) / avg,
             });
             for ep in fresh.iter_mut() {
-                // A node that stands out by its in-flight count is stalled, not small:
-                // the controller, not the estimate, moves it.
-                let stalled = ep.inflight.estimate.binding
-                    && ep.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
-                let factor = if stalled {
-                    1.0
-                } else {
-                    (avg / ep.load).clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX)
-                };
+                let factor = (avg / ep.load).clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
                 let w = ep.strategy_weight(Strategy::Pid) * factor;
                 ep.strategy_weights.insert(Strategy::Pid, w);
                 ep.pid.reset();
@@ -711,16 +703,20 @@ pub const FEED_FORWARD_HOLDOFF: u64 = 10;
 
 /// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one
 /// has a new report (the caller checks that none is held), none is ramping up from a
-/// cold start or stands out by its in-flight count against the fleet (a stalled node's
-/// capacity is not its weight over its load), the average is high enough and the
-/// spread wide enough.
+/// cold start or stalled (its in-flight count stands out against the fleet while its
+/// CPU is below the average: its capacity is not its weight over its load), the
+/// average is high enough and the spread wide enough.
 fn feed_forward_applies(fresh: &[&mut Endpoint], avg: f64) -> bool {
     if fresh.is_empty() || avg < FEED_FORWARD_MIN_AVG {
         return false;
     }
+    // A node whose in-flight count stands out while its CPU is below the average is
+    // stalled, and its weight over its load is no capacity: no step while any is. One
+    // whose CPU is high as well is merely overloaded, and the step is what it needs.
     let calm = fresh.iter().all(|e| {
         let stalled = e.inflight.estimate.binding
-            && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
+            && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative
+            && e.observation.cpu < avg;
         !e.warming && !stalled && !e.inflight.distrusted()
     });
     let spread = fresh

@@ -1,5 +1,6 @@
 //! `ballast-lab-load`: the lab's open-loop load generator (see `ballast_lab::load`).
-//! Prints a JSON summary: requests, errors by kind, p50/p99 latency, split by backend.
+//! Prints a JSON summary: requests, errors by kind, p50/p99 latency, split by backend,
+//! and the keep-alive connections the run opened.
 
 use anyhow::Context;
 use ballast_lab::load::{spawn, summarize, LoadSpec, Mode};
@@ -20,6 +21,15 @@ struct Args {
     /// Requests per second (open loop).
     #[arg(long, conflicts_with = "concurrency")]
     rate: Option<f64>,
+    /// Open loop: run at this rate instead for `--surge-secs`, from `--surge-at-secs`.
+    #[arg(long, requires_all = ["rate", "surge_secs"])]
+    surge_rate: Option<f64>,
+    /// How long the surge lasts, in seconds.
+    #[arg(long, requires = "surge_rate")]
+    surge_secs: Option<f64>,
+    /// When the surge begins, in seconds from the start.
+    #[arg(long, default_value_t = 0.0)]
+    surge_at_secs: f64,
     /// Closed loop instead: this many clients, each waiting for its answer.
     #[arg(long)]
     concurrency: Option<usize>,
@@ -32,16 +42,28 @@ struct Args {
     /// Per-request timeout in ms.
     #[arg(long, default_value_t = 15_000)]
     timeout_ms: u64,
-    /// Open loop: at most this many requests outstanding; more are counted as overflow.
+    /// Open loop: at most this many requests outstanding (and so connections open);
+    /// more are counted as overflow.
     #[arg(long, default_value_t = 4096)]
     max_outstanding: usize,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let mode = match (args.rate, args.concurrency) {
-        (Some(rate), None) => Mode::Open { rate },
-        (None, Some(concurrency)) => Mode::Closed { concurrency },
+    let mode = match (
+        args.rate,
+        args.concurrency,
+        args.surge_rate,
+        args.surge_secs,
+    ) {
+        (Some(rate), None, None, None) => Mode::Open { rate },
+        (Some(rate), None, Some(surge_rate), Some(surge_secs)) => Mode::Surge {
+            at_secs: args.surge_at_secs,
+            surge_rate,
+            surge_secs,
+            rate,
+        },
+        (None, Some(concurrency), None, None) => Mode::Closed { concurrency },
         _ => anyhow::bail!("give --rate (open loop) or --concurrency (closed loop)"),
     };
     anyhow::ensure!(
@@ -65,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         "seconds": elapsed,
         "achieved_rate": summary.ok as f64 / elapsed.max(1e-9),
         "summary": summary,
+        "connections": run.connections,
     });
     println!(
         "{}",

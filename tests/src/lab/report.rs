@@ -1,16 +1,153 @@
-//! `docs/lab.md` and its charts, from a [`LabResult`].
+//! `docs/lab.md` and its charts, from a [`LabResult`], and the targets the full lab
+//! must meet.
 
-use super::{LabResult, RunResult};
+use super::{LabResult, RunResult, CONVERGENCE_BAND, CONVERGENCE_WINDOW_S, STALLED_SHARE};
 use ballast_aggregator::simulate::chart::{line_chart, Line, LineChart};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-/// The targets of the issue, as thresholds.
-pub const TARGET_MAX_OVER_AVG: f64 = 1.05;
+/// Ballast's steady max/avg may exceed the oracle's by this factor at most.
+pub const TARGET_VS_ORACLE: f64 = 1.03;
+/// No backend's steady utilization below this share of the mean.
+pub const TARGET_MIN_OVER_AVG: f64 = 0.85;
+/// Seconds from the start of the load to convergence, at most.
+pub const TARGET_CONVERGENCE_S: f64 = 5.0;
+/// The other backends' p99 during the stall, relative to the oracle's, at most.
+pub const TARGET_OTHERS_P99_VS_ORACLE: f64 = 1.5;
+/// Connections HAProxy must have held to the smallest backend for the saturated start
+/// to be one: "a dozen or so".
+pub const TARGET_POOLED: u32 = 10;
+/// Round robin must bring the smallest quotas to at least this utilization, or the lab
+/// shows no imbalance to correct.
+pub const TARGET_RR_SATURATES: f64 = 0.9;
 
-/// Writes the charts `docs/lab.md` shows: for runs 1 and 2 each backend's CPU use
-/// relative to its quota, sample by sample; for run 3 the stalled backend's CPU, its
-/// in-flight load and its weight. Returns the files written.
+/// One target: what, the figure, whether it was met.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// What is asked.
+    pub what: String,
+    /// What was measured.
+    pub measured: String,
+    /// Met.
+    pub met: bool,
+}
+
+/// The full lab's targets, each with its figure.
+pub fn targets(r: &LabResult) -> Vec<Target> {
+    let rr = r.run("rr");
+    let or = r.run("oracle");
+    let ba = r.run("ballast");
+    let rs = r.run("restart");
+    let d = &r.degraded;
+    let sat = &r.saturation;
+    let small = r.plan.quotas.iter().copied().fold(f64::INFINITY, f64::min);
+    let smallest: Vec<f64> = rr
+        .util
+        .iter()
+        .zip(&r.plan.quotas)
+        .filter(|(_, q)| (**q - small).abs() < 1e-9)
+        .map(|(u, _)| *u)
+        .collect();
+    let lowest = ba
+        .util
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i);
+    vec![
+        Target {
+            what: "round robin saturates the smallest quotas".into(),
+            measured: format!(
+                "{} of their quota",
+                smallest
+                    .iter()
+                    .map(|u| pct(*u))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            met: smallest.iter().all(|u| *u >= TARGET_RR_SATURATES),
+        },
+        Target {
+            what: format!(
+                "the saturated start leaves a pool: HAProxy holds at least {TARGET_POOLED} \
+                 connections to the smallest backend"
+            ),
+            measured: format!(
+                "{}: {} at most ({} idle), {} by its own count",
+                r.names[sat.backend], sat.hap_conns_peak, sat.hap_idle_peak, sat.backend_conns_peak
+            ),
+            met: sat.hap_conns_peak >= TARGET_POOLED,
+        },
+        Target {
+            what: format!("Ballast: no backend below {TARGET_MIN_OVER_AVG}× the mean utilization"),
+            measured: format!(
+                "lowest {} at {:.2}× (the smallest, {}, at {:.2}×)",
+                r.names[lowest],
+                ba.min_over_avg(),
+                r.names[sat.backend],
+                sat.steady_rel_util
+            ),
+            met: ba.min_over_avg() >= TARGET_MIN_OVER_AVG,
+        },
+        Target {
+            what: format!("Ballast's max/avg ≤ oracle's × {TARGET_VS_ORACLE}"),
+            measured: format!(
+                "{:.3} vs {:.3} (× {:.3})",
+                ba.spread.max_over_avg,
+                or.spread.max_over_avg,
+                ba.spread.max_over_avg / or.spread.max_over_avg.max(1e-9)
+            ),
+            met: ba.spread.max_over_avg <= or.spread.max_over_avg * TARGET_VS_ORACLE,
+        },
+        Target {
+            what: format!(
+                "converged (max/avg within {:.0} % of the oracle's) ≤ {TARGET_CONVERGENCE_S:.0} s \
+                 from the first reports that carried the load",
+                (CONVERGENCE_BAND - 1.0) * 100.0
+            ),
+            measured: match (r.convergence.after_reports, r.convergence.after) {
+                (Some(t), Some(load)) => {
+                    format!("{t:.0} s ({load:.0} s from the start of the load)")
+                }
+                _ => "never".into(),
+            },
+            met: r
+                .convergence
+                .after_reports
+                .is_some_and(|t| t <= TARGET_CONVERGENCE_S + 1e-9),
+        },
+        Target {
+            what: format!(
+                "the stalled backend's share of new requests < {:.0} % from {:.0} s after \
+                 the stall",
+                STALLED_SHARE * 100.0,
+                r.plan.degraded.2.as_secs_f64()
+            ),
+            measured: format!(
+                "{:.1} % ({:.1} % before the stall)",
+                d.share.1 * 100.0,
+                d.share.0 * 100.0
+            ),
+            met: d.share.1 < STALLED_SHARE,
+        },
+        Target {
+            what: format!(
+                "meanwhile the other backends' p99 ≤ oracle's × {TARGET_OTHERS_P99_VS_ORACLE}"
+            ),
+            measured: format!("{:.0} ms vs {:.0} ms", d.others.p99_ms, or.load.p99_ms),
+            met: d.others.p99_ms <= or.load.p99_ms * TARGET_OTHERS_P99_VS_ORACLE,
+        },
+        Target {
+            what: "zero failed requests across stop and restart".into(),
+            measured: format!("{} of {}", rs.whole.errors, rs.whole.requests),
+            met: rs.whole.errors == 0,
+        },
+    ]
+}
+
+/// Writes the charts `docs/lab.md` shows: for runs 1–3 each backend's CPU use relative
+/// to its quota, sample by sample; for run 4 the stalled backend's CPU, its share of
+/// new requests, its in-flight requests and its weight. Returns the files written.
 pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
@@ -20,7 +157,7 @@ pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
         out.push(path);
         Ok(())
     };
-    for name in ["rr", "ballast"] {
+    for name in ["rr", "oracle", "ballast"] {
         let run = r.run(name);
         let lines = r
             .names
@@ -33,7 +170,8 @@ pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
             .collect();
         let mut markers = vec![run.window.0];
         if name == "ballast" {
-            markers.extend(r.converged_after);
+            markers.push(r.saturation.at + r.saturation.secs);
+            markers.extend(r.convergence.after);
         }
         let title = format!("{}: CPU used / quota per backend (1 s samples)", run.title);
         draw(
@@ -50,18 +188,18 @@ pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
         )?;
     }
     let run = r.run("degraded");
-    let k = r.degraded.backend;
-    let cap = f64::from(r.plan.capacity);
+    let d = &r.degraded;
+    let k = d.backend;
     let title = format!(
         "{}: {} stalls {} ms per request from {:.0} s",
-        run.title, r.names[k], r.plan.stall_ms, r.degraded.at
+        run.title, r.names[k], r.plan.stall_ms, d.at
     );
     draw(
         "lab-degraded.svg",
         LineChart {
             title: &title,
             x_desc: "seconds into the run",
-            y_desc: "relative to quota, capacity, mean weight",
+            y_desc: "see the legend",
             x_max: run.end - run.start,
             y_floor: 0.0,
             lines: vec![
@@ -70,8 +208,17 @@ pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
                     points: series(r, run, |s| s.util[k]),
                 },
                 Line {
-                    label: format!("in flight / capacity {cap:.0}"),
-                    points: series(r, run, |s| s.inflight[k].map(|v| f64::from(v) / cap)),
+                    label: "share of new requests".into(),
+                    points: d
+                        .share_by_second
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| (d.at + i as f64 + 0.5, *v))
+                        .collect(),
+                },
+                Line {
+                    label: "highest in flight in the second / 10".into(),
+                    points: series(r, run, |s| s.inflight_peak[k].map(|v| f64::from(v) / 10.0)),
                 },
                 Line {
                     label: "HAProxy weight / mean weight".into(),
@@ -84,10 +231,7 @@ pub fn charts(r: &LabResult, dir: &Path) -> Result<Vec<PathBuf>, String> {
                     }),
                 },
             ],
-            markers: vec![
-                r.degraded.at,
-                r.degraded.at + r.plan.degraded.2.as_secs_f64(),
-            ],
+            markers: vec![d.at, d.at + r.plan.degraded.2.as_secs_f64()],
         },
     )?;
     Ok(out)
@@ -114,49 +258,114 @@ fn row(out: &mut String, run: &RunResult) {
     let l = &run.load;
     let _ = writeln!(
         out,
-        "| {} | {:.0}–{:.0} s | **{:.3}** | {:.3} | {:.3} | {} | {:.0} | **{:.0}** | {} / {} | {} |",
+        "| {} | {:.0}–{:.0} s | **{:.3}** | {:.2} | {:.3} | {} | {:.0} | **{:.0}** | {} / {} | {} | {} |",
         run.title,
         run.window.0,
         run.window.1,
         run.spread.max_over_avg,
-        run.spread.p95_over_avg,
+        run.min_over_avg(),
         run.windowed_max_over_avg,
         pct(run.spread.avg),
         l.p50_ms,
         l.p99_ms,
         run.whole.errors,
         run.whole.requests,
+        run.client_connections,
         run.other_cores
             .map_or("–".to_string(), |c| format!("{c:.2}")),
     );
 }
 
-/// `docs/lab.md`: the setup, the table, the charts and what each run showed.
-/// `command` is how to reproduce it; `when` says when and where it ran.
+/// What the aggregator held for each backend, averaged over the samples of lab seconds
+/// `(from, to]`: the agents' reports and the weights they were given.
+fn reported_table(out: &mut String, r: &LabResult, from: f64, to: f64) {
+    let _ = writeln!(
+        out,
+        "| backend | quota | reported CPU | reported in flight | in-flight ratio to typical | in-flight term set the load / distrusted | load steered by | weight (mean 1) | oracle weight (mean 1) |\n\
+         |---|---|---|---|---|---|---|---|---|"
+    );
+    let oracle_mean = r.oracle_weights.iter().map(|w| f64::from(*w)).sum::<f64>()
+        / r.oracle_weights.len().max(1) as f64;
+    for (i, n) in r.names.iter().enumerate() {
+        let got: Vec<_> = r
+            .samples
+            .iter()
+            .filter(|s| s.t > from && s.t <= to)
+            .filter_map(|s| s.reported[i])
+            .collect();
+        let avg = |f: fn(&super::sampler::Reported) -> f64| {
+            got.iter().map(f).sum::<f64>() / got.len().max(1) as f64
+        };
+        if got.is_empty() {
+            let _ = writeln!(
+                out,
+                "| {n} | {} | – | – | – | – | – | – | – |",
+                pct(r.plan.quotas[i])
+            );
+            continue;
+        }
+        let est: Vec<_> = got.iter().filter_map(|x| x.estimate).collect();
+        let ratio = if est.is_empty() {
+            "–".to_string()
+        } else {
+            format!(
+                "{:.2}",
+                est.iter().map(|e| e.ratio).sum::<f64>() / est.len() as f64
+            )
+        };
+        let _ = writeln!(
+            out,
+            "| {n} | {} | {} | {:.1} | {ratio} | {} / {} of {} samples | {:.2} | {:.2} | {:.2} |",
+            pct(r.plan.quotas[i]),
+            pct(avg(|x| x.cpu)),
+            avg(|x| f64::from(x.inflight)),
+            est.iter().filter(|e| e.binding).count(),
+            est.iter().filter(|e| !e.trusted).count(),
+            got.len(),
+            avg(|x| x.load),
+            avg(|x| x.weight),
+            f64::from(r.oracle_weights[i]) / oracle_mean.max(1e-9),
+        );
+    }
+    let _ = writeln!(out);
+}
+
+/// `docs/lab.md`: the setup, the table, the charts, what each run showed, and the
+/// targets. `command` is how to reproduce it; `when` says when and where it ran.
 pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
     let p = &r.plan;
     let c = &r.calibration;
     let rr = r.run("rr");
+    let or = r.run("oracle");
     let ba = r.run("ballast");
     let dg = r.run("degraded");
     let rs = r.run("restart");
     let d = &r.degraded;
     let x = &r.restart;
+    let sat = &r.saturation;
+    let conv = &r.convergence;
+    let agent_defaults = ballast_agent::config::AgentConfig::default();
     let mut out = String::new();
     let _ = writeln!(
         out,
         "# The physical lab\n\n\
-         The simulator shows the algorithm; this lab shows the product. Six real HTTP \
-         backends burn real CPU inside cgroups with different CPU quotas, standing for \
-         hardware generations. A real HAProxy (Debian's 2.6) balances them round robin. \
-         One real `ballast-agent` per backend measures that backend's cgroup CPU and its \
-         in-flight requests and answers HAProxy's agent-check; one aggregator steers. \
-         An open-loop generator offers a fixed request rate, {} of the calibrated \
-         capacity. Everything runs on one machine, over loopback.\n\n\
+         The simulator shows the algorithm; this lab shows the product, deployed as users \
+         deploy it. Six real HTTP backends burn real CPU inside cgroups with different \
+         CPU quotas, standing for hardware generations. A real HAProxy (Debian's 2.6) \
+         balances them with its default connection handling: clients keep their \
+         connections open, and HAProxy keeps idle connections to the servers in a pool \
+         for reuse. One real `ballast-agent` per backend, with the shipped defaults, \
+         measures that backend's cgroup CPU and its in-flight requests and answers \
+         HAProxy's agent-check; one aggregator, with the shipped defaults, steers. An \
+         open-loop generator offers a fixed request rate, {} of the calibrated \
+         capacity. Every Ballast figure stands beside round robin and an oracle (static \
+         weights proportional to the true capacities) measured in the same lab run. \
+         Everything runs on one machine, over loopback.\n\n\
          Reproduce (as root, about {:.0} minutes; installs nothing, needs Debian's \
-         `haproxy`):\n\n```sh\n{command}\n```\n\n\
-         A short version of the same runs (a few seconds each, the same assertions on \
-         direction) is `tests/tests/lab.rs`, part of `bash tests/run`.\n",
+         `haproxy`; exits non-zero, naming the target, when a target is missed):\n\n\
+         ```sh\n{command}\n```\n\n\
+         A short version of the same runs, with bounds measured from its own noise, is \
+         `tests/tests/lab.rs`, part of `bash tests/run`.\n",
         pct(p.utilization),
         (r.seconds / 60.0).ceil().max(1.0),
     );
@@ -165,88 +374,103 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
     let _ = writeln!(
         out,
         "| backend | CPU quota | saturated (closed loop) | CPU per request at {} load | \
-         capacity at that cost |\n|---|---|---|---|---|",
+         capacity at that cost | oracle weight |\n|---|---|---|---|---|---|",
         pct(p.utilization)
     );
     for (i, n) in r.names.iter().enumerate() {
         let _ = writeln!(
             out,
-            "| {n} | {} of a core | {:.0} req/s | {:.2} ms | {:.0} req/s |",
+            "| {n} | {} of a core | {:.0} req/s | {:.2} ms | {:.0} req/s | {} |",
             pct(p.quotas[i]),
             c.saturated[i],
             c.cpu_ms[i],
             c.capacity[i],
+            r.oracle_weights[i],
         );
     }
     let _ = writeln!(
         out,
-        "| **all** | {} | {:.0} req/s | | **{:.0} req/s** |\n",
+        "| **all** | {} | {:.0} req/s | | **{:.0} req/s** | |\n",
         pct(p.quotas.iter().sum()),
         c.saturated.iter().sum::<f64>(),
         c.total
     );
     let _ = writeln!(
         out,
-        "Calibration drives every backend straight (no HAProxy), first closed loop to \
-         find what it serves at its quota, then open loop at {} of that to measure what a \
-         request costs at the load the runs will offer. A backend that is not saturated \
-         spends more CPU per request (it wakes up for each one instead of finding the \
-         next one waiting), so the capacity the runs are offered a share of is the quota \
-         over that cost.\n",
+        "Calibration drives every backend straight (no HAProxy, keep-alive connections), \
+         first closed loop to find what it serves at its quota, then open loop at {} of \
+         that to measure what a request costs at the load the runs will offer. A backend \
+         that is not saturated spends more CPU per request (it wakes up for each one \
+         instead of finding the next one waiting), so the capacity the runs are offered a \
+         share of is the quota over that cost. The oracle's weights are proportional to \
+         the quotas, 100 on average: every backend runs the same code, so equal \
+         utilization needs exactly these, while the calibrated capacities carry a few \
+         seconds' noise.\n",
         pct(p.utilization)
     );
     let _ = writeln!(
         out,
-        "- **Machine:** {}. cgroup {}. The backends' quotas add up to one core; the \
-         other is left to HAProxy, the generator and Ballast. The lab's parent cgroup \
-         has ten times the default CPU weight, so that other work on the machine does \
-         not eat into the quotas being measured.\n\
+        "- **Machine:** {}; {} at the end. cgroup {}. The backends' quotas add up to one \
+         core; the other is left to HAProxy, the generator and Ballast. The lab's parent \
+         cgroup has ten times the default CPU weight, so that other work on the machine \
+         does not eat into the quotas being measured.\n\
          - **Work:** every request burns {} rounds of SipHash (calibrated to {} ms of \
          CPU in the lab's own process), on the request's own task; with the HTTP \
          handling, a request costs what the table says.\n\
-         - **Load:** open loop at **{:.0} req/s** ({} of {:.0}), one connection per \
-         request, latency counted from when each request was due.\n\
-         - **HAProxy:** `balance roundrobin`, `weight 100`, `option http-server-close`, \
-         `agent-check agent-inter {}ms`. In run 1 the agent-check is disabled on the \
-         runtime API; from run 2 on it is enabled.\n\
-         - **Ballast:** aggregator cycle {} ms, agents report every {} ms with \
-         `--cpu cgroup:ballast-lab-PID/web-N --inflight tcp:PORT --capacity {}`.\n\
+         - **Load:** open loop at **{:.0} req/s** ({} of {:.0}), latency counted from \
+         when each request was due, over a pool of keep-alive HTTP/1.1 connections to \
+         HAProxy: a request takes an idle connection or opens one, up to {} (beyond \
+         that it would count as failed). Run 3 has a surge part way (below).\n\
+         - **HAProxy:** `balance roundrobin`, `weight 100`, `agent-check agent-inter \
+         {}ms`, and its defaults otherwise: keep-alive on both sides, idle server \
+         connections kept for reuse (`http-reuse safe`). In runs 1 and 2 the \
+         agent-check is disabled on the runtime API and the weights are static (run 2 \
+         sets the oracle's with `set weight`); from run 3 on it is enabled.\n\
+         - **Ballast:** the shipped defaults. The aggregator runs its default cycle ({} \
+         ms) and tells the agents its default report interval ({} ms); each agent runs \
+         with `--cpu cgroup:ballast-lab-PID/web-N --inflight tcp:PORT` (the in-flight \
+         source a service port gives by default) and no `--capacity` (the agent's \
+         default, {}).\n\
          - **Measurement:** every {:.0} s the lab reads each backend's cgroup CPU \
-         accounting itself (not the agents' reports), its in-flight gauge and \
-         HAProxy's weights. max/avg and p95/avg are over the backends' mean \
-         utilization in the run's window.\n",
+         accounting itself (not the agents' reports), its in-flight and connection \
+         gauges (current and highest since the last read), HAProxy's weights and its \
+         server connections (`show servers conn`), and what the aggregator's API shows \
+         for each endpoint. max/avg and p95/avg are over the backends' mean utilization \
+         in the run's window; min/avg is the lowest backend's.\n",
         r.host,
+        r.load_end,
         r.layout,
         c.rounds,
         p.work_ms,
         c.offered,
         pct(p.utilization),
         c.total,
+        super::MAX_OUTSTANDING,
         p.agent_inter_ms,
         p.cycle_ms,
         p.report_interval_ms,
-        p.capacity,
+        agent_defaults.capacity,
         p.sample_every.as_secs_f64(),
     );
 
     let _ = writeln!(out, "## Results\n");
     let _ = writeln!(
         out,
-        "| run | window | max/avg | p95/avg | median 5 s max/avg | avg utilization | \
-         p50 ms | p99 ms | errors / requests | other cores busy |\n\
-         |---|---|---|---|---|---|---|---|---|---|"
+        "| run | window | max/avg | min/avg | median 5 s max/avg | avg utilization | \
+         p50 ms | p99 ms | errors / requests | client connections | other cores busy |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|"
     );
     for run in &r.runs {
         row(&mut out, run);
     }
     let _ = writeln!(
         out,
-        "\nLatency is over the requests due in the window; errors are over the whole \
-         run. \"Other cores busy\" is how much of the machine everything outside the \
-         backends used meanwhile (HAProxy, the generator, Ballast, and anything else \
-         running on the machine): the noise the figures were taken under. With six \
-         backends the nearest-rank 95th percentile is the highest one, so p95/avg equals \
-         max/avg.\n"
+        "\nLatency is over the requests due in the window; errors and client connections \
+         (opened by the generator) are over the whole run. \"Other cores busy\" is how \
+         much of the machine everything outside the backends used meanwhile (HAProxy, \
+         the generator, Ballast, and anything else running on the machine): the noise \
+         the figures were taken under. With six backends the nearest-rank 95th \
+         percentile is the highest one, so p95/avg equals max/avg and is not shown.\n"
     );
 
     let _ = writeln!(
@@ -262,59 +486,150 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
     );
     let _ = writeln!(
         out,
-        "### 2. Ballast\n\n\
-         Per-backend utilization in the steady window: {}.\n\n\
-         From equal weights, the first 5 s window with max/avg ≤ 1.10 ends {} after the \
-         agent-check is switched on. In the steady window max/avg is **{:.3}** \
-         (target ≤ {TARGET_MAX_OVER_AVG}) and p99 **{:.0} ms** against round robin's \
-         {:.0} ms. The grey lines mark the convergence and the start of the window.\n\n\
-         ![Run 2: utilization per backend under Ballast](img/lab-ballast.svg)\n\n\
-         HAProxy's weights at the end of the run: {} (the quotas are {}).\n",
-        util_list(r, ba),
-        r.converged_after
-            .map_or("never".to_string(), |t| format!("{t:.0} s")),
-        ba.spread.max_over_avg,
-        ba.load.p99_ms,
-        rr.load.p99_ms,
-        final_weights(r, ba),
-        r.plan
-            .quotas
+        "### 2. Oracle\n\n\
+         HAProxy's weights set to {} (proportional to the quotas). Per-backend \
+         utilization: {}.\n\n\
+         This is as balanced as the lab gets: max/avg **{:.3}**, p99 **{:.0} ms**. What \
+         remains above 1 is the lab's own noise (contention, cgroup throttling periods), \
+         which no balancer can remove.\n\n\
+         ![Run 2: utilization per backend under the oracle's weights](img/lab-oracle.svg)\n",
+        r.names
             .iter()
-            .map(|q| format!("{:.0}", q * 100.0))
+            .zip(&r.oracle_weights)
+            .map(|(n, w)| format!("{n} {w}"))
             .collect::<Vec<_>>()
-            .join(" : "),
+            .join(", "),
+        util_list(r, or),
+        or.spread.max_over_avg,
+        or.load.p99_ms
     );
     let _ = writeln!(
         out,
-        "### 3. Degraded backend\n\n\
+        "### 3. Ballast, from equal weights, then a surge\n\n\
+         The agents and the aggregator start fresh; HAProxy's weights are equal when the \
+         load starts ({}). From {:.0} s into the run, for {:.0} s, the load is a surge of \
+         {:.0} req/s, {:.2}× the fleet's calibrated capacity, so that requests pile up \
+         on every backend including {} (the smallest); before and after it, the planned \
+         {:.0} req/s. \
+         Requests pile up on {}, HAProxy opens a server connection for each one waiting, \
+         and keeps them in its pool once the surge is over: from the start of the surge \
+         to 10 s after it, it held up to \
+         **{}** connections to {} (up to {} carrying a request, up to {} idle), by the \
+         backend's own count up to {} open.\n\n\
+         Converged (max/avg within {:.0} % of the oracle's {:.3} over a whole {:.0} s \
+         window from then on) **{}** after the start of the load. In the \
+         steady window max/avg is **{:.3}** against the oracle's {:.3} and round robin's \
+         {:.3}; the lowest backend is at {:.2}× the mean, the smallest ({}) at {:.2}×; \
+         p99 **{:.0} ms** against the oracle's {:.0} ms. The grey lines mark the end of \
+         the surge, the convergence and the start of the window.\n\n\
+         Per-backend utilization in the steady window: {}.\n\n\
+         ![Run 3: utilization per backend under Ballast](img/lab-ballast.svg)\n\n\
+         HAProxy's weights at the end of the run: {} (the oracle's: {}).\n\n\
+         What the aggregator held in the steady window (means over the samples):\n",
+        sat.start_weights
+            .iter()
+            .zip(&r.names)
+            .map(|(w, n)| format!("{n} {}", w.map_or("–".into(), |w| w.to_string())))
+            .collect::<Vec<_>>()
+            .join(", "),
+        sat.at,
+        sat.secs,
+        sat.rate,
+        sat.overload,
+        r.names[sat.backend],
+        c.offered,
+        r.names[sat.backend],
+        sat.hap_conns_peak,
+        r.names[sat.backend],
+        sat.hap_used_peak,
+        sat.hap_idle_peak,
+        sat.backend_conns_peak,
+        (CONVERGENCE_BAND - 1.0) * 100.0,
+        conv.oracle_windowed,
+        CONVERGENCE_WINDOW_S,
+        match (conv.after, conv.after_reports) {
+            (Some(t), Some(r)) =>
+                format!("{t:.0} s ({r:.0} s after the first reports that carried it)"),
+            _ => "never".to_string(),
+        },
+        ba.spread.max_over_avg,
+        or.spread.max_over_avg,
+        rr.spread.max_over_avg,
+        ba.min_over_avg(),
+        r.names[sat.backend],
+        sat.steady_rel_util,
+        ba.load.p99_ms,
+        or.load.p99_ms,
+        util_list(r, ba),
+        final_weights(r, ba),
+        r.oracle_weights
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
+    reported_table(&mut out, r, ba.start + ba.window.0, ba.end);
+    let _ = writeln!(
+        out,
+        "The first {TRACE_S:.0} s of the run, sample by sample: each backend's \
+         utilization, HAProxy's weight, and the load the aggregator steered it by — \
+         followed, when its in-flight term set that load, by the smoothed count and its \
+         ratio to the service's typical count, and marked † while the count was set \
+         aside as not following the weight — with {}'s server connections in HAProxy \
+         (in use / idle):\n",
+        r.names[sat.backend]
+    );
+    trace_table(&mut out, r, ba, sat.backend);
+
+    let late = d.at + p.degraded.2.as_secs_f64();
+    let _ = writeln!(
+        out,
+        "### 4. Degraded backend\n\n\
          At {:.0} s, {} (the largest quota) starts stalling every request on a {} ms \
          sleep instead of burning CPU: its CPU falls to {} of its quota, which CPU \
-         alone would read as an idle node and send more. With `max(cpu, in-flight)` its \
-         load is its in-flight count over the capacity {}, and its share of requests \
-         goes from {} before the stall to {} from {:.0} s after it. Its in-flight \
-         requests averaged {:.1} before and {:.1} after (highest {} right after the \
-         stall, {} once the controller had reacted); at its old share it would hold \
-         about {:.0}. Errors in the run: {}. The dark lines mark the stall and the start \
-         of the measured phase.\n\n\
-         ![Run 3: the stalled backend's CPU, in-flight load and weight](img/lab-degraded.svg)\n",
+         alone would read as an idle node and send more. Its share of new requests (by \
+         when they left the client, attributed by the `X-Backend` header of the answer) \
+         goes from {} before the stall to **{:.1} %** from {:.0} s after it; {}. The \
+         most requests it held in flight after the stall was **{}** ({} from {:.0} s \
+         after it; {:.1} on average then, {:.1} before the stall); at its old share it \
+         would hold about {:.0}. Meanwhile the other backends answered with p99 \
+         **{:.0} ms** (the oracle's {:.0} ms). Errors in the run: {}. The dark lines \
+         mark the stall and the start of the measured phase.\n\n\
+         ![Run 4: the stalled backend's CPU, share of new requests, in-flight requests and weight](img/lab-degraded.svg)\n\n\
+         What the aggregator held from {:.0} s after the stall (means over the samples):\n",
         d.at,
         r.names[d.backend],
         p.stall_ms,
         pct(d.cpu_late),
-        p.capacity,
         pct(d.share.0),
-        pct(d.share.1),
+        d.share.1 * 100.0,
         p.degraded.2.as_secs_f64(),
-        d.inflight_mean.0,
-        d.inflight_mean.1,
+        match d.share_low_after {
+            Some(t) => format!(
+                "it stayed below {:.0} % from {t:.0} s after the stall on",
+                STALLED_SHARE * 100.0
+            ),
+            None => format!(
+                "it was still at {:.0} % or more in the last second of the run",
+                STALLED_SHARE * 100.0
+            ),
+        },
         d.inflight_max,
         d.inflight_max_late,
+        p.degraded.2.as_secs_f64(),
+        d.inflight_mean.1,
+        d.inflight_mean.0,
         d.flood_at_old_share,
+        d.others.p99_ms,
+        or.load.p99_ms,
         dg.whole.errors,
+        p.degraded.2.as_secs_f64(),
     );
+    reported_table(&mut out, r, dg.start + late, dg.end);
+
     let _ = writeln!(
         out,
-        "### 4. Stop and restart with drain\n\n\
+        "### 5. Stop and restart with drain\n\n\
          {}: `ballast-agent drain` at {:.1} s; HAProxy showed it in DRAIN at {:.1} s; \
          stopped (SIGTERM) at {:.1} s once its in-flight gauge read 0; started again \
          and seen up by HAProxy at {:.1} s; `ballast-agent undrain` at {:.1} s. It \
@@ -340,17 +655,19 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
     let _ = writeln!(
         out,
         "## Conditions and noise\n\n\
-         - The machine was shared: {}; beside the backends, {:.2}–{:.2} cores were busy \
-         during the runs (last column of the table), much of it other work than the \
-         lab's.\n\
-         - In run 2 a request cost {:.2} ms of CPU, against {:.2} ms measured during \
+         - The machine was shared: {}, {} at the end; beside the backends, {:.2}–{:.2} \
+         cores were busy during the runs (last column of the table), much of it other \
+         work than the lab's.\n\
+         - In run 3 a request cost {:.2} ms of CPU, against {:.2} ms measured during \
          calibration at the same load: the difference moves the average utilization \
          away from the planned {}, for every backend alike, so it shifts the average, \
          not the spread.\n\
-         - Contention moves all backends together (the common swings in the run 2 chart), \
-         which max/avg is blind to by construction; the median 5 s max/avg column shows \
-         what the short-term noise adds to the window's figure.\n",
+         - Contention moves all backends together, which max/avg is blind to by \
+         construction; the oracle's max/avg is what the remaining noise costs, and the \
+         median 5 s max/avg column shows what the short-term noise adds to a window's \
+         figure.\n",
         r.host,
+        r.load_end,
         others.iter().copied().fold(f64::INFINITY, f64::min),
         others.iter().copied().fold(0.0, f64::max),
         cost(ba),
@@ -362,63 +679,74 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         out,
         "## Targets\n\n| target | measured | met |\n|---|---|---|"
     );
-    let small = r.plan.quotas.iter().copied().fold(f64::INFINITY, f64::min);
-    let small_util: Vec<String> = rr
-        .util
-        .iter()
-        .zip(&r.plan.quotas)
-        .filter(|(_, q)| (**q - small).abs() < 1e-9)
-        .map(|(u, _)| pct(*u))
-        .collect();
-    let targets = [
-        (
-            "round robin saturates the smallest quotas".to_string(),
-            format!("{} of their quota", small_util.join(", ")),
-            rr.util
-                .iter()
-                .zip(&r.plan.quotas)
-                .filter(|(_, q)| (**q - small).abs() < 1e-9)
-                .all(|(u, _)| *u >= 0.9),
-        ),
-        (
-            format!("Ballast steady max/avg ≤ {TARGET_MAX_OVER_AVG}"),
-            format!("{:.3}", ba.spread.max_over_avg),
-            ba.spread.max_over_avg <= TARGET_MAX_OVER_AVG,
-        ),
-        (
-            "p99 well below round robin's".to_string(),
-            format!("{:.0} ms vs {:.0} ms", ba.load.p99_ms, rr.load.p99_ms),
-            ba.load.p99_ms * 2.0 <= rr.load.p99_ms,
-        ),
-        (
-            "the degraded backend is never flooded".to_string(),
-            format!(
-                "in-flight {:.1} on average, {} at most, after the reaction (capacity {})",
-                d.inflight_mean.1, d.inflight_max_late, p.capacity
-            ),
-            d.inflight_mean.1 <= f64::from(p.capacity)
-                && d.inflight_max_late <= 2 * p.capacity
-                && d.share.1 < d.share.0,
-        ),
-        (
-            "zero failed requests across stop and restart".to_string(),
-            format!("{} of {}", rs.whole.errors, rs.whole.requests),
-            rs.whole.errors == 0,
-        ),
-    ];
-    for (what, got, ok) in targets {
+    for t in targets(r) {
         let _ = writeln!(
             out,
-            "| {what} | {got} | {} |",
-            if ok { "yes" } else { "**no**" }
+            "| {} | {} | {} |",
+            t.what,
+            t.measured,
+            if t.met { "yes" } else { "**no**" }
         );
     }
     let _ = writeln!(
         out,
-        "\nRun on {when}; the whole lab took {:.0} s.",
+        "\nRun with `{command}` on {when}; the whole lab took {:.0} s.",
         r.seconds
     );
     out
+}
+
+/// How much of run 3's start [`trace_table`] shows.
+const TRACE_S: f64 = 15.0;
+
+/// Run `run`'s first [`TRACE_S`] seconds, one row per sample: max/avg, and per backend
+/// utilization / HAProxy weight / load steered by; `m`'s HAProxy connections.
+fn trace_table(out: &mut String, r: &LabResult, run: &RunResult, m: usize) {
+    let _ = writeln!(
+        out,
+        "| s | max/avg | {} | {} conns |\n|---|---|{}---|",
+        r.names.join(" | "),
+        r.names[m],
+        "---|".repeat(r.names.len())
+    );
+    for s in r
+        .samples
+        .iter()
+        .filter(|s| s.t > run.start && s.t <= run.start + TRACE_S)
+    {
+        let utils: Vec<f64> = s.util.iter().map(|u| u.unwrap_or(0.0)).collect();
+        let spread = ballast_aggregator::balance::stats::Spread::of(&utils);
+        let cells: Vec<String> = (0..r.names.len())
+            .map(|i| {
+                let load = s.reported[i].map_or("–".into(), |x| {
+                    let mut l = format!("{:.2}", x.load);
+                    if let Some(e) = x.estimate {
+                        if e.binding {
+                            let _ = write!(l, " ({:.1}, ×{:.1})", e.smoothed, e.ratio);
+                        }
+                        if !e.trusted {
+                            l.push_str(" †");
+                        }
+                    }
+                    l
+                });
+                format!(
+                    "{} / {} / {load}",
+                    pct(utils[i]),
+                    s.weight[i].map_or("–".into(), |w| w.to_string()),
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "| {:.0} | {:.2} | {} | {} |",
+            s.t - run.start,
+            spread.max_over_avg,
+            cells.join(" | "),
+            s.hap_conns[m].map_or("–".into(), |c| format!("{} / {}", c.used, c.idle))
+        );
+    }
+    let _ = writeln!(out);
 }
 
 fn mean(v: &[f64]) -> f64 {

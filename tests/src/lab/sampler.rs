@@ -1,16 +1,21 @@
 //! The lab's own measurements, taken independently of the agents: each backend's CPU
-//! from its cgroup's accounting, its in-flight requests from its own gauge, HAProxy's
-//! weight for it from the runtime API, and how busy the whole host is.
+//! from its cgroup's accounting, its in-flight requests and open connections from its
+//! own gauges, HAProxy's weight for it and its server connections (in use and idle in
+//! the pool) from the runtime API, and how busy the whole host is. Beside them, for the
+//! diagnosis, what the aggregator holds for each endpoint once there is one: the load,
+//! CPU and in-flight count the agent reported and the weight it was given.
 
 use crate::harness::haproxy::{admin_command, parse_servers_state};
 use ballast_agent::sample::cgroup::CgroupCpu;
 use ballast_agent::sample::host::HostCpu;
 use ballast_agent::sample::prometheus::parse_gauge;
 use ballast_agent::sample::CpuSource;
-use ballast_lab::backend::INFLIGHT_METRIC;
+use ballast_lab::backend::{CONNECTIONS_PEAK_METRIC, INFLIGHT_METRIC, INFLIGHT_PEAK_METRIC};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// What is sampled for one backend.
@@ -35,16 +40,146 @@ pub struct Sample {
     pub util: Vec<Option<f64>>,
     /// In-flight requests at the sample, from the backend's gauge (`None`: down).
     pub inflight: Vec<Option<u32>>,
+    /// The highest in-flight count since the previous sample, from the backend.
+    pub inflight_peak: Vec<Option<u32>>,
+    /// The most TCP connections the backend had open at once since the previous
+    /// sample (the sampler's own included).
+    pub conns_peak: Vec<Option<u32>>,
+    /// HAProxy's connections to the server: in use and idle in its pool.
+    pub hap_conns: Vec<Option<ServerConns>>,
     /// HAProxy's effective weight (0 when drained or down).
     pub weight: Vec<Option<u32>>,
+    /// What the aggregator holds for the endpoint, once it runs.
+    pub reported: Vec<Option<Reported>>,
     /// Cores busy on the whole host over the interval.
     pub host_cores: Option<f64>,
+}
+
+/// A server's connections in HAProxy (`show servers conn`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerConns {
+    /// Carrying a request now (`used_cur`).
+    pub used: u32,
+    /// Idle in the pool, ready for reuse (`idle_cur`).
+    pub idle: u32,
+}
+
+/// One endpoint as the aggregator's API shows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reported {
+    /// The load it steers by.
+    pub load: f64,
+    /// The CPU the agent reported.
+    pub cpu: f64,
+    /// The in-flight count the agent reported.
+    pub inflight: u32,
+    /// The weight it published, mean 1.
+    pub weight: f64,
+    /// What the aggregator made of the in-flight count, when its API says.
+    pub estimate: Option<Estimate>,
+}
+
+/// The aggregator's verdict on an endpoint's in-flight count (`inflight_estimate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    /// The smoothed count.
+    pub smoothed: f64,
+    /// How far it stands out from the service's typical count (1 is typical).
+    pub ratio: f64,
+    /// The in-flight term set the load.
+    pub binding: bool,
+    /// The term is trusted.
+    pub trusted: bool,
+}
+
+/// Parses `show servers conn BACKEND`: a `#` header naming the columns, then a row per
+/// server named `backend/server`. Columns are matched by name; the per-thread counts
+/// at the end need not be.
+pub fn parse_servers_conn(text: &str) -> Result<BTreeMap<String, ServerConns>, String> {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let header: Vec<&str> = lines
+        .next()
+        .and_then(|h| h.strip_prefix('#'))
+        .ok_or_else(|| format!("no header line: {text:?}"))?
+        .split_whitespace()
+        .collect();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .ok_or_else(|| format!("no column {name} in {header:?}"))
+    };
+    let (used, idle) = (col("used_cur")?, col("idle_cur")?);
+    let mut out = BTreeMap::new();
+    for line in lines {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> Result<u32, String> {
+            f.get(i)
+                .ok_or_else(|| format!("short row {line:?}"))?
+                .parse()
+                .map_err(|e| format!("{line:?}: {e}"))
+        };
+        let name = f
+            .first()
+            .and_then(|n| n.split_once('/'))
+            .map(|(_, s)| s.to_string())
+            .ok_or_else(|| format!("no backend/server in {line:?}"))?;
+        out.insert(
+            name,
+            ServerConns {
+                used: num(used)?,
+                idle: num(idle)?,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The endpoints of `GET /v1/services/{service}/endpoints`, by node.
+fn parse_endpoints(text: &str) -> Option<BTreeMap<String, Reported>> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let mut out = BTreeMap::new();
+    for e in v.as_array()? {
+        let num = |k: &str| e.get(k).and_then(serde_json::Value::as_f64);
+        let Some(node) = e.get("node").and_then(|n| n.as_str()) else {
+            continue;
+        };
+        let estimate = e.get("inflight_estimate").and_then(|x| {
+            Some(Estimate {
+                smoothed: x.get("smoothed")?.as_f64()?,
+                ratio: x.get("ratio")?.as_f64()?,
+                binding: x.get("binding")?.as_bool()?,
+                trusted: x.get("trusted")?.as_bool()?,
+            })
+        });
+        out.insert(
+            node.to_string(),
+            Reported {
+                load: num("load")?,
+                cpu: num("cpu")?,
+                inflight: num("inflight")? as u32,
+                weight: num("weight")?,
+                estimate,
+            },
+        );
+    }
+    Some(out)
+}
+
+/// Where the sampler finds what it reads besides the backends.
+pub struct Sources<'a> {
+    /// HAProxy's runtime API socket.
+    pub admin: PathBuf,
+    /// HAProxy's backend section.
+    pub backend: &'a str,
+    /// The aggregator's `GET .../endpoints` URL, once there is an aggregator.
+    pub endpoints: &'a Mutex<Option<String>>,
 }
 
 /// Samples every `every` until `stop` is set; returns the samples.
 pub fn run(
     targets: &[Target],
-    admin: PathBuf,
+    sources: &Sources<'_>,
     every: Duration,
     epoch: Instant,
     stop: &AtomicBool,
@@ -58,9 +193,12 @@ pub fn run(
         .collect();
     let online = ballast_agent::sample::cgroup::online_cpus();
     let mut host = HostCpu::open().ok();
+    // No idle connection kept: a backend's connection count is then HAProxy's, plus
+    // the one request reading it.
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_millis(500))
         .no_proxy()
+        .pool_max_idle_per_host(0)
         .build()
         .expect("HTTP client");
     // The first reading is only a baseline.
@@ -80,36 +218,65 @@ pub fn run(
             .and_then(|h| h.sample().ok().flatten())
             .map(|f| f * online);
         let t = epoch.elapsed().as_secs_f64();
-        let inflight = targets
+        let metrics: Vec<Option<String>> = targets
             .iter()
             .map(|tg| {
-                let text = http
-                    .get(format!("http://{}/metrics", tg.addr))
+                http.get(format!("http://{}/metrics", tg.addr))
                     .send()
                     .ok()?
                     .text()
-                    .ok()?;
-                parse_gauge(&text, INFLIGHT_METRIC).ok().map(|v| v as u32)
+                    .ok()
             })
             .collect();
-        let states = admin_command(&admin, "show servers state")
+        let gauge = |name: &str| -> Vec<Option<u32>> {
+            metrics
+                .iter()
+                .map(|m| parse_gauge(m.as_deref()?, name).ok().map(|v| v as u32))
+                .collect()
+        };
+        let states = admin_command(&sources.admin, "show servers state")
             .ok()
             .and_then(|t| parse_servers_state(&t).ok());
-        let weight = targets
-            .iter()
-            .map(|tg| {
-                states
-                    .as_ref()
-                    .and_then(|s| s.get(&tg.name))
-                    .map(|s| s.effective_weight())
-            })
-            .collect();
+        let conns = admin_command(
+            &sources.admin,
+            &format!("show servers conn {}", sources.backend),
+        )
+        .ok()
+        .and_then(|t| parse_servers_conn(&t).ok());
+        let url = sources
+            .endpoints
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let endpoints = url.and_then(|u| {
+            let text = http.get(u).send().ok()?.text().ok()?;
+            parse_endpoints(&text)
+        });
+        let by_name = |tg: &Target| tg.name.clone();
         samples.push(Sample {
             t,
             dt: t - last,
             util,
-            inflight,
-            weight,
+            inflight: gauge(INFLIGHT_METRIC),
+            inflight_peak: gauge(INFLIGHT_PEAK_METRIC),
+            conns_peak: gauge(CONNECTIONS_PEAK_METRIC),
+            hap_conns: targets
+                .iter()
+                .map(|tg| conns.as_ref()?.get(&by_name(tg)).copied())
+                .collect(),
+            weight: targets
+                .iter()
+                .map(|tg| {
+                    states
+                        .as_ref()
+                        .and_then(|s| s.get(&tg.name))
+                        .map(|s| s.effective_weight())
+                })
+                .collect(),
+            reported: targets
+                .iter()
+                .map(|tg| endpoints.as_ref()?.get(&tg.name).copied())
+                .collect(),
             host_cores,
         });
         last = t;
@@ -149,6 +316,20 @@ pub fn inflight(samples: &[Sample], i: usize, from: f64, to: f64) -> Vec<u32> {
         .collect()
 }
 
+/// The highest of `value` over the samples within `(from, to]`.
+pub fn peak(
+    samples: &[Sample],
+    from: f64,
+    to: f64,
+    value: impl Fn(&Sample) -> Option<u32>,
+) -> Option<u32> {
+    samples
+        .iter()
+        .filter(|s| s.t > from && s.t <= to)
+        .filter_map(value)
+        .max()
+}
+
 /// Mean host cores busy within `(from, to]`.
 pub fn host_cores(samples: &[Sample], from: f64, to: f64) -> Option<f64> {
     let v: Vec<f64> = samples
@@ -157,4 +338,37 @@ pub fn host_cores(samples: &[Sample], from: f64, to: f64) -> Option<f64> {
         .filter_map(|s| s.host_cores)
         .collect();
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_show_servers_conn() {
+        // As HAProxy 2.6 prints it: the per-thread idle counts fill one header word.
+        let text = "# bkname/svname bkid/svid addr port - purge_delay used_cur used_max \
+            need_est unsafe_nb safe_nb idle_lim idle_cur idle_per_thr[2]\n\
+            be/web-1 3/1 127.0.0.1 18998 - 5000 2 14 3 0 12 -1 12 7 5\n\
+            be/web-2 3/2 127.0.0.1 18997 - 5000 0 0 0 0 0 -1 0 0 0\n\n";
+        let c = parse_servers_conn(text).expect("parses");
+        assert_eq!(c["web-1"], ServerConns { used: 2, idle: 12 });
+        assert_eq!(c["web-2"], ServerConns { used: 0, idle: 0 });
+        assert!(parse_servers_conn("Unknown command\n").is_err());
+    }
+
+    #[test]
+    fn parses_endpoints() {
+        let text = r#"[{"node":"web-1","load":0.5,"cpu":0.5,"inflight":3,"capacity":0,
+            "weight":0.8,"state":"serving"},
+            {"node":"web-2","load":2.5,"cpu":0.1,"inflight":9,"capacity":0,"weight":0.2,
+            "inflight_estimate":{"derivation":"fleet_relative","smoothed":8.5,"ratio":5.0,
+            "term":2.5,"binding":true,"trusted":true}}]"#;
+        let e = parse_endpoints(text).expect("parses");
+        assert_eq!(e["web-1"].inflight, 3);
+        assert_eq!(e["web-1"].weight, 0.8);
+        assert_eq!(e["web-1"].estimate, None);
+        let x = e["web-2"].estimate.expect("estimate");
+        assert!(x.binding && x.trusted && x.ratio == 5.0);
+    }
 }
