@@ -620,8 +620,23 @@ impl Service {
                     .collect(),
                 max_over_avg: fresh.iter().map(|e| e.load).fold(0.0, f64::max) / avg,
             });
+            // Where the in-flight term stands out against the fleet the estimate divides
+            // by the CPU (and errors) instead: an overloaded node queues requests, which
+            // says it is over capacity but not by how much, while its CPU says how much
+            // of its capacity the traffic used.
+            let load = |e: &Endpoint| {
+                let queued = e.inflight.estimate.binding
+                    && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
+                if queued && params.metric == crate::balance::LoadMetric::Max {
+                    e.observation.base_load(params)
+                } else {
+                    e.load
+                }
+            };
+            let base_avg = fresh.iter().map(|e| load(e)).sum::<f64>() / fresh.len() as f64;
             for ep in fresh.iter_mut() {
-                let factor = (avg / ep.load).clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
+                let factor = (base_avg / load(ep).max(f64::MIN_POSITIVE))
+                    .clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
                 let w = ep.strategy_weight(Strategy::Pid) * factor;
                 ep.strategy_weights.insert(Strategy::Pid, w);
                 ep.pid.reset();

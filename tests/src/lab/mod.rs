@@ -331,6 +331,15 @@ pub struct Saturation {
     pub steady_rel_util: f64,
 }
 
+impl Saturation {
+    /// The pool the surge left: HAProxy's count at a sample, or the backend's own peak
+    /// between samples (HAProxy is its only client), whichever saw more. HAProxy's is
+    /// read once a second and misses a peak between reads.
+    pub fn pool(&self) -> u32 {
+        self.hap_conns_peak.max(self.backend_conns_peak)
+    }
+}
+
 /// How fast run 3 converged.
 #[derive(Debug, Clone)]
 pub struct Convergence {

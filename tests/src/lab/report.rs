@@ -69,14 +69,15 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
         },
         Target {
             what: format!(
-                "the saturated start leaves a pool: HAProxy holds at least {TARGET_POOLED} \
-                 connections to the smallest backend"
+                "the surge leaves a pool: HAProxy holds at least {TARGET_POOLED} \
+                 connections to the smallest backend (HAProxy's count at a sample, or the \
+                 backend's own peak between samples)"
             ),
             measured: format!(
                 "{}: {} at most ({} idle), {} by its own count",
                 r.names[sat.backend], sat.hap_conns_peak, sat.hap_idle_peak, sat.backend_conns_peak
             ),
-            met: sat.hap_conns_peak >= TARGET_POOLED,
+            met: sat.pool() >= TARGET_POOLED,
         },
         Target {
             what: format!("Ballast: no backend below {TARGET_MIN_OVER_AVG}× the mean utilization"),
