@@ -40,16 +40,13 @@ import struct
 import sys
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
+import generic_service
+
 METHOD = "/ballast.Cpu/Work"
 STATE_BYTES = 32
-
-
-def identity(b):
-    return b
 
 
 def exit_when_stdin_closes():
@@ -113,25 +110,9 @@ def serve(args):
                 publish_cpu()
             time.sleep(0.01)
 
-    handler = grpc.method_handlers_generic_handler(
-        "ballast.Cpu",
-        {
-            "Work": grpc.unary_unary_rpc_method_handler(
-                work, request_deserializer=identity, response_serializer=identity
-            )
-        },
-    )
-    # Enough workers that no call waits for a thread: the handler count is then the
-    # number of calls the service has received and not answered.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=args.workers),
-        handlers=[handler],
-        maximum_concurrent_rpcs=None,
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
+    server, port = generic_service.start("ballast.Cpu", work, args.workers)
     if port == 0:
         sys.exit(f"{args.name}: cannot bind a port on 127.0.0.1")
-    server.start()
     threading.Thread(target=cpu_clock, daemon=True).start()
     print(f"port {port} pid {os.getpid()}", flush=True)
     exit_when_stdin_closes()
@@ -151,7 +132,7 @@ def load(args):
             )
         )
     calls = [
-        ch.unary_unary(METHOD, request_serializer=identity, response_deserializer=identity)
+        ch.unary_unary(METHOD, request_serializer=generic_service.identity, response_deserializer=generic_service.identity)
         for ch in channels
     ]
     payload = b"x" * args.payload

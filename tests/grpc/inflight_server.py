@@ -29,15 +29,12 @@ import struct
 import sys
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
+import generic_service
+
 METHOD = "/ballast.Inflight/Work"
-
-
-def identity(b):
-    return b
 
 
 def serve(args):
@@ -63,23 +60,9 @@ def serve(args):
         finally:
             add(-1)
 
-    handler = grpc.method_handlers_generic_handler(
-        "ballast.Inflight",
-        {
-            "Work": grpc.unary_unary_rpc_method_handler(
-                work, request_deserializer=identity, response_serializer=identity
-            )
-        },
-    )
-    # Enough workers that no call waits for a thread: the handler count is then the
-    # number of calls the service has received and not answered.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=args.workers),
-        handlers=[handler],
-        maximum_concurrent_rpcs=None,
-    )
-    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
-    server.start()
+    server, port = generic_service.start("ballast.Inflight", work, args.workers, args.port)
+    if port == 0:
+        sys.exit(f"cannot bind 127.0.0.1:{args.port}")
     print(f"port {port}", flush=True)
     server.wait_for_termination()
 
@@ -101,7 +84,7 @@ def load(args):
     def caller(ch, seed):
         rng = random.Random(seed)
         call = ch.unary_unary(
-            METHOD, request_serializer=identity, response_deserializer=identity
+            METHOD, request_serializer=generic_service.identity, response_deserializer=generic_service.identity
         )
         payload = b"x" * args.payload
         while time.monotonic() < stop:

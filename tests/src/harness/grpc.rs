@@ -178,20 +178,7 @@ impl XdsClient {
         zone: Option<&str>,
         dir: &Path,
     ) -> XdsClient {
-        let bootstrap = dir.join(format!("bootstrap-{node_id}.json"));
-        let mut node = serde_json::json!({ "id": node_id });
-        if let Some(zone) = zone {
-            node["locality"] = serde_json::json!({ "zone": zone });
-        }
-        let doc = serde_json::json!({
-            "xds_servers": [{
-                "server_uri": xds.to_string(),
-                "channel_creds": [{"type": "insecure"}],
-                "server_features": ["xds_v3"],
-            }],
-            "node": node,
-        });
-        std::fs::write(&bootstrap, doc.to_string()).expect("write bootstrap");
+        let bootstrap = write_bootstrap(xds, node_id, zone, dir);
         let target = format!("xds:///{service}");
         let process = Python::spawn(
             "client.py",
@@ -223,8 +210,8 @@ impl XdsClient {
 
 /// Writes a gRPC xDS bootstrap for node `node_id` (in `zone` if given) that points at
 /// the ADS server `xds` with insecure credentials, as `dir/bootstrap-<node_id>.json`,
-/// and returns its path: the file `GRPC_XDS_BOOTSTRAP` names for a client of its own
-/// making (a load generator, say) rather than an [`XdsClient`].
+/// and returns its path: the file `GRPC_XDS_BOOTSTRAP` names, for an [`XdsClient`] or
+/// a client of a test's own making (a load generator, say).
 pub fn write_bootstrap(xds: SocketAddr, node_id: &str, zone: Option<&str>, dir: &Path) -> PathBuf {
     let path = dir.join(format!("bootstrap-{node_id}.json"));
     let mut node = serde_json::json!({ "id": node_id });
