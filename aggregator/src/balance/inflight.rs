@@ -28,11 +28,12 @@
 //! being balanced by CPU.
 //!
 //! A count that does not respond to the weight is not load: pooled connections or
-//! long polls counted as requests, a broken gauge. When the term holds an endpoint
-//! near the weight floor with idle CPU and the count did not fall as its weight fell
-//! by [`UNRESPONSIVE_DROP`], the term is distrusted for that endpoint (the API and a
-//! metric say so) and its load is its CPU. A node that truly stalls is told apart by
-//! its requests completing: with less weight, fewer arrive and fewer are in flight. If
+//! long polls counted as requests, a broken gauge. When the term has driven an
+//! endpoint's weight down by [`UNRESPONSIVE_DROP`] with idle CPU and the count has
+//! stayed flat for [`UNRESPONSIVE_CYCLES`] cycles, the term is distrusted for that
+//! endpoint (the API and a metric say so) and its load is its CPU. A node that truly
+//! stalls is told apart by its requests completing: its backlog keeps draining, and
+//! with less weight fewer requests arrive and fewer are in flight. If
 //! a distrusted count then rises with the weight (a hung node piling up new
 //! requests), it is load after all and is trusted again for the rest of the episode.
 
