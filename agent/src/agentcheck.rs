@@ -31,7 +31,7 @@ pub fn reply(shared: &Shared) -> String {
         (false, Some(_)) => AgentCheckReply::Weight,
         (false, None) => AgentCheckReply::Mean,
     });
-    ballast_shared::load::haproxy_agent_reply(weight, draining)
+    ballast_balance::load::haproxy_agent_reply(weight, draining)
 }
 
 /// Binds the responder's port; a bad address is an error at start.

@@ -20,7 +20,7 @@
 //! Run: `cargo bench -p ballast-aggregator --bench xds_fanout`
 //! (options: `-- channels=1000 per_channel=1 reps=20 endpoints=20`).
 
-use ballast_aggregator::balance::{Balancer, Observation, Params};
+use ballast_balance::{Balancer, Observation, Params};
 use ballast_aggregator::clock::Clock;
 use ballast_aggregator::feed::xds::resources::{ResourceType, Snapshot};
 use ballast_aggregator::feed::xds::{LbPolicy, XdsServer};

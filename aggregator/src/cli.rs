@@ -22,23 +22,6 @@ pub struct Cli {
 pub enum Command {
     /// Run the aggregator daemon (the default).
     Run(RunArgs),
-    /// Start an aggregator and a fleet of real agents on loopback and watch them converge.
-    Demo(DemoArgs),
-    /// Compare balancing strategies on simulated fleets; write docs/balance.md and charts.
-    Simulate {
-        /// Directory for balance.md and img/ (the repository's docs/).
-        #[arg(long, default_value = "docs")]
-        out: PathBuf,
-        /// Random seed; the same seed gives the same numbers.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Fewer ticks per scenario, for a quick look.
-        #[arg(long)]
-        quick: bool,
-        /// Only these scenarios (comma-separated names).
-        #[arg(long, value_delimiter = ',')]
-        scenario: Vec<String>,
-    },
     /// Certificates for a first deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -137,28 +120,3 @@ pub struct RunArgs {
     pub log_json: bool,
 }
 
-/// The demo's fleet and pace.
-#[derive(Args)]
-pub struct DemoArgs {
-    /// Number of agents.
-    #[arg(long, default_value_t = 12)]
-    pub nodes: usize,
-    /// Cycles to show.
-    #[arg(long, default_value_t = 30)]
-    pub cycles: u64,
-    /// Cycle length in milliseconds.
-    #[arg(long, default_value_t = 500)]
-    pub cycle_ms: u64,
-    /// Offered load at equal weights, 0 to 1.
-    #[arg(long, default_value_t = 0.6)]
-    pub offered: f64,
-    /// Relative node speeds, assigned in turn.
-    #[arg(long, value_delimiter = ',', default_value = "0.6,1.0,1.5")]
-    pub speeds: Vec<f64>,
-    /// HTTP API address.
-    #[arg(long, default_value = "127.0.0.1:7401")]
-    pub http: SocketAddr,
-    /// Keep the API up after the summary until Ctrl-C.
-    #[arg(long)]
-    pub hold: bool,
-}

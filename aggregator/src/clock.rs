@@ -1,6 +1,6 @@
 //! The one place the daemon reads time; the balancing core only ever receives it.
 
-use crate::balance::Millis;
+use ballast_balance::Millis;
 use std::time::Instant;
 
 /// Milliseconds since the daemon started, on a monotonic clock.

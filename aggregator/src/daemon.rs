@@ -1,7 +1,7 @@
 //! The running aggregator: QUIC ingest, the cycle loop and the HTTP API around one
 //! shared state.
 
-use crate::balance::Balancer;
+use ballast_balance::Balancer;
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::state::State;

@@ -2,13 +2,11 @@
 //! library.
 
 use anyhow::{Context, Result};
-use ballast_aggregator::cli::{CertsCommand, Cli, Command, ConfigCommand, DemoArgs, RunArgs};
+use ballast_aggregator::cli::{CertsCommand, Cli, Command, ConfigCommand, RunArgs};
 use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
-use ballast_aggregator::demo::{self, DemoOptions};
 use ballast_shared::config::init_logging;
 use clap::Parser;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -20,7 +18,6 @@ fn main() -> ExitCode {
             log_json: args.log_json || cli.run.log_json,
             ..args
         }),
-        Some(Command::Demo(args)) => demo(args),
         Some(Command::Certs(CertsCommand::Init {
             dir,
             nodes,
@@ -31,12 +28,6 @@ fn main() -> ExitCode {
         Some(Command::Config(ConfigCommand::Restore { backup, to, exact })) => {
             config_restore(&backup, &to, exact)
         }
-        Some(Command::Simulate {
-            out,
-            seed,
-            quick,
-            scenario,
-        }) => simulate(out, seed, quick, scenario),
     };
     match result {
         Ok(code) => code,
@@ -121,65 +112,6 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         daemon.shutdown().await;
         Ok(ExitCode::SUCCESS)
     })
-}
-
-fn demo(args: DemoArgs) -> Result<ExitCode> {
-    init_logging(false, "warn");
-    anyhow::ensure!(
-        args.nodes >= 2 && args.nodes <= 500,
-        "--nodes must be between 2 and 500"
-    );
-    anyhow::ensure!(
-        !args.speeds.is_empty() && args.speeds.iter().all(|s| *s > 0.0 && s.is_finite()),
-        "--speeds must be positive"
-    );
-    anyhow::ensure!(
-        (0.01..=2.0).contains(&args.offered),
-        "--offered must be between 0.01 and 2"
-    );
-    anyhow::ensure!(
-        (50..=10_000).contains(&args.cycle_ms),
-        "--cycle-ms must be between 50 and 10000"
-    );
-    let opts = DemoOptions {
-        nodes: args.nodes,
-        speeds: args.speeds,
-        offered: args.offered,
-        cycles: args.cycles,
-        cycle_ms: args.cycle_ms,
-        http: args.http,
-        hold: args.hold,
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let summary = rt.block_on(async move {
-        let mut out = std::io::stdout();
-        demo::run(&opts, &mut out).await
-    })?;
-    Ok(if summary.last.max_over_avg <= 1.05 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(2)
-    })
-}
-
-fn simulate(out: PathBuf, seed: u64, quick: bool, scenario: Vec<String>) -> Result<ExitCode> {
-    let opts = ballast_aggregator::simulate::SimOptions {
-        seed,
-        out_dir: out,
-        quick,
-        scenarios: if scenario.is_empty() {
-            None
-        } else {
-            Some(scenario)
-        },
-    };
-    let summary = ballast_aggregator::simulate::run(&opts)?;
-    for path in &summary.written {
-        println!("wrote {}", path.display());
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 fn certs_init(dir: &std::path::Path, nodes: &[String], names: Vec<String>) -> Result<ExitCode> {

@@ -1,6 +1,6 @@
 //! What the daemon's tasks share: the balancer, the clock, the metrics and the store.
 
-use crate::balance::{Balancer, Millis, ServiceSnapshot};
+use ballast_balance::{Balancer, Millis, ServiceSnapshot};
 use crate::clock::Clock;
 use crate::config::locality::Localities;
 use crate::metrics::Metrics;
@@ -96,7 +96,7 @@ impl State {
 
     fn run_cycle(
         &self,
-        run: impl FnOnce(&mut Balancer) -> Vec<crate::balance::CycleResult>,
+        run: impl FnOnce(&mut Balancer) -> Vec<ballast_balance::CycleResult>,
     ) -> BTreeMap<String, ServiceSnapshot> {
         let started = std::time::Instant::now();
         let mut changed = BTreeMap::new();

@@ -1,9 +1,8 @@
-//! Code that both ends of a Ballast deployment must agree on: the wire protocol, the
-//! load arithmetic, the integer mappings for each load-balancer sink, and TLS set-up.
+//! Code that both ends of a Ballast deployment must agree on: the wire protocol and TLS
+//! set-up. The load arithmetic and the sink mappings live in `ballast-balance`.
 
 pub mod config;
 pub mod frame;
-pub mod load;
 pub mod pki;
 pub mod tls;
 pub mod wire;

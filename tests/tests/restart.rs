@@ -273,7 +273,7 @@ fn cycle_numbers_survive_a_restart() {
         restored.cycle, stored_cycle,
         "after a restart the restored weights claim cycle {} (\"none yet\"), but the store \
          says they came from cycle {stored_cycle}: Service::restore \
-         (aggregator/src/balance/service.rs) ignores ServiceSnapshot::cycle",
+         (aggregator/balance/src/service.rs) ignores ServiceSnapshot::cycle",
         restored.cycle
     );
     // The controller's cycles go on from the stored number; the published set keeps

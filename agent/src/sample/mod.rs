@@ -19,7 +19,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use ballast_shared::load;
+use ballast_balance::load;
 
 /// Why a measurement failed. Every variant names the file, URL or spec at fault, because
 /// the operator reading the log has to find it.

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use ballast_shared::load::{self, MAX_LOAD};
+use ballast_balance::load::{self, MAX_LOAD};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

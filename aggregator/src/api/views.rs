@@ -1,7 +1,7 @@
 //! JSON shapes of the API, built from the balancer's state.
 
-use crate::balance::service::{HistoryPoint, ServiceStats};
-use crate::balance::{EndpointState, Millis, Service, SkipReason};
+use ballast_balance::service::{HistoryPoint, ServiceStats};
+use ballast_balance::{EndpointState, Millis, Service, SkipReason};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -74,7 +74,7 @@ pub struct ServiceDetail {
     /// The cycle the published weights came from.
     pub weights_cycle: u64,
     /// The parameters in force.
-    pub params: crate::balance::Params,
+    pub params: ballast_balance::Params,
     /// Recent cycles, oldest first.
     pub history: Vec<HistoryPoint>,
 }
@@ -131,7 +131,7 @@ pub struct EndpointView {
     /// What the last cycle made of the in-flight count: how it was derived, its
     /// smoothed value, its ratio to the service's typical count per unit of weight,
     /// whether it set the load, and whether it is trusted.
-    pub inflight_estimate: crate::balance::inflight::InflightEstimate,
+    pub inflight_estimate: ballast_balance::inflight::InflightEstimate,
     /// Published weight, mean 1.0.
     pub weight: f64,
     /// State.
@@ -195,7 +195,7 @@ pub struct WeightEntry {
 impl WeightSet {
     /// The weights of `svc`.
     pub fn of(svc: &Service) -> Self {
-        use ballast_shared::load::{envoy_weight, haproxy_percent};
+        use ballast_balance::load::{envoy_weight, haproxy_percent};
         WeightSet {
             service: svc.name.clone(),
             version: svc.version,
@@ -257,7 +257,7 @@ pub struct ServiceConfigView {
     /// Whether the file on disk is refused now (the version in force is older).
     pub file_refused: bool,
     /// The parameters in force.
-    pub params: crate::balance::Params,
+    pub params: ballast_balance::Params,
     /// The locality split in force.
     pub locality: crate::config::locality::LocalitySplit,
 }

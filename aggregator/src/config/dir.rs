@@ -13,7 +13,7 @@
 
 use super::locality::Localities;
 use super::service::{self, FileError, ServiceConfig, MAX_FILE_BYTES};
-use crate::balance::Params;
+use ballast_balance::Params;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;

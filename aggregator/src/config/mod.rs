@@ -6,7 +6,7 @@ pub mod locality;
 pub mod service;
 pub mod watch;
 
-use crate::balance::Params;
+use ballast_balance::Params;
 pub use ballast_shared::config::{ConfigError, TlsFiles};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;

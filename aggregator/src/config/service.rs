@@ -20,7 +20,7 @@
 //! keeps every other global setting, including later changes to them.
 
 use super::locality::{self, LocalitySplit};
-use crate::balance::Params;
+use ballast_balance::Params;
 use serde::{Deserialize, Serialize};
 
 /// The largest service file read; anything bigger is refused unread, so a stray dump
@@ -159,7 +159,7 @@ fn line_of_key(text: &str, field: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::balance::{PidGains, Strategy};
+    use ballast_balance::{PidGains, Strategy};
 
     fn defaults() -> Params {
         Params {

@@ -4,7 +4,7 @@
 use super::dir::{self, DirError, Merged, ServiceConfigs};
 use super::service::FileError;
 use super::{ServiceConfigSettings, StoreConfig};
-use crate::balance::Params;
+use ballast_balance::Params;
 use crate::metrics::{FileLabel, Reason};
 use crate::state::State;
 use std::collections::BTreeMap;

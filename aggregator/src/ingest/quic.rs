@@ -5,7 +5,7 @@
 //! datagrams and each is answered with the node's weight. Faults are counted and never
 //! reach other connections: each has its own task and a bad one is closed.
 
-use crate::balance::{BalanceError, Observation};
+use ballast_balance::{BalanceError, Observation};
 use crate::state::State;
 use ballast_shared::frame;
 use ballast_shared::wire::{self, Hello, Message, Reject, RejectReason, Reply, Welcome};
@@ -136,7 +136,7 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
         let assignment =
             state
                 .balancer()
-                .observe(now, &hello.service, &hello.node, Observation::from(&report));
+                .observe(now, &hello.service, &hello.node, observation(&report));
         match assignment {
             Ok(a) => {
                 if a.accepted {
@@ -204,4 +204,17 @@ fn admit(state: &State, identity: &str, hello: &Hello) -> Result<(), Reject> {
             reason: RejectReason::UnknownService,
             detail: e.to_string(),
         })
+}
+
+/// The balancer's view of a wire report: the conversion belongs to ingest, so that the
+/// core knows nothing of the wire.
+fn observation(r: &ballast_shared::wire::Report) -> Observation {
+    Observation {
+        seq: Some(r.seq),
+        cpu: f64::from(r.cpu),
+        inflight: r.inflight,
+        capacity: r.capacity,
+        error_rate: r.error_rate.map(f64::from),
+        draining: r.state == ballast_shared::wire::NodeState::Draining,
+    }
 }

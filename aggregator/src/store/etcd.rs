@@ -18,7 +18,7 @@
 //! answer rather than calling `block_on`, which panics inside another runtime.
 
 use super::{RoutingStore, StoreError};
-use crate::balance::ServiceSnapshot;
+use ballast_balance::ServiceSnapshot;
 use crate::config::EtcdConfig;
 use etcd_client::{Client, ConnectOptions, GetOptions, KvClient, Txn, TxnOp};
 use std::collections::{BTreeMap, HashMap};

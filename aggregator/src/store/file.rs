@@ -1,7 +1,7 @@
 //! The embedded routing store: one JSON file, replaced atomically.
 
 use super::{RoutingStore, StoreError};
-use crate::balance::ServiceSnapshot;
+use ballast_balance::ServiceSnapshot;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -135,7 +135,7 @@ impl RoutingStore for FileStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::balance::EndpointSnapshot;
+    use ballast_balance::EndpointSnapshot;
 
     fn snap(w: f64) -> ServiceSnapshot {
         ServiceSnapshot {

@@ -8,7 +8,7 @@
 pub mod etcd;
 pub mod file;
 
-use crate::balance::ServiceSnapshot;
+use ballast_balance::ServiceSnapshot;
 use std::collections::BTreeMap;
 
 /// Why the store could not be read or written.

@@ -44,7 +44,7 @@ use crate::harness::wait::wait_for;
 use ballast_agent::sample::cgroup::CgroupCpu;
 use ballast_agent::sample::prometheus::parse_gauge;
 use ballast_agent::sample::CpuSource;
-use ballast_aggregator::balance::stats::Spread;
+use ballast_balance::stats::Spread;
 use ballast_lab::backend::INFLIGHT_METRIC;
 use ballast_lab::load::{self, summarize, LoadRun, LoadSpec, Mode, Summary};
 use cgroup::{Cgroups, Group, Layout};
@@ -141,7 +141,7 @@ impl Plan {
             degraded: (s(60), s(20), s(10)),
             stall_ms: 250,
             restart: (s(60), s(15), s(5)),
-            cycle_ms: ballast_aggregator::balance::Params::default().cycle_ms,
+            cycle_ms: ballast_balance::Params::default().cycle_ms,
             report_interval_ms: ballast_aggregator::config::Config::default().report_interval_ms,
             agent_inter_ms: 500,
             sample_every: s(1),
@@ -783,7 +783,7 @@ pub fn run(plan: &Plan) -> LabResult {
             AggregatorOpts::default()
                 .cycle_ms(plan.cycle_ms)
                 .report_interval_ms(plan.report_interval_ms)
-                .grace_ms(ballast_aggregator::balance::Params::default().grace_ms),
+                .grace_ms(ballast_balance::Params::default().grace_ms),
         );
         *endpoints_url.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!(
             "http://{}/v1/services/{SERVICE}/endpoints",

@@ -2,7 +2,7 @@
 //! must meet.
 
 use super::{LabResult, RunResult, CONVERGENCE_BAND, CONVERGENCE_WINDOW_S, STALLED_SHARE};
-use ballast_aggregator::simulate::chart::{line_chart, Line, LineChart};
+use ballast_sim::simulate::chart::{line_chart, Line, LineChart};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -716,7 +716,7 @@ fn trace_table(out: &mut String, r: &LabResult, run: &RunResult, m: usize) {
         .filter(|s| s.t > run.start && s.t <= run.start + TRACE_S)
     {
         let utils: Vec<f64> = s.util.iter().map(|u| u.unwrap_or(0.0)).collect();
-        let spread = ballast_aggregator::balance::stats::Spread::of(&utils);
+        let spread = ballast_balance::stats::Spread::of(&utils);
         let cells: Vec<String> = (0..r.names.len())
             .map(|i| {
                 let load = s.reported[i].map_or("–".into(), |x| {

@@ -20,7 +20,7 @@
 //! ROUND_ROBIN, gRFC A27) give the same shares.
 
 use super::LbPolicy;
-use crate::balance::{Balancer, Service};
+use ballast_balance::{Balancer, Service};
 use crate::config::locality::{Localities, LocalitySplit};
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
 use envoy_types::pb::envoy::config::core::v3::{
@@ -118,7 +118,7 @@ pub struct EndpointInput {
 }
 
 impl EndpointInput {
-    fn of(svc: &crate::balance::Service, ep: &crate::balance::Endpoint) -> Self {
+    fn of(svc: &ballast_balance::Service, ep: &ballast_balance::Endpoint) -> Self {
         // The set as of the current version, as every feed publishes it.
         let (weight, draining) = svc.published(ep);
         EndpointInput {
@@ -316,7 +316,7 @@ fn locality(zone: &str, weight: u32, lb_endpoints: Vec<LbEndpoint>) -> LocalityL
 
 /// ClusterLoadAssignment `service` as every client gets it unless its zone has a
 /// split: one locality per zone, all of weight 1; endpoints weighted by
-/// [`ballast_shared::load::envoy_weight`], draining ones DRAINING. Endpoints whose
+/// [`ballast_balance::load::envoy_weight`], draining ones DRAINING. Endpoints whose
 /// address is not `IP:port` are left out, with a warning.
 pub fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoadAssignment {
     default_assignment(service, &addressable(service, endpoints))
@@ -325,7 +325,7 @@ pub fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoa
 fn default_assignment(service: &str, eps: &[Addressed<'_>]) -> ClusterLoadAssignment {
     let mut zones: BTreeMap<&str, Vec<LbEndpoint>> = BTreeMap::new();
     for a in eps {
-        let weight = ballast_shared::load::envoy_weight(a.ep.weight);
+        let weight = ballast_balance::load::envoy_weight(a.ep.weight);
         zones
             .entry(a.ep.zone.as_str())
             .or_default()

@@ -9,7 +9,7 @@ use super::resources::{
     LOCALITY_WEIGHT_TOTAL, RING_SIZE, ZONE_WEIGHT_TOTAL,
 };
 use super::{LbPolicy, XdsServer};
-use crate::balance::{Balancer, Observation, Params};
+use ballast_balance::{Balancer, Observation, Params};
 use crate::clock::Clock;
 use crate::config::locality::{Localities, LocalitySplit};
 use crate::metrics::XdsResource;

@@ -35,7 +35,7 @@ impl Spread {
         }
         let mut sorted: Vec<f64> = loads
             .iter()
-            .map(|&l| ballast_shared::load::sanitize(l))
+            .map(|&l| crate::load::sanitize(l))
             .collect();
         sorted.sort_by(f64::total_cmp);
         let avg = sorted.iter().sum::<f64>() / sorted.len() as f64;

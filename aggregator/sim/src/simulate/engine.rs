@@ -6,8 +6,8 @@ use super::random::{stream, Stream};
 use super::scenario::{EventKind, Loss, Scenario};
 use super::strategy::{AgentConfig, Strategy, StrategyKind};
 use super::SimError;
-use crate::balance::inflight::InflightEstimate;
-use crate::balance::{Params, PidGains};
+use ballast_balance::inflight::InflightEstimate;
+use ballast_balance::{Params, PidGains};
 use rand::rngs::SmallRng;
 use rand::Rng;
 

@@ -2,10 +2,10 @@
 //! balancing core's cost, the aggregator's CPU per report over real QUIC, and the
 //! agent's footprint. Counts and ratios, not timed assertions.
 //!
-//! Run: `cargo build --release --bins && cargo bench -p ballast-aggregator --bench figures`
+//! Run: `cargo build --release --bins && cargo bench -p ballast-sim --bench figures`
 //! (add `-- quick` for a shorter run).
 
-use ballast_aggregator::balance::{Balancer, Observation, Params};
+use ballast_balance::{Balancer, Observation, Params};
 use ballast_shared::pki::Ca;
 use ballast_shared::wire::{self, Hello, Message, NodeState, Reply, Report};
 use std::io::{Read, Write};

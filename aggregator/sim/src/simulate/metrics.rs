@@ -11,7 +11,7 @@
 
 use super::engine::Recording;
 use super::scenario::Scenario;
-use crate::balance::Spread;
+use ballast_balance::Spread;
 use std::collections::BTreeMap;
 
 /// Cycles a run must stay inside the band to count as settled.
@@ -496,7 +496,7 @@ pub fn peak_and_reach(curve: &[f64]) -> (f64, Option<u32>) {
 /// The endpoints whose weight sat at a bound (within [`PIN_TOLERANCE`]) in at least
 /// half of the cycles of `weights`.
 fn pinned(weights: &[Option<Vec<f64>>], watched: Option<usize>) -> Option<Pinned> {
-    let p = crate::balance::Params::default();
+    let p = ballast_balance::Params::default();
     let mut floor: Vec<usize> = Vec::new();
     let mut ceiling: Vec<usize> = Vec::new();
     for w in weights {

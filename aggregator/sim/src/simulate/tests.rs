@@ -188,7 +188,7 @@ fn feed_forward_costs_at_most_its_settling_cycles_where_it_misses() {
         assert!(without <= 5, "{}: {without}", r.scenario);
         assert!(
             u64::from(with)
-                <= u64::from(without) + crate::balance::service::FEED_FORWARD_SETTLE + 2,
+                <= u64::from(without) + ballast_balance::service::FEED_FORWARD_SETTLE + 2,
             "{}: {with} with feed-forward, {without} without",
             r.scenario
         );

@@ -262,7 +262,7 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
                 (Derivation::None, 0.0, 0.0)
             } else if input.capacity > 0 {
                 let term =
-                    ballast_shared::load::inflight_utilization(input.inflight, input.capacity);
+                    crate::load::inflight_utilization(input.inflight, input.capacity);
                 (Derivation::Capacity, 0.0, term)
             } else if input.warming {
                 (Derivation::FleetRelative, 0.0, 0.0)
@@ -300,7 +300,7 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
                 trusted,
             };
             Assessed {
-                load: ballast_shared::load::sanitize(load),
+                load: crate::load::sanitize(load),
                 newly_distrusted,
             }
         })

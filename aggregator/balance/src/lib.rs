@@ -1,5 +1,8 @@
 //! The balancing core, sans IO.
 //!
+//! A crate of its own so that sans IO is a fact of its `Cargo.toml`: it depends on serde
+//! and thiserror only, so no runtime, socket or clock can be imported by accident.
+//!
 //! Nothing here reads a clock, a socket or a file: reports and the time come in as
 //! arguments, weights and cycle results go out as values. The daemon, the simulator
 //! and the tests drive this same code, so what the simulator shows is what runs.
@@ -12,6 +15,7 @@
 //! mix the enabled strategies by their gates.
 
 pub mod inflight;
+pub mod load;
 pub mod mixture;
 pub mod normalize;
 pub mod params;
@@ -45,19 +49,6 @@ pub struct Observation {
     pub error_rate: Option<f64>,
     /// Whether the node asks to drain.
     pub draining: bool,
-}
-
-impl From<&ballast_shared::wire::Report> for Observation {
-    fn from(r: &ballast_shared::wire::Report) -> Self {
-        Observation {
-            seq: Some(r.seq),
-            cpu: f64::from(r.cpu),
-            inflight: r.inflight,
-            capacity: r.capacity,
-            error_rate: r.error_rate.map(f64::from),
-            draining: r.state == ballast_shared::wire::NodeState::Draining,
-        }
-    }
 }
 
 /// Why the balancer refused a registration or a report.

@@ -7,9 +7,9 @@
 //! `offered × w / s`, so the weights the aggregator sends back change what the agents
 //! report next, and the loop is closed.
 
-use crate::balance::{Params, Spread};
-use crate::config::Config;
-use crate::daemon::Daemon;
+use ballast_balance::{Params, Spread};
+use ballast_aggregator::config::Config;
+use ballast_aggregator::daemon::Daemon;
 use ballast_agent::config::AgentConfig;
 use ballast_agent::daemon::Agent;
 use ballast_agent::sample::{synthetic::SyntheticHandle, CpuSpec, InflightSpec};
@@ -80,7 +80,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
         quic: SocketAddr::from(([127, 0, 0, 1], 0)),
         http: opts.http,
         report_interval_ms: opts.cycle_ms as u32,
-        store: crate::config::StoreConfig {
+        store: ballast_aggregator::config::StoreConfig {
             path: dir.join("weights.json"),
             etcd: None,
         },
@@ -94,7 +94,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
     };
     let daemon = match Daemon::start(&cfg, server.identity("server")?, &ca_certs).await {
         Ok(d) => d,
-        Err(crate::daemon::DaemonError::Bind { what: "HTTP", .. }) => {
+        Err(ballast_aggregator::daemon::DaemonError::Bind { what: "HTTP", .. }) => {
             // Port taken: any free port will do for a demo.
             let cfg = Config {
                 http: SocketAddr::from(([127, 0, 0, 1], 0)),

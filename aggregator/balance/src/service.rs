@@ -514,7 +514,7 @@ impl Service {
             let obs = ep.observation;
             let input = inflight::Input {
                 base: obs.base_load(params),
-                cpu: ballast_shared::load::sanitize(obs.cpu),
+                cpu: crate::load::sanitize(obs.cpu),
                 capacity: obs.capacity,
                 inflight: obs.inflight,
                 weight: ep.weight,
@@ -627,7 +627,7 @@ impl Service {
             let load = |e: &Endpoint| {
                 let queued = e.inflight.estimate.binding
                     && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
-                if queued && params.metric == crate::balance::LoadMetric::Max {
+                if queued && params.metric == crate::LoadMetric::Max {
                     e.observation.base_load(params)
                 } else {
                     e.load
@@ -875,7 +875,7 @@ impl Observation {
             LoadMetric::Inflight => 0.0,
             LoadMetric::Max | LoadMetric::Cpu => self.cpu,
         };
-        ballast_shared::load::combine(cpu, 0, 0, self.error_rate, params.error_penalty)
+        crate::load::combine(cpu, 0, 0, self.error_rate, params.error_penalty)
     }
 
     /// The load this report shows on its own: its CPU, its in-flight count over its
@@ -886,7 +886,7 @@ impl Observation {
             LoadMetric::Cpu => (self.cpu, 0, 0),
             LoadMetric::Inflight => (0.0, self.inflight, self.capacity),
         };
-        ballast_shared::load::combine(
+        crate::load::combine(
             cpu,
             inflight,
             capacity,

@@ -1,15 +1,15 @@
 //! The adapter between the simulated fleet and the real balancing core.
 //!
 //! Nothing of the controller is copied here: reports go into
-//! [`crate::balance::Balancer::observe`], cycles run
-//! [`crate::balance::Balancer::cycle`], and the weights the clients apply are the
+//! [`ballast_balance::Balancer::observe`], cycles run
+//! [`ballast_balance::Balancer::cycle`], and the weights the clients apply are the
 //! published `Endpoint::weight`s, read only when the cycle says they changed
 //! materially, as the weight feeds do.
 
 use super::fleet::Measurement;
 use super::strategy::AgentConfig;
-use crate::balance::inflight::InflightEstimate;
-use crate::balance::{BalanceError, Balancer, CycleResult, Observation, Params};
+use ballast_balance::inflight::InflightEstimate;
+use ballast_balance::{BalanceError, Balancer, CycleResult, Observation, Params};
 
 /// Counts of what the core made of the in-flight counts in one cycle.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

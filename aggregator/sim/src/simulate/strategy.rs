@@ -10,7 +10,7 @@
 use super::ballast::BallastAdapter;
 use super::fleet::{Client, InflightMeasure, Measurement};
 use super::scenario::FleetSpec;
-use crate::balance::{BalanceError, LoadMetric, Params};
+use ballast_balance::{BalanceError, LoadMetric, Params};
 use rand::rngs::SmallRng;
 use rand::Rng;
 
@@ -454,7 +454,7 @@ impl Strategy {
     pub fn inflight_estimate(
         &self,
         idx: usize,
-    ) -> Option<crate::balance::inflight::InflightEstimate> {
+    ) -> Option<ballast_balance::inflight::InflightEstimate> {
         self.ballast.as_ref()?.inflight_estimate(idx)
     }
 

@@ -19,7 +19,7 @@ use super::metrics::Metrics;
 use super::scenario::{self, Scenario};
 use super::strategy::StrategyKind;
 use super::{engine, metrics, parallel, SimError};
-use crate::balance::PidGains;
+use ballast_balance::PidGains;
 
 /// Proportional gains tried.
 pub const KP: [f64; 6] = [0.25, 0.3, 0.35, 0.4, 0.5, 0.6];

@@ -660,7 +660,7 @@ impl Fleet {
             .zip(&self.endpoints)
             .map(|(r, e)| r * self.spec.mean_cost_ms / (e.cores * e.speed))
             .collect();
-        crate::balance::Spread::of(&loads).max_over_avg
+        ballast_balance::Spread::of(&loads).max_over_avg
     }
 
     /// Forgets the latencies recorded so far.

@@ -2,7 +2,7 @@
 //! heterogeneous fleet that compares load balancing strategies on the same fleets and
 //! requests, tunes the PID defaults, and writes `docs/balance.md` and its charts.
 //!
-//! Ballast's weights come from the real [`crate::balance`] module, driven through
+//! Ballast's weights come from the real [`ballast_balance`] module, driven through
 //! [`ballast::BallastAdapter`]; the client-side strategies live in [`strategy`].
 //!
 //! The modules, in the order data flows through them: [`scenario`] (what happens),
@@ -31,8 +31,8 @@ pub mod tune;
 #[cfg(test)]
 mod tests;
 
-use crate::balance::params::ParamsError;
-use crate::balance::{BalanceError, PidGains};
+use ballast_balance::params::ParamsError;
+use ballast_balance::{BalanceError, PidGains};
 use metrics::Metrics;
 use scenario::Scenario;
 use std::path::PathBuf;
@@ -41,7 +41,7 @@ use std::sync::Mutex;
 use strategy::StrategyKind;
 
 /// The command that regenerates `docs/balance.md` and `docs/img/`.
-pub const REGENERATE: &str = "cargo run --release -p ballast-aggregator -- simulate --out docs";
+pub const REGENERATE: &str = "cargo run --release -p ballast-sim -- simulate --out docs";
 
 /// What to simulate and where to write it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use super::metrics::{self, Metrics};
 use super::scenario;
 use super::strategy::StrategyKind;
 use super::{engine, parallel, SimError};
-use crate::balance::{Params, PidGains};
+use ballast_balance::{Params, PidGains};
 
 /// Seeds per experiment: a single run's max/avg moves by about as much as the
 /// effects measured here.

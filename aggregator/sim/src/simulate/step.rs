@@ -19,7 +19,7 @@
 use super::scenario::{self, Scenario};
 use super::strategy::{AgentConfig, StrategyKind};
 use super::{engine, parallel, SimError};
-use crate::balance::{Params, PidGains};
+use ballast_balance::{Params, PidGains};
 
 /// The scenarios whose transients are measured.
 pub const SCENARIOS: [&str; 2] = ["step", "cold_join"];
