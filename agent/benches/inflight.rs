@@ -7,6 +7,9 @@
 //!
 //! Needs python3 with grpcio.
 
+// A bench is a tool run by hand: a failed set-up aborts it with its message.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../tests/support/grpc.rs"]
 mod support;
 

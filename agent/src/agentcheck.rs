@@ -9,8 +9,8 @@
 //! `ready up 100%`: the mean weight. An unreachable control plane must never drain or
 //! down a whole fleet; falling back to plain round robin is the safe default.
 
-use crate::daemon::Shared;
-use crate::metrics::AgentCheckReply;
+use crate::counters::AgentCheckReply;
+use crate::shared::{accept, Shared};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -39,17 +39,6 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
-/// The next connection on `listener`. Accept errors (out of file descriptors and the
-/// like) pause the loop instead of spinning it; the listener itself stays usable.
-pub async fn accept(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
-    loop {
-        match listener.accept().await {
-            Ok((stream, _)) => return stream,
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    }
-}
-
 /// Answers every connection with one line, then closes it.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
@@ -69,11 +58,10 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
 mod tests {
     use super::*;
     use crate::config::AgentConfig;
-    use crate::sample::synthetic::SyntheticHandle;
     use tokio::io::AsyncReadExt;
 
     fn shared() -> Arc<Shared> {
-        Arc::new(Shared::new(AgentConfig::default(), SyntheticHandle::new()))
+        Arc::new(Shared::new(AgentConfig::default()))
     }
 
     #[test]

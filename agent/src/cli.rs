@@ -25,6 +25,7 @@ pub enum Command {
     Run(Flags),
     /// Take one measurement and print it; no daemon or aggregator needed.
     Sample {
+        /// The sources to sample, as the daemon takes them.
         #[command(flatten)]
         flags: Flags,
         /// Seconds between the two readings a CPU delta needs.

@@ -3,7 +3,7 @@
 //! One JSON request per line in, one JSON response per line out. The socket is a Unix
 //! socket, so only local users with access to its file can drain the node.
 
-use crate::daemon::Shared;
+use crate::shared::Shared;
 use crate::status::Status;
 use serde::{Deserialize, Serialize};
 use std::io::Read as _;

@@ -1,139 +1,13 @@
-//! The running agent: the report loop and the control socket around shared state.
+//! The running agent: builds the shared state and starts the tasks around it (the
+//! report loop, the control socket, the agent-check and the metrics server).
 
 use crate::config::AgentConfig;
-use crate::sample::{self, synthetic::SyntheticHandle, SampleError, Sampler};
-use crate::status::Status;
+use crate::sample::{self, synthetic::SyntheticHandle, AssignmentWatch, SampleError, Sampler};
+use crate::shared::{drained_on_disk, DrainFileError, Shared};
 use ballast_shared::tls::{self, TlsError};
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use tokio::sync::watch;
-
-/// What the report loop, the control socket and the CLI share.
-pub struct Shared {
-    /// The resolved configuration.
-    pub config: AgentConfig,
-    /// The agent's status.
-    status: Mutex<Status>,
-    /// Set by `drain`, cleared by `undrain`.
-    pub draining: AtomicBool,
-    /// The synthetic model's inputs, when that source is in use.
-    pub synthetic: SyntheticHandle,
-    /// Counters for `/metrics` that the status does not hold.
-    pub metrics: crate::metrics::Metrics,
-}
-
-impl Shared {
-    /// Shared state for a configuration.
-    pub fn new(config: AgentConfig, synthetic: SyntheticHandle) -> Self {
-        let status = Status {
-            node: config.node.clone(),
-            service: config.service.clone(),
-            ..Status::default()
-        };
-        Shared {
-            config,
-            status: Mutex::new(status),
-            draining: AtomicBool::new(false),
-            synthetic,
-            metrics: crate::metrics::Metrics::default(),
-        }
-    }
-
-    /// Starts (`true`) or ends a drain, and records it in the drain file so that a
-    /// restarted agent keeps it. The drain takes effect even when the file cannot be
-    /// written: taking traffic off a node must not depend on its disk. The error says
-    /// what will not survive a restart.
-    pub fn set_draining(&self, on: bool) -> Result<(), DrainFileError> {
-        let was = self.draining.swap(on, Ordering::Relaxed);
-        self.update(|s| {
-            s.draining = on;
-            // The quiet period counts from the drain: a node idle before it proves
-            // nothing about the load balancers having seen it. A repeated drain (a
-            // script that retries) does not start it again.
-            if on != was {
-                s.inflight_zero_since_unix_ms = None;
-            }
-        });
-        match self.config.drain_path() {
-            Some(path) if on => write_drain_file(path),
-            Some(path) => match std::fs::remove_file(path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(DrainFileError {
-                    path: path.display().to_string(),
-                    source: e,
-                }),
-                _ => Ok(()),
-            },
-            None => Ok(()),
-        }
-    }
-
-    /// Whether stopping the service is safe now, by the configured quiet period; a
-    /// sample older than three report intervals is too old to tell.
-    pub fn stop_verdict(&self, status: &Status, now_unix_ms: u64) -> crate::status::StopVerdict {
-        let max_age = u64::from(self.config.interval_ms) * 3;
-        status.stop_verdict(now_unix_ms, self.config.drain_quiet_ms, max_age)
-    }
-
-    /// A copy of the status.
-    pub fn status(&self) -> Status {
-        self.status
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_else(|p| p.into_inner().clone())
-    }
-
-    /// Changes the status in place.
-    pub fn update(&self, f: impl FnOnce(&mut Status)) {
-        let mut guard = self.status.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut guard);
-    }
-}
-
-/// The drain file could not be read or written.
-#[derive(Debug, thiserror::Error)]
-#[error("drain file {path}: {source}")]
-pub struct DrainFileError {
-    /// The file.
-    pub path: String,
-    /// The cause.
-    pub source: std::io::Error,
-}
-
-/// Writes the drain file atomically (a temporary file renamed over it), creating its
-/// directory.
-fn write_drain_file(path: &Path) -> Result<(), DrainFileError> {
-    let err = |source| DrainFileError {
-        path: path.display().to_string(),
-        source,
-    };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(err)?;
-    }
-    let tmp = path.with_extension("drained.tmp");
-    let text = format!(
-        "drained at {} ms since the Unix epoch; `ballast-agent undrain` ends it\n",
-        ballast_shared::unix_ms()
-    );
-    std::fs::write(&tmp, text).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
-}
-
-/// Whether the drain file says the node is drained. A file that cannot be looked at
-/// is an error: starting undrained could send traffic to a node under maintenance.
-pub fn drained_on_disk(cfg: &AgentConfig) -> Result<bool, DrainFileError> {
-    let Some(path) = cfg.drain_path() else {
-        return Ok(false);
-    };
-    match std::fs::metadata(path) {
-        Ok(_) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(source) => Err(DrainFileError {
-            path: path.display().to_string(),
-            source,
-        }),
-    }
-}
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -181,14 +55,17 @@ pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, TlsError>
     tls::client_config(cfg.tls.identity()?, &cfg.tls.ca_certs()?)
 }
 
-/// Opens the configured sources.
+/// Opens the configured sources. `assignment` is the aggregator's current
+/// assignment, for a source that follows the node's weight (the synthetic model);
+/// [`sample::no_assignment`] for a measurement without a daemon.
 pub fn open_sampler(
     cfg: &AgentConfig,
     synthetic: &SyntheticHandle,
+    assignment: &AssignmentWatch,
 ) -> Result<Sampler, SampleError> {
     let cpu = sample::open_cpu(&cfg.cpu)?;
     let inflight = match &cfg.inflight {
-        Some(spec) => sample::open_inflight(spec, synthetic)?,
+        Some(spec) => sample::open_inflight(spec, synthetic, assignment)?,
         None => None,
     };
     Ok(Sampler::new(cpu, inflight, cfg.capacity))
@@ -204,16 +81,18 @@ pub struct Agent {
 
 impl Agent {
     /// Starts the report loop and, if `control` is set in the config, the control
-    /// socket. `cfg` must be resolved and valid.
+    /// socket. `cfg` must be resolved and valid. `synthetic` holds the synthetic
+    /// model's speed and offered load, when that source is configured, so that a test
+    /// can turn them while the agent runs.
     pub async fn start(
         cfg: AgentConfig,
         client: quinn::ClientConfig,
         synthetic: SyntheticHandle,
     ) -> Result<Agent, AgentError> {
         cfg.validate()?;
-        let sampler = open_sampler(&cfg, &synthetic)?;
         let drained = drained_on_disk(&cfg)?;
-        let shared = Arc::new(Shared::new(cfg, synthetic));
+        let shared = Arc::new(Shared::new(cfg));
+        let sampler = open_sampler(&shared.config, &synthetic, &shared.subscribe_assignment())?;
         if drained {
             shared.draining.store(true, Ordering::Relaxed);
             shared.update(|s| s.draining = true);
@@ -287,56 +166,5 @@ impl Agent {
         if !path.as_os_str().is_empty() {
             let _ = std::fs::remove_file(path);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_drain_survives_in_the_drain_file_until_undrain() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = AgentConfig {
-            control_socket: dir.path().join("run/agent.sock"),
-            ..AgentConfig::default()
-        }
-        .resolve();
-        let file = dir.path().join("run/agent.drained");
-        assert_eq!(cfg.drain_path(), Some(file.as_path()));
-        assert!(!drained_on_disk(&cfg).expect("readable"));
-        let shared = Shared::new(cfg.clone(), SyntheticHandle::new());
-        shared.update(|s| s.inflight_zero_since_unix_ms = Some(1));
-        shared.set_draining(true).expect("written");
-        assert!(shared.status().draining);
-        assert_eq!(
-            shared.status().inflight_zero_since_unix_ms,
-            None,
-            "the quiet period restarts at the drain"
-        );
-        assert!(drained_on_disk(&cfg).expect("readable"), "{file:?}");
-        shared.update(|s| s.inflight_zero_since_unix_ms = Some(2));
-        shared.set_draining(true).expect("drain twice is fine");
-        assert_eq!(
-            shared.status().inflight_zero_since_unix_ms,
-            Some(2),
-            "a repeated drain keeps the quiet period"
-        );
-        shared.set_draining(false).expect("removed");
-        assert!(!drained_on_disk(&cfg).expect("readable"));
-        shared.set_draining(false).expect("undrain twice is fine");
-
-        // A drain file that cannot be written: the drain still holds, with the error.
-        let blocked = AgentConfig {
-            drain_file: Some(dir.path().join("not-a-dir")),
-            ..AgentConfig::default()
-        };
-        std::fs::create_dir_all(dir.path().join("not-a-dir/x")).expect("a directory");
-        let shared = Shared::new(blocked, SyntheticHandle::new());
-        let err = shared
-            .set_draining(true)
-            .expect_err("a directory is in the way");
-        assert!(err.to_string().contains("not-a-dir"), "{err}");
-        assert!(shared.draining.load(Ordering::Relaxed) && shared.status().draining);
     }
 }

@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use ballast_agent::cli::{Cli, Command, CtlArgs, Flags};
 use ballast_agent::control::{self, Request, Response};
 use ballast_agent::daemon::{self, Agent};
-use ballast_agent::sample::synthetic::SyntheticHandle;
+use ballast_agent::sample::{no_assignment, synthetic::SyntheticHandle};
 use ballast_shared::config::init_logging;
 use clap::Parser;
 use std::process::ExitCode;
@@ -56,7 +56,7 @@ fn run(flags: Flags) -> Result<ExitCode> {
 
 fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
     let cfg = flags.config()?;
-    let mut sampler = daemon::open_sampler(&cfg, &SyntheticHandle::new())?;
+    let mut sampler = daemon::open_sampler(&cfg, &SyntheticHandle::new(), &no_assignment())?;
     // CPU needs two readings for a delta.
     sampler.sample()?;
     std::thread::sleep(std::time::Duration::from_secs_f64(window.clamp(0.05, 60.0)));
@@ -187,7 +187,8 @@ fn check(flags: Flags) -> Result<ExitCode> {
     let cfg = flags.config()?;
     cfg.validate()?;
     daemon::client_config(&cfg).context("TLS files")?;
-    daemon::open_sampler(&cfg, &SyntheticHandle::new()).context("measurement sources")?;
+    daemon::open_sampler(&cfg, &SyntheticHandle::new(), &no_assignment())
+        .context("measurement sources")?;
     println!(
         "ok: node {} of service {} at {}, reporting to {}",
         cfg.node,

@@ -4,20 +4,18 @@
 //! HTTP/1.0 responder on a tokio listener with hand-formatted text rather than a
 //! metrics crate and an HTTP stack: one route, `GET /metrics`; requests are bounded
 //! in size, time and number, and anything else gets an error status. Counters and
-//! the last sample come from the agent's [`Status`]; only the sample-duration
-//! histogram and the agent-check replies are counted here.
+//! the last sample come from the agent's [`Status`]; the sample-duration histogram
+//! and the agent-check replies from its [`Metrics`] counters.
 
-use crate::daemon::Shared;
+use crate::counters::{AgentCheckReply, Metrics, SAMPLE_BUCKETS};
+use crate::shared::{accept, Shared};
 use crate::status::Status;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Upper bounds of the sample-duration buckets, in seconds. A host or cgroup sample
-/// takes tens of microseconds; a Prometheus source is an HTTP round trip.
-pub const SAMPLE_BUCKETS: [f64; 9] = [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0];
 /// The longest request head accepted; a scraper sends a few hundred bytes.
 pub const MAX_REQUEST: usize = 4096;
 /// How long a client has to send its request and read the answer.
@@ -25,46 +23,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once; more are closed at once, so a flood cannot grow the
 /// agent.
 pub const MAX_CONNECTIONS: usize = 8;
-
-/// What the agent-check answered, for [`Metrics::agentcheck_reply`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AgentCheckReply {
-    /// The aggregator's weight.
-    Weight,
-    /// `drain`.
-    Drain,
-    /// The mean weight, because no fresh weight was at hand.
-    Mean,
-}
-
-/// Counters that [`Status`] does not hold.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    /// Samples per bucket of [`SAMPLE_BUCKETS`] (not cumulative), then the overflow.
-    sample_buckets: [AtomicU64; SAMPLE_BUCKETS.len() + 1],
-    sample_sum_ns: AtomicU64,
-    agentcheck: [AtomicU64; 3],
-    open: AtomicUsize,
-}
-
-impl Metrics {
-    /// Records how long one sample took.
-    pub fn observe_sample(&self, took: Duration) {
-        let secs = took.as_secs_f64();
-        let i = SAMPLE_BUCKETS
-            .iter()
-            .position(|b| secs <= *b)
-            .unwrap_or(SAMPLE_BUCKETS.len());
-        self.sample_buckets[i].fetch_add(1, Ordering::Relaxed);
-        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.sample_sum_ns.fetch_add(ns, Ordering::Relaxed);
-    }
-
-    /// Counts one agent-check answer.
-    pub fn agentcheck_reply(&self, reply: AgentCheckReply) {
-        self.agentcheck[reply as usize].fetch_add(1, Ordering::Relaxed);
-    }
-}
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -289,7 +247,7 @@ async fn answer(stream: &mut tokio::net::TcpStream, shared: &Shared) {
 /// Serves `GET /metrics` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
-        let mut stream = crate::agentcheck::accept(&listener).await;
+        let mut stream = accept(&listener).await;
         if shared.metrics.open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
             shared.metrics.open.fetch_sub(1, Ordering::SeqCst);
             continue; // dropped: closed at once

@@ -1,28 +1,31 @@
-//! The report loop: connect to an aggregator, say hello, then send one report per
-//! interval as a QUIC datagram and keep the weight each reply carries.
+//! The report loop: connect to an aggregator, run a session with it, and publish what
+//! it assigns this node.
+//!
+//! The session's rules (the hello, the welcome or reject, report numbering, replies,
+//! interval changes, giving up on a silent aggregator) are the sans-IO
+//! [`ClientSession`], shared with the aggregator's side of the protocol; this module is
+//! its async driver: the QUIC connection, the timers, the sampler, and the status and
+//! assignment the session's events update.
 //!
 //! Aggregators are tried in order; a failed or lost connection moves on to the next
 //! after a jittered exponential backoff, so a restarted aggregator is found again and
 //! a fleet of agents does not reconnect in lockstep.
 
-use crate::daemon::Shared;
 use crate::sample::Sampler;
-use ballast_shared::frame;
-use ballast_shared::wire::{self, Message, NodeState, Reject, Report};
+use crate::shared::Shared;
+use ballast_shared::session::{
+    self, Assignment, ClientConfig, ClientError, ClientEvent, ClientSession, Measurement,
+};
 use rand::{Rng, SeedableRng};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// How long a connection attempt or the hello exchange may take. Short, because a
-/// dead aggregator first in the list delays failover by this much.
+/// How long a connection attempt may take. Short, because a dead aggregator first in
+/// the list delays failover by this much.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// Replies missed in a row before the connection counts as dead. QUIC's idle timeout
-/// would notice too, but only after 10 s of lost reports; the replies say sooner.
-const MISSED_REPLIES: u32 = 3;
 
 /// Why a session with an aggregator ended.
 #[derive(Debug, thiserror::Error)]
@@ -39,16 +42,17 @@ pub enum SessionError {
     /// The connection failed or was closed.
     #[error("connection: {0}")]
     Connection(#[from] quinn::ConnectionError),
-    /// The hello exchange failed.
+    /// The hello could not be written.
     #[error("hello: {0}")]
-    Frame(#[from] frame::FrameError),
-    /// The aggregator refused this node.
-    #[error("rejected: {} ({})", .0.reason, .0.detail)]
-    Rejected(Reject),
-    /// The aggregator answered the hello with something else.
-    #[error("unexpected answer to hello")]
-    Unexpected,
-    /// Nothing came back in time.
+    Write(#[from] quinn::WriteError),
+    /// The answer to the hello could not be read.
+    #[error("hello: {0}")]
+    Read(#[from] quinn::ReadError),
+    /// The session ended by its own rules: refused, timed out, silent, or a protocol
+    /// fault.
+    #[error(transparent)]
+    Session(#[from] ClientError),
+    /// The connection was not up in time.
     #[error("timed out")]
     Timeout,
 }
@@ -139,6 +143,20 @@ fn host_part(target: &str) -> &str {
     host.trim_start_matches('[').trim_end_matches(']')
 }
 
+/// The time now, in the session machine's terms; tokio's clock, so that it follows a
+/// paused runtime in tests.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Sleeps until `deadline`; forever when there is none.
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// One connection's life. `Ok(true)`: it was established and then ended; `Ok(false)`:
 /// shutdown was asked for.
 async fn session(
@@ -168,42 +186,30 @@ async fn session(
     let conn = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(addr, &server_name)?)
         .await
         .map_err(|_| SessionError::Timeout)??;
+    let mut s = ClientSession::new(shared.config.hello(), ClientConfig::default(), now());
     let (mut send, mut recv) = conn.open_bi().await?;
-    frame::write(&mut send, &Message::Hello(shared.config.hello())).await?;
+    send.write_all(&s.hello_frame()?).await?;
     let _ = send.finish();
-    let mut interval_ms = match tokio::time::timeout(CONNECT_TIMEOUT, frame::read(&mut recv)).await
-    {
-        Err(_) => return Err(SessionError::Timeout),
-        Ok(Ok(Message::Welcome(w))) => w.interval_ms,
-        Ok(Ok(Message::Reject(r))) => return Err(SessionError::Rejected(r)),
-        Ok(Ok(_)) => return Err(SessionError::Unexpected),
-        Ok(Err(e)) => return Err(e.into()),
-    };
-    tracing::info!(aggregator = %target, interval_ms, "connected");
-    shared.update(|s| {
-        s.connected_to = Some(target.to_string());
-        s.connections += 1;
-        s.last_error = None;
+    let interval = welcome(&mut s, &mut recv).await?;
+    tracing::info!(aggregator = %target, interval_ms = interval.as_millis(), "connected");
+    shared.update(|st| {
+        st.connected_to = Some(target.to_string());
+        st.connections += 1;
+        st.last_error = None;
     });
 
-    let mut seq = 0u32;
-    let mut tick = ticker(interval_ms);
-    let mut last_reply = tokio::time::Instant::now();
     loop {
         tokio::select! {
-            _ = tick.tick() => {
-                let silence = Duration::from_millis(u64::from(interval_ms) * u64::from(MISSED_REPLIES));
-                if last_reply.elapsed() > silence + Duration::from_secs(1) {
-                    tracing::info!(aggregator = %target, "no reply to {MISSED_REPLIES} reports: reconnecting");
-                    conn.close(0u32.into(), b"no replies");
+            _ = until(s.poll_timeout()) => match s.handle_timeout(now()) {
+                Ok(Some(ClientEvent::ReportDue)) => send_report(shared, sampler, &mut s, &conn),
+                Ok(_) => {}
+                Err(ClientError::Silent { missed }) => {
+                    tracing::info!(aggregator = %target, "no reply to {missed} reports: reconnecting");
+                    conn.close(session::close::NORMAL.into(), b"no replies");
                     return Ok(true);
                 }
-                seq = seq.wrapping_add(1);
-                if let Some(bytes) = build_report(shared, sampler, seq) {
-                    let ok = conn.send_datagram(bytes.into()).is_ok();
-                    shared.update(|s| if ok { s.reports_sent += 1 } else { s.reports_failed += 1 });
-                }
-            }
+                Err(e) => return Err(e.into()),
+            },
             datagram = conn.read_datagram() => {
                 let bytes = match datagram {
                     Ok(b) => b,
@@ -215,25 +221,21 @@ async fn session(
                         }
                     },
                 };
-                if let Ok(Message::Reply(r)) = wire::decode(&bytes) {
-                    last_reply = tokio::time::Instant::now();
-                    shared.synthetic.set_weight(f64::from(r.weight));
-                    shared.update(|s| {
-                        s.weight = Some(f64::from(r.weight));
-                        s.weight_cycle = Some(r.cycle);
-                        s.weight_unix_ms = Some(ballast_shared::unix_ms());
-                        s.drain_acknowledged = r.draining;
-                        s.aggregator_load = Some(f64::from(r.load));
-                        s.inflight_trusted = Some(r.inflight_trusted);
-                    });
-                    if r.interval_ms != interval_ms && (100..=60_000).contains(&r.interval_ms) {
-                        interval_ms = r.interval_ms;
-                        tick = ticker(interval_ms);
+                match s.handle_datagram(now(), &bytes) {
+                    Ok(ClientEvent::Assigned { assignment, new_interval }) => {
+                        assigned(shared, assignment);
+                        if let Some(i) = new_interval {
+                            tracing::info!(aggregator = %target, interval_ms = i.as_millis(), "report interval changed");
+                        }
                     }
+                    Ok(_) => {}
+                    // One bad datagram is dropped; it does not cost the connection.
+                    Err(e) => tracing::debug!(aggregator = %target, error = %e, "datagram dropped"),
                 }
             }
             _ = shutdown.changed() => {
-                conn.close(0u32.into(), b"agent stopping");
+                s.close();
+                conn.close(session::close::NORMAL.into(), b"agent stopping");
                 endpoint.wait_idle().await;
                 return Ok(false);
             }
@@ -241,15 +243,82 @@ async fn session(
     }
 }
 
-fn ticker(interval_ms: u32) -> tokio::time::Interval {
-    let mut t = tokio::time::interval(Duration::from_millis(u64::from(interval_ms)));
-    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    t
+/// Reads the aggregator's answer to the hello into the session until it welcomes the
+/// node (the report interval), refuses it, breaks the protocol or runs out of time.
+async fn welcome(
+    s: &mut ClientSession,
+    recv: &mut quinn::RecvStream,
+) -> Result<Duration, SessionError> {
+    let mut buf = [0u8; 512];
+    loop {
+        let read = tokio::select! {
+            r = recv.read(&mut buf) => r?,
+            _ = until(s.poll_timeout()) => {
+                s.handle_timeout(now())?;
+                continue;
+            }
+        };
+        let event = match read {
+            Some(n) => s.handle_stream(now(), buf.get(..n).unwrap_or_default())?,
+            None => {
+                s.handle_stream_end()?;
+                None
+            }
+        };
+        if let Some(ClientEvent::Welcomed { interval }) = event {
+            return Ok(interval);
+        }
+        if read.is_none() {
+            // Ended after a whole answer that was not a welcome: the session says why.
+            return Err(ClientError::Closed.into());
+        }
+    }
 }
 
-/// Samples and encodes one report. A failed sample sends nothing: a missing report is
-/// handled by the aggregator, while a made-up zero would look like idleness.
-fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<u8>> {
+/// Keeps what the aggregator assigned: in the status, and published to every
+/// subscriber (the synthetic source follows its weight).
+fn assigned(shared: &Shared, a: Assignment) {
+    shared.publish_assignment(a);
+    shared.update(|st| {
+        st.weight = Some(a.weight);
+        st.weight_cycle = Some(a.cycle);
+        st.weight_unix_ms = Some(ballast_shared::unix_ms());
+        st.drain_acknowledged = a.draining;
+        st.aggregator_load = Some(a.load);
+        st.inflight_trusted = Some(a.inflight_trusted);
+    });
+}
+
+/// Samples, and sends the session's next report. A failed sample sends nothing: a
+/// missing report is handled by the aggregator, while a made-up zero would look like
+/// idleness.
+fn send_report(
+    shared: &Shared,
+    sampler: &mut Sampler,
+    s: &mut ClientSession,
+    conn: &quinn::Connection,
+) {
+    let Some(m) = measure(shared, sampler) else {
+        return;
+    };
+    let ok = match s.report(m) {
+        Ok(bytes) => conn.send_datagram(bytes.into()).is_ok(),
+        Err(e) => {
+            tracing::warn!(error = %e, "report not sent");
+            false
+        }
+    };
+    shared.update(|st| {
+        if ok {
+            st.reports_sent += 1
+        } else {
+            st.reports_failed += 1
+        }
+    });
+}
+
+/// Takes one sample and records it in the status; `None` when it failed.
+fn measure(shared: &Shared, sampler: &mut Sampler) -> Option<Measurement> {
     let started = std::time::Instant::now();
     let result = sampler.sample();
     shared.metrics.observe_sample(started.elapsed());
@@ -264,20 +333,7 @@ fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<
             return None;
         }
     };
-    let draining = shared.draining.load(Ordering::Relaxed);
     let now_ms = ballast_shared::unix_ms();
-    let report = Report {
-        seq,
-        cpu: sample.cpu as f32,
-        inflight: sample.inflight,
-        capacity: sample.capacity,
-        error_rate: sample.error_rate.map(|e| e as f32),
-        state: if draining {
-            NodeState::Draining
-        } else {
-            NodeState::Serving
-        },
-    };
     shared.update(|s| {
         s.last_load = Some(sample.load);
         s.last_cpu = Some(sample.cpu);
@@ -290,7 +346,13 @@ fn build_report(shared: &Shared, sampler: &mut Sampler, seq: u32) -> Option<Vec<
             None
         };
     });
-    wire::encode(&Message::Report(report)).ok()
+    Some(Measurement {
+        cpu: sample.cpu,
+        inflight: sample.inflight,
+        capacity: sample.capacity,
+        error_rate: sample.error_rate,
+        draining: shared.draining.load(Ordering::Relaxed),
+    })
 }
 
 #[cfg(test)]

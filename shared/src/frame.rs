@@ -48,11 +48,20 @@ pub async fn read(stream: &mut quinn::RecvStream) -> Result<Message, FrameError>
     Ok(wire::decode(&buf)?)
 }
 
+/// One message with its length prefix, ready to write on a stream. Sans IO, for the
+/// session machines ([`crate::session`]), which hand their drivers bytes to send.
+pub fn encode(msg: &Message) -> Result<Vec<u8>, wire::EncodeError> {
+    let bytes = wire::encode(msg)?;
+    // `wire::encode` holds every message to MAX_MESSAGE, which a u16 always fits.
+    let len = u16::try_from(bytes.len()).map_err(|_| wire::EncodeError::TooLarge)?;
+    let mut out = Vec::with_capacity(2 + bytes.len());
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(&bytes);
+    Ok(out)
+}
+
 /// Writes one message with its length prefix.
 pub async fn write(stream: &mut quinn::SendStream, msg: &Message) -> Result<(), FrameError> {
-    let bytes = wire::encode(msg)?;
-    let len = u16::try_from(bytes.len()).map_err(|_| FrameError::TooLarge(bytes.len()))?;
-    stream.write_all(&len.to_be_bytes()).await?;
-    stream.write_all(&bytes).await?;
+    stream.write_all(&encode(msg)?).await?;
     Ok(())
 }

@@ -20,6 +20,20 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use ballast_balance::load;
+use ballast_shared::session::Assignment;
+use tokio::sync::watch;
+
+/// The aggregator's current assignment for this node, as the report loop publishes it:
+/// `None` until the first reply. A source that models how the node responds to its
+/// weight (the synthetic one) subscribes to it; the others never look.
+pub type AssignmentWatch = watch::Receiver<Option<Assignment>>;
+
+/// A watch that stays at "no assignment", for a measurement taken without a daemon
+/// (`ballast-agent sample`, `check`): a source following the weight sees the fleet
+/// mean.
+pub fn no_assignment() -> AssignmentWatch {
+    watch::channel(None).1
+}
 
 /// Why a measurement failed. Every variant names the file, URL or spec at fault, because
 /// the operator reading the log has to find it.
@@ -343,12 +357,13 @@ pub fn open_cpu(spec: &CpuSpec) -> Result<Option<Box<dyn CpuSource>>, SampleErro
 
 /// Opens the in-flight source a spec names; `None` for [`InflightSpec::None`].
 ///
-/// `synthetic` is the handle the report loop uses to feed weights back into the
-/// synthetic model; a synthetic spec also resets the handle's speed and offered load to
-/// the spec's values. Other sources ignore it.
+/// `synthetic` holds the synthetic model's speed and offered load, which a synthetic
+/// spec resets to its values, and `assignment` the weight the aggregator gives the
+/// node, which the model follows. Other sources ignore both.
 pub fn open_inflight(
     spec: &InflightSpec,
     synthetic: &synthetic::SyntheticHandle,
+    assignment: &AssignmentWatch,
 ) -> Result<Option<Box<dyn InflightSource>>, SampleError> {
     Ok(match spec {
         InflightSpec::Tcp { ports } => Some(Box::new(tcp::TcpInflight::open(ports.clone())?)),
@@ -365,6 +380,7 @@ pub fn open_inflight(
             synthetic.set_offered(*offered);
             Some(Box::new(synthetic::SyntheticInflight::new(
                 synthetic.clone(),
+                assignment.clone(),
                 *noise,
                 *seed,
             )))
@@ -680,19 +696,28 @@ mod tests {
     }
 
     #[test]
-    fn synthetic_spec_opens_through_the_shared_handle() {
+    fn synthetic_spec_opens_through_the_handle_and_follows_the_assignment() {
         let handle = synthetic::SyntheticHandle::new();
+        let (assign, assignment) = watch::channel(None);
         let spec: InflightSpec = "synthetic:speed=0.5,offered=0.6,noise=0".parse().unwrap();
-        let src = open_inflight(&spec, &handle).unwrap();
+        let src = open_inflight(&spec, &handle, &assignment).unwrap();
         assert_eq!(handle.speed(), 0.5);
         let mut s = Sampler::new(None, src, 100);
         // 0.6 × 1 / 0.5 = 1.2 of capacity: a slow node is overloaded at equal weights.
         assert_eq!(s.sample().unwrap().inflight, 120);
-        handle.set_weight(0.5);
+        assign.send_replace(Some(Assignment {
+            weight: 0.5,
+            cycle: 1,
+            draining: false,
+            load: 1.2,
+            inflight_trusted: true,
+        }));
         assert_eq!(s.sample().unwrap().inflight, 60);
-        assert!(open_inflight(&InflightSpec::None, &handle)
-            .unwrap()
-            .is_none());
+        assert!(
+            open_inflight(&InflightSpec::None, &handle, &no_assignment())
+                .unwrap()
+                .is_none()
+        );
         assert!(open_cpu(&CpuSpec::None).unwrap().is_none());
     }
 }

@@ -2,8 +2,10 @@
 //!
 //! A node of relative speed `s` receiving a share `w` of the traffic (weights normalised
 //! to mean 1) at an offered per-node utilization `L` runs at `L·w/s`. The weight comes
-//! back from the aggregator through a [`SyntheticHandle`], so the loop the balancer
-//! controls is closed: a slow node that is given less weight reports less load.
+//! back from the aggregator through the assignment watch the report loop publishes
+//! ([`AssignmentWatch`]), so the loop the balancer controls is closed: a slow node that
+//! is given less weight reports less load. Speed and offered load are knobs on a
+//! [`SyntheticHandle`], for tests that change them mid-run.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -12,26 +14,25 @@ use ballast_balance::load::{self, MAX_LOAD};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::{InflightSource, SampleError};
+use super::{AssignmentWatch, InflightSource, SampleError};
 
 /// Capacity assumed until [`InflightSource::set_capacity`] says otherwise: 100 gives
 /// the in-flight count percent resolution.
 const DEFAULT_CAPACITY: u32 = 100;
 
 #[derive(Debug)]
-struct Shared {
-    weight: AtomicU32,
+struct Knobs {
     speed: AtomicU32,
     offered: AtomicU32,
 }
 
-/// The model's inputs, shared between the report loop (which sets the weight the
-/// aggregator gave this node) and the in-flight source (which reads it). Cloning shares.
+/// The model's knobs, shared between whoever turns them (a test, the demo) and the
+/// in-flight source (which reads them). Cloning shares.
 ///
 /// Values are `f32` bits in atomics: lock-free, and the model needs no more precision.
 #[derive(Debug, Clone)]
 pub struct SyntheticHandle {
-    shared: Arc<Shared>,
+    knobs: Arc<Knobs>,
 }
 
 fn store(cell: &AtomicU32, x: f64) {
@@ -43,49 +44,37 @@ fn load_f64(cell: &AtomicU32) -> f64 {
 }
 
 impl SyntheticHandle {
-    /// Weight 1 (the fleet mean), speed 1, offered 0.6.
+    /// Speed 1, offered 0.6.
     pub fn new() -> Self {
         let h = SyntheticHandle {
-            shared: Arc::new(Shared {
-                weight: AtomicU32::new(0),
+            knobs: Arc::new(Knobs {
                 speed: AtomicU32::new(0),
                 offered: AtomicU32::new(0),
             }),
         };
-        h.set_weight(1.0);
         h.set_speed(1.0);
         h.set_offered(0.6);
         h
     }
 
-    /// Sets this node's normalised weight (mean 1 across the fleet).
-    pub fn set_weight(&self, weight: f64) {
-        store(&self.shared.weight, weight);
-    }
-
-    /// This node's current weight.
-    pub fn weight(&self) -> f64 {
-        load_f64(&self.shared.weight)
-    }
-
     /// Sets this node's relative speed, so a test can make it slow mid-run.
     pub fn set_speed(&self, speed: f64) {
-        store(&self.shared.speed, speed);
+        store(&self.knobs.speed, speed);
     }
 
     /// This node's current relative speed.
     pub fn speed(&self) -> f64 {
-        load_f64(&self.shared.speed)
+        load_f64(&self.knobs.speed)
     }
 
     /// Sets the mean per-node utilization at equal weights, so a test can raise traffic.
     pub fn set_offered(&self, offered: f64) {
-        store(&self.shared.offered, offered);
+        store(&self.knobs.offered, offered);
     }
 
     /// The current offered utilization.
     pub fn offered(&self) -> f64 {
-        load_f64(&self.shared.offered)
+        load_f64(&self.knobs.offered)
     }
 }
 
@@ -118,6 +107,7 @@ pub fn model_utilization(weight: f64, speed: f64, offered: f64, noise: f64, u: f
 #[derive(Debug)]
 pub struct SyntheticInflight {
     handle: SyntheticHandle,
+    assignment: AssignmentWatch,
     noise: f64,
     seed: u64,
     rng: SmallRng,
@@ -125,11 +115,18 @@ pub struct SyntheticInflight {
 }
 
 impl SyntheticInflight {
-    /// A model reading its weight, speed and offered load from `handle`, with noise of
-    /// relative amplitude `noise` drawn from a generator seeded with `seed`.
-    pub fn new(handle: SyntheticHandle, noise: f64, seed: u64) -> Self {
+    /// A model reading its speed and offered load from `handle` and its weight from
+    /// `assignment`, with noise of relative amplitude `noise` drawn from a generator
+    /// seeded with `seed`.
+    pub fn new(
+        handle: SyntheticHandle,
+        assignment: AssignmentWatch,
+        noise: f64,
+        seed: u64,
+    ) -> Self {
         SyntheticInflight {
             handle,
+            assignment,
             noise,
             seed,
             rng: SmallRng::seed_from_u64(seed),
@@ -137,11 +134,17 @@ impl SyntheticInflight {
         }
     }
 
+    /// The node's current weight: the aggregator's latest, or 1 (the fleet mean)
+    /// before the first reply, which is what a new node's share of round robin is.
+    pub fn weight(&self) -> f64 {
+        self.assignment.borrow().map_or(1.0, |a| a.weight)
+    }
+
     /// Draws the next utilization.
     pub fn utilization(&mut self) -> f64 {
         let u = self.rng.gen_range(-1.0..=1.0);
         model_utilization(
-            self.handle.weight(),
+            self.weight(),
             self.handle.speed(),
             self.handle.offered(),
             self.noise,
@@ -163,7 +166,7 @@ impl InflightSource for SyntheticInflight {
             self.handle.offered(),
             self.noise,
             self.seed,
-            self.handle.weight()
+            self.weight()
         )
     }
 
@@ -184,17 +187,39 @@ impl InflightSource for SyntheticInflight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ballast_shared::session::Assignment;
     use proptest::prelude::*;
+    use tokio::sync::watch;
+
+    fn assigned(weight: f64) -> Option<Assignment> {
+        Some(Assignment {
+            weight,
+            cycle: 1,
+            draining: false,
+            load: 0.5,
+            inflight_trusted: true,
+        })
+    }
 
     #[test]
-    fn handle_starts_at_mean_weight_and_clones_share() {
+    fn handle_starts_at_speed_1_and_clones_share() {
         let h = SyntheticHandle::new();
-        assert_eq!((h.weight(), h.speed()), (1.0, 1.0));
+        assert_eq!(h.speed(), 1.0);
         assert!((h.offered() - 0.6).abs() < 1e-6);
         let other = h.clone();
-        other.set_weight(1.5);
         other.set_speed(0.25);
-        assert_eq!((h.weight(), h.speed()), (1.5, 0.25));
+        assert_eq!(h.speed(), 0.25);
+    }
+
+    #[test]
+    fn weight_is_the_mean_until_the_first_assignment() {
+        let (tx, rx) = watch::channel(None);
+        let src = SyntheticInflight::new(SyntheticHandle::new(), rx, 0.0, 0);
+        assert_eq!(src.weight(), 1.0);
+        tx.send_replace(assigned(1.5));
+        assert_eq!(src.weight(), 1.5);
+        drop(tx);
+        assert_eq!(src.weight(), 1.5, "the last assignment outlives its sender");
     }
 
     #[test]
@@ -211,7 +236,7 @@ mod tests {
     fn noise_stays_in_its_band_and_averages_out() {
         let h = SyntheticHandle::new();
         h.set_offered(0.5);
-        let mut src = SyntheticInflight::new(h, 0.1, 7);
+        let mut src = SyntheticInflight::new(h, crate::sample::no_assignment(), 0.1, 7);
         let draws: Vec<f64> = (0..5000).map(|_| src.utilization()).collect();
         assert!(draws.iter().all(|u| (0.45..=0.55).contains(u)));
         assert!(draws.iter().any(|u| *u < 0.46) && draws.iter().any(|u| *u > 0.54));
@@ -222,7 +247,12 @@ mod tests {
     #[test]
     fn same_seed_same_sequence() {
         let run = |seed| {
-            let mut src = SyntheticInflight::new(SyntheticHandle::new(), 0.2, seed);
+            let mut src = SyntheticInflight::new(
+                SyntheticHandle::new(),
+                crate::sample::no_assignment(),
+                0.2,
+                seed,
+            );
             src.set_capacity(1000);
             (0..20).map(|_| src.sample().unwrap()).collect::<Vec<u32>>()
         };
@@ -231,16 +261,17 @@ mod tests {
     }
 
     #[test]
-    fn reports_utilization_times_capacity_and_follows_the_handle() {
+    fn reports_utilization_times_capacity_and_follows_handle_and_weight() {
         let h = SyntheticHandle::new();
         h.set_offered(0.5);
-        let mut src = SyntheticInflight::new(h.clone(), 0.0, 0);
+        let (tx, rx) = watch::channel(None);
+        let mut src = SyntheticInflight::new(h.clone(), rx, 0.0, 0);
         assert_eq!(src.sample().unwrap(), 50); // default capacity 100
         src.set_capacity(40);
         assert_eq!(src.sample().unwrap(), 20);
         h.set_speed(0.5); // the node slows down: twice the load
         assert_eq!(src.sample().unwrap(), 40);
-        h.set_weight(0.5); // the balancer halves its share: back to normal
+        tx.send_replace(assigned(0.5)); // the balancer halves its share: back to normal
         assert_eq!(src.sample().unwrap(), 20);
         assert!(src.describe().contains("speed=0.5"), "{}", src.describe());
     }
@@ -272,10 +303,10 @@ mod tests {
         #[test]
         fn source_is_total_on_any_handle_values(w: f32, s: f32, l: f32, cap: u32) {
             let h = SyntheticHandle::new();
-            h.set_weight(f64::from(w));
             h.set_speed(f64::from(s));
             h.set_offered(f64::from(l));
-            let mut src = SyntheticInflight::new(h, 0.5, 3);
+            let (_tx, rx) = watch::channel(assigned(f64::from(w)));
+            let mut src = SyntheticInflight::new(h, rx, 0.5, 3);
             src.set_capacity(cap);
             let n = src.sample().unwrap();
             prop_assert!(f64::from(n) <= MAX_LOAD * f64::from(cap) + 1.0);

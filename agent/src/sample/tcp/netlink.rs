@@ -1,3 +1,4 @@
+#![allow(unsafe_code)]
 //! Counting established TCP sockets, and those owed a response, through
 //! `NETLINK_SOCK_DIAG`, the interface `ss` uses.
 //!
