@@ -18,6 +18,8 @@ pub struct Cli {
 }
 
 /// The aggregator's subcommands.
+// Parsed once per process: the size of the daemon's flags is of no consequence.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum Command {
     /// Run the aggregator daemon (the default).
