@@ -18,10 +18,10 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 /// A weight older than this many report intervals is stale.
-pub const STALE_INTERVALS: u64 = 5;
+pub(crate) const STALE_INTERVALS: u64 = 5;
 
 /// The line to send now.
-pub fn reply(shared: &Shared) -> String {
+pub(crate) fn reply(shared: &Shared) -> String {
     let draining = shared.draining.load(Ordering::Relaxed);
     let status = shared.status();
     let max_age = u64::from(shared.config.interval_ms) * STALE_INTERVALS;
@@ -35,12 +35,12 @@ pub fn reply(shared: &Shared) -> String {
 }
 
 /// Binds the responder's port; a bad address is an error at start.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+pub(crate) async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await
 }
 
 /// Answers every connection with one line, then closes it.
-pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+pub(crate) async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
         let mut stream = accept(&listener).await;
         let line = reply(&shared);

@@ -85,7 +85,7 @@ pub fn hostname() -> String {
 
 /// `IP:port` for this host: xDS endpoints must be IP addresses, so the host name is
 /// resolved, preferring an address other than loopback. Falls back to the name.
-pub fn default_address(host: &str, port: u16) -> String {
+pub(crate) fn default_address(host: &str, port: u16) -> String {
     use std::net::ToSocketAddrs;
     let resolved: Vec<std::net::SocketAddr> = (host, port)
         .to_socket_addrs()

@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt as _, AsyncWriteExt};
 
 /// Requests longer than this are refused: nothing legitimate comes close.
-pub const MAX_REQUEST: usize = 4096;
+pub(crate) const MAX_REQUEST: usize = 4096;
 
 /// What the CLI can ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,14 +3,14 @@
 //! The agent samples how busy its service is, reports it to an aggregator over QUIC,
 //! and keeps the weight it gets back for the CLI and the HAProxy agent-check.
 
-pub mod agentcheck;
+pub(crate) mod agentcheck;
 pub mod cli;
 pub mod config;
 pub mod control;
-pub mod counters;
+pub(crate) mod counters;
 pub mod daemon;
-pub mod metrics;
-pub mod report;
+pub(crate) mod metrics;
+pub(crate) mod report;
 pub mod sample;
 pub mod shared;
 pub mod status;

@@ -17,12 +17,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The longest request head accepted; a scraper sends a few hundred bytes.
-pub const MAX_REQUEST: usize = 4096;
+pub(crate) const MAX_REQUEST: usize = 4096;
 /// How long a client has to send its request and read the answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once; more are closed at once, so a flood cannot grow the
 /// agent.
-pub const MAX_CONNECTIONS: usize = 8;
+pub(crate) const MAX_CONNECTIONS: usize = 8;
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -33,7 +33,7 @@ fn sample(out: &mut String, name: &str, value: impl std::fmt::Display) {
 }
 
 /// The metrics in Prometheus text format (version 0.0.4).
-pub fn render(metrics: &Metrics, status: &Status, safe_to_stop: bool, now_unix_ms: u64) -> String {
+pub(crate) fn render(metrics: &Metrics, status: &Status, safe_to_stop: bool, now_unix_ms: u64) -> String {
     let mut out = String::with_capacity(4096);
     let name = "ballast_agent_sample_duration_seconds";
     family(
@@ -245,7 +245,7 @@ async fn answer(stream: &mut tokio::net::TcpStream, shared: &Shared) {
 }
 
 /// Serves `GET /metrics` until the task is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+pub(crate) async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     loop {
         let mut stream = accept(&listener).await;
         if shared.metrics.open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {

@@ -29,7 +29,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why a session with an aggregator ended.
 #[derive(Debug, thiserror::Error)]
-pub enum SessionError {
+pub(crate) enum SessionError {
     /// The address did not resolve.
     #[error("cannot resolve {0}")]
     Resolve(String),
@@ -60,7 +60,7 @@ pub enum SessionError {
 /// Jittered exponential backoff ("full jitter"): each wait is uniform between zero and
 /// a ceiling that doubles per failure up to `max`.
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     base: Duration,
     max: Duration,
     failures: u32,
@@ -68,7 +68,7 @@ pub struct Backoff {
 
 impl Backoff {
     /// A backoff starting at `base` and capped at `max`.
-    pub fn new(base: Duration, max: Duration) -> Self {
+    pub(crate) fn new(base: Duration, max: Duration) -> Self {
         Backoff {
             base,
             max,
@@ -77,7 +77,7 @@ impl Backoff {
     }
 
     /// The next wait.
-    pub fn next_delay(&mut self, rng: &mut impl Rng) -> Duration {
+    pub(crate) fn next_delay(&mut self, rng: &mut impl Rng) -> Duration {
         let ceiling = self
             .base
             .saturating_mul(1u32 << self.failures.min(16))
@@ -87,13 +87,13 @@ impl Backoff {
     }
 
     /// Back to the shortest wait, after a good session.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.failures = 0;
     }
 }
 
 /// Runs until `shutdown` turns true.
-pub async fn run(
+pub(crate) async fn run(
     shared: Arc<Shared>,
     mut sampler: Sampler,
     client: quinn::ClientConfig,

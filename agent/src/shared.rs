@@ -161,7 +161,7 @@ fn write_drain_file(path: &Path) -> Result<(), DrainFileError> {
 
 /// Whether the drain file says the node is drained. A file that cannot be looked at
 /// is an error: starting undrained could send traffic to a node under maintenance.
-pub fn drained_on_disk(cfg: &AgentConfig) -> Result<bool, DrainFileError> {
+pub(crate) fn drained_on_disk(cfg: &AgentConfig) -> Result<bool, DrainFileError> {
     let Some(path) = cfg.drain_path() else {
         return Ok(false);
     };

@@ -22,7 +22,7 @@ use std::time::Instant;
 use super::{read_file, CpuSource, SampleError};
 
 /// Where cgroupfs is normally mounted.
-pub const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
+pub(crate) const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
 
 /// v1 hierarchies that hold `cpuacct.usage`, in the order they are tried.
 const V1_USAGE_HIERARCHIES: [&str; 3] = ["cpuacct", "cpu,cpuacct", "cpuacct,cpu"];
@@ -187,7 +187,7 @@ fn parse_v2_usage_usec(text: &str) -> Option<u64> {
 }
 
 /// A quota as a number of cores, `None` when unlimited.
-pub fn parse_cpu_max(text: &str) -> Result<Option<f64>, String> {
+pub(crate) fn parse_cpu_max(text: &str) -> Result<Option<f64>, String> {
     let mut it = text.split_whitespace();
     let quota = it.next().ok_or("empty")?;
     if quota == "max" {
@@ -202,7 +202,7 @@ pub fn parse_cpu_max(text: &str) -> Result<Option<f64>, String> {
 }
 
 /// A v1 quota (`cpu.cfs_quota_us`, -1 = unlimited) over its period, as cores.
-pub fn parse_cfs_quota(quota: &str, period: &str) -> Result<Option<f64>, String> {
+pub(crate) fn parse_cfs_quota(quota: &str, period: &str) -> Result<Option<f64>, String> {
     let quota: i64 = quota
         .trim()
         .parse()
@@ -240,7 +240,7 @@ pub fn online_cpus() -> f64 {
 }
 
 /// Counts the CPUs in a kernel CPU list such as `0-3,6,8-9`.
-pub fn parse_cpu_list(text: &str) -> Option<usize> {
+pub(crate) fn parse_cpu_list(text: &str) -> Option<usize> {
     let mut n = 0usize;
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
         n += match part.split_once('-') {

@@ -20,7 +20,7 @@ pub struct CpuTimes {
 }
 
 /// Parses the first `cpu ` line of `/proc/stat` text.
-pub fn parse_proc_stat(text: &str) -> Result<CpuTimes, SampleError> {
+pub(crate) fn parse_proc_stat(text: &str) -> Result<CpuTimes, SampleError> {
     let what = "/proc/stat";
     let line = text
         .lines()

@@ -26,7 +26,7 @@ use tokio::sync::watch;
 /// The aggregator's current assignment for this node, as the report loop publishes it:
 /// `None` until the first reply. A source that models how the node responds to its
 /// weight (the synthetic one) subscribes to it; the others never look.
-pub type AssignmentWatch = watch::Receiver<Option<Assignment>>;
+pub(crate) type AssignmentWatch = watch::Receiver<Option<Assignment>>;
 
 /// A watch that stays at "no assignment", for a measurement taken without a daemon
 /// (`ballast-agent sample`, `check`): a source following the weight sees the fleet
@@ -346,7 +346,7 @@ impl fmt::Display for InflightSpec {
 ///
 /// Opening reads the source once, so that a wrong path or pid fails at startup rather
 /// than at the first report.
-pub fn open_cpu(spec: &CpuSpec) -> Result<Option<Box<dyn CpuSource>>, SampleError> {
+pub(crate) fn open_cpu(spec: &CpuSpec) -> Result<Option<Box<dyn CpuSource>>, SampleError> {
     Ok(match spec {
         CpuSpec::Host => Some(Box::new(host::HostCpu::open()?)),
         CpuSpec::Cgroup { path } => Some(Box::new(cgroup::CgroupCpu::open(path)?)),
@@ -360,7 +360,7 @@ pub fn open_cpu(spec: &CpuSpec) -> Result<Option<Box<dyn CpuSource>>, SampleErro
 /// `synthetic` holds the synthetic model's speed and offered load, which a synthetic
 /// spec resets to its values, and `assignment` the weight the aggregator gives the
 /// node, which the model follows. Other sources ignore both.
-pub fn open_inflight(
+pub(crate) fn open_inflight(
     spec: &InflightSpec,
     synthetic: &synthetic::SyntheticHandle,
     assignment: &AssignmentWatch,

@@ -14,7 +14,7 @@ use super::{CpuSource, SampleError};
 /// Clock ticks per second of the `/proc/PID/stat` times. This is `sysconf(_SC_CLK_TCK)`,
 /// which the Linux ABI fixes at 100 on every architecture the agent targets; hardcoded
 /// to keep the agent free of a libc dependency.
-pub const CLOCK_TICKS_PER_SEC: f64 = 100.0;
+pub(crate) const CLOCK_TICKS_PER_SEC: f64 = 100.0;
 
 /// The fields of `/proc/PID/stat` the agent uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +33,7 @@ pub struct ProcStat {
 
 /// Parses one `/proc/PID/stat` line. The fields are read after the *last* `)`, because
 /// the command name in field 2 may contain spaces and parentheses.
-pub fn parse_stat(text: &str) -> Result<ProcStat, String> {
+pub(crate) fn parse_stat(text: &str) -> Result<ProcStat, String> {
     let close = text.rfind(')').ok_or("no `)` after the command name")?;
     let fields: Vec<&str> = text[close + 1..].split_whitespace().collect();
     // fields[0] is field 3 of the man page.
@@ -195,7 +195,7 @@ fn tree_by_scan(proc_root: &Path, pid: u32) -> Result<Vec<(u32, ProcStat)>, Samp
 /// Not clamped at 1: a multi-threaded service measured against one core reports 3.0
 /// when it uses three, which is the truth about its load.
 #[derive(Debug)]
-pub struct ProcessCpu {
+pub(crate) struct ProcessCpu {
     proc_root: PathBuf,
     pid: u32,
     start_time: u64,
@@ -206,13 +206,13 @@ pub struct ProcessCpu {
 
 impl ProcessCpu {
     /// Measures the tree rooted at `pid` in `/proc`, against one core.
-    pub fn open(pid: u32) -> Result<Self, SampleError> {
+    pub(crate) fn open(pid: u32) -> Result<Self, SampleError> {
         Self::open_at(Path::new("/proc"), pid)
     }
 
     /// Measures a tree in a procfs mounted elsewhere (tests, a host `/proc` seen from a
     /// container). Fails now if the process does not exist.
-    pub fn open_at(proc_root: &Path, pid: u32) -> Result<Self, SampleError> {
+    pub(crate) fn open_at(proc_root: &Path, pid: u32) -> Result<Self, SampleError> {
         let root = root_stat(proc_root, pid)?;
         Ok(ProcessCpu {
             proc_root: proc_root.to_path_buf(),
@@ -225,7 +225,8 @@ impl ProcessCpu {
     }
 
     /// Measures against `cores` cores instead of one, for a service allowed several.
-    pub fn with_cores(mut self, cores: f64) -> Result<Self, SampleError> {
+    #[cfg(test)]
+    pub(crate) fn with_cores(mut self, cores: f64) -> Result<Self, SampleError> {
         if !(cores.is_finite() && cores > 0.0) {
             return Err(SampleError::InvalidSpec(format!(
                 "process {}: cores must be > 0, not {cores}",
@@ -238,7 +239,8 @@ impl ProcessCpu {
 
     /// Chooses how children are found (the default, [`ChildLookup::Auto`], is right
     /// outside tests).
-    pub fn with_child_lookup(mut self, lookup: ChildLookup) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_child_lookup(mut self, lookup: ChildLookup) -> Self {
         self.lookup = lookup;
         self
     }

@@ -19,7 +19,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The largest body accepted. A metrics page is kilobytes; anything near this is a
 /// misconfigured URL, and the agent must not buffer it.
-pub const MAX_BODY: usize = 4 << 20;
+pub(crate) const MAX_BODY: usize = 4 << 20;
 
 /// Room for the status line and headers on top of the body.
 const MAX_HEADERS: usize = 64 << 10;
@@ -98,7 +98,7 @@ impl HttpUrl {
 }
 
 /// Whether `name` is a classic Prometheus metric name, `[a-zA-Z_:][a-zA-Z0-9_:]*`.
-pub fn is_valid_metric_name(name: &str) -> bool {
+pub(crate) fn is_valid_metric_name(name: &str) -> bool {
     let mut chars = name.chars();
     chars
         .next()
@@ -191,7 +191,7 @@ fn label_set_end(labels: &str) -> Option<usize> {
 /// Extracts the body from a raw HTTP/1.x response: checks the status is 2xx, honours
 /// `Content-Length`, decodes `Transfer-Encoding: chunked`, and refuses compressed
 /// bodies (never asked for) and bodies over [`MAX_BODY`]. `url` names it in errors.
-pub fn parse_http_response(raw: &[u8], url: &str) -> Result<Vec<u8>, SampleError> {
+pub(crate) fn parse_http_response(raw: &[u8], url: &str) -> Result<Vec<u8>, SampleError> {
     let err = |why: String| SampleError::Http(format!("GET {url}: {why}"));
     let (head_len, sep_len) = match find(raw, b"\r\n\r\n") {
         Some(i) => (i, 4),
@@ -351,7 +351,7 @@ pub fn http_get(url: &HttpUrl, original: &str) -> Result<Vec<u8>, SampleError> {
 
 /// A gauge scraped from a Prometheus endpoint, summed over label sets and rounded.
 #[derive(Debug)]
-pub struct PrometheusInflight {
+pub(crate) struct PrometheusInflight {
     original: String,
     url: HttpUrl,
     metric: String,
@@ -360,7 +360,7 @@ pub struct PrometheusInflight {
 impl PrometheusInflight {
     /// Validates the URL and metric name. Does not scrape: the service may start after
     /// the agent, and the first sample reports the problem if it is still there.
-    pub fn new(url: &str, metric: &str) -> Result<Self, SampleError> {
+    pub(crate) fn new(url: &str, metric: &str) -> Result<Self, SampleError> {
         if !is_valid_metric_name(metric) {
             return Err(SampleError::InvalidSpec(format!(
                 "metric {metric:?}: must match [a-zA-Z_:][a-zA-Z0-9_:]*"

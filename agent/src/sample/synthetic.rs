@@ -89,7 +89,7 @@ impl Default for SyntheticHandle {
 /// Total on every input, because the weight comes from the network and the knobs from
 /// tests: a NaN or negative weight, offered load or noise counts as 0, and a speed that
 /// is not positive is an infinitely slow node, i.e. [`MAX_LOAD`] whenever it has work.
-pub fn model_utilization(weight: f64, speed: f64, offered: f64, noise: f64, u: f64) -> f64 {
+pub(crate) fn model_utilization(weight: f64, speed: f64, offered: f64, noise: f64, u: f64) -> f64 {
     let nonneg = |x: f64| if x.is_nan() || x < 0.0 { 0.0 } else { x };
     let work = nonneg(offered) * nonneg(weight);
     let base = if speed.is_finite() && speed > 0.0 {
@@ -105,7 +105,7 @@ pub fn model_utilization(weight: f64, speed: f64, offered: f64, noise: f64, u: f
 
 /// The model as an in-flight source: `round(utilization × capacity)` requests.
 #[derive(Debug)]
-pub struct SyntheticInflight {
+pub(crate) struct SyntheticInflight {
     handle: SyntheticHandle,
     assignment: AssignmentWatch,
     noise: f64,
@@ -118,7 +118,7 @@ impl SyntheticInflight {
     /// A model reading its speed and offered load from `handle` and its weight from
     /// `assignment`, with noise of relative amplitude `noise` drawn from a generator
     /// seeded with `seed`.
-    pub fn new(
+    pub(crate) fn new(
         handle: SyntheticHandle,
         assignment: AssignmentWatch,
         noise: f64,
@@ -136,12 +136,12 @@ impl SyntheticInflight {
 
     /// The node's current weight: the aggregator's latest, or 1 (the fleet mean)
     /// before the first reply, which is what a new node's share of round robin is.
-    pub fn weight(&self) -> f64 {
+    pub(crate) fn weight(&self) -> f64 {
         self.assignment.borrow().map_or(1.0, |a| a.weight)
     }
 
     /// Draws the next utilization.
-    pub fn utilization(&mut self) -> f64 {
+    pub(crate) fn utilization(&mut self) -> f64 {
         let u = self.rng.gen_range(-1.0..=1.0);
         model_utilization(
             self.weight(),

@@ -49,7 +49,7 @@
 mod netlink;
 
 use std::fs::File;
-use std::io::{BufRead, ErrorKind, Read};
+use std::io::{ErrorKind, Read};
 use std::path::PathBuf;
 
 use super::{InflightSource, SampleError};
@@ -97,7 +97,8 @@ impl TcpCount {
 ///
 /// Matching the local port counts the connections clients made to the service and
 /// ignores the service's own outgoing connections, whose local ports are ephemeral.
-pub fn count_connections<R: BufRead>(
+#[cfg(test)]
+pub(crate) fn count_connections<R: std::io::BufRead>(
     reader: R,
     ports: &[u16],
     what: &str,
@@ -106,7 +107,8 @@ pub fn count_connections<R: BufRead>(
 }
 
 /// [`count_connections`] on a string, for fixtures.
-pub fn count_connections_str(text: &str, ports: &[u16]) -> Result<TcpCount, SampleError> {
+#[cfg(test)]
+pub(crate) fn count_connections_str(text: &str, ports: &[u16]) -> Result<TcpCount, SampleError> {
     count_connections(text.as_bytes(), ports, "tcp table")
 }
 
