@@ -104,7 +104,7 @@ pub fn certs_from_pem(pem: &str, what: &str) -> Result<Vec<CertificateDer<'stati
 }
 
 /// The first private key in a PEM text.
-pub fn key_from_pem(pem: &str, what: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
+pub(crate) fn key_from_pem(pem: &str, what: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
     rustls_pemfile::private_key(&mut pem.as_bytes())
         .map_err(|source| TlsError::Pem {
             what: what.to_string(),
@@ -177,7 +177,7 @@ pub fn client_config(
 
 /// The node identity a certificate names: its first DNS subject alternative name, or
 /// failing that its common name.
-pub fn identity_of(cert: &CertificateDer<'_>) -> Result<String, TlsError> {
+pub(crate) fn identity_of(cert: &CertificateDer<'_>) -> Result<String, TlsError> {
     use x509_parser::prelude::*;
     let (_, x509) = X509Certificate::from_der(cert.as_ref())
         .map_err(|e| TlsError::Certificate(e.to_string()))?;

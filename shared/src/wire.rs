@@ -16,13 +16,13 @@ pub const WIRE_VERSION: u8 = 2;
 pub const MAX_MESSAGE: usize = 1024;
 
 /// Upper bounds for the strings of a [`Hello`], checked by [`Hello::validate`].
-pub const MAX_NODE_ID: usize = 128;
+pub(crate) const MAX_NODE_ID: usize = 128;
 /// Longest accepted service name.
-pub const MAX_SERVICE: usize = 128;
+pub(crate) const MAX_SERVICE: usize = 128;
 /// Longest accepted endpoint address.
-pub const MAX_ADDRESS: usize = 256;
+pub(crate) const MAX_ADDRESS: usize = 256;
 /// Longest accepted zone name.
-pub const MAX_ZONE: usize = 64;
+pub(crate) const MAX_ZONE: usize = 64;
 
 /// Everything that travels between an agent and an aggregator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

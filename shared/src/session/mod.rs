@@ -51,14 +51,14 @@ pub mod close {
 
 /// The shortest report interval either side uses, in milliseconds: shorter would make
 /// agents flood the aggregator.
-pub const MIN_INTERVAL_MS: u32 = 100;
+pub(crate) const MIN_INTERVAL_MS: u32 = 100;
 /// The longest report interval either side uses, in milliseconds: longer would leave
 /// the balancer without fresh reports for whole cycles.
-pub const MAX_INTERVAL_MS: u32 = 60_000;
+pub(crate) const MAX_INTERVAL_MS: u32 = 60_000;
 
 /// An interval within [`MIN_INTERVAL_MS`, `MAX_INTERVAL_MS`]: the nearest bound for one
 /// outside. A misconfigured aggregator must not make its agents spin or fall silent.
-pub fn clamp_interval_ms(ms: u32) -> u32 {
+pub(crate) fn clamp_interval_ms(ms: u32) -> u32 {
     ms.clamp(MIN_INTERVAL_MS, MAX_INTERVAL_MS)
 }
 
@@ -176,20 +176,20 @@ impl ProtocolError {
 /// a stream delivers. The length prefix is checked before anything is buffered, and
 /// the buffer never holds more than one frame, whatever the peer sends.
 #[derive(Debug, Default)]
-pub struct FrameReader {
+pub(crate) struct FrameReader {
     buf: Vec<u8>,
     done: bool,
 }
 
 impl FrameReader {
     /// A reader waiting for its frame.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Takes the next bytes of the stream; the message once its frame is whole. Bytes
     /// beyond the frame are an error: the stream carries one message each way.
-    pub fn push(&mut self, bytes: &[u8]) -> Result<Option<Message>, ProtocolError> {
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> Result<Option<Message>, ProtocolError> {
         if self.done {
             return if bytes.is_empty() {
                 Ok(None)
