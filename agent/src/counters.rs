@@ -10,7 +10,8 @@ use std::time::Duration;
 
 /// Upper bounds of the sample-duration buckets, in seconds. A host or cgroup sample
 /// takes tens of microseconds; a Prometheus source is an HTTP round trip.
-pub(crate) const SAMPLE_BUCKETS: [f64; 9] = [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0];
+pub(crate) const SAMPLE_BUCKETS: [f64; 9] =
+    [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0];
 
 /// What the agent-check answered, for [`Metrics::agentcheck_reply`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,7 +33,12 @@ fn sample(out: &mut String, name: &str, value: impl std::fmt::Display) {
 }
 
 /// The metrics in Prometheus text format (version 0.0.4).
-pub(crate) fn render(metrics: &Metrics, status: &Status, safe_to_stop: bool, now_unix_ms: u64) -> String {
+pub(crate) fn render(
+    metrics: &Metrics,
+    status: &Status,
+    safe_to_stop: bool,
+    now_unix_ms: u64,
+) -> String {
     let mut out = String::with_capacity(4096);
     let name = "ballast_agent_sample_duration_seconds";
     family(

@@ -121,4 +121,3 @@ pub struct RunArgs {
     #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
     pub log_json: bool,
 }
-

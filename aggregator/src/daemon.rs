@@ -1,11 +1,11 @@
 //! The running aggregator: QUIC ingest, the cycle loop and the HTTP API around one
 //! shared state.
 
-use ballast_balance::Balancer;
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::state::State;
 use crate::store::{file::FileStore, RoutingStore, StoreError};
+use ballast_balance::Balancer;
 use ballast_shared::tls::CertificateDer;
 use ballast_shared::tls::{self, Identity, TlsError};
 use std::net::SocketAddr;
@@ -62,13 +62,15 @@ impl Daemon {
         client_ca: &[CertificateDer<'static>],
     ) -> Result<Daemon, DaemonError> {
         let store: Arc<dyn RoutingStore> = match &cfg.store.etcd {
-            Some(etcd) => etcd_store(etcd)?,
+            Some(etcd) => etcd_store(etcd).await?,
             None => Arc::new(FileStore::new(cfg.store.path.clone())),
         };
         Self::start_with_store(cfg, identity, client_ca, store).await
     }
 
-    /// Starts everything with the given routing store.
+    /// Starts everything with the given routing store (any [`RoutingStore`], so that
+    /// tests can bring their own): restores from it, then writes to it in the
+    /// background.
     pub async fn start_with_store(
         cfg: &Config,
         identity: Identity,
@@ -76,7 +78,7 @@ impl Daemon {
         store: Arc<dyn RoutingStore>,
     ) -> Result<Daemon, DaemonError> {
         let clock = Clock::start();
-        let restored = store.load()?;
+        let restored = store.load().await?;
         let mut balancer = Balancer::new(cfg.balance.clone(), clock.now());
         balancer.restrict_services(cfg.services.as_ref().map(|s| s.iter().cloned().collect()));
         if !restored.is_empty() {
@@ -143,6 +145,7 @@ impl Daemon {
             );
             tasks.push(tokio::spawn(config_dir.run()));
         }
+        tasks.push(tokio::spawn(crate::store::writer(state.clone())));
         tasks.push(tokio::spawn(cycle_loop(
             state.clone(),
             Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
@@ -180,12 +183,14 @@ impl Daemon {
 }
 
 #[cfg(feature = "etcd")]
-fn etcd_store(cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>, DaemonError> {
-    Ok(Arc::new(crate::store::etcd::EtcdStore::connect(cfg)?))
+async fn etcd_store(cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>, DaemonError> {
+    Ok(Arc::new(crate::store::etcd::EtcdStore::connect(cfg).await?))
 }
 
 #[cfg(not(feature = "etcd"))]
-fn etcd_store(_cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>, DaemonError> {
+async fn etcd_store(
+    _cfg: &crate::config::EtcdConfig,
+) -> Result<Arc<dyn RoutingStore>, DaemonError> {
     Err(DaemonError::Store(StoreError::Backend(
         "an etcd routing store is configured, but this ballast-aggregator was built without \
          the etcd feature (build with `--features ballast-aggregator/etcd`)"
@@ -204,11 +209,7 @@ async fn cycle_loop(state: Arc<State>, period: Duration) {
     tick.tick().await;
     loop {
         tick.tick().await;
-        let changed = state.cycle_due(state.clock.now(), slack);
-        if !changed.is_empty() {
-            let st = state.clone();
-            // A slow disk must not delay the next cycle.
-            let _ = tokio::task::spawn_blocking(move || st.persist(&changed)).await;
-        }
+        // Readers, the store writer among them, take the publication from the watch.
+        let _ = state.cycle_due(state.clock.now(), slack);
     }
 }

@@ -11,6 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// A label set with one `reason`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -70,6 +71,14 @@ pub struct Metrics {
     pub cycle_duration: Histogram,
     /// Routing-store writes, by outcome.
     pub store_writes: Family<Reason, Counter>,
+    /// Wall time of one routing-store write, in seconds: a slow store shows here
+    /// before it falls behind.
+    pub store_write_seconds: Histogram,
+    /// Services whose latest change the routing store does not hold yet.
+    pub store_pending: Gauge,
+    /// Age of the oldest change the routing store does not hold yet, in seconds; 0
+    /// when it holds every one. A hung or failing store makes it grow.
+    pub store_lag_seconds: Gauge<f64, AtomicU64>,
     /// xDS responses sent, by resource type.
     pub xds_pushes: Family<XdsResource, Counter>,
     /// xDS responses clients rejected (NACK), by resource type.
@@ -114,6 +123,11 @@ impl Metrics {
                 [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0].into_iter(),
             ),
             store_writes: Family::default(),
+            store_write_seconds: Histogram::new(
+                [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0].into_iter(),
+            ),
+            store_pending: Gauge::default(),
+            store_lag_seconds: Gauge::default(),
             xds_pushes: Family::default(),
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
@@ -158,6 +172,21 @@ impl Metrics {
             "store_writes",
             "Routing store writes, by outcome",
             m.store_writes.clone(),
+        );
+        registry.register(
+            "store_write_seconds",
+            "Wall time of one routing store write",
+            m.store_write_seconds.clone(),
+        );
+        registry.register(
+            "store_pending",
+            "Services whose latest change the routing store does not hold yet",
+            m.store_pending.clone(),
+        );
+        registry.register(
+            "store_lag_seconds",
+            "Age of the oldest change the routing store does not hold yet",
+            m.store_lag_seconds.clone(),
         );
         registry.register(
             "xds_pushes",

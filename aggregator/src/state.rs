@@ -1,16 +1,18 @@
-//! What the daemon's tasks share: the balancer, the clock, the metrics and the store.
+//! What the daemon's tasks share: the balancer and its writers' lock, the value each
+//! cycle publishes, the clock, the metrics and the store.
 
-use ballast_balance::{Balancer, Millis, ServiceSnapshot};
 use crate::clock::Clock;
 use crate::config::locality::Localities;
 use crate::metrics::Metrics;
 use crate::store::RoutingStore;
-use std::collections::BTreeMap;
+use ballast_balance::{Balancer, Millis, Published};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-/// Shared daemon state. The balancer sits behind one mutex, held only for the short,
-/// allocation-light calls of the sans-IO core: ingest and the cycle never wait on I/O
-/// while holding it.
+/// Shared daemon state. The balancer sits behind one mutex, held only by its writers
+/// (ingest, the cycle, config reloads) for the short, allocation-light calls of the
+/// sans-IO core. Everything that reads weights (the store writer, xDS, the watch feed,
+/// the API, the replies to agents) reads the value the last cycle published instead.
 pub struct State {
     /// The daemon's clock.
     pub clock: Clock,
@@ -20,10 +22,10 @@ pub struct State {
     pub metrics: Metrics,
     /// Where weights persist.
     pub store: Arc<dyn RoutingStore>,
-    /// The last routing-store error, cleared by the next good write.
-    pub store_error: Mutex<Option<String>>,
-    /// Bumped after every cycle that changed some service's weights; feeds wait on it.
-    pub changes: tokio::sync::watch::Sender<u64>,
+    /// How the store's writer is doing, for `/healthz`.
+    pub store_status: crate::store::StoreStatus,
+    /// What each cycle published; every reader subscribes here.
+    published: tokio::sync::watch::Sender<Arc<Published>>,
     /// The report interval agents are told to use, in milliseconds.
     pub report_interval_ms: u32,
     /// The locality splits in force, replaced whole on a config reload.
@@ -33,20 +35,23 @@ pub struct State {
 }
 
 impl State {
-    /// State around a balancer.
+    /// State around a balancer, with a first publication of what it holds (restored
+    /// services, if any).
     pub fn new(
         balancer: Balancer,
         store: Arc<dyn RoutingStore>,
         clock: Clock,
         report_interval_ms: u32,
     ) -> Self {
+        let first =
+            Published::default().next(&balancer, &BTreeSet::new(), &BTreeMap::new(), clock.now());
         State {
             clock,
             balancer: Mutex::new(balancer),
             metrics: Metrics::new(),
             store,
-            store_error: Mutex::new(None),
-            changes: tokio::sync::watch::channel(0).0,
+            store_status: crate::store::StoreStatus::default(),
+            published: tokio::sync::watch::channel(Arc::new(first)).0,
             report_interval_ms,
             localities: RwLock::new(Arc::new(Localities::default())),
             config_dir: Mutex::new(None),
@@ -66,52 +71,78 @@ impl State {
             .clone()
     }
 
-    /// Puts new locality splits in force and wakes the feeds if they differ.
+    /// Puts new locality splits in force and publishes them if they differ.
     pub fn set_localities(&self, localities: Localities) {
         let mut current = self.localities.write().unwrap_or_else(|p| p.into_inner());
         if **current != localities {
             *current = Arc::new(localities);
             drop(current);
-            self.changes.send_modify(|v| *v += 1);
+            let b = self.balancer();
+            self.publish(&b, &BTreeSet::new());
         }
     }
 
-    /// The balancer. A panic while it was held cannot leave it half-updated in a way
-    /// the next cycle does not repair, so a poisoned lock is taken over, not spread.
+    /// The balancer, for its writers: ingest, the cycle and config reloads. A panic
+    /// while it was held cannot leave it half-updated in a way the next cycle does not
+    /// repair, so a poisoned lock is taken over, not spread.
     pub fn balancer(&self) -> MutexGuard<'_, Balancer> {
         self.balancer.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs one cycle of every service, counts it, and returns the snapshots of the
-    /// services whose weights changed, for the store and the feeds.
-    pub fn cycle(&self, now: Millis) -> BTreeMap<String, ServiceSnapshot> {
+    /// Runs `change` on the balancer, as ingest or a config reload would: for tests in
+    /// other modules that play the agents' part.
+    #[cfg(test)]
+    pub(crate) fn write_balancer<R>(&self, change: impl FnOnce(&mut Balancer) -> R) -> R {
+        change(&mut self.balancer())
+    }
+
+    /// The last publication.
+    pub fn published(&self) -> Arc<Published> {
+        self.published.borrow().clone()
+    }
+
+    /// A receiver of every publication from now on, marked as having seen the current.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Arc<Published>> {
+        self.published.subscribe()
+    }
+
+    /// Publishes the balancer's services, afresh for those in `ran`; the caller holds
+    /// the balancer, so publications go out in the order of the states they show.
+    fn publish(&self, balancer: &Balancer, ran: &BTreeSet<String>) -> Arc<Published> {
+        let localities = self.localities();
+        let previous = self.published();
+        let next = Arc::new(previous.next(balancer, ran, &localities.services, self.clock.now()));
+        self.published.send_replace(next.clone());
+        next
+    }
+
+    /// Runs one cycle of every service, counts it, publishes, and returns the
+    /// publication.
+    pub fn cycle(&self, now: Millis) -> Arc<Published> {
         self.run_cycle(|b| b.cycle(now))
+            .unwrap_or_else(|| self.published())
     }
 
     /// Like [`State::cycle`], for the services whose own cycle is due at `now` (see
-    /// [`Balancer::cycle_due`]); nothing is counted when none is.
-    pub fn cycle_due(&self, now: Millis, slack: Millis) -> BTreeMap<String, ServiceSnapshot> {
+    /// [`Balancer::cycle_due`]); nothing is counted or published when none is.
+    pub fn cycle_due(&self, now: Millis, slack: Millis) -> Option<Arc<Published>> {
         self.run_cycle(|b| b.cycle_due(now, slack))
     }
 
     fn run_cycle(
         &self,
         run: impl FnOnce(&mut Balancer) -> Vec<ballast_balance::CycleResult>,
-    ) -> BTreeMap<String, ServiceSnapshot> {
+    ) -> Option<Arc<Published>> {
         let started = std::time::Instant::now();
-        let mut changed = BTreeMap::new();
-        let results = {
+        let (results, published) = {
             let mut b = self.balancer();
             let results = run(&mut b);
             if results.is_empty() {
-                return changed;
+                return None;
             }
-            for r in results.iter().filter(|r| r.changed) {
-                if let Some(svc) = b.service(&r.service) {
-                    changed.insert(r.service.clone(), svc.snapshot());
-                }
-            }
-            results
+            let ran = results.iter().map(|r| r.service.clone()).collect();
+            let published = self.publish(&b, &ran);
+            (results, published)
         };
         self.metrics
             .cycle_duration
@@ -134,32 +165,6 @@ impl State {
                     .inc();
             }
         }
-        if !changed.is_empty() {
-            self.changes.send_modify(|v| *v += 1);
-        }
-        changed
-    }
-
-    /// Writes changed services to the store, recording the outcome.
-    pub fn persist(&self, changed: &BTreeMap<String, ServiceSnapshot>) {
-        if changed.is_empty() {
-            return;
-        }
-        let outcome = self.store.put(changed);
-        let label = if outcome.is_ok() { "ok" } else { "error" };
-        self.metrics
-            .store_writes
-            .get_or_create(&crate::metrics::Reason {
-                reason: label.to_string(),
-            })
-            .inc();
-        let mut err = self.store_error.lock().unwrap_or_else(|p| p.into_inner());
-        match outcome {
-            Ok(()) => *err = None,
-            Err(e) => {
-                tracing::warn!(error = %e, "routing store write failed");
-                *err = Some(e.to_string());
-            }
-        }
+        Some(published)
     }
 }

@@ -12,7 +12,9 @@
 //! agent.wait_weight(Duration::from_secs(10));
 //! let eps = wait_until(Duration::from_secs(5), "web-1 serving", || {
 //!     let eps = agg.endpoints("web");
-//!     eps.iter().any(|e| e.node == "web-1" && e.state == "serving").then_some(eps)
+//!     eps.iter()
+//!         .any(|e| e.node == "web-1" && e.state == EndpointState::Serving)
+//!         .then_some(eps)
 //! });
 //! assert_eq!(eps.len(), 1);
 //! ```
@@ -27,7 +29,9 @@ pub mod lab;
 pub use harness::agent::{start_fleet, Agent, AgentOpts, AgentStatus, ControlResponse};
 pub use harness::aggregator::{Aggregator, AggregatorOpts};
 pub use harness::api::{
-    EndpointView, ErrorBody, HistoryPoint, MetricSample, ServiceDetail, Skip, Spread, WeightSet,
+    ConfigView, EndpointState, EndpointView, ErrorBody, HistoryPoint, MetricSample, Published,
+    ServiceDetail, ServiceHistory, ServiceStats, ServiceSummary, SkipReason, Spread, WeightEntry,
+    WeightSet,
 };
 pub use harness::backend::Backend;
 pub use harness::etcd::{require_etcd, Etcd, Watch, WatchEvent};

@@ -174,7 +174,10 @@ fn status_drain_and_undrain_through_the_daemon() {
     // Let a few cycles run so that everyone is an established, serving endpoint.
     wait_for(Duration::from_secs(15), "all four serving", || {
         let eps = agg.endpoints(SERVICE);
-        let serving = eps.iter().filter(|e| e.state == "serving").count();
+        let serving = eps
+            .iter()
+            .filter(|e| e.state == EndpointState::Serving)
+            .count();
         if serving == 4 {
             Ok(())
         } else {
@@ -243,10 +246,10 @@ fn status_drain_and_undrain_through_the_daemon() {
                 .find(|e| e.node == name)
                 .cloned()
                 .expect("endpoint");
-            if e.state == "draining" && e.weight == 0.0 {
+            if e.state == EndpointState::Draining && e.weight == 0.0 {
                 Ok(e)
             } else {
-                Err(format!("{} weight {}", e.state, e.weight))
+                Err(format!("{:?} weight {}", e.state, e.weight))
             }
         },
     );
@@ -255,7 +258,7 @@ fn status_drain_and_undrain_through_the_daemon() {
         took <= budget,
         "weight 0 took {took:?}, more than two cycles and a report interval ({budget:?})"
     );
-    eprintln!("drained to weight 0 in {took:?} ({})", ep.state);
+    eprintln!("drained to weight 0 in {took:?} ({:?})", ep.state);
     // The published set (what feeds serve) takes the drain at the next cycle.
     let entry = wait_for(
         Duration::from_secs(2),
@@ -320,14 +323,17 @@ fn status_drain_and_undrain_through_the_daemon() {
             .cloned()
             .expect("endpoint");
         let s = node.status();
-        let ok = (e.state == "serving" || e.state == "warming")
+        let ok = matches!(e.state, EndpointState::Serving | EndpointState::Warming)
             && e.weight > 0.0
             && s.weight.is_some_and(|w| w > 0.0)
             && !s.drain_acknowledged;
         if ok {
             Ok(())
         } else {
-            Err(format!("API {} weight {}; agent {s:?}", e.state, e.weight))
+            Err(format!(
+                "API {:?} weight {}; agent {s:?}",
+                e.state, e.weight
+            ))
         }
     });
     let r = node.cli_json("status");

@@ -6,51 +6,29 @@
 //! restored file revives, and the merged config is backed up and can be restored with
 //! one command. `config check` validates a directory offline for CI pipelines.
 
+use ballast_tests::harness::api::ServiceConfigView;
 use ballast_tests::*;
-use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(15);
 
-/// `GET /v1/config`, as a client sees it.
-#[derive(Debug, Deserialize)]
-struct ConfigView {
-    dir: Option<String>,
-    services: Vec<ServiceConfig>,
-    errors: Vec<FileError>,
+/// Looks a service up in `GET /v1/config`; a trait because the view is the
+/// aggregator's own type.
+trait ServiceLookup {
+    fn service(&self, name: &str) -> Option<&ServiceConfigView>;
 }
 
-#[derive(Debug, Deserialize)]
-struct ServiceConfig {
-    name: String,
-    status: String,
-    file_refused: bool,
-    expires_unix_ms: Option<u64>,
-    params: serde_json::Value,
-}
-
-#[derive(Debug, Deserialize)]
-struct FileError {
-    file: String,
-    line: Option<usize>,
-    message: String,
-}
-
-impl ConfigView {
-    fn service(&self, name: &str) -> Option<&ServiceConfig> {
+impl ServiceLookup for ConfigView {
+    fn service(&self, name: &str) -> Option<&ServiceConfigView> {
         self.services.iter().find(|s| s.name == name)
     }
 }
 
-fn config(agg: &Aggregator) -> ConfigView {
-    agg.get_json("/v1/config")
-}
-
 /// A service's `missing_threshold` in force, as the API reports it.
 fn threshold(agg: &Aggregator, service: &str) -> Option<f64> {
-    config(agg).service(service)?.params["missing_threshold"].as_f64()
+    Some(agg.config().service(service)?.params.missing_threshold)
 }
 
 /// An aggregator that rescans its directory every 200 ms (file events usually come
@@ -77,7 +55,7 @@ fn an_edit_applies_live_and_a_bad_file_keeps_the_last_good_version() {
     std::fs::write(dir.path().join("db.toml"), "").expect("write");
     let agg = start(&pki, dir.path(), 3600);
 
-    let view = config(&agg);
+    let view = agg.config();
     assert_eq!(view.dir.as_deref(), dir.path().to_str());
     assert_eq!(threshold(&agg, "web"), Some(0.2), "{view:?}");
     assert_eq!(threshold(&agg, "db"), Some(0.15), "db follows the defaults");
@@ -105,7 +83,7 @@ fn an_edit_applies_live_and_a_bad_file_keeps_the_last_good_version() {
     )
     .expect("write");
     let err = wait_until(WAIT, "web.toml refused", || {
-        config(&agg)
+        agg.config()
             .errors
             .into_iter()
             .find(|e| e.file == "web.toml")
@@ -115,10 +93,10 @@ fn an_edit_applies_live_and_a_bad_file_keeps_the_last_good_version() {
     wait_until(WAIT, "db's edit in force", || {
         (threshold(&agg, "db") == Some(0.1)).then_some(())
     });
-    let view = config(&agg);
+    let view = agg.config();
     let web = view.service("web").expect("web still configured");
     assert!(web.file_refused);
-    assert_eq!(web.params["missing_threshold"].as_f64(), Some(0.25));
+    assert_eq!(web.params.missing_threshold, 0.25);
     assert!(agg.counter("ballast_config_rejected_total", &[("file", "web.toml")]) >= 1.0);
     assert!(
         agg.log().contains("web.toml"),
@@ -129,7 +107,7 @@ fn an_edit_applies_live_and_a_bad_file_keeps_the_last_good_version() {
     std::fs::write(dir.path().join("huge.toml"), vec![b'#'; 1 << 20]).expect("write");
     std::fs::write(dir.path().join("bad name.toml"), "").expect("write");
     wait_until(WAIT, "both refused", || {
-        let errors = config(&agg).errors;
+        let errors = agg.config().errors;
         let files: Vec<&str> = errors.iter().map(|e| e.file.as_str()).collect();
         (files.contains(&"huge.toml") && files.contains(&"bad name.toml")).then_some(())
     });
@@ -142,7 +120,7 @@ fn an_edit_applies_live_and_a_bad_file_keeps_the_last_good_version() {
     )
     .expect("write");
     wait_until(WAIT, "the fix in force", || {
-        let view = config(&agg);
+        let view = agg.config();
         let ok = view.service("web").is_some_and(|s| !s.file_refused)
             && !view.errors.iter().any(|e| e.file == "web.toml");
         (ok && threshold(&agg, "web") == Some(0.3)).then_some(())
@@ -161,22 +139,21 @@ fn a_deleted_file_leaves_a_tombstone_that_revives_or_expires() {
 
     std::fs::remove_file(dir.path().join("web.toml")).expect("rm");
     let web = wait_until(WAIT, "web tombstoned", || {
-        config(&agg)
+        agg.config()
             .services
             .into_iter()
             .find(|s| s.name == "web" && s.status == "tombstone")
     });
     assert!(web.expires_unix_ms.is_some());
     assert_eq!(
-        web.params["missing_threshold"].as_f64(),
-        Some(0.2),
+        web.params.missing_threshold, 0.2,
         "a tombstone keeps its config in force"
     );
 
     // Put back within the period: revived.
     std::fs::write(dir.path().join("web.toml"), text).expect("write");
     wait_until(WAIT, "web revived", || {
-        config(&agg)
+        agg.config()
             .service("web")
             .is_some_and(|s| s.status == "active")
             .then_some(())
@@ -185,13 +162,13 @@ fn a_deleted_file_leaves_a_tombstone_that_revives_or_expires() {
     // Deleted and left: after the 3 s period the entry is gone and defaults apply.
     std::fs::remove_file(dir.path().join("db.toml")).expect("rm");
     wait_until(WAIT, "db tombstoned", || {
-        config(&agg)
+        agg.config()
             .service("db")
             .is_some_and(|s| s.status == "tombstone")
             .then_some(())
     });
     wait_until(WAIT, "db's tombstone expired", || {
-        config(&agg).service("db").is_none().then_some(())
+        agg.config().service("db").is_none().then_some(())
     });
     assert!(agg.log().contains("tombstone expired"));
 
@@ -201,7 +178,7 @@ fn a_deleted_file_leaves_a_tombstone_that_revives_or_expires() {
     agg.stop();
     std::fs::remove_file(dir.path().join("web.toml")).expect("rm");
     agg.restart();
-    let view = config(&agg);
+    let view = agg.config();
     let web = view.service("web").expect("web kept across the restart");
     assert_eq!(web.status, "tombstone");
 }
@@ -249,7 +226,7 @@ fn a_backup_restores_the_directory_with_one_command() {
         "--exact removes the rest"
     );
     wait_until(WAIT, "web active again", || {
-        config(&agg)
+        agg.config()
             .service("web")
             .is_some_and(|s| s.status == "active")
             .then_some(())
@@ -330,7 +307,8 @@ fn a_strategy_mixture_publishes_the_gated_sum_in_every_feed() {
     let agents = start_fleet(&pki, &agg, "mix", 3, &[0.6, 1.0, 1.5]);
     // PID alone first: the weights spread with the speeds.
     wait_for(Duration::from_secs(30), "PID weights spread", || {
-        let w = agg.weights("mix");
+        // A service is in the API from the first cycle after its agents' hellos.
+        let w: WeightSet = agg.try_get_json("/v1/services/mix/weights")?;
         let ws: Vec<f64> = w.weights.values().map(|e| e.weight).collect();
         let spread =
             ws.iter().cloned().fold(0.0, f64::max) - ws.iter().cloned().fold(9.0, f64::min);

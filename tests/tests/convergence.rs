@@ -38,7 +38,10 @@ fn heterogeneous_fleet_converges_to_the_average() {
     // Every node registered under its certificate's name, none missing.
     let eps = wait_for(Duration::from_secs(10), "all endpoints fresh", || {
         let eps = agg.endpoints(SERVICE);
-        let fresh = eps.iter().filter(|e| e.state != "missing").count();
+        let fresh = eps
+            .iter()
+            .filter(|e| e.state != EndpointState::Missing)
+            .count();
         if eps.len() == NODES && fresh == NODES {
             Ok(eps)
         } else {
@@ -128,6 +131,15 @@ fn heterogeneous_fleet_converges_to_the_average() {
 
     // Weights end proportional to speed: w = speed / mean speed.
     let weights = agg.weights(SERVICE);
+    // The whole publication, which every feed reads, holds the same endpoints.
+    let published = agg.published();
+    assert!(
+        published.services[SERVICE]
+            .endpoints
+            .keys()
+            .eq(weights.weights.keys()),
+        "/v1/published and /weights disagree on the endpoints"
+    );
     let mean_speed = SPEEDS.iter().sum::<f64>() / SPEEDS.len() as f64;
     let mut by_speed: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
     for a in &agents {

@@ -229,7 +229,7 @@ fn all_feeds_drained(
         && api == Some((0.0, true))
         && ep
             .as_ref()
-            .is_some_and(|(w, s)| *w == 0.0 && s == "draining")
+            .is_some_and(|(w, s)| *w == 0.0 && *s == EndpointState::Draining)
         && store == Ok((0.0, true));
     if ok {
         Ok(())

@@ -237,7 +237,7 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
             let eps = agg.endpoints(SERVICE);
             let serving: Vec<(&str, &str)> = eps
                 .iter()
-                .filter(|e| e.state == "serving")
+                .filter(|e| e.state == EndpointState::Serving)
                 .map(|e| (e.node.as_str(), e.zone.as_str()))
                 .collect();
             if serving.len() == BACKENDS.len() {

@@ -220,7 +220,7 @@ fn protocol_faults_are_counted_and_contained() {
     let eps = agg.endpoints(SERVICE);
     assert_eq!(eps.len(), 1, "{eps:?}");
     assert!(
-        eps[0].state != "missing" && eps[0].report_age_ms.is_some_and(|a| a <= 1500),
+        eps[0].state != EndpointState::Missing && eps[0].report_age_ms.is_some_and(|a| a <= 1500),
         "{:?}",
         eps[0]
     );

@@ -31,10 +31,10 @@ fn wait_missing(agg: &Aggregator, node: &str) {
                 .iter()
                 .find(|e| e.node == node)
                 .ok_or_else(|| format!("{node} is gone: {eps:?}"))?;
-            if e.state == "missing" {
+            if e.state == EndpointState::Missing {
                 Ok(())
             } else {
-                Err(format!("{} {:?}", e.state, e.report_age_ms))
+                Err(format!("{:?} {:?}", e.state, e.report_age_ms))
             }
         },
     );
@@ -107,7 +107,7 @@ fn missing_endpoints_hold_their_weight_and_too_many_skip_the_update() {
     );
     let eps = agg.endpoints(SERVICE);
     let e = eps.iter().find(|e| e.node == first).expect("still known");
-    assert_eq!(e.state, "missing");
+    assert_eq!(e.state, EndpointState::Missing);
     assert!(e.report_age_ms.is_some_and(|a| a >= 1500), "{e:?}");
 
     // A second goes silent: over the threshold, every update is skipped.
@@ -132,15 +132,12 @@ fn missing_endpoints_hold_their_weight_and_too_many_skip_the_update() {
         "with 2/{NODES} missing no cycle may update: {:?}",
         d.stats
     );
-    let skip = d
-        .stats
-        .last_skip
-        .clone()
-        .expect("the last cycle was skipped");
-    assert_eq!(skip.reason, "missing", "{skip:?}");
-    let share = skip.detail["share"].as_f64().expect("share");
+    let skip = d.stats.last_skip.expect("the last cycle was skipped");
+    let SkipReason::Missing { share, threshold } = skip else {
+        panic!("skipped for another reason: {skip:?}");
+    };
     assert!((share - 2.0 / NODES as f64).abs() < 1e-9, "{skip:?}");
-    assert_eq!(skip.detail["threshold"].as_f64(), Some(0.15), "{skip:?}");
+    assert_eq!(threshold, 0.15, "{skip:?}");
     assert!(
         d.stats.skipped.get("missing").copied().unwrap_or(0) >= ran,
         "{:?}",
@@ -154,8 +151,8 @@ fn missing_endpoints_hold_their_weight_and_too_many_skip_the_update() {
     );
     assert_eq!(weights(&agg), frozen, "weights moved during skipped cycles");
     assert_eq!(agg.weights(SERVICE).version, version);
-    let summary: Vec<serde_json::Value> = agg.get_json("/v1/services");
-    let last_skip = summary[0]["last_skip"].as_str().unwrap_or_default();
+    let summary = agg.services();
+    let last_skip = summary[0].last_skip.as_deref().unwrap_or_default();
     assert!(
         last_skip.contains("missing"),
         "/v1/services says why: {summary:?}"
@@ -176,7 +173,7 @@ fn missing_endpoints_hold_their_weight_and_too_many_skip_the_update() {
     let eps = agg.endpoints(SERVICE);
     let back = eps.iter().find(|e| e.node == second).expect("known");
     assert!(
-        back.state == "serving" || back.state == "warming",
+        matches!(back.state, EndpointState::Serving | EndpointState::Warming),
         "{back:?}"
     );
     assert_eq!(eps.len(), NODES, "the returning node is the same endpoint");

@@ -24,9 +24,9 @@ fn good_agents_are_served(agg: &Aggregator, good: &[Agent]) -> Result<(), String
             .iter()
             .find(|e| e.node == a.node())
             .ok_or_else(|| format!("{} has no endpoint", a.node()))?;
-        if !(e.state == "serving" || e.state == "warming") || e.weight <= 0.0 {
+        if !matches!(e.state, EndpointState::Serving | EndpointState::Warming) || e.weight <= 0.0 {
             return Err(format!(
-                "{} is {} with weight {}",
+                "{} is {:?} with weight {}",
                 e.node, e.state, e.weight
             ));
         }

@@ -128,7 +128,7 @@ fn restart_scenario(how: Stop) {
     while started.elapsed() < Duration::from_millis(GRACE_MS - 500) {
         let d = agg.service(SERVICE);
         if d.stats.cycles > restored_cycles {
-            let skip = d.stats.last_skip.as_ref().map(|s| s.reason.as_str());
+            let skip = d.stats.last_skip.as_ref().map(SkipReason::label);
             assert_eq!(
                 skip,
                 Some("grace"),
@@ -172,8 +172,11 @@ fn restart_scenario(how: Stop) {
         let eps = agg.endpoints(SERVICE);
         let stale: Vec<String> = eps
             .iter()
-            .filter(|e| e.state == "missing" || !matches!(e.report_age_ms, Some(a) if a <= 1500))
-            .map(|e| format!("{} {} {:?}", e.node, e.state, e.report_age_ms))
+            .filter(|e| {
+                e.state == EndpointState::Missing
+                    || !matches!(e.report_age_ms, Some(a) if a <= 1500)
+            })
+            .map(|e| format!("{} {:?} {:?}", e.node, e.state, e.report_age_ms))
             .collect();
         let disconnected: Vec<&str> = agents
             .iter()

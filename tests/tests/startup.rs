@@ -55,7 +55,7 @@ fn agent_runs_without_a_control_socket() {
                 .try_get_json::<Vec<EndpointView>>(&format!("/v1/services/{SERVICE}/endpoints"))
                 .unwrap_or_default()
                 .into_iter()
-                .filter(|e| e.state != "missing")
+                .filter(|e| e.state != EndpointState::Missing)
                 .map(|e| e.node)
                 .collect();
             if fresh.len() == 2 {

@@ -43,19 +43,19 @@ use serde::{Deserialize, Serialize};
 /// The weight of a new report in the smoothed in-flight count. Reports are point
 /// samples of a small integer; smoothing over a few of them is what makes a count of
 /// 0, 1, 0, 2 mean "about one".
-pub const SMOOTHING: f64 = 0.4;
+pub(crate) const SMOOTHING: f64 = 0.4;
 /// The weight of a new report that is lower than the smoothed count. A backlog that
 /// drains shows at once: a count that lags behind an emptied queue would go on
 /// pushing the endpoint down after the cause is gone.
-pub const SMOOTHING_DOWN: f64 = 0.8;
+pub(crate) const SMOOTHING_DOWN: f64 = 0.8;
 /// The term is at most this multiple of the fleet's average CPU load: enough to take
 /// weight off the endpoint every cycle, and never so much that one endpoint's excess
 /// drags the average the others are steered to.
-pub const TERM_CAP: f64 = 2.0;
+pub(crate) const TERM_CAP: f64 = 2.0;
 /// Cycles of weight remembered: the count per unit of weight divides by the largest,
 /// because the requests in flight now arrived under the weights of the last cycles,
 /// and a weight that fell faster than a queue drains must not inflate the ratio.
-pub const WEIGHT_MEMORY: usize = 3;
+pub(crate) const WEIGHT_MEMORY: usize = 3;
 /// How far above the service's typical in-flight per unit of weight an endpoint must be
 /// before the in-flight term binds. Healthy endpoints of different speeds differ by
 /// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
@@ -65,33 +65,33 @@ pub const TOLERANCE: f64 = 3.0;
 /// up: its count says nothing. Kept low on purpose: a stalled node held at a small
 /// weight has a small count, and its count per unit of weight is what keeps it there
 /// (a higher floor lets it climb back and be flooded again, in a cycle).
-pub const MIN_INFLIGHT: f64 = 0.25;
+pub(crate) const MIN_INFLIGHT: f64 = 0.25;
 /// A count must be at least this to be judged unresponsive: one that has drained to a
 /// request or less has followed the weight.
-pub const MIN_STUCK: f64 = 1.0;
+pub(crate) const MIN_STUCK: f64 = 1.0;
 /// The typical in-flight per unit of weight is at least this, so that a nearly idle
 /// fleet does not turn one request into a large multiple.
-pub const MIN_TYPICAL: f64 = 0.5;
+pub(crate) const MIN_TYPICAL: f64 = 0.5;
 /// CPU utilization below this counts as zero when dividing by it.
-pub const MIN_CPU: f64 = 0.01;
+pub(crate) const MIN_CPU: f64 = 0.01;
 /// CPU below this share of the fleet's average CPU load counts as idle.
-pub const IDLE_CPU: f64 = 0.25;
+pub(crate) const IDLE_CPU: f64 = 0.25;
 /// The weight must have fallen by this factor (or to twice the floor) while the count
 /// held before the count is called unresponsive.
-pub const UNRESPONSIVE_DROP: f64 = 8.0;
+pub(crate) const UNRESPONSIVE_DROP: f64 = 8.0;
 /// "Held" means at least this share of the count when the episode began.
-pub const UNRESPONSIVE_KEEP: f64 = 0.5;
+pub(crate) const UNRESPONSIVE_KEEP: f64 = 0.5;
 /// ...and over the cycles it is watched at the low weight it must not fall below this
 /// share of where it stood when the watch began: a backlog that drains at its own pace
 /// (a node whose requests complete slowly) falls steadily, a stuck count does not.
-pub const UNRESPONSIVE_FLAT: f64 = 0.9;
+pub(crate) const UNRESPONSIVE_FLAT: f64 = 0.9;
 /// Cycles in a row the count must hold at the low weight: reports and the load
 /// balancers lag the weight by a cycle or two, so a count that falls late is still a
 /// count that falls.
-pub const UNRESPONSIVE_CYCLES: u32 = 5;
+pub(crate) const UNRESPONSIVE_CYCLES: u32 = 5;
 /// A distrusted count that rises above this multiple of its level (plus one request)
 /// responds to the weight after all.
-pub const RESPONSIVE_RISE: f64 = 1.5;
+pub(crate) const RESPONSIVE_RISE: f64 = 1.5;
 
 /// How the in-flight term was derived, for the API and the agents' status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -172,7 +172,7 @@ impl InflightTracker {
 
 /// One endpoint's inputs to [`assess`].
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Input {
+pub(crate) struct Input {
     /// Load without the in-flight term: CPU and the error penalty, as the metric says.
     pub base: f64,
     /// CPU utilization, to tell an idle node.
@@ -190,7 +190,7 @@ pub struct Input {
 
 /// What [`assess`] returns per endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Assessed {
+pub(crate) struct Assessed {
     /// The load to steer by.
     pub load: f64,
     /// Whether the term was distrusted in this cycle (a new distrust, for the metric).
@@ -219,7 +219,10 @@ fn typical_of(mut v: Vec<f64>) -> Option<f64> {
 
 /// Computes the load of every fresh serving endpoint of a service from its inputs and
 /// updates each tracker's verdict. `items` pairs each endpoint's inputs with its tracker.
-pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> Vec<Assessed> {
+pub(crate) fn assess(
+    params: &Params,
+    items: &mut [(Input, &mut InflightTracker)],
+) -> Vec<Assessed> {
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
@@ -261,8 +264,7 @@ pub fn assess(params: &Params, items: &mut [(Input, &mut InflightTracker)]) -> V
             let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
                 (Derivation::None, 0.0, 0.0)
             } else if input.capacity > 0 {
-                let term =
-                    crate::load::inflight_utilization(input.inflight, input.capacity);
+                let term = crate::load::inflight_utilization(input.inflight, input.capacity);
                 (Derivation::Capacity, 0.0, term)
             } else if input.warming {
                 (Derivation::FleetRelative, 0.0, 0.0)

@@ -17,13 +17,15 @@
 pub mod inflight;
 pub mod load;
 pub mod mixture;
-pub mod normalize;
+pub(crate) mod normalize;
 pub mod params;
 pub mod pid;
+pub mod publish;
 pub mod service;
 pub mod stats;
 
 pub use params::{Gate, LoadMetric, Params, PidGains, Strategy};
+pub use publish::{Published, PublishedEndpoint, PublishedService};
 pub use service::{
     CycleResult, Endpoint, EndpointSnapshot, EndpointState, Service, ServiceSnapshot, SkipReason,
 };

@@ -18,7 +18,7 @@ pub fn sanitize(x: f64) -> f64 {
 
 /// In-flight requests as a fraction of capacity. A capacity of 0 means the agent does
 /// not measure in-flight requests, so they do not count.
-pub fn inflight_utilization(inflight: u32, capacity: u32) -> f64 {
+pub(crate) fn inflight_utilization(inflight: u32, capacity: u32) -> f64 {
     if capacity == 0 {
         0.0
     } else {
@@ -45,7 +45,7 @@ pub fn combine(
 
 /// Envoy and gRPC weights per unit of mean weight: weight 1.0 (the mean) becomes 1000,
 /// so that the 0.01 floor still has ten steps of resolution.
-pub const ENVOY_SCALE: f64 = 1000.0;
+pub(crate) const ENVOY_SCALE: f64 = 1000.0;
 
 /// An xDS `load_balancing_weight`: a uint32 of at least 1. Draining endpoints are
 /// marked DRAINING by health status instead, since xDS forbids 0.

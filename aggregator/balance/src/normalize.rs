@@ -4,7 +4,7 @@
 /// `[lo, hi]`. Scaling alone can push a weight past a bound, and clamping alone breaks
 /// the sum, so weights that hit a bound are pinned there and the rest are scaled again
 /// (water-filling). When no assignment can satisfy both, the bounds win.
-pub fn normalize_bounded(weights: &mut [f64], target: f64, lo: f64, hi: f64) {
+pub(crate) fn normalize_bounded(weights: &mut [f64], target: f64, lo: f64, hi: f64) {
     let n = weights.len();
     if n == 0 {
         return;

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 
 /// How many cycles of history a service keeps for the dashboard.
-pub const HISTORY: usize = 900;
+pub(crate) const HISTORY: usize = 900;
 
 /// A weight that moved less than this (in units of the mean weight) since it was last
 /// published is not a material change: rewriting a consensus store for it costs a
@@ -19,7 +19,7 @@ pub const HISTORY: usize = 900;
 pub const MATERIAL_CHANGE: f64 = 0.01;
 
 /// An endpoint's state as operators see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EndpointState {
     /// Reporting and balanced.
@@ -134,7 +134,7 @@ impl Endpoint {
 /// The most cycles in a row skipped because the average keeps jumping. Reports lag
 /// and are spread over a cycle, so a sudden change can take two or three cycles to show
 /// whole; a load that keeps climbing past that is a real trend, and is steered by.
-pub const MAX_JUMP_SKIPS: u32 = 3;
+pub(crate) const MAX_JUMP_SKIPS: u32 = 3;
 
 /// Why a cycle changed no weights.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -233,7 +233,7 @@ pub struct CycleResult {
 }
 
 /// One cycle's figures, kept for the dashboard and the API.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct HistoryPoint {
     /// Cycle number.
     pub cycle: u64,
@@ -246,14 +246,14 @@ pub struct HistoryPoint {
 }
 
 /// Counters and last results of a service, for the API.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ServiceStats {
     /// Cycles run.
     pub cycles: u64,
     /// Cycles that updated weights.
     pub updates: u64,
     /// Skipped cycles by reason label.
-    pub skipped: BTreeMap<&'static str, u64>,
+    pub skipped: BTreeMap<String, u64>,
     /// Why the last cycle was skipped, if it was.
     pub last_skip: Option<SkipReason>,
     /// The last cycle's spread.
@@ -465,7 +465,11 @@ impl Service {
                 self.weights_cycle = cycle;
             }
             Some(reason) => {
-                *self.stats.skipped.entry(reason.label()).or_insert(0) += 1;
+                *self
+                    .stats
+                    .skipped
+                    .entry(reason.label().to_string())
+                    .or_insert(0) += 1;
                 self.last_step = 0.0;
             }
         }
@@ -692,21 +696,21 @@ impl Service {
 
 /// A feed-forward step moves no weight by more than this factor: a load near zero says
 /// little about how much more the endpoint could take.
-pub const FEED_FORWARD_MAX: f64 = 2.0;
+pub(crate) const FEED_FORWARD_MAX: f64 = 2.0;
 /// A step is kept if the first update after it finds max/avg's excess over 1 at most
 /// this share of what it was before the step.
-pub const FEED_FORWARD_KEEP: f64 = 0.5;
+pub(crate) const FEED_FORWARD_KEEP: f64 = 0.5;
 /// Feed-forward needs an average load of at least this: enough traffic for the loads
 /// to say how each endpoint's capacity compares.
-pub const FEED_FORWARD_MIN_AVG: f64 = 0.1;
+pub(crate) const FEED_FORWARD_MIN_AVG: f64 = 0.1;
 /// ...and a spread at least this wide (the mean relative distance from the average):
 /// near balance the controllers trim better than an estimate, and one noisy endpoint
 /// among many must not trigger a step.
-pub const FEED_FORWARD_MIN_SPREAD: f64 = 0.1;
+pub(crate) const FEED_FORWARD_MIN_SPREAD: f64 = 0.1;
 /// ...and weights that held still in the cycle the loads were measured in (no weight
 /// moved by more than this share): a load measured under other weights than the ones
 /// in force says nothing about the capacity behind them.
-pub const FEED_FORWARD_STEADY: f64 = 0.05;
+pub(crate) const FEED_FORWARD_STEADY: f64 = 0.05;
 /// Cycles after a feed-forward step whose weights are held: their reports were taken
 /// partly before the load balancers applied the step. A new weight reaches the load
 /// balancers within a report interval or a health-check interval, and shows in the
@@ -714,7 +718,7 @@ pub const FEED_FORWARD_STEADY: f64 = 0.05;
 pub const FEED_FORWARD_SETTLE: u64 = 2;
 /// Cycles after a feed-forward step before another may be taken: the controllers trim
 /// the first one, and a second would undo their work.
-pub const FEED_FORWARD_HOLDOFF: u64 = 10;
+pub(crate) const FEED_FORWARD_HOLDOFF: u64 = 10;
 
 /// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one
 /// has a new report (the caller checks that none is held), none is ramping up from a

@@ -33,10 +33,7 @@ impl Spread {
         if loads.is_empty() {
             return Spread::default();
         }
-        let mut sorted: Vec<f64> = loads
-            .iter()
-            .map(|&l| crate::load::sanitize(l))
-            .collect();
+        let mut sorted: Vec<f64> = loads.iter().map(|&l| crate::load::sanitize(l)).collect();
         sorted.sort_by(f64::total_cmp);
         let avg = sorted.iter().sum::<f64>() / sorted.len() as f64;
         let max = sorted[sorted.len() - 1];

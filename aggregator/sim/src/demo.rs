@@ -7,12 +7,12 @@
 //! `offered × w / s`, so the weights the aggregator sends back change what the agents
 //! report next, and the loop is closed.
 
-use ballast_balance::{Params, Spread};
-use ballast_aggregator::config::Config;
-use ballast_aggregator::daemon::Daemon;
 use ballast_agent::config::AgentConfig;
 use ballast_agent::daemon::Agent;
 use ballast_agent::sample::{synthetic::SyntheticHandle, CpuSpec, InflightSpec};
+use ballast_aggregator::config::Config;
+use ballast_aggregator::daemon::Daemon;
+use ballast_balance::{Params, Spread};
 use ballast_shared::pki::Ca;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -156,7 +156,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
         "{:>5}  {:>7}  {:>7}  {:>5}  {:<30}  mean weight by speed",
         "cycle", "max/avg", "p95/avg", "avg", ""
     )?;
-    let mut changes = daemon.state.changes.subscribe();
+    let mut published = daemon.state.subscribe();
     let mut first: Option<Spread> = None;
     let mut last = Spread::default();
     let mut settled_at = None;
@@ -165,12 +165,14 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
         tokio::time::Instant::now() + Duration::from_millis(opts.cycle_ms * (opts.cycles + 20));
     let mut seen_cycle = 0;
     while shown < opts.cycles && tokio::time::Instant::now() < deadline {
-        let _ =
-            tokio::time::timeout(Duration::from_millis(opts.cycle_ms * 2), changes.changed()).await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let _ = tokio::time::timeout(
+            Duration::from_millis(opts.cycle_ms * 2),
+            published.changed(),
+        )
+        .await;
         let (cycle, spread, skipped, by_speed) = {
-            let b = daemon.state.balancer();
-            let Some(svc) = b.service(SERVICE) else {
+            let current = published.borrow_and_update().clone();
+            let Some(svc) = current.service(SERVICE) else {
                 continue;
             };
             let mut by_speed: Vec<(f64, f64, usize)> =

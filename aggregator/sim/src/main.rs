@@ -142,4 +142,3 @@ fn simulate(out: PathBuf, seed: u64, quick: bool, scenario: Vec<String>) -> Resu
     }
     Ok(ExitCode::SUCCESS)
 }
-

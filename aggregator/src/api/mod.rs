@@ -25,6 +25,7 @@ pub fn router(state: Arc<State>) -> Router {
         .route("/v1/services/{name}/endpoints", get(endpoints))
         .route("/v1/services/{name}/weights", get(weights))
         .route("/v1/config", get(config))
+        .route("/v1/published", get(published))
         .fallback(not_found)
         .with_state(state)
 }
@@ -59,11 +60,16 @@ async fn not_found() -> ApiError {
 }
 
 async fn healthz(AxState(state): AxState<Arc<State>>) -> Json<serde_json::Value> {
-    let store_error = state.store_error.lock().map(|e| e.clone()).unwrap_or(None);
+    // The aggregator serves whatever the store does, so `status` stays "ok"; the
+    // store's own condition (ok, error, stalled) is under `store_writer`.
+    let store = state
+        .store_status
+        .health(state.store.describe(), std::time::Instant::now());
     Json(serde_json::json!({
         "status": "ok",
-        "store": state.store.describe(),
-        "store_error": store_error,
+        "store": store.name,
+        "store_error": store.error,
+        "store_writer": store,
     }))
 }
 
@@ -76,37 +82,48 @@ async fn openapi() -> impl IntoResponse {
 }
 
 async fn services(AxState(state): AxState<Arc<State>>) -> Json<Vec<views::ServiceSummary>> {
-    let now = state.clock.now();
-    let b = state.balancer();
+    let published = state.published();
     Json(
-        b.services()
-            .map(|s| views::ServiceSummary::of(s, now))
+        published
+            .services
+            .values()
+            .map(|s| views::ServiceSummary::of(s))
             .collect(),
     )
+}
+
+/// One service of the last publication, or the API's 404.
+fn published_service(
+    state: &State,
+    name: &str,
+) -> Result<Arc<ballast_balance::PublishedService>, ApiError> {
+    state
+        .published()
+        .services
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ApiError::unknown_service(name))
 }
 
 async fn service(
     AxState(state): AxState<Arc<State>>,
     Path(name): Path<String>,
 ) -> Result<Json<views::ServiceDetail>, ApiError> {
-    let now = state.clock.now();
-    let b = state.balancer();
-    let svc = b
-        .service(&name)
-        .ok_or_else(|| ApiError::unknown_service(&name))?;
-    Ok(Json(views::ServiceDetail::of(svc, now)))
+    let svc = published_service(&state, &name)?;
+    Ok(Json(views::ServiceDetail::of(&svc)))
 }
 
 async fn endpoints(
     AxState(state): AxState<Arc<State>>,
     Path(name): Path<String>,
 ) -> Result<Json<Vec<views::EndpointView>>, ApiError> {
-    let now = state.clock.now();
-    let b = state.balancer();
-    let svc = b
-        .service(&name)
-        .ok_or_else(|| ApiError::unknown_service(&name))?;
-    Ok(Json(views::EndpointView::all(svc, now)))
+    let svc = published_service(&state, &name)?;
+    Ok(Json(views::EndpointView::all(&svc)))
+}
+
+/// The whole last publication: what every feed serves, with its version.
+async fn published(AxState(state): AxState<Arc<State>>) -> Json<ballast_balance::Published> {
+    Json(state.published().as_ref().clone())
 }
 
 /// `?watch=true` turns the weights request into a stream.
@@ -122,13 +139,7 @@ async fn weights(
     Path(name): Path<String>,
     Query(q): Query<WatchQuery>,
 ) -> Result<Response, ApiError> {
-    let current = {
-        let b = state.balancer();
-        let svc = b
-            .service(&name)
-            .ok_or_else(|| ApiError::unknown_service(&name))?;
-        views::WeightSet::of(svc)
-    };
+    let current = views::WeightSet::of(&*published_service(&state, &name)?);
     if !q.watch {
         return Ok(Json(current).into_response());
     }
@@ -138,8 +149,7 @@ async fn weights(
 async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
     let text = state.metrics.encode();
     let mut out = text.strip_suffix("# EOF\n").unwrap_or(&text).to_string();
-    let now = state.clock.now();
-    let b = state.balancer();
+    let published = state.published();
     type Gauge = (
         &'static str,
         &'static str,
@@ -187,11 +197,11 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
             |s| s.feed_forward_steps as f64,
         ),
     ];
-    let summaries: Vec<views::ServiceSummary> = b
-        .services()
-        .map(|s| views::ServiceSummary::of(s, now))
+    let summaries: Vec<views::ServiceSummary> = published
+        .services
+        .values()
+        .map(|s| views::ServiceSummary::of(s))
         .collect();
-    drop(b);
     for (name, help, value) in gauges {
         let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} gauge");
         for s in &summaries {

@@ -1,12 +1,12 @@
-//! JSON shapes of the API, built from the balancer's state.
+//! JSON shapes of the API, built from what the last cycle published.
 
 use ballast_balance::service::{HistoryPoint, ServiceStats};
-use ballast_balance::{EndpointState, Millis, Service, SkipReason};
-use serde::Serialize;
+use ballast_balance::{EndpointState, PublishedService, SkipReason};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// One line per service in `GET /v1/services`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ServiceSummary {
     /// Service name.
     pub name: String,
@@ -37,7 +37,7 @@ pub struct ServiceSummary {
 
 impl ServiceSummary {
     /// The summary of `svc`.
-    pub fn of(svc: &Service, _now: Millis) -> Self {
+    pub fn of(svc: &PublishedService) -> Self {
         let s = &svc.stats;
         ServiceSummary {
             name: svc.name.clone(),
@@ -57,12 +57,12 @@ impl ServiceSummary {
 }
 
 /// `GET /v1/services/{name}`: cycle statistics.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ServiceDetail {
     /// Service name.
     pub name: String,
     /// Endpoints by state.
-    pub states: BTreeMap<&'static str, usize>,
+    pub states: BTreeMap<String, usize>,
     /// Counters and the last cycle's figures.
     pub stats: ServiceStats,
     /// The last skip, in words.
@@ -81,23 +81,21 @@ pub struct ServiceDetail {
 
 impl ServiceDetail {
     /// The detail of `svc`.
-    pub fn of(svc: &Service, now: Millis) -> Self {
-        let mut states = BTreeMap::new();
-        for e in svc.endpoints.values() {
-            *states
-                .entry(state_name(e.state(now, &svc.params)))
-                .or_insert(0) += 1;
-        }
+    pub fn of(svc: &PublishedService) -> Self {
         ServiceDetail {
             name: svc.name.clone(),
-            states,
+            states: svc
+                .states()
+                .into_iter()
+                .map(|(state, n)| (state_name(state).to_string(), n))
+                .collect(),
             stats: svc.stats.clone(),
             last_skip_reason: svc.stats.last_skip.map(|r| r.describe()),
             last_skip: svc.stats.last_skip,
             version: svc.version,
             weights_cycle: svc.weights_cycle,
             params: svc.params.clone(),
-            history: svc.history.iter().copied().collect(),
+            history: svc.history.clone(),
         }
     }
 }
@@ -112,7 +110,7 @@ fn state_name(s: EndpointState) -> &'static str {
 }
 
 /// One endpoint in `GET /v1/services/{name}/endpoints`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EndpointView {
     /// Node identity.
     pub node: String,
@@ -141,29 +139,29 @@ pub struct EndpointView {
 }
 
 impl EndpointView {
-    /// Every endpoint of `svc`.
-    pub fn all(svc: &Service, now: Millis) -> Vec<Self> {
+    /// Every endpoint of `svc`, as of its last cycle.
+    pub fn all(svc: &PublishedService) -> Vec<Self> {
         svc.endpoints
-            .values()
-            .map(|e| EndpointView {
-                node: e.node.clone(),
+            .iter()
+            .map(|(node, e)| EndpointView {
+                node: node.clone(),
                 address: e.address.clone(),
                 zone: e.zone.clone(),
                 load: e.load,
-                cpu: e.observation.cpu,
-                inflight: e.observation.inflight,
-                capacity: e.observation.capacity,
-                inflight_estimate: e.inflight.estimate,
+                cpu: e.cpu,
+                inflight: e.inflight,
+                capacity: e.capacity,
+                inflight_estimate: e.inflight_estimate,
                 weight: e.weight,
-                state: e.state(now, &svc.params),
-                report_age_ms: e.report_age(now),
+                state: e.state,
+                report_age_ms: e.report_age_ms,
             })
             .collect()
     }
 }
 
 /// `GET /v1/services/{name}/weights`: the published weight set with its version.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WeightSet {
     /// Service name.
     pub service: String,
@@ -176,7 +174,7 @@ pub struct WeightSet {
 }
 
 /// One endpoint's published weight, with each sink's integer.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WeightEntry {
     /// `host:port`.
     pub address: String,
@@ -194,26 +192,29 @@ pub struct WeightEntry {
 
 impl WeightSet {
     /// The weights of `svc`.
-    pub fn of(svc: &Service) -> Self {
+    pub fn of(svc: &PublishedService) -> Self {
         use ballast_balance::load::{envoy_weight, haproxy_percent};
         WeightSet {
             service: svc.name.clone(),
             version: svc.version,
-            cycle: svc.published_cycle(),
+            cycle: svc.cycle,
             weights: svc
                 .endpoints
-                .values()
-                .map(|e| {
-                    let (weight, draining) = svc.published(e);
+                .iter()
+                .map(|(node, e)| {
                     (
-                        e.node.clone(),
+                        node.clone(),
                         WeightEntry {
                             address: e.address.clone(),
                             zone: e.zone.clone(),
-                            weight,
-                            draining,
-                            envoy: envoy_weight(weight),
-                            haproxy_percent: if draining { 0 } else { haproxy_percent(weight) },
+                            weight: e.weight,
+                            draining: e.draining,
+                            envoy: envoy_weight(e.weight),
+                            haproxy_percent: if e.draining {
+                                0
+                            } else {
+                                haproxy_percent(e.weight)
+                            },
                         },
                     )
                 })
@@ -223,7 +224,7 @@ impl WeightSet {
 }
 
 /// `GET /v1/config`: the per-service config directory as merged.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ConfigView {
     /// The directory; `None` when the aggregator runs without one.
     pub dir: Option<String>,
@@ -240,12 +241,12 @@ pub struct ConfigView {
 }
 
 /// One service's config in force.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ServiceConfigView {
     /// The service.
     pub name: String,
     /// `active`, or `tombstone` once its file is deleted.
-    pub status: &'static str,
+    pub status: String,
     /// Its file.
     pub file: String,
     /// When the version in force was loaded, in Unix milliseconds.
@@ -295,7 +296,8 @@ impl ConfigView {
                             "tombstone"
                         } else {
                             "active"
-                        },
+                        }
+                        .to_string(),
                         file_refused: errors.contains_key(&file),
                         file,
                         loaded_unix_ms: e.loaded_unix_ms,

@@ -16,9 +16,9 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Client zone → destination zone → relative share. Shares are relative, not
-/// percentages: `{a = 1, b = 3}` sends a quarter to `a`.
-pub type LocalitySplit = BTreeMap<String, BTreeMap<String, u32>>;
+/// Client zone → destination zone → relative share (the core publishes it with the
+/// weights). Shares are relative: `{a = 1, b = 3}` sends a quarter to `a`.
+pub use ballast_balance::publish::LocalitySplit;
 
 /// The largest share one destination may have; xDS locality weights are `uint32` and
 /// their sum must fit too.

@@ -43,8 +43,9 @@ pub struct EtcdConfig {
     pub prefix: String,
     /// How long connecting to a member may take, in milliseconds.
     pub connect_timeout_ms: u64,
-    /// How long one read or write may take, in milliseconds. A dead etcd delays a cycle
-    /// by at most this much once; later writes fail at once until it answers again.
+    /// How long one read or write may take, in milliseconds. Writes are made by the
+    /// routing store's background writer, so a dead etcd delays no cycle: each attempt
+    /// fails after at most this long, and the writer retries.
     pub request_timeout_ms: u64,
 }
 

@@ -4,9 +4,9 @@
 use super::dir::{self, DirError, Merged, ServiceConfigs};
 use super::service::FileError;
 use super::{ServiceConfigSettings, StoreConfig};
-use ballast_balance::Params;
 use crate::metrics::{FileLabel, Reason};
 use crate::state::State;
+use ballast_balance::Params;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -54,7 +54,7 @@ pub fn stream(
     service: String,
     current: WeightSet,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let changes = state.changes.subscribe();
+    let changes = state.subscribe();
     let first = event(&current);
     let open = Open::new(state.clone());
     let seed = (open, service, changes, current.version, Some(first));
@@ -70,9 +70,9 @@ pub fn stream(
                 // The sender lives as long as the daemon; its end ends the stream.
                 changes.changed().await.ok()?;
                 let set = {
-                    let b = state.balancer();
+                    let published = changes.borrow_and_update().clone();
                     // A service that expired while watched ends the stream.
-                    WeightSet::of(b.service(&service)?)
+                    WeightSet::of(published.service(&service)?)
                 };
                 if set.version != version {
                     let v = set.version;

@@ -1,33 +1,21 @@
 //! The QUIC side of ingest: one task per agent connection.
 //!
-//! A connection begins with a hello on a bidirectional stream; the node it names must
-//! be the node in the client certificate. After the welcome, reports arrive as
-//! datagrams and each is answered with the node's weight. Faults are counted and never
-//! reach other connections: each has its own task and a bad one is closed.
+//! The session's rules (the hello and the certificate's identity, the welcome or
+//! reject, reordered reports, the reply to each report, what a fault costs) are the
+//! sans-IO [`ServerSession`], shared with the agent's side of the protocol; this module
+//! is its async driver: the connection, the hello's deadline, the metrics, and the
+//! calls into the balancer, which all go through [`balance`]. Faults are counted and
+//! never reach other connections: each has its own task and a bad one is closed.
 
-use ballast_balance::{BalanceError, Observation};
 use crate::state::State;
-use ballast_shared::frame;
-use ballast_shared::wire::{self, Hello, Message, Reject, RejectReason, Reply, Welcome};
+use ballast_balance::{BalanceError, Observation};
+use ballast_shared::session::{Assignment, ServerConfig, ServerError, ServerEvent, ServerSession};
+use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// How long a new connection may take to send its hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A connection that sends this many undecodable datagrams is closed: it is broken or
-/// hostile, and serving it costs the others.
-const MAX_BAD_DATAGRAMS: u32 = 16;
-
-/// QUIC application error codes for closing connections.
-pub mod close {
-    /// Normal shutdown.
-    pub const NORMAL: u32 = 0;
-    /// The hello was refused.
-    pub const REJECTED: u32 = 1;
-    /// Too many malformed messages.
-    pub const PROTOCOL: u32 = 2;
-}
+/// QUIC application error codes for closing connections; the protocol's own.
+pub use ballast_shared::session::close;
 
 /// Accepts connections until the endpoint closes.
 pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
@@ -53,6 +41,19 @@ pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
     }
 }
 
+/// The time now, in the session machine's terms.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Sleeps until `deadline`; forever when there is none.
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static str> {
     let identity = match ballast_shared::tls::peer_identity(conn) {
         Ok(id) => id,
@@ -63,147 +64,233 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
             return Err("no identity");
         }
     };
-    let (mut send, mut recv) = match tokio::time::timeout(HELLO_TIMEOUT, conn.accept_bi()).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(_)) => return Err("closed before hello"),
-        Err(_) => {
-            state.metrics.reject_connection("hello_timeout");
-            conn.close(close::PROTOCOL.into(), b"no hello");
-            return Err("hello timeout");
+    let config = ServerConfig::new(state.report_interval_ms);
+    let mut session = ServerSession::new(identity, config, now());
+    let (mut send, mut recv) = loop {
+        tokio::select! {
+            s = conn.accept_bi() => match s {
+                Ok(s) => break s,
+                Err(_) => return Err("closed before hello"),
+            },
+            _ = until(session.poll_timeout()) => {
+                if let Err(e) = session.handle_timeout(now()) {
+                    return Err(fault(conn, state, &session, &e));
+                }
+            }
         }
     };
-    let hello = match tokio::time::timeout(HELLO_TIMEOUT, frame::read(&mut recv)).await {
-        Ok(Ok(Message::Hello(h))) => h,
-        Ok(Ok(_)) => {
-            state.metrics.reject("unexpected_message");
-            conn.close(close::PROTOCOL.into(), b"expected hello");
-            return Err("expected hello");
-        }
-        Ok(Err(e)) => {
-            state.metrics.reject(e.label());
-            conn.close(close::PROTOCOL.into(), b"bad hello");
-            return Err("bad hello");
-        }
-        Err(_) => {
-            state.metrics.reject_connection("hello_timeout");
-            conn.close(close::PROTOCOL.into(), b"no hello");
-            return Err("hello timeout");
+    let mut buf = [0u8; 512];
+    let hello = loop {
+        let read = tokio::select! {
+            r = recv.read(&mut buf) => r,
+            _ = until(session.poll_timeout()) => {
+                if let Err(e) = session.handle_timeout(now()) {
+                    return Err(fault(conn, state, &session, &e));
+                }
+                continue;
+            }
+        };
+        let event = match read {
+            Ok(Some(n)) => session.handle_stream(now(), buf.get(..n).unwrap_or_default()),
+            // Finished or reset before the hello was whole.
+            Ok(None) | Err(_) => session.handle_stream_end().map(|()| None),
+        };
+        match event {
+            Ok(Some(ServerEvent::Hello(h))) => break h,
+            Ok(Some(ServerEvent::Refused { reject, frame })) => {
+                return refuse(conn, state, session.identity(), &mut send, reject, frame).await
+            }
+            Ok(_) => continue,
+            Err(e) => return Err(fault(conn, state, &session, &e)),
         }
     };
-    if let Err(reject) = admit(state, &identity, &hello) {
-        tracing::warn!(%identity, claimed = %hello.node, service = %hello.service, reason = %reject.reason, detail = %reject.detail, "hello rejected");
-        state.metrics.reject(&reject.reason.to_string());
-        let _ = frame::write(&mut send, &Message::Reject(reject)).await;
-        let _ = send.finish();
-        // Give the reject a moment to leave before the close overtakes it.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        conn.close(close::REJECTED.into(), b"rejected");
-        return Err("rejected");
-    }
-    let welcome = Message::Welcome(Welcome {
-        interval_ms: state.report_interval_ms,
-    });
-    if frame::write(&mut send, &welcome).await.is_err() {
+    let welcome = match balance(state, &hello, Ask::Register) {
+        Answer::UnknownService(detail) => {
+            let reject = Reject {
+                reason: RejectReason::UnknownService,
+                detail,
+            };
+            return match session.reject(reject.reason, reject.detail.clone()) {
+                Ok(frame) => {
+                    refuse(conn, state, session.identity(), &mut send, reject, frame).await
+                }
+                Err(_) => Err("reject failed"),
+            };
+        }
+        _ => session.welcome(),
+    };
+    let Ok(welcome) = welcome else {
+        return Err("welcome failed");
+    };
+    if send.write_all(&welcome).await.is_err() {
         return Err("welcome failed");
     }
     let _ = send.finish();
-    tracing::info!(node = %hello.node, service = %hello.service, address = %hello.address, "agent connected");
+    tracing::info!(node = %hello.node, service = %hello.service, address = %hello.address, zone = %hello.zone, agent_version = %hello.version, "agent connected");
 
-    let mut bad = 0u32;
     loop {
         let bytes = match conn.read_datagram().await {
             Ok(b) => b,
             Err(_) => return Ok(()),
         };
-        let msg = match wire::decode(&bytes) {
-            Ok(m) => m,
+        match session.handle_datagram(&bytes) {
+            Ok(ServerEvent::Report(report)) => match balance(state, &hello, Ask::Report(&report)) {
+                Answer::Assigned {
+                    assignment,
+                    accepted,
+                } => {
+                    if accepted {
+                        state.metrics.reports_accepted.inc();
+                    } else {
+                        state.metrics.reject("reordered");
+                    }
+                    // Answered even when another session of the node got ahead, so
+                    // that this one still hears its weight.
+                    if let Ok(reply) = session.reply(&assignment) {
+                        let _ = conn.send_datagram(reply.into());
+                    }
+                }
+                Answer::Reregistered => state.metrics.reject("unknown_endpoint"),
+                Answer::UnknownService(_) => state.metrics.reject("unknown_service"),
+                Answer::Registered => {}
+            },
+            Ok(ServerEvent::Reordered { .. }) => state.metrics.reject("reordered"),
+            Ok(_) => {}
             Err(e) => {
-                state.metrics.reject(e.label());
-                bad += 1;
-                if bad >= MAX_BAD_DATAGRAMS {
-                    state.metrics.reject_connection("malformed");
-                    conn.close(close::PROTOCOL.into(), b"too many malformed messages");
-                    return Err("too many malformed messages");
+                let reason = fault(conn, state, &session, &e);
+                if session.close_code().is_some() {
+                    return Err(reason);
                 }
-                continue;
-            }
-        };
-        let Message::Report(report) = msg else {
-            state.metrics.reject("unexpected_message");
-            continue;
-        };
-        let now = state.clock.now();
-        let assignment =
-            state
-                .balancer()
-                .observe(now, &hello.service, &hello.node, observation(&report));
-        match assignment {
-            Ok(a) => {
-                if a.accepted {
-                    state.metrics.reports_accepted.inc();
-                } else {
-                    state.metrics.reject("reordered");
-                }
-                let reply = Message::Reply(Reply {
-                    weight: a.weight as f32,
-                    cycle: a.cycle,
-                    interval_ms: state.report_interval_ms,
-                    draining: a.draining,
-                    load: a.load as f32,
-                    inflight_trusted: a.inflight_trusted,
-                });
-                if let Ok(bytes) = wire::encode(&reply) {
-                    let _ = conn.send_datagram(bytes.into());
-                }
-            }
-            Err(BalanceError::UnknownEndpoint { .. }) => {
-                // Expired while connected (a very long stall): register again.
-                state.metrics.reject("unknown_endpoint");
-                let _ = state.balancer().register(
-                    now,
-                    &hello.service,
-                    &hello.node,
-                    &hello.address,
-                    &hello.zone,
-                );
-            }
-            Err(BalanceError::UnknownService(_)) => {
-                state.metrics.reject("unknown_service");
             }
         }
     }
 }
 
-fn admit(state: &State, identity: &str, hello: &Hello) -> Result<(), Reject> {
-    if let Err(e) = hello.validate() {
-        return Err(Reject {
-            reason: RejectReason::InvalidHello,
-            detail: e.to_string(),
-        });
+/// Counts a fault of the session, and closes the connection when the session ended
+/// over it. Returns the fault in words, for the log.
+fn fault(
+    conn: &quinn::Connection,
+    state: &State,
+    session: &ServerSession,
+    e: &ServerError,
+) -> &'static str {
+    match e {
+        ServerError::HelloTimeout(_) => state.metrics.reject_connection("hello_timeout"),
+        ServerError::TooManyBadDatagrams { .. } => {
+            state.metrics.reject(e.label());
+            state.metrics.reject_connection("malformed");
+        }
+        _ => state.metrics.reject(e.label()),
     }
-    if hello.node != identity {
-        return Err(Reject {
-            reason: RejectReason::IdentityMismatch,
-            detail: format!(
-                "certificate is for {identity:?}, hello claims {:?}",
-                hello.node
-            ),
-        });
+    if let Some(code) = session.close_code() {
+        conn.close(code.into(), e.to_string().as_bytes());
     }
+    e.label()
+}
+
+/// Sends a reject, counts it by reason, and closes the connection.
+async fn refuse(
+    conn: &quinn::Connection,
+    state: &State,
+    identity: &str,
+    send: &mut quinn::SendStream,
+    reject: Reject,
+    frame: Vec<u8>,
+) -> Result<(), &'static str> {
+    tracing::warn!(%identity, reason = %reject.reason, detail = %reject.detail, "hello rejected");
+    state.metrics.reject(&reject.reason.to_string());
+    let _ = send.write_all(&frame).await;
+    let _ = send.finish();
+    // Give the reject a moment to leave before the close overtakes it.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    conn.close(close::REJECTED.into(), b"rejected");
+    Err("rejected")
+}
+
+/// What ingest asks of the balancer.
+enum Ask<'a> {
+    /// Register the node a hello names, or refresh it.
+    Register,
+    /// Record a report, and look up what the reply tells the node.
+    Report(&'a Report),
+}
+
+/// The balancer's answer.
+enum Answer {
+    /// The node is registered.
+    Registered,
+    /// The report is recorded (`accepted`), or the balancer already had a newer one
+    /// from another session of the node; either way, what the reply tells the node.
+    Assigned {
+        assignment: Assignment,
+        accepted: bool,
+    },
+    /// The endpoint had expired while connected (a very long stall): registered again,
+    /// and the report dropped.
+    Reregistered,
+    /// The service is not served here.
+    UnknownService(String),
+}
+
+/// Every call ingest makes into the balancer, in one place: registering a node and
+/// recording its reports. The reply's weight comes from the last publication, as every
+/// feed's does, so an agent's HAProxy agent-check answers what xDS and the store say;
+/// only a node registered since then, not yet published, hears the balancer's own
+/// starting weight.
+fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
     let now = state.clock.now();
-    state
-        .balancer()
-        .register(
+    let mut balancer = state.balancer();
+    let register = |b: &mut ballast_balance::Balancer| {
+        b.register(
             now,
             &hello.service,
             &hello.node,
             &hello.address,
             &hello.zone,
         )
-        .map_err(|e| Reject {
-            reason: RejectReason::UnknownService,
-            detail: e.to_string(),
-        })
+    };
+    match ask {
+        Ask::Register => match register(&mut balancer) {
+            Ok(()) => Answer::Registered,
+            Err(e) => Answer::UnknownService(e.to_string()),
+        },
+        Ask::Report(report) => {
+            match balancer.observe(now, &hello.service, &hello.node, observation(report)) {
+                Ok(a) => {
+                    drop(balancer);
+                    let published = state.published();
+                    let assignment = match published
+                        .service(&hello.service)
+                        .and_then(|svc| Some((svc, svc.endpoints.get(&hello.node)?)))
+                    {
+                        Some((svc, e)) => Assignment {
+                            weight: e.weight,
+                            cycle: svc.weights_cycle,
+                            draining: e.draining,
+                            load: e.load,
+                            inflight_trusted: e.inflight_trusted,
+                        },
+                        None => Assignment {
+                            weight: a.weight,
+                            cycle: a.cycle,
+                            draining: a.draining,
+                            load: a.load,
+                            inflight_trusted: a.inflight_trusted,
+                        },
+                    };
+                    Answer::Assigned {
+                        assignment,
+                        accepted: a.accepted,
+                    }
+                }
+                Err(BalanceError::UnknownEndpoint { .. }) => {
+                    let _ = register(&mut balancer);
+                    Answer::Reregistered
+                }
+                Err(BalanceError::UnknownService(s)) => Answer::UnknownService(s),
+            }
+        }
+    }
 }
 
 /// The balancer's view of a wire report: the conversion belongs to ingest, so that the

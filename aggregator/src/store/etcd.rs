@@ -2,28 +2,26 @@
 //! the service's [`ServiceSnapshot`] as JSON (endpoints, addresses, zones, states and
 //! weights), so that load balancers and tools can watch one service's key.
 //!
-//! Writes are batched: the services a cycle changed go to etcd in one transaction, and
-//! a service whose value is byte for byte what this store last wrote is left out.
+//! Writes are batched: the services a write carries go to etcd in one transaction (more
+//! only past etcd's limits of [`MAX_TXN_OPS`] operations and about [`MAX_TXN_BYTES`]),
+//! and a service whose value is byte for byte what this store last wrote or loaded is
+//! left out.
 //!
 //! etcd going away must not stop the aggregator. A failed write keeps the services it
-//! carried in a pending set, marks etcd as unreachable, and later writes fail at once
-//! (no network wait in the cycle) while a background task retries about every second.
-//! The first write that succeeds carries the latest value of every service that changed
-//! in the meantime, so etcd catches up without waiting for those services to change
-//! again.
+//! carried in a pending set and dates the outage; the next write, which the routing
+//! store's writer makes on the next publication or after its backoff, carries the
+//! latest value of every pending service, so etcd catches up without waiting for those
+//! services to change again. Every network wait is bounded by `request_timeout_ms`.
 //!
-//! The [`RoutingStore`] trait is synchronous and is called from blocking threads and,
-//! once at start, from inside the daemon's async runtime. The async client therefore
-//! lives on a small runtime owned by the store, and callers wait on a channel for its
-//! answer rather than calling `block_on`, which panics inside another runtime.
+//! The client is async and runs on the daemon's runtime: the store owns no runtime and
+//! no thread, and nothing in it blocks a worker.
 
-use super::{RoutingStore, StoreError};
-use ballast_balance::ServiceSnapshot;
+use super::{RoutingStore, StoreError, StoreFuture};
 use crate::config::EtcdConfig;
+use ballast_balance::ServiceSnapshot;
 use etcd_client::{Client, ConnectOptions, GetOptions, KvClient, Txn, TxnOp};
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// etcd's default `--max-txn-ops`: a larger batch is split into transactions of this
@@ -33,8 +31,6 @@ pub const MAX_TXN_OPS: usize = 128;
 /// (`--max-request-bytes`), so a batch of big snapshots is split well below that. A
 /// single service larger than this still goes alone.
 pub const MAX_TXN_BYTES: usize = 1 << 20;
-/// How often the background task retries pending writes.
-const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 /// The largest response `load` accepts: every service of a big fleet in one range read
 /// is well over tonic's default of 4 MiB.
 const MAX_RESPONSE_BYTES: usize = 256 << 20;
@@ -140,15 +136,14 @@ impl Ledger {
         self.outage.take()
     }
 
-    /// Why writes should fail at once, or `None` if they should go to etcd.
+    /// What to say about the outage in progress, or `None` if etcd last answered.
     fn outage_message(&self, now: Instant) -> Option<String> {
         self.outage.as_ref().map(|o| {
             format!(
-                "etcd unreachable for {:.1} s ({}); {} service(s) waiting, retried every {} s",
-                now.saturating_duration_since(o.since).as_secs_f64(),
+                "{}; unreachable for {:.1} s, {} service(s) waiting",
                 o.error,
+                now.saturating_duration_since(o.since).as_secs_f64(),
                 self.pending.len(),
-                RETRY_INTERVAL.as_secs()
             )
         })
     }
@@ -156,13 +151,6 @@ impl Ledger {
 
 /// A routing store in etcd. See the module documentation.
 pub struct EtcdStore {
-    inner: Arc<Inner>,
-    // An `Option` only so that `Drop` can take it: a runtime dropped inside another
-    // runtime's worker panics, so it is shut down in the background instead.
-    runtime: Option<tokio::runtime::Runtime>,
-}
-
-struct Inner {
     // Kept so that the client's channel keeps its endpoint list alive.
     _client: Client,
     kv: KvClient,
@@ -176,33 +164,28 @@ struct Inner {
 }
 
 impl EtcdStore {
-    /// A store on the etcd members `cfg.endpoints` under `cfg.prefix`. The connection is
-    /// made lazily, so this succeeds while etcd is down; `load` then reports it.
-    pub fn connect(cfg: &EtcdConfig) -> Result<EtcdStore, StoreError> {
+    /// A store on the etcd members `cfg.endpoints` under `cfg.prefix`, on the calling
+    /// runtime. The connection is made lazily, so this succeeds while etcd is down;
+    /// `load` then reports it.
+    pub async fn connect(cfg: &EtcdConfig) -> Result<EtcdStore, StoreError> {
         cfg.validate().map_err(StoreError::Backend)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("ballast-etcd")
-            .enable_all()
-            .build()
-            .map_err(|e| StoreError::Backend(format!("etcd client runtime: {e}")))?;
         let request_timeout = Duration::from_millis(cfg.request_timeout_ms);
         let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
         let options = ConnectOptions::new()
             .with_connect_timeout(connect_timeout)
             .with_timeout(request_timeout);
         let endpoints = cfg.endpoints.clone();
-        let eps = endpoints.clone();
-        let client = run_on(&runtime, connect_timeout, async move {
-            tokio::time::timeout(connect_timeout, Client::connect(eps, Some(options)))
-                .await
-                .map_err(|_| StoreError::Backend("etcd: connect timed out".into()))?
-                .map_err(|e| StoreError::Backend(format!("etcd: {e}")))
-        })?;
+        let client = tokio::time::timeout(
+            connect_timeout,
+            Client::connect(endpoints.clone(), Some(options)),
+        )
+        .await
+        .map_err(|_| StoreError::Backend("etcd: connect timed out".into()))?
+        .map_err(|e| StoreError::Backend(format!("etcd: {e}")))?;
         let kv = client
             .kv_client()
             .max_decoding_message_size(MAX_RESPONSE_BYTES);
-        let inner = Arc::new(Inner {
+        Ok(EtcdStore {
             _client: client,
             kv,
             prefix: cfg.prefix.clone(),
@@ -210,47 +193,9 @@ impl EtcdStore {
             request_timeout,
             ledger: Mutex::new(Ledger::default()),
             writer: tokio::sync::Mutex::new(()),
-        });
-        runtime.spawn(catch_up(Arc::downgrade(&inner)));
-        Ok(EtcdStore {
-            inner,
-            runtime: Some(runtime),
         })
     }
 
-    /// Runs `fut` on the store's runtime and waits for it, at most long enough for one
-    /// write queued behind another.
-    fn run<T: Send + 'static>(
-        &self,
-        fut: impl Future<Output = Result<T, StoreError>> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let runtime = self
-            .runtime
-            .as_ref()
-            .ok_or_else(|| StoreError::Backend("etcd store is shut down".into()))?;
-        run_on(runtime, 2 * self.inner.request_timeout, fut)
-    }
-}
-
-/// Spawns `fut` on `runtime` and waits for its result on a channel, for at most
-/// `limit` plus a second of slack. The futures bound their own network waits; the limit
-/// only guards against a wedged runtime.
-fn run_on<T: Send + 'static>(
-    runtime: &tokio::runtime::Runtime,
-    limit: Duration,
-    fut: impl Future<Output = Result<T, StoreError>> + Send + 'static,
-) -> Result<T, StoreError> {
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    runtime.spawn(async move {
-        // The caller may have given up; then nobody needs the answer.
-        let _ = tx.send(fut.await);
-    });
-    let limit = limit + Duration::from_secs(1);
-    rx.recv_timeout(limit)
-        .map_err(|_| StoreError::Backend(format!("etcd: no answer within {limit:?}")))?
-}
-
-impl Inner {
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
         // The ledger is updated in single statements; a panic cannot leave it torn.
         self.ledger.lock().unwrap_or_else(|p| p.into_inner())
@@ -277,9 +222,12 @@ impl Inner {
             match outcome {
                 Ok(_) => self.ledger().committed(chunk),
                 Err(error) => {
-                    self.ledger().failed(error.clone(), Instant::now());
+                    let now = Instant::now();
+                    let mut ledger = self.ledger();
+                    ledger.failed(error.clone(), now);
+                    let detail = ledger.outage_message(now).unwrap_or(error);
                     return Err(StoreError::Backend(format!(
-                        "etcd {}: {error}",
+                        "etcd {}: {detail}",
                         self.endpoints.join(",")
                     )));
                 }
@@ -321,31 +269,9 @@ impl Inner {
             })
             .collect())
     }
-}
 
-/// Retries pending writes until the store is dropped, so that etcd catches up after an
-/// outage even if no service changes again.
-async fn catch_up(inner: Weak<Inner>) {
-    let mut tick = tokio::time::interval(RETRY_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        if inner.ledger().pending.is_empty() {
-            continue;
-        }
-        if let Err(e) = inner.flush().await {
-            tracing::debug!(error = %e, "etcd routing store still unreachable");
-        }
-    }
-}
-
-impl RoutingStore for EtcdStore {
-    fn load(&self) -> Result<BTreeMap<String, ServiceSnapshot>, StoreError> {
-        let inner = self.inner.clone();
-        let entries = self.run(async move { inner.read_all().await })?;
+    async fn load_all(&self) -> Result<BTreeMap<String, ServiceSnapshot>, StoreError> {
+        let entries = self.read_all().await?;
         let mut services = BTreeMap::new();
         let mut values = Vec::with_capacity(entries.len());
         for (key, value) in entries {
@@ -353,7 +279,7 @@ impl RoutingStore for EtcdStore {
                 path: key.clone(),
                 detail,
             };
-            let service = service_from_key(&self.inner.prefix, &key)
+            let service = service_from_key(&self.prefix, &key)
                 .ok_or_else(|| corrupt("not a valid service name".into()))?
                 .to_string();
             let snapshot: ServiceSnapshot =
@@ -362,7 +288,7 @@ impl RoutingStore for EtcdStore {
             values.push((service, value));
         }
         // What etcd holds needs no rewrite until it changes.
-        let mut ledger = self.inner.ledger();
+        let mut ledger = self.ledger();
         for (service, value) in values {
             ledger.pending.remove(&service);
             ledger.written.insert(service, value);
@@ -370,7 +296,7 @@ impl RoutingStore for EtcdStore {
         Ok(services)
     }
 
-    fn put(&self, changed: &BTreeMap<String, ServiceSnapshot>) -> Result<(), StoreError> {
+    async fn put_all(&self, changed: &BTreeMap<String, ServiceSnapshot>) -> Result<(), StoreError> {
         if changed.is_empty() {
             return Ok(());
         }
@@ -380,37 +306,27 @@ impl RoutingStore for EtcdStore {
                 .map_err(|e| StoreError::Backend(format!("encoding {service}: {e}")))?;
             values.push((service, value));
         }
-        let down = {
-            let mut ledger = self.inner.ledger();
+        {
+            let mut ledger = self.ledger();
             for (service, value) in values {
                 ledger.absorb(service, value);
             }
-            ledger.outage_message(Instant::now())
-        };
-        // While etcd is known to be down, fail at once: the cycle must not wait for a
-        // timeout every time, and the background task writes the pending values when
-        // etcd answers again.
-        if let Some(message) = down {
-            return Err(StoreError::Backend(message));
         }
-        let inner = self.inner.clone();
-        self.run(async move { inner.flush().await }).map(|_| ())
-    }
-
-    fn describe(&self) -> String {
-        format!(
-            "etcd {} {}",
-            self.inner.endpoints.join(","),
-            self.inner.prefix
-        )
+        self.flush().await.map(|_| ())
     }
 }
 
-impl Drop for EtcdStore {
-    fn drop(&mut self) {
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
-        }
+impl RoutingStore for EtcdStore {
+    fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>> {
+        Box::pin(self.load_all())
+    }
+
+    fn put<'a>(&'a self, changed: &'a BTreeMap<String, ServiceSnapshot>) -> StoreFuture<'a, ()> {
+        Box::pin(self.put_all(changed))
+    }
+
+    fn describe(&self) -> String {
+        format!("etcd {} {}", self.endpoints.join(","), self.prefix)
     }
 }
 
@@ -533,40 +449,39 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_unreachable_etcd_fails_writes_quickly_and_keeps_them_pending() {
-        let store = EtcdStore::connect(&closed_port_config()).expect("lazy connect");
+    #[tokio::test]
+    async fn an_unreachable_etcd_fails_writes_within_the_timeout_and_keeps_them_pending() {
+        let store = EtcdStore::connect(&closed_port_config())
+            .await
+            .expect("lazy connect");
         assert!(store.describe().starts_with("etcd http://127.0.0.1:"));
         let changed: BTreeMap<_, _> = [("web".to_string(), snapshot())].into();
-        let started = Instant::now();
-        let err = store.put(&changed).expect_err("nothing listens");
-        assert!(matches!(err, StoreError::Backend(_)), "{err}");
-        assert!(
-            started.elapsed() < Duration::from_secs(3),
-            "{:?}",
-            started.elapsed()
-        );
-        // Known down: the next write fails without waiting on the network.
-        let started = Instant::now();
-        let err = store.put(&changed).expect_err("still down");
-        assert!(err.to_string().contains("unreachable"), "{err}");
-        assert!(started.elapsed() < Duration::from_millis(100));
-        assert_eq!(store.inner.ledger().pending.len(), 1);
-        assert!(store.load().is_err());
+        for attempt in 0..2 {
+            let started = Instant::now();
+            let err = store.put(&changed).await.expect_err("nothing listens");
+            assert!(matches!(err, StoreError::Backend(_)), "{err}");
+            assert!(err.to_string().contains("unreachable for"), "{err}");
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "attempt {attempt}: {:?}",
+                started.elapsed()
+            );
+        }
+        // The failed value waits for the next write, which carries it.
+        assert_eq!(store.ledger().pending.len(), 1);
+        assert!(store.ledger().outage.is_some());
+        assert!(store.load().await.is_err());
     }
 
-    #[test]
-    fn usable_and_droppable_inside_an_async_runtime() {
-        // The daemon builds the store and calls `load` on a runtime worker; neither may
-        // panic there, and nor may dropping it.
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async {
-            let store = EtcdStore::connect(&closed_port_config()).expect("lazy connect");
-            assert!(store.load().is_err());
-            drop(store);
-        });
+    #[tokio::test]
+    async fn runs_on_the_callers_runtime_and_drops_there() {
+        // The daemon builds the store and calls `load` on its own runtime (here a
+        // current-thread one): nothing may need a second runtime, block the one
+        // thread, or panic when dropped there.
+        let store = EtcdStore::connect(&closed_port_config())
+            .await
+            .expect("lazy connect");
+        assert!(store.load().await.is_err());
+        drop(store);
     }
 }

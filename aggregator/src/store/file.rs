@@ -1,11 +1,14 @@
 //! The embedded routing store: one JSON file, replaced atomically.
+//!
+//! The file I/O is blocking, so each call runs on tokio's blocking pool and the
+//! runtime's workers never wait on the disk.
 
-use super::{RoutingStore, StoreError};
+use super::{RoutingStore, StoreError, StoreFuture};
 use ballast_balance::ServiceSnapshot;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The file format, versioned so that a future layout can be told apart.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -20,8 +23,14 @@ const FORMAT: u32 = 1;
 /// directory, is fsynced, and is renamed over the old one, so a crash leaves either the
 /// old or the new weights and never half of each.
 pub struct FileStore {
+    // Shared with the blocking task of each call.
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     path: PathBuf,
-    // The whole document, so that a batch of services rewrites the file once.
+    // The whole document, so that a batch of services rewrites the file once. The lock
+    // also keeps two writes from interleaving on the temporary file.
     cache: Mutex<Option<BTreeMap<String, ServiceSnapshot>>>,
 }
 
@@ -29,11 +38,24 @@ impl FileStore {
     /// A store at `path`; the file need not exist yet.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         FileStore {
-            path: path.into(),
-            cache: Mutex::new(None),
+            inner: Arc::new(Inner {
+                path: path.into(),
+                cache: Mutex::new(None),
+            }),
         }
     }
 
+    /// Runs `f` on the blocking pool with the store's state.
+    fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Inner) -> Result<T, StoreError> + Send + 'static,
+    ) -> StoreFuture<'static, T> {
+        let inner = self.inner.clone();
+        Box::pin(async move { tokio::task::spawn_blocking(move || f(&inner)).await? })
+    }
+}
+
+impl Inner {
     fn io(&self, source: std::io::Error) -> StoreError {
         StoreError::Io {
             path: self.path.display().to_string(),
@@ -86,19 +108,7 @@ impl FileStore {
         }
         Ok(())
     }
-}
 
-fn tempfile_in(dir: &Path, target: &Path) -> std::io::Result<(PathBuf, std::fs::File)> {
-    let name = target
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "store".into());
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let f = std::fs::File::create(&tmp)?;
-    Ok((tmp, f))
-}
-
-impl RoutingStore for FileStore {
     fn load(&self) -> Result<BTreeMap<String, ServiceSnapshot>, StoreError> {
         let services = self.read()?;
         if let Ok(mut cache) = self.cache.lock() {
@@ -108,9 +118,6 @@ impl RoutingStore for FileStore {
     }
 
     fn put(&self, changed: &BTreeMap<String, ServiceSnapshot>) -> Result<(), StoreError> {
-        if changed.is_empty() {
-            return Ok(());
-        }
         let mut cache = self
             .cache
             .lock()
@@ -126,9 +133,33 @@ impl RoutingStore for FileStore {
         *cache = Some(all);
         result
     }
+}
+
+fn tempfile_in(dir: &Path, target: &Path) -> std::io::Result<(PathBuf, std::fs::File)> {
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "store".into());
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let f = std::fs::File::create(&tmp)?;
+    Ok((tmp, f))
+}
+
+impl RoutingStore for FileStore {
+    fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>> {
+        self.blocking(Inner::load)
+    }
+
+    fn put<'a>(&'a self, changed: &'a BTreeMap<String, ServiceSnapshot>) -> StoreFuture<'a, ()> {
+        if changed.is_empty() {
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        let changed = changed.clone();
+        self.blocking(move |inner| inner.put(&changed))
+    }
 
     fn describe(&self) -> String {
-        format!("file {}", self.path.display())
+        format!("file {}", self.inner.path.display())
     }
 }
 
@@ -155,19 +186,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn writes_survive_a_new_store_and_batches_merge() {
+    #[tokio::test]
+    async fn writes_survive_a_new_store_and_batches_merge() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("sub/weights.json");
         let store = FileStore::new(&path);
-        assert!(store.load().expect("empty").is_empty());
+        assert!(store.load().await.expect("empty").is_empty());
         store
             .put(&[("a".to_string(), snap(1.5))].into())
+            .await
             .expect("put a");
         store
             .put(&[("b".to_string(), snap(0.5))].into())
+            .await
             .expect("put b");
-        let again = FileStore::new(&path).load().expect("load");
+        let again = FileStore::new(&path).load().await.expect("load");
         assert_eq!(again.len(), 2);
         assert_eq!(again["a"].endpoints["n1"].weight, 1.5);
         let leftovers: Vec<_> = std::fs::read_dir(path.parent().expect("dir"))
@@ -178,12 +211,12 @@ mod tests {
         assert!(leftovers.is_empty());
     }
 
-    #[test]
-    fn a_corrupt_file_is_a_clear_error() {
+    #[tokio::test]
+    async fn a_corrupt_file_is_a_clear_error() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("weights.json");
         std::fs::write(&path, b"{not json").expect("write");
-        let err = FileStore::new(&path).load().expect_err("corrupt");
+        let err = FileStore::new(&path).load().await.expect_err("corrupt");
         assert!(err.to_string().contains("corrupt routing store"), "{err}");
     }
 }

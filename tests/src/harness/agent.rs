@@ -5,7 +5,6 @@ use super::aggregator::Aggregator;
 use super::pki::Pki;
 use super::process::{command, run_bounded, Proc, AGENT_BIN};
 use super::wait::wait_for;
-use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -141,69 +140,12 @@ impl AgentOpts {
     }
 }
 
-/// The agent's status, as `status --json` and the control socket give it.
-#[derive(Debug, Clone, Deserialize)]
-pub struct AgentStatus {
-    /// Node identity.
-    pub node: String,
-    /// Service.
-    pub service: String,
-    /// The aggregator connected now.
-    pub connected_to: Option<String>,
-    /// Reports sent.
-    pub reports_sent: u64,
-    /// Reports that could not be sent.
-    pub reports_failed: u64,
-    /// Failed connection attempts.
-    pub connect_failures: u64,
-    /// Failed samples.
-    pub sample_errors: u64,
-    /// Load of the last report.
-    pub last_load: Option<f64>,
-    /// CPU of the last report.
-    pub last_cpu: Option<f64>,
-    /// In-flight of the last report.
-    pub last_inflight: Option<u32>,
-    /// When the last report was taken.
-    pub last_report_unix_ms: Option<u64>,
-    /// The weight last received.
-    pub weight: Option<f64>,
-    /// Its cycle.
-    pub weight_cycle: Option<u64>,
-    /// When it arrived.
-    pub weight_unix_ms: Option<u64>,
-    /// Drain asked.
-    pub draining: bool,
-    /// Drain acknowledged by the aggregator.
-    pub drain_acknowledged: bool,
-    /// Since when every sample counted nothing in flight.
-    #[serde(default)]
-    pub inflight_zero_since_unix_ms: Option<u64>,
-    /// Sessions established.
-    #[serde(default)]
-    pub connections: u64,
-    /// Last error.
-    pub last_error: Option<String>,
-}
+/// The agent's status, as `status --json` and the control socket give it: the
+/// agent's own type, so that the tests read every field the agent writes.
+pub use ballast_agent::status::Status as AgentStatus;
 
-/// An answer on the control socket.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ControlResponse {
-    /// Done.
-    pub ok: bool,
-    /// Status after the request.
-    pub status: Option<AgentStatus>,
-    /// Whether stopping the service loses nothing.
-    pub safe_to_stop: Option<bool>,
-    /// Why it is safe to stop or not.
-    #[serde(default)]
-    pub stop_reason: Option<String>,
-    /// A caveat of a request that was done (a drain file not written).
-    #[serde(default)]
-    pub warning: Option<String>,
-    /// What went wrong.
-    pub error: Option<String>,
-}
+/// An answer on the control socket: the agent's own type.
+pub use ballast_agent::control::Response as ControlResponse;
 
 /// A running agent. Killed on drop.
 pub struct Agent {

@@ -1,7 +1,8 @@
 //! A real `ballast-aggregator run` on 127.0.0.1, with its own ports, store and log.
 
 use super::api::{
-    parse_metrics, sum_samples, EndpointView, ErrorBody, MetricSample, ServiceDetail, WeightSet,
+    parse_metrics, sum_samples, ConfigView, EndpointView, ErrorBody, MetricSample, Published,
+    ServiceDetail, ServiceSummary, WeightSet,
 };
 use super::pki::Pki;
 use super::ports;
@@ -362,6 +363,21 @@ impl Aggregator {
         assert_eq!(got, status, "GET {path}: expected {status}, body {body}");
         serde_json::from_str(&body)
             .unwrap_or_else(|e| panic!("GET {path}: error body is not the JSON error: {e}: {body}"))
+    }
+
+    /// `GET /v1/services`.
+    pub fn services(&self) -> Vec<ServiceSummary> {
+        self.get_json("/v1/services")
+    }
+
+    /// `GET /v1/published`: the whole last publication, every feed's source.
+    pub fn published(&self) -> Published {
+        self.get_json("/v1/published")
+    }
+
+    /// `GET /v1/config`.
+    pub fn config(&self) -> ConfigView {
+        self.get_json("/v1/config")
     }
 
     /// `GET /v1/services/{name}`.

@@ -1,91 +1,37 @@
-//! The aggregator's HTTP API as the tests read it: typed JSON views (deserialising them
-//! checks the documented fields are there) and a Prometheus text parser.
+//! The aggregator's HTTP API as the tests read it: its JSON views deserialised into
+//! the product's own types (so a field the product renames or retypes breaks the
+//! tests at compile time instead of drifting from a copy), and a Prometheus text
+//! parser.
 
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
-/// Load spread of one cycle.
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub struct Spread {
-    /// Mean load.
-    pub avg: f64,
-    /// Highest load.
-    pub max: f64,
-    /// max / avg.
-    pub max_over_avg: f64,
-    /// p95 / avg.
-    pub p95_over_avg: f64,
-    /// p5 / avg.
-    pub p5_over_avg: f64,
-}
+pub use ballast_aggregator::api::views::{
+    ConfigView, EndpointView, ServiceConfigView, ServiceDetail, ServiceSummary, WeightEntry,
+    WeightSet,
+};
+pub use ballast_balance::inflight::InflightEstimate;
+pub use ballast_balance::service::{HistoryPoint, ServiceStats};
+pub use ballast_balance::{
+    EndpointState, Published, PublishedEndpoint, PublishedService, SkipReason, Spread,
+};
 
-/// One entry of a service's `history`.
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub struct HistoryPoint {
-    /// Cycle number, per service from 1.
-    pub cycle: u64,
-    /// When it ran, on the aggregator's clock (ms).
-    pub at: u64,
-    /// Spread at the start of the cycle.
-    pub spread: Spread,
-    /// Whether the update was skipped.
-    pub skipped: bool,
-}
-
-/// Why a cycle was skipped: `{"reason": "grace", "remaining_ms": ...}` and the like.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Skip {
-    /// `grace`, `missing`, `thin_feedback`, `no_serving_endpoints`.
-    pub reason: String,
-    /// The reason's figures.
-    #[serde(flatten)]
-    pub detail: serde_json::Map<String, serde_json::Value>,
-}
-
-/// `stats` of a service.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ServiceStats {
-    /// Cycles run.
-    pub cycles: u64,
-    /// Cycles that updated weights.
-    pub updates: u64,
-    /// Skipped cycles by reason.
-    pub skipped: BTreeMap<String, u64>,
-    /// Why the last cycle was skipped.
-    pub last_skip: Option<Skip>,
-    /// The last cycle's spread.
-    pub spread: Spread,
-    /// The last cycle's missing share.
-    pub missing_share: f64,
-}
-
-/// `GET /v1/services/{name}`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ServiceDetail {
-    /// Service name.
-    pub name: String,
-    /// Endpoints by state.
-    pub states: BTreeMap<String, usize>,
-    /// Counters and last figures.
-    pub stats: ServiceStats,
-    /// The last skip, as data.
-    pub last_skip: Option<Skip>,
-    /// Weight version.
-    pub version: u64,
-    /// The cycle the published weights came from.
-    pub weights_cycle: u64,
-    /// Recent cycles, oldest first.
-    pub history: Vec<HistoryPoint>,
-}
-
-impl ServiceDetail {
+/// Readings of a service's history that many tests share. A trait, because
+/// [`ServiceDetail`] is the product's type and the tests cannot add methods to it.
+pub trait ServiceHistory {
     /// The cycles that updated weights, oldest first.
-    pub fn updates(&self) -> impl Iterator<Item = &HistoryPoint> {
+    fn updates(&self) -> impl Iterator<Item = &HistoryPoint>;
+
+    /// The last `n` cycles' max/avg, for failure messages.
+    fn recent_max_over_avg(&self, n: usize) -> String;
+}
+
+impl ServiceHistory for ServiceDetail {
+    fn updates(&self) -> impl Iterator<Item = &HistoryPoint> {
         self.history.iter().filter(|h| !h.skipped)
     }
 
-    /// The last `n` cycles' max/avg, for failure messages.
-    pub fn recent_max_over_avg(&self, n: usize) -> String {
+    fn recent_max_over_avg(&self, n: usize) -> String {
         let from = self.history.len().saturating_sub(n);
         self.history[from..]
             .iter()
@@ -102,62 +48,8 @@ impl ServiceDetail {
     }
 }
 
-/// One element of `GET /v1/services/{name}/endpoints`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct EndpointView {
-    /// Node identity.
-    pub node: String,
-    /// `host:port`.
-    pub address: String,
-    /// Zone.
-    pub zone: String,
-    /// Load steered by.
-    pub load: f64,
-    /// Reported CPU.
-    pub cpu: f64,
-    /// Reported in-flight count.
-    pub inflight: u32,
-    /// Reported capacity.
-    pub capacity: u32,
-    /// Published weight.
-    pub weight: f64,
-    /// `serving`, `warming`, `draining` or `missing`.
-    pub state: String,
-    /// Milliseconds since the last report.
-    pub report_age_ms: Option<u64>,
-}
-
-/// `GET /v1/services/{name}/weights`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct WeightSet {
-    /// Service name.
-    pub service: String,
-    /// Version of the weights.
-    pub version: u64,
-    /// The cycle they came from.
-    pub cycle: u64,
-    /// By node.
-    pub weights: BTreeMap<String, WeightEntry>,
-}
-
-/// One node's published weight.
-#[derive(Debug, Clone, Deserialize)]
-pub struct WeightEntry {
-    /// `host:port`.
-    pub address: String,
-    /// Zone.
-    pub zone: String,
-    /// Weight, mean 1.
-    pub weight: f64,
-    /// Draining.
-    pub draining: bool,
-    /// Envoy integer weight.
-    pub envoy: u32,
-    /// HAProxy percentage.
-    pub haproxy_percent: u32,
-}
-
-/// The API's JSON error body.
+/// The API's JSON error body. The aggregator builds it ad hoc rather than from a type,
+/// so this is the one shape the tests spell out themselves.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ErrorBody {
     /// Text for people.

@@ -33,8 +33,10 @@
 //!   rather than by the power of two choices.
 //!
 //! The protocol bookkeeping (subscriptions, nonces, ACK and NACK) is the pure state
-//! machine in [`protocol`]; the resources are built in [`resources`]; [`server`] wires
-//! them to tonic and to the daemon's change notifications.
+//! machine in [`protocol`]; the resources are built in [`resources`] from what each
+//! cycle publishes ([`ballast_balance::Published`]); [`server`] wires them to tonic
+//! and to the publications, and sends each stream the newest contents when its client
+//! can take them, never a queue of versions.
 
 pub mod protocol;
 pub mod resources;

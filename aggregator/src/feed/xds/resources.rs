@@ -20,8 +20,8 @@
 //! ROUND_ROBIN, gRFC A27) give the same shares.
 
 use super::LbPolicy;
-use ballast_balance::{Balancer, Service};
-use crate::config::locality::{Localities, LocalitySplit};
+use crate::config::locality::LocalitySplit;
+use ballast_balance::{Published, PublishedService};
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
 use envoy_types::pb::envoy::config::core::v3::{
     address, config_source, socket_address, Address, AggregatedConfigSource, ApiVersion,
@@ -118,15 +118,13 @@ pub struct EndpointInput {
 }
 
 impl EndpointInput {
-    fn of(svc: &ballast_balance::Service, ep: &ballast_balance::Endpoint) -> Self {
-        // The set as of the current version, as every feed publishes it.
-        let (weight, draining) = svc.published(ep);
+    fn of(node: &str, ep: &ballast_balance::PublishedEndpoint) -> Self {
         EndpointInput {
-            node: ep.node.clone(),
+            node: node.to_string(),
             address: ep.address.clone(),
             zone: ep.zone.clone(),
-            weight,
-            draining,
+            weight: ep.weight,
+            draining: ep.draining,
         }
     }
 }
@@ -604,30 +602,29 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// A snapshot of the balancer's services under the locality splits of
-    /// `localities`. A service whose weights version, addresses, zones, drains and
-    /// split are those of `previous` keeps its resources from there: weights drift a
-    /// little every cycle, and only a material change (a new version) is worth a push.
-    /// Only changed services are copied out under the lock; their resources are built
-    /// after it is released, by [`Pending::finish`].
-    pub fn prepare(balancer: &Balancer, localities: &Localities, previous: &Snapshot) -> Pending {
+    /// A snapshot of a publication's services, each under its locality split. A
+    /// service whose weights version, addresses, zones, drains and split are those of
+    /// `previous` keeps its resources from there: weights drift a little every cycle,
+    /// and only a material change (a new version) is worth a push. Only changed
+    /// services are copied out; [`Pending::finish`] builds their resources.
+    pub fn prepare(published: &Published, previous: &Snapshot) -> Pending {
         let mut kept = BTreeMap::new();
         let mut changed = Vec::new();
-        for svc in balancer.services() {
-            let key = endpoint_key(svc.endpoints.values().map(|e| {
+        for (name, svc) in &published.services {
+            let key = endpoint_key(svc.endpoints.iter().map(|(node, e)| {
                 (
-                    e.node.as_str(),
+                    node.as_str(),
                     e.address.as_str(),
                     e.zone.as_str(),
                     e.draining,
                 )
             }));
-            let split = localities.services.get(&svc.name);
-            match previous.services.get(&svc.name) {
+            let split = Some(&svc.locality).filter(|l| !l.is_empty());
+            match previous.services.get(name) {
                 Some(r)
                     if r.version == svc.version && r.key == key && r.split.as_ref() == split =>
                 {
-                    kept.insert(svc.name.clone(), r.clone());
+                    kept.insert(name.clone(), r.clone());
                 }
                 before => changed.push(Self::copy(svc, split, before.cloned())),
             }
@@ -636,7 +633,7 @@ impl Snapshot {
     }
 
     fn copy(
-        svc: &Service,
+        svc: &PublishedService,
         split: Option<&LocalitySplit>,
         before: Option<Arc<ServiceResources>>,
     ) -> Changed {
@@ -645,8 +642,8 @@ impl Snapshot {
             version: svc.version,
             endpoints: svc
                 .endpoints
-                .values()
-                .map(|e| EndpointInput::of(svc, e))
+                .iter()
+                .map(|(node, e)| EndpointInput::of(node, e))
                 .collect(),
             split: split.cloned(),
             before,
@@ -710,23 +707,54 @@ impl Snapshot {
         names: &BTreeSet<String>,
         client_zone: &str,
     ) -> Selection {
-        let chosen: Vec<&ServiceResources> = if wildcard {
+        let chosen = self.chosen(t, wildcard, names, client_zone);
+        Selection {
+            version: digest(&chosen),
+            resources: chosen.iter().map(|r| r.any.clone()).collect(),
+        }
+    }
+
+    /// The version [`Snapshot::select`] would give, without copying the resources:
+    /// what a stream compares with what it last sent before it builds a response.
+    pub fn version(
+        &self,
+        t: ResourceType,
+        wildcard: bool,
+        names: &BTreeSet<String>,
+        client_zone: &str,
+    ) -> String {
+        digest(&self.chosen(t, wildcard, names, client_zone))
+    }
+
+    fn chosen(
+        &self,
+        t: ResourceType,
+        wildcard: bool,
+        names: &BTreeSet<String>,
+        client_zone: &str,
+    ) -> Vec<&Resource> {
+        let services: Vec<&ServiceResources> = if wildcard {
             self.services.values().map(Arc::as_ref).collect()
         } else {
             names.iter().filter_map(|n| self.service(n)).collect()
         };
-        let chosen: Vec<&Resource> = chosen.iter().map(|s| s.for_zone(t, client_zone)).collect();
-        let digest = chosen
-            .iter()
-            .fold(FNV_OFFSET, |h, r| fnv(h, &r.digest.to_le_bytes()));
-        Selection {
-            version: format!("{digest:016x}"),
-            resources: chosen.iter().map(|r| r.any.clone()).collect(),
-        }
+        services
+            .into_iter()
+            .map(|s| s.for_zone(t, client_zone))
+            .collect()
     }
 }
 
-/// A changed service, copied out of the balancer.
+/// The `version_info` of a response carrying `chosen`: 16 hex digits of a digest of
+/// their digests, in order.
+fn digest(chosen: &[&Resource]) -> String {
+    let h = chosen
+        .iter()
+        .fold(FNV_OFFSET, |h, r| fnv(h, &r.digest.to_le_bytes()));
+    format!("{h:016x}")
+}
+
+/// A changed service, copied out of the publication.
 #[derive(Debug)]
 struct Changed {
     name: String,

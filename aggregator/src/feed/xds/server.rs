@@ -1,39 +1,48 @@
-//! The ADS gRPC server: one task keeps the shared [`Snapshot`] current, and one task
-//! per stream answers its client from it.
+//! The ADS gRPC server: one task keeps the shared [`Snapshot`] current; each stream
+//! has a task that reads its client's requests, and an outbound side that builds its
+//! responses from the snapshot.
 //!
-//! The snapshot is rebuilt when a cycle changes some service's weights (the daemon's
-//! `changes` signal) and, as a safety net for re-registrations at a new address, every
-//! few seconds; it is republished only when its contents changed. Each stream then
-//! sends, for each type its client subscribed to, the resources it asked for if they
-//! differ from what it was last sent. A stream's EDS resources are those of its
-//! client's zone (`node.locality.zone` of its first request), so a locality config
-//! change reaches exactly the streams whose zone's split it changed.
+//! The snapshot is rebuilt from each publication of the cycle (weights, drains,
+//! addresses, zones and locality splits all come from there) and republished only
+//! when its contents changed. Each stream then sends, for each type its client
+//! subscribed to, the resources it asked for if they differ from what it was last
+//! sent. A stream's EDS resources are those of its client's zone
+//! (`node.locality.zone` of its first request), so a locality config change reaches
+//! exactly the streams whose zone's split it changed.
+//!
+//! # No queue per stream: the newest, when the client can take it
+//!
+//! A stream's responses are not queued. Its outbound side is the response stream
+//! tonic polls, and tonic polls it for the next message only once the HTTP/2 stream
+//! has taken the previous one (and, past the peer's flow-control window, waits before
+//! it asks again). Only then is a response built: from the latest snapshot, for the
+//! first type in push order whose contents for this client differ from what it was
+//! last sent; the responses one change calls for (at most one per type) go out as
+//! one write. A client that cannot keep up therefore skips the versions published
+//! while it was behind and gets the newest when it reads again, and what the server
+//! holds for it is what the transport holds (the response being written, and at most
+//! one more taken and waiting for window), however many versions go by: no copies
+//! pile up per slow client. The request task and the outbound side share the
+//! protocol state ([`StreamState`], sans-IO) under a mutex that no await holds.
 
 use super::protocol::{StreamState, Verdict};
 use super::resources::{ResourceType, Snapshot};
 use super::LbPolicy;
 use crate::metrics::XdsResource;
 use crate::state::State;
+use ballast_balance::Published;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
+use futures_util::stream::BoxStream;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
-use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::{oneshot, watch, Notify};
 use tonic::{Request, Response, Status, Streaming};
-
-/// How often the snapshot is rebuilt without a change signal. Weight changes are
-/// signalled; this only catches an endpoint re-registering at a new address or zone,
-/// which changes no weight.
-const RESCAN: Duration = Duration::from_secs(2);
-
-/// Responses buffered per stream before the stream waits for its client.
-const STREAM_BUFFER: usize = 8;
 
 /// How long [`XdsServer::stop`] waits for streams to close before it cuts them.
 const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -67,7 +76,7 @@ impl XdsServer {
     ) -> std::io::Result<XdsServer> {
         let addr = listener.local_addr()?;
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let first = build(&state, policy, &Snapshot::default());
+        let first = build(&state.published(), policy, &Snapshot::default());
         let (snapshots, snapshots_rx) = watch::channel(Arc::new(first));
         let publisher = tokio::spawn(publish(
             state.clone(),
@@ -129,12 +138,9 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|s| *s).await;
 }
 
-/// Builds a snapshot: changed services are copied out under the balancer's lock and
-/// encoded after it is released.
-fn build(state: &State, policy: LbPolicy, previous: &Snapshot) -> Snapshot {
-    let localities = state.localities();
-    let pending = Snapshot::prepare(&state.balancer(), &localities, previous);
-    pending.finish(policy)
+/// Builds a snapshot from a publication: only services that changed are encoded.
+fn build(published: &Published, policy: LbPolicy, previous: &Snapshot) -> Snapshot {
+    Snapshot::prepare(published, previous).finish(policy)
 }
 
 /// Keeps the shared snapshot current until shutdown.
@@ -144,17 +150,16 @@ async fn publish(
     snapshots: watch::Sender<Arc<Snapshot>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut changes = state.changes.subscribe();
-    let mut rescan = tokio::time::interval(RESCAN);
-    rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut published = state.subscribe();
+    published.mark_changed();
     loop {
         tokio::select! {
-            r = changes.changed() => if r.is_err() { return },
-            _ = rescan.tick() => {}
+            r = published.changed() => if r.is_err() { return },
             _ = shutdown.changed() => return,
         }
+        let latest = published.borrow_and_update().clone();
         let current = snapshots.borrow().clone();
-        let next = build(&state, policy, &current);
+        let next = build(&latest, policy, &current);
         if !next.same_as(&current) {
             snapshots.send_replace(Arc::new(next));
         }
@@ -168,7 +173,7 @@ struct Ads {
     shutdown: watch::Receiver<bool>,
 }
 
-type ResponseStream<T> = ReceiverStream<Result<T, Status>>;
+type ResponseStream<T> = BoxStream<'static, Result<T, Status>>;
 
 #[tonic::async_trait]
 impl AggregatedDiscoveryService for Ads {
@@ -179,18 +184,37 @@ impl AggregatedDiscoveryService for Ads {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
         let peer = request.remote_addr();
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let stream = AdsStream {
+        let shared = Arc::new(Shared {
+            session: Mutex::new(Session {
+                protocol: StreamState::new(),
+                node: None,
+                ended: None,
+            }),
+            wake: Notify::new(),
+        });
+        let (alive, gone) = oneshot::channel();
+        let requests = AdsStream {
             state: self.state.clone(),
+            shared: shared.clone(),
+            shutdown: self.shutdown.clone(),
+            peer,
+            alive,
+        };
+        tokio::spawn(requests.run(request.into_inner()));
+        let outbound = Outbound {
+            state: self.state.clone(),
+            shared,
             snapshots: self.snapshots.clone(),
             shutdown: self.shutdown.clone(),
-            protocol: StreamState::new(),
-            node: None,
-            peer,
-            tx,
+            round: None,
+            done: false,
+            _gone: gone,
         };
-        tokio::spawn(stream.run(request.into_inner()));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let responses = futures_util::stream::unfold(outbound, |mut o| async move {
+            let next = o.next().await?;
+            Some((next, o))
+        });
+        Ok(Response::new(Box::pin(responses)))
     }
 
     type DeltaAggregatedResourcesStream = ResponseStream<DeltaDiscoveryResponse>;
@@ -206,9 +230,6 @@ impl AggregatedDiscoveryService for Ads {
     }
 }
 
-/// The client went away.
-struct Closed;
-
 /// Who is at the other end of a stream.
 struct ClientNode {
     /// `node.id`, for logs.
@@ -217,27 +238,49 @@ struct ClientNode {
     zone: String,
 }
 
-impl AdsStream {
-    fn node_id(&self) -> &str {
-        self.node.as_ref().map_or("", |n| n.id.as_str())
-    }
-
-    fn zone(&self) -> &str {
-        self.node.as_ref().map_or("", |n| n.zone.as_str())
-    }
-}
-
-/// One ADS stream.
-struct AdsStream {
-    state: Arc<State>,
-    snapshots: watch::Receiver<Arc<Snapshot>>,
-    shutdown: watch::Receiver<bool>,
+/// One stream's state, shared by its request task and its outbound side.
+struct Session {
+    /// Subscriptions, what was sent with which nonce, ACKs and NACKs.
     protocol: StreamState,
     /// The client's node, from its first request that carries one: xDS clients send
     /// it once per stream, and its locality's zone picks the assignment they get.
     node: Option<ClientNode>,
+    /// How the request side ended, once it has: `Ok` when the client closed its side,
+    /// else the status to end the stream with.
+    ended: Option<Result<(), Status>>,
+}
+
+impl Session {
+    fn node_id(&self) -> &str {
+        self.node.as_ref().map_or("", |n| n.id.as_str())
+    }
+}
+
+/// What a stream's two sides share.
+struct Shared {
+    session: Mutex<Session>,
+    /// Wakes the outbound side when a request may call for a response, or when the
+    /// request side ends. A wake while it is busy is kept (one permit), not lost.
+    wake: Notify,
+}
+
+impl Shared {
+    /// The session. A panic while it was held leaves at worst a response unsent,
+    /// which the next change repairs, so a poisoned lock is taken over.
+    fn lock(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The request side of one ADS stream: reads the client's requests into the protocol
+/// state and wakes the outbound side.
+struct AdsStream {
+    state: Arc<State>,
+    shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
     peer: Option<SocketAddr>,
-    tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+    /// Closed when tonic drops the outbound side: the client is gone.
+    alive: oneshot::Sender<()>,
 }
 
 impl AdsStream {
@@ -246,80 +289,71 @@ impl AdsStream {
         tracing::debug!(peer = ?self.peer, "xDS stream opened");
         let outcome = self.serve(&mut requests).await;
         self.state.metrics.xds_streams.dec();
-        match outcome {
+        let mut session = self.shared.lock();
+        match &outcome {
             Ok(()) => {
-                tracing::debug!(peer = ?self.peer, node = %self.node_id(), "xDS stream closed")
+                tracing::debug!(peer = ?self.peer, node = %session.node_id(), "xDS stream closed")
             }
             Err(status) => {
-                tracing::debug!(peer = ?self.peer, node = %self.node_id(), %status, "xDS stream ended");
-                // Tells the client why, if it is still there.
-                let _ = self.tx.try_send(Err(status));
+                tracing::debug!(peer = ?self.peer, node = %session.node_id(), %status, "xDS stream ended");
             }
         }
+        // The outbound side sends what is due, then ends the stream (with the status,
+        // if the client is still there to read it).
+        session.ended = Some(outcome);
+        drop(session);
+        self.shared.wake.notify_one();
     }
 
     async fn serve(&mut self, requests: &mut Streaming<DiscoveryRequest>) -> Result<(), Status> {
-        let mut snapshots = self.snapshots.clone();
         let mut shutdown = self.shutdown.clone();
         loop {
             tokio::select! {
                 msg = requests.message() => match msg {
                     Ok(Some(req)) => {
-                        let snap = snapshots.borrow().clone();
-                        if self.on_request(req, &snap).await.is_err() {
-                            return Ok(());
-                        }
+                        self.on_request(req);
+                        self.shared.wake.notify_one();
                     }
                     Ok(None) => return Ok(()),
                     // Undecodable input or a reset: the stream cannot go on.
                     Err(status) => return Err(status),
                 },
-                r = snapshots.changed() => {
-                    if r.is_err() {
-                        return Err(Status::unavailable("xDS server shutting down"));
-                    }
-                    let snap = snapshots.borrow_and_update().clone();
-                    for t in PUSH_ORDER {
-                        if self.push(t, &snap).await.is_err() {
-                            return Ok(());
-                        }
-                    }
-                }
                 () = stopping(&mut shutdown) => {
                     return Err(Status::unavailable("xDS server shutting down"));
                 }
-                _ = self.tx.closed() => return Ok(()),
+                () = self.alive.closed() => return Ok(()),
             }
         }
     }
 
-    async fn on_request(&mut self, req: DiscoveryRequest, snap: &Snapshot) -> Result<(), Closed> {
-        if self.node.is_none() {
+    fn on_request(&self, req: DiscoveryRequest) {
+        let mut session = self.shared.lock();
+        if session.node.is_none() {
             if let Some(node) = &req.node {
                 let zone = node.locality.as_ref().map_or("", |l| l.zone.as_str());
                 tracing::debug!(peer = ?self.peer, node = %node.id, zone, "xDS client");
-                self.node = Some(ClientNode {
+                session.node = Some(ClientNode {
                     id: node.id.clone(),
                     zone: zone.to_string(),
                 });
             }
         }
         let Some(t) = ResourceType::from_type_url(&req.type_url) else {
-            tracing::debug!(node = %self.node_id(), type_url = %req.type_url, "xDS request for a type not served; ignored");
-            return Ok(());
+            tracing::debug!(node = %session.node_id(), type_url = %req.type_url, "xDS request for a type not served; ignored");
+            return;
         };
         let error = req.error_detail.as_ref().map(|e| e.message.as_str());
-        match self
-            .protocol
-            .on_request(t, &req.resource_names, &req.response_nonce, error)
-        {
+        let verdict =
+            session
+                .protocol
+                .on_request(t, &req.resource_names, &req.response_nonce, error);
+        match verdict {
             Verdict::Stale => {
-                tracing::debug!(node = %self.node_id(), r#type = t.label(), nonce = %req.response_nonce, "stale xDS request ignored");
-                return Ok(());
+                tracing::debug!(node = %session.node_id(), r#type = t.label(), nonce = %req.response_nonce, "stale xDS request ignored");
             }
             Verdict::Nack { version, message } => {
-                tracing::warn!(node = %self.node_id(), peer = ?self.peer, r#type = t.label(), %version,
-                    accepted = ?self.protocol.get(t).and_then(|s| s.acked.as_deref()),
+                tracing::warn!(node = %session.node_id(), peer = ?self.peer, r#type = t.label(), %version,
+                    accepted = ?session.protocol.get(t).and_then(|s| s.acked.as_deref()),
                     error = %message, "xDS client rejected resources (NACK); it keeps its last accepted version");
                 self.state
                     .metrics
@@ -328,43 +362,125 @@ impl AdsStream {
                     .inc();
             }
             Verdict::Ack { version } => {
-                tracing::debug!(node = %self.node_id(), r#type = t.label(), %version, "xDS ACK");
+                tracing::debug!(node = %session.node_id(), r#type = t.label(), %version, "xDS ACK");
             }
             Verdict::Subscribe => {
-                tracing::debug!(node = %self.node_id(), r#type = t.label(), names = ?req.resource_names, "xDS subscription");
+                tracing::debug!(node = %session.node_id(), r#type = t.label(), names = ?req.resource_names, "xDS subscription");
             }
         }
-        self.push(t, snap).await
+    }
+}
+
+/// The outbound side of one ADS stream: the response stream tonic polls. Each poll
+/// builds at most one response, from the snapshot current when its round began.
+struct Outbound {
+    state: Arc<State>,
+    shared: Arc<Shared>,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    shutdown: watch::Receiver<bool>,
+    /// The snapshot of the round under way: the responses one change calls for are
+    /// all built from it, and the round ends with a yield (see [`Outbound::next`]).
+    round: Option<Arc<Snapshot>>,
+    /// Set once the stream has ended; nothing more is sent.
+    done: bool,
+    /// Dropped with this side, which tells the request task the client is gone.
+    _gone: oneshot::Receiver<()>,
+}
+
+/// What the outbound side does next.
+enum Step {
+    /// Sends this response.
+    Send(DiscoveryResponse),
+    /// Ends the stream: cleanly, or with a status.
+    End(Result<(), Status>),
+    /// Waits for a new snapshot or a request.
+    Wait,
+}
+
+impl Outbound {
+    /// The next message of the stream; `None` ends it.
+    ///
+    /// The responses due after a change (one per type at most) are a round, built
+    /// from one snapshot. tonic packs the messages it can poll without waiting into
+    /// one write, so a round ends with a yield: the write then holds at most one
+    /// response per type, and while the peer's window is full the transport takes
+    /// nothing more from the stream, however many snapshots go by.
+    async fn next(&mut self) -> Option<Result<DiscoveryResponse, Status>> {
+        loop {
+            if self.done {
+                return None;
+            }
+            if *self.shutdown.borrow() {
+                return self.end(Err(Status::unavailable("xDS server shutting down")));
+            }
+            let (snap, fresh) = match self.round.take() {
+                Some(snap) => (snap, false),
+                None => (self.snapshots.borrow_and_update().clone(), true),
+            };
+            match self.step(&snap) {
+                Step::Send(resp) => {
+                    self.round = Some(snap);
+                    return Some(Ok(resp));
+                }
+                Step::End(outcome) => return self.end(outcome),
+                Step::Wait if !fresh => {
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                Step::Wait => {}
+            }
+            tokio::select! {
+                r = self.snapshots.changed() => if r.is_err() {
+                    return self.end(Err(Status::unavailable("xDS server shutting down")));
+                },
+                () = self.shared.wake.notified() => {}
+                () = stopping(&mut self.shutdown) => {}
+            }
+        }
     }
 
-    /// Sends type `t` from `snap` if the client should get it.
-    async fn push(&mut self, t: ResourceType, snap: &Snapshot) -> Result<(), Closed> {
-        let Some(ts) = self.protocol.get(t) else {
-            return Ok(());
-        };
-        let sel = snap.select(
-            t,
-            ts.subscription.wildcard,
-            &ts.subscription.names,
-            self.zone(),
-        );
-        if !self.protocol.should_send(t, &sel.version) {
-            return Ok(());
+    fn end(&mut self, outcome: Result<(), Status>) -> Option<Result<DiscoveryResponse, Status>> {
+        self.done = true;
+        outcome.err().map(Err)
+    }
+
+    /// The first type, in push order, whose contents in `snap` the client should be
+    /// sent, as a response with its nonce recorded; else the end of the stream if its
+    /// request side ended; else nothing.
+    fn step(&self, snap: &Snapshot) -> Step {
+        let mut session = self.shared.lock();
+        let Session {
+            protocol,
+            node,
+            ended,
+        } = &mut *session;
+        let zone = node.as_ref().map_or("", |n| n.zone.as_str());
+        for t in PUSH_ORDER {
+            let Some(ts) = protocol.get(t) else {
+                continue;
+            };
+            let (wildcard, names) = (ts.subscription.wildcard, &ts.subscription.names);
+            if !protocol.should_send(t, &snap.version(t, wildcard, names, zone)) {
+                continue;
+            }
+            let sel = snap.select(t, wildcard, names, zone);
+            let nonce = protocol.record_sent(t, &sel.version);
+            self.state
+                .metrics
+                .xds_pushes
+                .get_or_create(&XdsResource::of(t.label()))
+                .inc();
+            return Step::Send(DiscoveryResponse {
+                version_info: sel.version,
+                resources: sel.resources,
+                type_url: t.type_url().to_string(),
+                nonce,
+                ..Default::default()
+            });
         }
-        let nonce = self.protocol.record_sent(t, &sel.version);
-        let resp = DiscoveryResponse {
-            version_info: sel.version,
-            resources: sel.resources,
-            type_url: t.type_url().to_string(),
-            nonce,
-            ..Default::default()
-        };
-        self.tx.send(Ok(resp)).await.map_err(|_| Closed)?;
-        self.state
-            .metrics
-            .xds_pushes
-            .get_or_create(&XdsResource::of(t.label()))
-            .inc();
-        Ok(())
+        match ended.take() {
+            Some(outcome) => Step::End(outcome),
+            None => Step::Wait,
+        }
     }
 }

@@ -9,12 +9,12 @@ use super::resources::{
     LOCALITY_WEIGHT_TOTAL, RING_SIZE, ZONE_WEIGHT_TOTAL,
 };
 use super::{LbPolicy, XdsServer};
-use ballast_balance::{Balancer, Observation, Params};
 use crate::clock::Clock;
 use crate::config::locality::{Localities, LocalitySplit};
 use crate::metrics::XdsResource;
 use crate::state::State;
 use crate::store::file::FileStore;
+use ballast_balance::{Balancer, Observation, Params, Published};
 use envoy_types::pb::envoy::config::cluster::v3::cluster;
 use envoy_types::pb::envoy::config::core::v3::{
     address, config_source, socket_address, HealthStatus, Locality,
@@ -358,6 +358,12 @@ fn now_of(b: &Balancer) -> u64 {
     b.grace_until() + 1
 }
 
+/// What a cycle of every service publishes: each service of `b` afresh, under the
+/// splits of `localities`.
+fn publish(b: &Balancer, localities: &Localities) -> Published {
+    Published::default().next(b, &BTreeSet::new(), &localities.services, now_of(b))
+}
+
 #[test]
 fn snapshots_keep_services_whose_version_and_addresses_did_not_change() {
     let mut b = Balancer::new(Params::default(), 0);
@@ -368,11 +374,12 @@ fn snapshots_keep_services_whose_version_and_addresses_did_not_change() {
         .expect("register");
     b.cycle(now);
     let v1 = b.service("web").expect("web").version;
-    let s1 = Snapshot::prepare(&b, &Localities::default(), &Snapshot::default())
+    let s1 = Snapshot::prepare(&publish(&b, &Localities::default()), &Snapshot::default())
         .finish(LbPolicy::RingHash);
     assert_eq!(s1.service("web").map(|s| s.version), Some(v1));
 
-    let s2 = Snapshot::prepare(&b, &Localities::default(), &s1).finish(LbPolicy::RingHash);
+    let s2 =
+        Snapshot::prepare(&publish(&b, &Localities::default()), &s1).finish(LbPolicy::RingHash);
     assert!(s2.same_as(&s1));
     assert!(std::ptr::eq(
         s1.service("web").expect("web"),
@@ -382,7 +389,8 @@ fn snapshots_keep_services_whose_version_and_addresses_did_not_change() {
     // A re-registration at a new address changes no weight but must reach clients.
     b.register(now, "web", "w2", "127.0.0.1:3", "a")
         .expect("register");
-    let s3 = Snapshot::prepare(&b, &Localities::default(), &s2).finish(LbPolicy::RingHash);
+    let s3 =
+        Snapshot::prepare(&publish(&b, &Localities::default()), &s2).finish(LbPolicy::RingHash);
     assert!(!s3.same_as(&s2));
 
     // A drain bumps the version: a new assignment with the endpoint DRAINING.
@@ -393,7 +401,8 @@ fn snapshots_keep_services_whose_version_and_addresses_did_not_change() {
     b.observe(now, "web", "w1", obs).expect("observe");
     b.cycle(now + 1);
     assert!(b.service("web").expect("web").version > v1);
-    let s4 = Snapshot::prepare(&b, &Localities::default(), &s3).finish(LbPolicy::RingHash);
+    let s4 =
+        Snapshot::prepare(&publish(&b, &Localities::default()), &s3).finish(LbPolicy::RingHash);
     let sel = s4.select(ResourceType::Endpoints, false, &set(&["web"]), "");
     let cla = ClusterLoadAssignment::decode(sel.resources[0].value.as_slice()).expect("cla");
     let health: Vec<i32> = flatten(&cla).iter().map(|e| e.4).collect();
@@ -679,18 +688,19 @@ fn a_new_split_rebuilds_the_service_without_a_weights_version() {
         .expect("register");
     b.cycle(now);
     let none = Localities::default();
-    let s1 = Snapshot::prepare(&b, &none, &Snapshot::default()).finish(LbPolicy::RingHash);
+    let s1 =
+        Snapshot::prepare(&publish(&b, &none), &Snapshot::default()).finish(LbPolicy::RingHash);
     let seeded = Localities {
         services: BTreeMap::from([("web".to_string(), seed_split())]),
     };
-    let s2 = Snapshot::prepare(&b, &seeded, &s1).finish(LbPolicy::RingHash);
+    let s2 = Snapshot::prepare(&publish(&b, &seeded), &s1).finish(LbPolicy::RingHash);
     assert!(!s2.same_as(&s1), "the split must reach clients");
     assert_eq!(
         s2.service("web").map(|s| s.zones().collect::<Vec<_>>()),
         Some(vec!["zone_1", "zone_2"])
     );
     // The same split again keeps the resources, shared, not rebuilt.
-    let s3 = Snapshot::prepare(&b, &seeded, &s2).finish(LbPolicy::RingHash);
+    let s3 = Snapshot::prepare(&publish(&b, &seeded), &s2).finish(LbPolicy::RingHash);
     assert!(std::ptr::eq(
         s2.service("web").expect("web"),
         s3.service("web").expect("web")
@@ -698,13 +708,13 @@ fn a_new_split_rebuilds_the_service_without_a_weights_version() {
     // Another service's split does not touch this one.
     let mut elsewhere = seeded.clone();
     elsewhere.services.insert("api".into(), seed_split());
-    let s4 = Snapshot::prepare(&b, &elsewhere, &s3).finish(LbPolicy::RingHash);
+    let s4 = Snapshot::prepare(&publish(&b, &elsewhere), &s3).finish(LbPolicy::RingHash);
     assert!(std::ptr::eq(
         s3.service("web").expect("web"),
         s4.service("web").expect("web")
     ));
     // Removing the split goes back to the default for everyone.
-    let s5 = Snapshot::prepare(&b, &none, &s4).finish(LbPolicy::RingHash);
+    let s5 = Snapshot::prepare(&publish(&b, &none), &s4).finish(LbPolicy::RingHash);
     assert!(s5.same_as(&s1));
 }
 
@@ -901,13 +911,12 @@ impl Harness {
     async fn start_in_zones(endpoints: &[(&str, &str, &str)], localities: Localities) -> Harness {
         let (state, dir) = state();
         state.set_localities(localities);
-        {
-            let now = state.clock.now();
-            let mut b = state.balancer();
+        let now = state.clock.now();
+        ingest(&state, |b| {
             for (node, addr, zone) in endpoints {
                 b.register(now, "web", node, addr, zone).expect("register");
             }
-        }
+        });
         state.cycle(state.clock.now());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -935,12 +944,40 @@ impl Harness {
             draining: true,
             ..Observation::default()
         };
-        self.state
-            .balancer()
-            .observe(now, "web", node, obs)
-            .expect("observe");
+        ingest(&self.state, |b| {
+            b.observe(now, "web", node, obs).expect("observe");
+        });
         self.state.cycle(now);
     }
+
+    /// Change `k`: a new service `extra-k` (new listeners and clusters for wildcard
+    /// subscribers) and `web`'s node `w0` at a new port (a new assignment), then a
+    /// cycle, which publishes both.
+    fn change(&self, k: u16) {
+        let now = self.state.clock.now();
+        ingest(&self.state, |b| {
+            b.register(now, &format!("extra-{k}"), "x", "127.0.0.1:1", "z1")
+                .expect("register");
+            b.register(now, "web", "w0", &format!("127.0.0.1:{}", 20_000 + k), "z1")
+                .expect("register");
+        });
+        self.state.cycle(now);
+    }
+
+    /// Responses of type `t` sent so far, on every stream.
+    fn pushes(&self, t: ResourceType) -> u64 {
+        self.state
+            .metrics
+            .xds_pushes
+            .get_or_create(&XdsResource::of(t.label()))
+            .get()
+    }
+}
+
+/// Changes the balancer as ingest does (registrations, reports). The tests play the
+/// agents here; the xDS feed itself only reads publications.
+fn ingest(state: &State, change: impl FnOnce(&mut Balancer)) {
+    state.write_balancer(change);
 }
 
 /// One ADS stream of a test client.
@@ -956,10 +993,26 @@ impl Client {
 
     /// A stream whose node names `zone` as its locality.
     async fn connect_in_zone(server: &XdsServer, node: &str, zone: Option<&str>) -> Client {
+        Self::open(server, node, zone, None).await
+    }
+
+    /// A stream on its own connection; with `window`, the HTTP/2 flow-control window
+    /// the client grants each stream, in bytes: what the server can send it before it
+    /// reads.
+    async fn open(
+        server: &XdsServer,
+        node: &str,
+        zone: Option<&str>,
+        window: Option<u32>,
+    ) -> Client {
         let url = format!("http://{}", server.local_addr());
-        let mut client = AggregatedDiscoveryServiceClient::connect(url)
+        let channel = tonic::transport::Endpoint::from_shared(url)
+            .expect("url")
+            .initial_stream_window_size(window)
+            .connect()
             .await
             .expect("connect");
+        let mut client = AggregatedDiscoveryServiceClient::new(channel);
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         let first = DiscoveryRequest {
             node: Some(envoy_types::pb::envoy::config::core::v3::Node {
@@ -1018,6 +1071,13 @@ impl Client {
             .expect("a response within 5 s")
             .expect("stream open")
             .expect("a response")
+    }
+
+    /// Answers `resp` as a client that accepts it, keeping its subscription `names`.
+    async fn ack(&self, resp: &DiscoveryResponse, names: &[&str]) {
+        let t = ResourceType::from_type_url(&resp.type_url).expect("a type served");
+        self.send(t, names, &resp.version_info, &resp.nonce, None)
+            .await;
     }
 
     /// Asserts that nothing arrives for a while.
@@ -1200,4 +1260,140 @@ async fn streams_get_their_zones_assignment_and_a_reload_reaches_only_the_zones_
     z1.quiet().await;
     assert_eq!(h.nacks(), 0);
     h.server.stop().await;
+}
+
+/// The HTTP/2 window the stalled client grants its stream: less than one response, so
+/// that the server can have at most one response on the wire to it while it stalls.
+const STALLED_WINDOW: u32 = 1024;
+
+/// What the stall test's clients subscribe to, with the names each type asks for:
+/// every listener and cluster, and `web`'s assignment.
+const SUBSCRIPTIONS: [(ResourceType, &[&str]); 3] = [
+    (ResourceType::Cluster, &[]),
+    (ResourceType::Endpoints, &["web"]),
+    (ResourceType::Listener, &[]),
+];
+
+fn names_for(t: ResourceType) -> &'static [&'static str] {
+    SUBSCRIPTIONS
+        .iter()
+        .find(|(s, _)| *s == t)
+        .map_or(&[], |(_, n)| n)
+}
+
+fn type_of(resp: &DiscoveryResponse) -> ResourceType {
+    ResourceType::from_type_url(&resp.type_url).expect("a type served")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_client_is_not_queued_versions_and_gets_the_newest_when_it_reads_again() {
+    // 150 endpoints: an assignment of several KiB, more than the stalled client's
+    // window, so a response to it cannot be on the wire whole while it stalls.
+    let endpoints: Vec<(String, String)> = (0..150)
+        .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 10_000 + i)))
+        .collect();
+    let refs: Vec<(&str, &str)> = endpoints
+        .iter()
+        .map(|(n, a)| (n.as_str(), a.as_str()))
+        .collect();
+    let h = Harness::start(&refs).await;
+    let mut fast = Client::connect(&h.server, "fast").await;
+    let mut stalled = Client::open(&h.server, "stalled", None, Some(STALLED_WINDOW)).await;
+    for c in [&mut fast, &mut stalled] {
+        for (t, names) in SUBSCRIPTIONS {
+            c.send(t, names, "", "", None).await;
+        }
+        let mut first = BTreeSet::new();
+        while first.len() < SUBSCRIPTIONS.len() {
+            let r = c.recv().await;
+            c.ack(&r, names_for(type_of(&r))).await;
+            first.insert(type_of(&r));
+        }
+    }
+    let cla = stalled_cla_bytes(&h);
+    assert!(
+        cla > STALLED_WINDOW as usize * 3,
+        "the assignment ({cla} bytes) must exceed the stalled client's window"
+    );
+
+    // The stalled client reads nothing from here on. Twenty changes of every type it
+    // subscribed to; the fast client on its own connection gets each one.
+    let before: BTreeMap<ResourceType, u64> = SUBSCRIPTIONS
+        .iter()
+        .map(|(t, _)| (*t, h.pushes(*t)))
+        .collect();
+    let mut to_fast: BTreeMap<ResourceType, u64> = BTreeMap::new();
+    let mut newest: BTreeMap<ResourceType, String> = BTreeMap::new();
+    const CHANGES: u16 = 20;
+    for k in 1..=CHANGES {
+        h.change(k);
+        let mut got = BTreeSet::new();
+        while got.len() < SUBSCRIPTIONS.len() {
+            let r = fast.recv().await;
+            let t = type_of(&r);
+            assert!(got.insert(t), "change {k}: two {t:?} responses");
+            assert_ne!(newest.get(&t), Some(&r.version_info), "change {k}: {t:?}");
+            *to_fast.entry(t).or_default() += 1;
+            newest.insert(t, r.version_info.clone());
+            fast.ack(&r, names_for(t)).await;
+        }
+    }
+    // Handed to the stalled stream while it stalled: per type, the response the
+    // transport is writing (it cannot finish: the window is smaller) and at most one
+    // more waiting for window; not one per version.
+    for (t, _) in SUBSCRIPTIONS {
+        let to_stalled = h.pushes(t) - before[&t] - to_fast[&t];
+        assert!(
+            to_stalled <= 2,
+            "{t:?}: {to_stalled} responses for a client that stalled over {CHANGES} versions"
+        );
+    }
+
+    // It reads again: what was on its way, then the newest version of each type, and
+    // nothing in between.
+    let mut last: BTreeMap<ResourceType, String> = BTreeMap::new();
+    let mut received: BTreeMap<ResourceType, u64> = BTreeMap::new();
+    let mut last_eds = None;
+    while last != newest {
+        let r = stalled.recv().await;
+        let t = type_of(&r);
+        *received.entry(t).or_default() += 1;
+        assert!(
+            received[&t] <= 3,
+            "{t:?}: more than two stale responses before the newest: {received:?}"
+        );
+        last.insert(t, r.version_info.clone());
+        stalled.ack(&r, names_for(t)).await;
+        if t == EDS {
+            last_eds = Some(r);
+        }
+    }
+    let eps = endpoints_of(&last_eds.expect("an assignment"));
+    assert_eq!(eps.len(), 150);
+    assert!(
+        eps.iter().any(|e| e.2 == 20_000 + u32::from(CHANGES)),
+        "the newest assignment has w0 at its last port: {eps:?}"
+    );
+    stalled.quiet().await;
+    fast.quiet().await;
+    assert_eq!(h.nacks(), 0);
+    h.server.stop().await;
+}
+
+/// The size of `web`'s default assignment as the server holds it.
+fn stalled_cla_bytes(h: &Harness) -> usize {
+    latest_eds(h).resources.iter().map(|a| a.value.len()).sum()
+}
+
+/// `web`'s default assignment from the snapshot of the last publication.
+fn latest_eds(h: &Harness) -> DiscoveryResponse {
+    let snap =
+        Snapshot::prepare(&h.state.published(), &Snapshot::default()).finish(LbPolicy::RingHash);
+    let sel = snap.select(ResourceType::Endpoints, false, &set(&["web"]), "");
+    DiscoveryResponse {
+        version_info: sel.version,
+        resources: sel.resources,
+        type_url: ResourceType::Endpoints.type_url().to_string(),
+        ..Default::default()
+    }
 }

@@ -1,0 +1,323 @@
+//! What a cycle publishes: one immutable value that every reader takes.
+//!
+//! The routing store, the xDS server, the watch feed, the HTTP API and the replies to
+//! agents all read a [`Published`], never the balancer itself, so none of them can
+//! show a state that no cycle published, and none contends with ingest for the
+//! balancer. Services that did not cycle keep their [`PublishedService`] from the
+//! previous value by `Arc`, so a publication costs the services that ran, not the fleet.
+//!
+//! The value is plain data with a [`FORMAT`] number: it can be written to a consensus
+//! store by one process and read by another, and a reader can refuse a format it does
+//! not know instead of misreading it.
+
+use crate::inflight::InflightEstimate;
+use crate::service::{EndpointSnapshot, HistoryPoint, ServiceSnapshot, ServiceStats};
+use crate::{Balancer, EndpointState, Millis, Params, Service, Strategy};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// The format of [`Published`]; bumped when a field changes meaning or goes away.
+pub const FORMAT: u32 = 1;
+
+/// Client zone → destination zone → relative share: how a service's clients in each
+/// zone split their traffic across zones. Shares are relative, not percentages.
+pub type LocalitySplit = BTreeMap<String, BTreeMap<String, u32>>;
+
+/// Every service as of one publication.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Published {
+    /// [`FORMAT`] when it was written.
+    pub format: u32,
+    /// Increases with every publication, whether or not weights moved.
+    pub version: u64,
+    /// When it was published, on the publisher's clock.
+    pub at: Millis,
+    /// Services by name.
+    pub services: BTreeMap<String, Arc<PublishedService>>,
+}
+
+impl Default for Published {
+    fn default() -> Self {
+        Published {
+            format: FORMAT,
+            version: 0,
+            at: 0,
+            services: BTreeMap::new(),
+        }
+    }
+}
+
+/// One service as its last cycle left it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PublishedService {
+    /// The service's name.
+    pub name: String,
+    /// The weights' version: increases with every material change.
+    pub version: u64,
+    /// The cycle the published weights came from.
+    pub cycle: u64,
+    /// The last cycle that updated the live weights; what the store keeps, so that
+    /// cycle numbers go on from there after a restart.
+    pub weights_cycle: u64,
+    /// When its last cycle ran, on the publisher's clock.
+    pub at: Millis,
+    /// The locality split in force; empty when traffic spreads evenly over zones.
+    pub locality: LocalitySplit,
+    /// The parameters in force.
+    pub params: Params,
+    /// Counters and the last cycle's figures.
+    pub stats: ServiceStats,
+    /// Recent cycles, oldest first.
+    pub history: Vec<HistoryPoint>,
+    /// Endpoints by node.
+    pub endpoints: BTreeMap<String, PublishedEndpoint>,
+}
+
+/// One endpoint as published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PublishedEndpoint {
+    /// `host:port`.
+    pub address: String,
+    /// Its zone; empty when unknown.
+    pub zone: String,
+    /// The weight of this version, mean 1.0 over serving endpoints.
+    pub weight: f64,
+    /// Whether this version has it draining (weight 0 to every sink).
+    pub draining: bool,
+    /// Whether the balancer has it draining now (it asked; the version may lag).
+    pub draining_now: bool,
+    /// Its state when the cycle ran.
+    pub state: EndpointState,
+    /// The load the balancer steered it by.
+    pub load: f64,
+    /// Its last reported CPU utilization.
+    pub cpu: f64,
+    /// Its last reported in-flight count.
+    pub inflight: u32,
+    /// Its last reported capacity; 0 when it has none.
+    pub capacity: u32,
+    /// What the cycle made of its in-flight count.
+    pub inflight_estimate: InflightEstimate,
+    /// Whether its in-flight count is believed (false once it was set aside for not
+    /// following the weight); what its agent is told.
+    pub inflight_trusted: bool,
+    /// Milliseconds from its last report to the cycle; `None` if it has not reported
+    /// since it was registered or restored.
+    pub report_age_ms: Option<u64>,
+    /// Each strategy's own weight, which the routing store keeps.
+    pub strategy_weights: BTreeMap<Strategy, f64>,
+}
+
+impl PublishedService {
+    /// The service as the balancer holds it at `now`, under `locality`.
+    pub fn of(svc: &Service, now: Millis, locality: LocalitySplit) -> Self {
+        PublishedService {
+            name: svc.name.clone(),
+            version: svc.version,
+            cycle: svc.published_cycle(),
+            weights_cycle: svc.weights_cycle,
+            at: now,
+            locality,
+            params: svc.params.clone(),
+            stats: svc.stats.clone(),
+            history: svc.history.iter().copied().collect(),
+            endpoints: svc
+                .endpoints
+                .values()
+                .map(|e| {
+                    let (weight, draining) = svc.published(e);
+                    (
+                        e.node.clone(),
+                        PublishedEndpoint {
+                            address: e.address.clone(),
+                            zone: e.zone.clone(),
+                            weight,
+                            draining,
+                            draining_now: e.draining,
+                            state: e.state(now, &svc.params),
+                            load: e.load,
+                            cpu: e.observation.cpu,
+                            inflight: e.observation.inflight,
+                            capacity: e.observation.capacity,
+                            inflight_estimate: e.inflight.estimate,
+                            inflight_trusted: !e.inflight.distrusted(),
+                            report_age_ms: e.report_age(now),
+                            strategy_weights: e.strategy_weights.clone(),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// What the routing store keeps of this publication.
+    pub fn snapshot(&self) -> ServiceSnapshot {
+        ServiceSnapshot {
+            version: self.version,
+            cycle: self.weights_cycle,
+            endpoints: self
+                .endpoints
+                .iter()
+                .map(|(node, e)| {
+                    (
+                        node.clone(),
+                        EndpointSnapshot {
+                            address: e.address.clone(),
+                            zone: e.zone.clone(),
+                            draining: e.draining,
+                            weight: e.weight,
+                            strategy_weights: e.strategy_weights.clone(),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// Endpoints by state.
+    pub fn states(&self) -> BTreeMap<EndpointState, usize> {
+        let mut states = BTreeMap::new();
+        for e in self.endpoints.values() {
+            *states.entry(e.state).or_insert(0) += 1;
+        }
+        states
+    }
+}
+
+impl Published {
+    /// The next publication after `self`, at `now`: the services named in `ran` (those
+    /// whose cycle just ran) are taken from the balancer afresh, as is any service whose
+    /// locality split changed; services the balancer no longer has are dropped; the
+    /// rest are shared with `self`. The version is one more than `self`'s.
+    pub fn next(
+        &self,
+        balancer: &Balancer,
+        ran: &BTreeSet<String>,
+        localities: &BTreeMap<String, LocalitySplit>,
+        now: Millis,
+    ) -> Published {
+        let services = balancer
+            .services()
+            .map(|svc| {
+                let locality = localities.get(&svc.name);
+                let kept = self.services.get(&svc.name).filter(|p| {
+                    !ran.contains(&svc.name)
+                        && locality.map_or(p.locality.is_empty(), |l| *l == p.locality)
+                });
+                let entry = match kept {
+                    Some(p) => Arc::clone(p),
+                    None => Arc::new(PublishedService::of(
+                        svc,
+                        now,
+                        locality.cloned().unwrap_or_default(),
+                    )),
+                };
+                (svc.name.clone(), entry)
+            })
+            .collect();
+        Published {
+            format: FORMAT,
+            version: self.version.saturating_add(1),
+            at: now,
+            services,
+        }
+    }
+
+    /// One service.
+    pub fn service(&self, name: &str) -> Option<&PublishedService> {
+        self.services.get(name).map(Arc::as_ref)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Observation;
+
+    fn balancer() -> Balancer {
+        let params = Params {
+            grace_ms: 0,
+            ..Params::default()
+        };
+        let mut b = Balancer::new(params, 0);
+        for (i, cpu) in [0.2, 0.8].into_iter().enumerate() {
+            let node = format!("n{i}");
+            b.register(0, "svc", &node, &format!("10.0.0.{i}:80"), "z")
+                .expect("registers");
+            b.observe(
+                0,
+                "svc",
+                &node,
+                Observation {
+                    cpu,
+                    ..Observation::default()
+                },
+            )
+            .expect("observes");
+        }
+        b
+    }
+
+    #[test]
+    fn services_that_did_not_run_are_shared_and_those_that_ran_are_fresh() {
+        let mut b = balancer();
+        b.register(0, "other", "o", "10.0.1.1:80", "z")
+            .expect("registers");
+        let first = Published::default().next(&b, &BTreeSet::new(), &BTreeMap::new(), 0);
+        assert_eq!(first.version, 1);
+        assert_eq!(first.services.len(), 2);
+        b.cycle(1_000);
+        let ran: BTreeSet<String> = ["svc".to_string()].into();
+        let second = first.next(&b, &ran, &BTreeMap::new(), 1_000);
+        assert_eq!(second.version, 2);
+        assert!(Arc::ptr_eq(
+            &first.services["other"],
+            &second.services["other"]
+        ));
+        assert!(!Arc::ptr_eq(
+            &first.services["svc"],
+            &second.services["svc"]
+        ));
+        assert_eq!(second.services["svc"].at, 1_000);
+    }
+
+    #[test]
+    fn a_new_locality_split_republishes_the_service() {
+        let b = balancer();
+        let first = Published::default().next(&b, &BTreeSet::new(), &BTreeMap::new(), 0);
+        let split: LocalitySplit = [("a".to_string(), [("a".to_string(), 1)].into())].into();
+        let localities = [("svc".to_string(), split.clone())].into();
+        let second = first.next(&b, &BTreeSet::new(), &localities, 0);
+        assert_eq!(second.services["svc"].locality, split);
+        let third = second.next(&b, &BTreeSet::new(), &localities, 0);
+        assert!(Arc::ptr_eq(&second.services["svc"], &third.services["svc"]));
+    }
+
+    #[test]
+    fn it_round_trips_as_data() {
+        let mut b = balancer();
+        b.cycle(1_000);
+        let p = Published::default().next(&b, &BTreeSet::new(), &BTreeMap::new(), 1_000);
+        let text = serde_json::to_string(&p).expect("serialises");
+        let back: Published = serde_json::from_str(&text).expect("deserialises");
+        assert_eq!(back, p);
+        assert_eq!(back.format, FORMAT);
+    }
+
+    #[test]
+    fn the_store_snapshot_carries_the_published_weights() {
+        let mut b = balancer();
+        for t in 1..=5 {
+            b.cycle(t * 1_000);
+        }
+        let p = Published::default().next(&b, &BTreeSet::new(), &BTreeMap::new(), 5_000);
+        let svc = p.service("svc").expect("published");
+        let snap = svc.snapshot();
+        assert_eq!(snap.version, svc.version);
+        for (node, e) in &svc.endpoints {
+            assert_eq!(snap.endpoints[node].weight, e.weight);
+            assert_eq!(snap.endpoints[node].address, e.address);
+        }
+    }
+}

@@ -1,0 +1,716 @@
+//! The routing store's writer: the one task that writes publications to the store.
+//!
+//! It subscribes to the publications and writes the services whose weights version or
+//! endpoint set (node, address, zone, draining) differ from what it last wrote
+//! successfully. One write is in flight at a time, and publications that arrive
+//! meanwhile are not queued: when the write returns, the writer takes the latest one
+//! and writes what differs from the store then ("the last value wins"). Memory is
+//! therefore bounded by one publication and one batch, however slow the store.
+//!
+//! A failed write leaves its services differing, so they go again with the next write,
+//! which comes after a short backoff (doubling from [`RETRY_FIRST`] to [`RETRY_MAX`])
+//! with the latest publication. While a write is in flight or waiting to be retried,
+//! the writer keeps following publications, so [`StoreStatus`] and the metrics show
+//! how many services wait and for how long even when the store hangs.
+
+use super::StoreError;
+use crate::state::State;
+use ballast_balance::{Published, PublishedService, ServiceSnapshot};
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// How long a write may be in flight before `/healthz` calls the store stalled: well
+/// past any healthy write (etcd's request timeout is 2 s by default), yet short enough
+/// that a hung store shows up before weights go stale for long.
+pub const STALL_AFTER: Duration = Duration::from_secs(10);
+/// The wait before retrying a first failed write: short, as a single failure is
+/// usually a blip.
+const RETRY_FIRST: Duration = Duration::from_millis(250);
+/// The longest wait between retries, so that the store catches up soon after it
+/// answers again.
+const RETRY_MAX: Duration = Duration::from_secs(2);
+/// How often the lag figures are refreshed while a write is in flight or waiting.
+const REFRESH: Duration = Duration::from_secs(1);
+
+/// How the routing store is doing, as `/healthz` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreCondition {
+    /// The last write succeeded (or none was needed) and none is stuck.
+    Ok,
+    /// The last write failed; it is being retried.
+    Error,
+    /// A write has been in flight for longer than [`STALL_AFTER`].
+    Stalled,
+}
+
+/// The routing store's health: what `/healthz` shows under `store_writer`, so that a
+/// slow, hung or failing store is visible without reading logs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StoreHealth {
+    /// `ok`, `error` or `stalled`.
+    pub status: StoreCondition,
+    /// The store, as its `describe` names it.
+    pub name: String,
+    /// The last write's error; `None` once a write succeeds.
+    pub error: Option<String>,
+    /// Writes that failed in a row.
+    pub consecutive_failures: u32,
+    /// Whether a write is in flight.
+    pub writing: bool,
+    /// How long the write in flight has been, in seconds.
+    pub writing_seconds: Option<f64>,
+    /// The publication the write in flight carries.
+    pub writing_version: Option<u64>,
+    /// The last publication the store holds in full; `None` before the writer starts.
+    pub written_version: Option<u64>,
+    /// Services whose latest change is not in the store yet.
+    pub pending: usize,
+    /// The age of the oldest of those changes, in seconds.
+    pub lag_seconds: Option<f64>,
+}
+
+/// The writer's progress, shared with `/healthz`. The writer updates it; anyone may
+/// read it.
+#[derive(Debug, Default)]
+pub struct StoreStatus {
+    inner: Mutex<Progress>,
+}
+
+#[derive(Debug, Default)]
+struct Progress {
+    writing_since: Option<Instant>,
+    writing_version: Option<u64>,
+    error: Option<String>,
+    consecutive_failures: u32,
+    written_version: Option<u64>,
+    pending: usize,
+    oldest_pending: Option<Instant>,
+}
+
+impl StoreStatus {
+    fn lock(&self) -> MutexGuard<'_, Progress> {
+        // Every update is a few plain assignments; a panic cannot leave it torn.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The store's health at `now`, for the store named `name`.
+    pub fn health(&self, name: String, now: Instant) -> StoreHealth {
+        let p = self.lock();
+        let writing_for = p.writing_since.map(|t| now.saturating_duration_since(t));
+        let status = if writing_for.is_some_and(|d| d > STALL_AFTER) {
+            StoreCondition::Stalled
+        } else if p.error.is_some() {
+            StoreCondition::Error
+        } else {
+            StoreCondition::Ok
+        };
+        StoreHealth {
+            status,
+            name,
+            error: p.error.clone(),
+            consecutive_failures: p.consecutive_failures,
+            writing: writing_for.is_some(),
+            writing_seconds: writing_for.map(|d| d.as_secs_f64()),
+            writing_version: p.writing_version,
+            written_version: p.written_version,
+            pending: p.pending,
+            lag_seconds: p
+                .oldest_pending
+                .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+        }
+    }
+}
+
+/// What the writer last wrote of each service, what it is writing, and since when
+/// each service that differs has waited.
+struct Tracker {
+    written: BTreeMap<String, Arc<PublishedService>>,
+    in_flight: BTreeMap<String, Arc<PublishedService>>,
+    waiting: BTreeMap<String, Waiting>,
+}
+
+/// Since when a service has differed from the store.
+struct Waiting {
+    /// First seen differing from what was written.
+    since: Instant,
+    /// First seen differing from what the write in flight carries: the change that
+    /// still waits once that write lands.
+    newer_since: Option<Instant>,
+}
+
+impl Tracker {
+    /// Starts from `first`, the publication of what the store held at start (the
+    /// restored services): it needs no write.
+    fn new(first: &Published) -> Self {
+        Tracker {
+            written: first.services.clone(),
+            in_flight: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+        }
+    }
+
+    /// The services of `published` that differ from what was written, noting since
+    /// when each has waited. Services gone from the publication are forgotten (the
+    /// store keeps them, as it always has).
+    fn differing(&mut self, published: &Published, now: Instant) -> Vec<Arc<PublishedService>> {
+        self.written
+            .retain(|name, _| published.services.contains_key(name));
+        let due: Vec<Arc<PublishedService>> = published
+            .services
+            .values()
+            .filter(|s| self.written.get(&s.name).is_none_or(|w| differs(w, s)))
+            .cloned()
+            .collect();
+        let names: BTreeSet<&str> = due.iter().map(|s| s.name.as_str()).collect();
+        self.waiting.retain(|name, _| names.contains(name.as_str()));
+        for s in &due {
+            let waiting = self.waiting.entry(s.name.clone()).or_insert(Waiting {
+                since: now,
+                newer_since: None,
+            });
+            if self.in_flight.get(&s.name).is_some_and(|f| differs(f, s)) {
+                waiting.newer_since.get_or_insert(now);
+            }
+        }
+        due
+    }
+
+    /// Records that `batch` is being written.
+    fn started(&mut self, batch: &[Arc<PublishedService>]) {
+        self.in_flight = batch.iter().map(|s| (s.name.clone(), s.clone())).collect();
+    }
+
+    /// Records that the write in flight landed: its services are in the store, and
+    /// those that changed again meanwhile wait from the time of that change.
+    fn committed(&mut self) {
+        for (name, service) in std::mem::take(&mut self.in_flight) {
+            if let Some(waiting) = self.waiting.get_mut(&name) {
+                match waiting.newer_since.take() {
+                    Some(newer) => waiting.since = newer,
+                    None => {
+                        self.waiting.remove(&name);
+                    }
+                }
+            }
+            self.written.insert(name, service);
+        }
+    }
+
+    /// Records that the write in flight failed: its services wait as before.
+    fn failed(&mut self) {
+        for name in std::mem::take(&mut self.in_flight).keys() {
+            if let Some(waiting) = self.waiting.get_mut(name) {
+                waiting.newer_since = None;
+            }
+        }
+    }
+
+    fn pending(&self) -> usize {
+        self.waiting.len()
+    }
+
+    fn oldest(&self) -> Option<Instant> {
+        self.waiting.values().map(|w| w.since).min()
+    }
+}
+
+/// Whether the store needs `now` after holding `written`: a new weights version, or
+/// an endpoint added, removed, moved, rezoned, or drained or undrained.
+fn differs(written: &Arc<PublishedService>, now: &Arc<PublishedService>) -> bool {
+    if Arc::ptr_eq(written, now) {
+        return false;
+    }
+    written.version != now.version
+        || written.endpoints.len() != now.endpoints.len()
+        || written
+            .endpoints
+            .iter()
+            .zip(&now.endpoints)
+            .any(|((n1, e1), (n2, e2))| {
+                n1 != n2
+                    || e1.address != e2.address
+                    || e1.zone != e2.zone
+                    || e1.draining != e2.draining
+            })
+}
+
+/// The wait after `failures` failed writes in a row.
+fn backoff(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    RETRY_FIRST.saturating_mul(1 << doublings).min(RETRY_MAX)
+}
+
+/// Writes publications to the store in the background, for as long as the daemon
+/// runs: the cycle only publishes, and never waits for the store. See the module
+/// documentation.
+///
+/// The publication current when this is called is taken as what the store holds (the
+/// services restored from it at start), so call it before the first cycle runs; the
+/// returned future does the writing.
+pub fn writer(state: Arc<State>) -> impl Future<Output = ()> + Send + 'static {
+    let mut publications = state.subscribe();
+    let first = publications.borrow_and_update().clone();
+    state.store_status.lock().written_version = Some(first.version);
+    run(state, publications, Tracker::new(&first))
+}
+
+async fn run(
+    state: Arc<State>,
+    mut publications: watch::Receiver<Arc<Published>>,
+    mut tracker: Tracker,
+) {
+    let store = state.store.clone();
+    let mut open = true;
+    let mut failures = 0u32;
+    loop {
+        let latest = publications.borrow_and_update().clone();
+        let now = Instant::now();
+        let due = tracker.differing(&latest, now);
+        report(&state, &tracker, now);
+        if due.is_empty() {
+            state.store_status.lock().written_version = Some(latest.version);
+            if !open || publications.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        let batch: BTreeMap<String, ServiceSnapshot> =
+            due.iter().map(|s| (s.name.clone(), s.snapshot())).collect();
+        tracker.started(&due);
+        {
+            let mut p = state.store_status.lock();
+            p.writing_since = Some(now);
+            p.writing_version = Some(latest.version);
+        }
+        let outcome = following(
+            store.put(&batch),
+            &state,
+            &mut publications,
+            &mut tracker,
+            &mut open,
+        )
+        .await;
+        state
+            .metrics
+            .store_write_seconds
+            .observe(now.elapsed().as_secs_f64());
+        state
+            .metrics
+            .store_writes
+            .get_or_create(&crate::metrics::Reason {
+                reason: if outcome.is_ok() { "ok" } else { "error" }.to_string(),
+            })
+            .inc();
+        match outcome {
+            Ok(()) => {
+                tracker.committed();
+                if failures > 0 {
+                    tracing::info!(
+                        failures,
+                        services = batch.len(),
+                        "routing store writes succeed again"
+                    );
+                }
+                failures = 0;
+                let mut p = state.store_status.lock();
+                p.writing_since = None;
+                p.writing_version = None;
+                p.error = None;
+                p.consecutive_failures = 0;
+                p.written_version = Some(latest.version);
+            }
+            Err(e) => {
+                tracker.failed();
+                failures = failures.saturating_add(1);
+                failed(&state, &e, failures, batch.len());
+                let wait = tokio::time::sleep(backoff(failures));
+                following(wait, &state, &mut publications, &mut tracker, &mut open).await;
+            }
+        }
+    }
+}
+
+/// Records a failed write; the first of a run is logged as a warning, the rest (one
+/// every [`RETRY_MAX`] at most) at debug level, as `/healthz` and the metrics show them.
+fn failed(state: &State, error: &StoreError, failures: u32, services: usize) {
+    if failures == 1 {
+        tracing::warn!(error = %error, services, "routing store write failed; retrying");
+    } else {
+        tracing::debug!(error = %error, failures, services, "routing store write failed again");
+    }
+    let mut p = state.store_status.lock();
+    p.writing_since = None;
+    p.writing_version = None;
+    p.error = Some(error.to_string());
+    p.consecutive_failures = failures;
+}
+
+/// Awaits `fut` while following publications, so that the pending count and the lag
+/// stay current while the store is slow, without queueing anything: only the latest
+/// publication is ever looked at.
+async fn following<F: Future>(
+    fut: F,
+    state: &State,
+    publications: &mut watch::Receiver<Arc<Published>>,
+    tracker: &mut Tracker,
+    open: &mut bool,
+) -> F::Output {
+    tokio::pin!(fut);
+    let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            out = &mut fut => return out,
+            changed = publications.changed(), if *open => match changed {
+                Ok(()) => {
+                    let latest = publications.borrow_and_update().clone();
+                    let now = Instant::now();
+                    tracker.differing(&latest, now);
+                    report(state, tracker, now);
+                }
+                Err(_) => *open = false,
+            },
+            _ = refresh.tick() => report(state, tracker, Instant::now()),
+        }
+    }
+}
+
+/// Sets the pending count and the lag in the metrics and the status.
+fn report(state: &State, tracker: &Tracker, now: Instant) {
+    let pending = tracker.pending();
+    let oldest = tracker.oldest();
+    let lag = oldest.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64());
+    state
+        .metrics
+        .store_pending
+        .set(i64::try_from(pending).unwrap_or(i64::MAX));
+    state.metrics.store_lag_seconds.set(lag);
+    let mut p = state.store_status.lock();
+    p.pending = pending;
+    p.oldest_pending = oldest;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::Clock;
+    use crate::store::{RoutingStore, StoreFuture};
+    use ballast_balance::{Balancer, Observation, Params};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::Notify;
+
+    /// A store that records every batch, fails the first `fail` writes, and, when
+    /// `hold` is set, holds each write until the test releases it.
+    #[derive(Default)]
+    struct TestStore {
+        writes: Mutex<Vec<BTreeMap<String, ServiceSnapshot>>>,
+        started: AtomicUsize,
+        fail: AtomicUsize,
+        hold: bool,
+        release: Notify,
+        entered: Notify,
+    }
+
+    impl TestStore {
+        fn writes(&self) -> Vec<BTreeMap<String, ServiceSnapshot>> {
+            self.writes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+        }
+    }
+
+    impl RoutingStore for TestStore {
+        fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>> {
+            Box::pin(async { Ok(BTreeMap::new()) })
+        }
+
+        fn put<'a>(
+            &'a self,
+            changed: &'a BTreeMap<String, ServiceSnapshot>,
+        ) -> StoreFuture<'a, ()> {
+            Box::pin(async move {
+                self.started.fetch_add(1, Ordering::SeqCst);
+                self.entered.notify_one();
+                if self.hold {
+                    self.release.notified().await;
+                }
+                let failing = self
+                    .fail
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                if failing {
+                    return Err(StoreError::Backend("the test store refuses".into()));
+                }
+                self.writes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(changed.clone());
+                Ok(())
+            })
+        }
+
+        fn describe(&self) -> String {
+            "test".into()
+        }
+    }
+
+    fn state(store: Arc<TestStore>) -> Arc<State> {
+        let clock = Clock::start();
+        let params = Params {
+            grace_ms: 0,
+            ..Params::default()
+        };
+        let balancer = Balancer::new(params, clock.now());
+        Arc::new(State::new(balancer, store, clock, 1000))
+    }
+
+    /// Adds `node` to service `web` and runs a cycle: a publication whose endpoint set
+    /// differs from the last.
+    fn add_node(state: &State, node: &str) -> Arc<Published> {
+        let now = state.clock.now();
+        state
+            .balancer()
+            .register(now, "web", node, &format!("{node}:80"), "z1")
+            .expect("register");
+        state.cycle(now)
+    }
+
+    fn drain(state: &State, node: &str) -> Arc<Published> {
+        let now = state.clock.now();
+        let obs = Observation {
+            draining: true,
+            ..Observation::default()
+        };
+        state
+            .balancer()
+            .observe(now, "web", node, obs)
+            .expect("observe");
+        state.cycle(now)
+    }
+
+    async fn wait<F: Future>(fut: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(5), fut)
+            .await
+            .expect("timed out waiting for the store")
+    }
+
+    async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn health(state: &State) -> StoreHealth {
+        state
+            .store_status
+            .health(state.store.describe(), Instant::now())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hung_store_delays_no_cycle_and_then_gets_only_the_latest() {
+        let store = Arc::new(TestStore {
+            hold: true,
+            ..TestStore::default()
+        });
+        let state = state(store.clone());
+        let task = tokio::spawn(writer(state.clone()));
+        add_node(&state, "a");
+        wait(store.entered.notified()).await;
+        assert_eq!(store.started.load(Ordering::SeqCst), 1);
+
+        // The store hangs; cycles go on at full speed and nothing queues up.
+        let started = Instant::now();
+        for node in ["b", "c", "d", "e"] {
+            add_node(&state, node);
+        }
+        let latest = {
+            let now = state.clock.now();
+            state
+                .balancer()
+                .register(now, "api", "x", "x:80", "z1")
+                .expect("register");
+            state.cycle(now)
+        };
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "cycles waited for the store: {:?}",
+            started.elapsed()
+        );
+        // The writer follows the publications while it waits: both services pending.
+        eventually("the pending count to follow", || {
+            health(&state).pending == 2
+        })
+        .await;
+        assert_eq!(
+            store.started.load(Ordering::SeqCst),
+            1,
+            "a second write began"
+        );
+        assert!(health(&state).writing);
+        // Long enough in flight, it is reported stalled.
+        let later = state.store_status.health(
+            "test".into(),
+            Instant::now() + STALL_AFTER + Duration::from_secs(1),
+        );
+        assert_eq!(later.status, StoreCondition::Stalled);
+        let json = serde_json::to_value(&later).expect("json");
+        assert_eq!(
+            (&json["status"], &json["writing"]),
+            (&"stalled".into(), &true.into())
+        );
+        assert_eq!(health(&state).status, StoreCondition::Ok);
+
+        // Released, the first write lands; the writer then takes the latest publication
+        // and skips every one in between.
+        store.release.notify_one();
+        wait(store.entered.notified()).await;
+        store.release.notify_one();
+        eventually("two writes", || store.writes().len() == 2).await;
+        let writes = store.writes();
+        assert_eq!(writes[0]["web"].endpoints.len(), 1);
+        assert_eq!(writes[0].len(), 1);
+        assert_eq!(writes[1]["web"], latest.services["web"].snapshot());
+        assert_eq!(writes[1]["web"].endpoints.len(), 5);
+        assert_eq!(writes[1]["api"], latest.services["api"].snapshot());
+        eventually("the status to settle", || {
+            let h = health(&state);
+            !h.writing && h.written_version == Some(latest.version) && h.pending == 0
+        })
+        .await;
+        assert_eq!(store.started.load(Ordering::SeqCst), 2);
+        let ok = state
+            .metrics
+            .store_writes
+            .get_or_create(&crate::metrics::Reason {
+                reason: "ok".into(),
+            })
+            .get();
+        assert_eq!(ok, 2);
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn unchanged_services_are_not_written_again() {
+        let store = Arc::new(TestStore::default());
+        let state = state(store.clone());
+        let task = tokio::spawn(writer(state.clone()));
+        let first = add_node(&state, "a");
+        eventually("the first write", || store.writes().len() == 1).await;
+        // Cycles that change neither the version nor the endpoint set write nothing.
+        let mut last = first;
+        for _ in 0..3 {
+            last = state.cycle(state.clock.now());
+        }
+        assert_eq!(
+            last.services["web"].version,
+            store.writes()[0]["web"].version
+        );
+        eventually("the writer to catch up", || {
+            health(&state).written_version == Some(last.version)
+        })
+        .await;
+        assert_eq!(store.writes().len(), 1);
+        // A drain changes the endpoint set: written.
+        drain(&state, "a");
+        eventually("the drain to be written", || store.writes().len() == 2).await;
+        assert!(store.writes()[1]["web"].endpoints["a"].draining);
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn a_failing_store_is_reported_and_retried() {
+        let store = Arc::new(TestStore {
+            fail: AtomicUsize::new(2),
+            ..TestStore::default()
+        });
+        let state = state(store.clone());
+        let task = tokio::spawn(writer(state.clone()));
+        let published = add_node(&state, "a");
+        eventually("a failed write", || health(&state).error.is_some()).await;
+        let h = health(&state);
+        assert_eq!(h.status, StoreCondition::Error, "{h:?}");
+        assert!(
+            h.error.as_deref().is_some_and(|e| e.contains("refuses")),
+            "{h:?}"
+        );
+        assert_eq!(h.pending, 1);
+        let metrics = state.metrics.encode();
+        for family in [
+            "# TYPE ballast_store_pending gauge",
+            "# TYPE ballast_store_lag_seconds gauge",
+            "# TYPE ballast_store_write_seconds histogram",
+        ] {
+            assert!(metrics.contains(family), "{family}:\n{metrics}");
+        }
+        assert!(metrics.contains("ballast_store_pending 1"), "{metrics}");
+        // No new publication: the backoff alone brings the retries, and the second
+        // retry succeeds with what was pending.
+        eventually("a good write", || store.writes().len() == 1).await;
+        assert_eq!(store.started.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            store.writes()[0]["web"],
+            published.services["web"].snapshot()
+        );
+        eventually("the error to clear", || health(&state).error.is_none()).await;
+        let h = health(&state);
+        assert_eq!(h.status, StoreCondition::Ok, "{h:?}");
+        assert_eq!((h.pending, h.consecutive_failures), (0, 0));
+        let count = |reason: &str| {
+            state
+                .metrics
+                .store_writes
+                .get_or_create(&crate::metrics::Reason {
+                    reason: reason.into(),
+                })
+                .get()
+        };
+        assert_eq!((count("error"), count("ok")), (2, 1));
+        task.abort();
+    }
+
+    #[test]
+    fn a_change_made_during_a_write_waits_from_when_it_was_made() {
+        let state = state(Arc::new(TestStore::default()));
+        let mut tracker = Tracker::new(&state.published());
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let p1 = add_node(&state, "a");
+        let due = tracker.differing(&p1, at(0));
+        assert_eq!((due.len(), tracker.oldest()), (1, Some(at(0))));
+        tracker.started(&due);
+        // The same publication seen again while in flight is no newer change.
+        tracker.differing(&p1, at(1));
+        let p2 = add_node(&state, "b");
+        tracker.differing(&p2, at(2));
+        assert_eq!(tracker.oldest(), Some(at(0)));
+        tracker.committed();
+        assert_eq!((tracker.pending(), tracker.oldest()), (1, Some(at(2))));
+        // A failed write leaves the wait as it was.
+        let due = tracker.differing(&p2, at(3));
+        tracker.started(&due);
+        let p3 = add_node(&state, "c");
+        tracker.differing(&p3, at(4));
+        tracker.failed();
+        assert_eq!(tracker.oldest(), Some(at(2)));
+        let due = tracker.differing(&p3, at(5));
+        tracker.started(&due);
+        tracker.committed();
+        assert!(tracker.differing(&p3, at(6)).is_empty());
+        assert_eq!((tracker.pending(), tracker.oldest()), (0, None));
+    }
+
+    #[test]
+    fn the_backoff_is_bounded() {
+        assert_eq!(backoff(1), RETRY_FIRST);
+        assert_eq!(backoff(2), 2 * RETRY_FIRST);
+        assert_eq!(backoff(100), RETRY_MAX);
+        assert_eq!(backoff(u32::MAX), RETRY_MAX);
+    }
+}
