@@ -131,7 +131,7 @@ impl AgentConfig {
     }
 
     /// The drain file in use, if any.
-    pub fn drain_path(&self) -> Option<&Path> {
+    pub(crate) fn drain_path(&self) -> Option<&Path> {
         self.drain_file
             .as_deref()
             .filter(|p| !p.as_os_str().is_empty())

@@ -15,7 +15,7 @@ pub(crate) const SAMPLE_BUCKETS: [f64; 9] =
 
 /// What the agent-check answered, for [`Metrics::agentcheck_reply`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AgentCheckReply {
+pub(crate) enum AgentCheckReply {
     /// The aggregator's weight.
     Weight,
     /// `drain`.
@@ -39,7 +39,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// Records how long one sample took.
-    pub fn observe_sample(&self, took: Duration) {
+    pub(crate) fn observe_sample(&self, took: Duration) {
         let secs = took.as_secs_f64();
         let i = SAMPLE_BUCKETS
             .iter()
@@ -51,7 +51,7 @@ impl Metrics {
     }
 
     /// Counts one agent-check answer.
-    pub fn agentcheck_reply(&self, reply: AgentCheckReply) {
+    pub(crate) fn agentcheck_reply(&self, reply: AgentCheckReply) {
         self.agentcheck[reply as usize].fetch_add(1, Ordering::Relaxed);
     }
 }

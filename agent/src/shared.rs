@@ -52,14 +52,14 @@ impl Shared {
     /// subscriber. A lost connection does not take it back: the load balancers keep
     /// applying the last weights they were given, so it stays the node's best
     /// knowledge of its share until a new reply comes.
-    pub fn publish_assignment(&self, assignment: Assignment) {
+    pub(crate) fn publish_assignment(&self, assignment: Assignment) {
         self.assignment.send_replace(Some(assignment));
     }
 
     /// A receiver of the aggregator's current assignment (`None` until the first
     /// reply), for any task or source that follows the node's weight: the synthetic
     /// load model reads its share of the traffic from it.
-    pub fn subscribe_assignment(&self) -> AssignmentWatch {
+    pub(crate) fn subscribe_assignment(&self) -> AssignmentWatch {
         self.assignment.subscribe()
     }
 
@@ -72,7 +72,7 @@ impl Shared {
     /// restarted agent keeps it. The drain takes effect even when the file cannot be
     /// written: taking traffic off a node must not depend on its disk. The error says
     /// what will not survive a restart.
-    pub fn set_draining(&self, on: bool) -> Result<(), DrainFileError> {
+    pub(crate) fn set_draining(&self, on: bool) -> Result<(), DrainFileError> {
         let was = self.draining.swap(on, Ordering::Relaxed);
         self.update(|s| {
             s.draining = on;
@@ -98,7 +98,11 @@ impl Shared {
 
     /// Whether stopping the service is safe now, by the configured quiet period; a
     /// sample older than three report intervals is too old to tell.
-    pub fn stop_verdict(&self, status: &Status, now_unix_ms: u64) -> crate::status::StopVerdict {
+    pub(crate) fn stop_verdict(
+        &self,
+        status: &Status,
+        now_unix_ms: u64,
+    ) -> crate::status::StopVerdict {
         let max_age = u64::from(self.config.interval_ms) * 3;
         status.stop_verdict(now_unix_ms, self.config.drain_quiet_ms, max_age)
     }

@@ -74,7 +74,7 @@ impl Status {
     /// old, and every sample since the drain for at least `quiet_ms` counted nothing
     /// in flight: load balancers that poll within `quiet_ms` have seen the drain, and
     /// the work they sent before it is done.
-    pub fn stop_verdict(
+    pub(crate) fn stop_verdict(
         &self,
         now_unix_ms: u64,
         quiet_ms: u64,
@@ -123,7 +123,7 @@ impl Status {
 
     /// The weight if it is younger than `max_age_ms`: an old weight says nothing about
     /// the fleet now.
-    pub fn fresh_weight(&self, now_unix_ms: u64, max_age_ms: u64) -> Option<f64> {
+    pub(crate) fn fresh_weight(&self, now_unix_ms: u64, max_age_ms: u64) -> Option<f64> {
         match (self.weight, self.weight_unix_ms) {
             (Some(w), Some(at)) if now_unix_ms.saturating_sub(at) <= max_age_ms => Some(w),
             _ => None,

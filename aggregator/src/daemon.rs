@@ -71,7 +71,7 @@ impl Daemon {
     /// Starts everything with the given routing store (any [`RoutingStore`], so that
     /// tests can bring their own): restores from it, then writes to it in the
     /// background.
-    pub async fn start_with_store(
+    pub(crate) async fn start_with_store(
         cfg: &Config,
         identity: Identity,
         client_ca: &[CertificateDer<'static>],

@@ -9,7 +9,7 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod feed;
-pub mod ingest;
+pub(crate) mod ingest;
 pub mod metrics;
 pub mod state;
 pub mod store;

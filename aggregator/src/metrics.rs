@@ -232,7 +232,7 @@ impl Metrics {
     }
 
     /// Counts a refused or faulty connection.
-    pub fn reject_connection(&self, reason: &str) {
+    pub(crate) fn reject_connection(&self, reason: &str) {
         self.connections_rejected
             .get_or_create(&Reason {
                 reason: reason.to_string(),

@@ -72,7 +72,7 @@ impl State {
     }
 
     /// Puts new locality splits in force and publishes them if they differ.
-    pub fn set_localities(&self, localities: Localities) {
+    pub(crate) fn set_localities(&self, localities: Localities) {
         let mut current = self.localities.write().unwrap_or_else(|p| p.into_inner());
         if **current != localities {
             *current = Arc::new(localities);
@@ -125,7 +125,7 @@ impl State {
 
     /// Like [`State::cycle`], for the services whose own cycle is due at `now` (see
     /// [`Balancer::cycle_due`]); nothing is counted or published when none is.
-    pub fn cycle_due(&self, now: Millis, slack: Millis) -> Option<Arc<Published>> {
+    pub(crate) fn cycle_due(&self, now: Millis, slack: Millis) -> Option<Arc<Published>> {
         self.run_cycle(|b| b.cycle_due(now, slack))
     }
 

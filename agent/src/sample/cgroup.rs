@@ -278,7 +278,7 @@ impl CgroupCpu {
     /// Opens a cgroup under cgroupfs mounted at `root`, on a host with `online_cpus`
     /// CPUs (the divisor for an unlimited quota). Reads usage and quota once, so a wrong
     /// name fails now.
-    pub fn open_at(root: &Path, spec: &str, online_cpus: f64) -> Result<Self, SampleError> {
+    pub(crate) fn open_at(root: &Path, spec: &str, online_cpus: f64) -> Result<Self, SampleError> {
         let paths = resolve(root, spec)?;
         let src = CgroupCpu {
             spec: spec.trim().to_string(),

@@ -79,7 +79,7 @@ impl HostCpu {
 
     /// Reads a `/proc/stat`-format file elsewhere (tests, a host `/proc` mounted into a
     /// container). Fails now if the file is unreadable or malformed.
-    pub fn open_at(path: &Path) -> Result<Self, SampleError> {
+    pub(crate) fn open_at(path: &Path) -> Result<Self, SampleError> {
         parse_proc_stat(&read_file(path)?)?;
         Ok(HostCpu {
             path: path.to_path_buf(),

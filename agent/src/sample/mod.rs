@@ -442,7 +442,8 @@ impl Sampler {
     }
 
     /// Sets the error rate added to the load from now on (`None`: unknown, adds nothing).
-    pub fn set_error_rate(&mut self, error_rate: Option<f64>) {
+    #[cfg(test)]
+    pub(crate) fn set_error_rate(&mut self, error_rate: Option<f64>) {
         self.error_rate = error_rate;
     }
 

@@ -58,7 +58,7 @@ impl SyntheticHandle {
     }
 
     /// Sets this node's relative speed, so a test can make it slow mid-run.
-    pub fn set_speed(&self, speed: f64) {
+    pub(crate) fn set_speed(&self, speed: f64) {
         store(&self.knobs.speed, speed);
     }
 
@@ -68,7 +68,7 @@ impl SyntheticHandle {
     }
 
     /// Sets the mean per-node utilization at equal weights, so a test can raise traffic.
-    pub fn set_offered(&self, offered: f64) {
+    pub(crate) fn set_offered(&self, offered: f64) {
         store(&self.knobs.offered, offered);
     }
 

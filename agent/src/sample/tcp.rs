@@ -35,8 +35,8 @@
 //!   still visits every hash bucket, so its cost follows `net.ipv4.tcp_ehash_entries`
 //!   (sized from RAM at boot).
 //! - `/proc/net/tcp` and `/proc/net/tcp6`, parsed here. Used when netlink sock_diag is
-//!   unavailable (some sandboxes and restricted containers), and for tables named
-//!   explicitly with [`TcpInflight::open_at`]. These tables have no last-send or
+//!   unavailable (some sandboxes and restricted containers), and for the fixture
+//!   tables the tests name. These tables have no last-send or
 //!   last-receive times, so this path counts only the connections with unread bytes
 //!   (`rx_queue > 0`), the one piece of "owed" evidence they hold: a lower bound, which
 //!   misses every request the service has read and not yet answered. (`tx_queue` is
@@ -318,7 +318,8 @@ impl TcpInflight {
     /// Counts from other tables, such as `/proc/PID/net/tcp` to see into another
     /// process's network namespace. Missing tables are skipped (a host without IPv6 has
     /// no `tcp6`), but at least one must exist. Reads them once, so a problem shows now.
-    pub fn open_at(files: Vec<PathBuf>, ports: Vec<u16>) -> Result<Self, SampleError> {
+    #[cfg(test)]
+    pub(crate) fn open_at(files: Vec<PathBuf>, ports: Vec<u16>) -> Result<Self, SampleError> {
         Self::check_ports(&ports)?;
         let mut src = TcpInflight {
             ports,
@@ -353,7 +354,8 @@ impl TcpInflight {
     }
 
     /// The counts of the last successful sample (zeros before any).
-    pub fn last_count(&self) -> TcpCount {
+    #[cfg(test)]
+    pub(crate) fn last_count(&self) -> TcpCount {
         self.last.map(|(count, _)| count).unwrap_or_default()
     }
 

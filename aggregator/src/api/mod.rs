@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 /// The OpenAPI document of this API.
-pub const OPENAPI: &str = include_str!("openapi.json");
+pub(crate) const OPENAPI: &str = include_str!("openapi.json");
 
 /// The router over shared state.
 pub fn router(state: Arc<State>) -> Router {
@@ -31,7 +31,7 @@ pub fn router(state: Arc<State>) -> Router {
 }
 
 /// A JSON error body with its status.
-pub struct ApiError {
+pub(crate) struct ApiError {
     status: StatusCode,
     message: String,
 }
@@ -128,7 +128,7 @@ async fn published(AxState(state): AxState<Arc<State>>) -> Json<ballast_balance:
 
 /// `?watch=true` turns the weights request into a stream.
 #[derive(Debug, Default, serde::Deserialize)]
-pub struct WatchQuery {
+pub(crate) struct WatchQuery {
     /// Stream every new weight set as server-sent events.
     #[serde(default)]
     pub watch: bool,

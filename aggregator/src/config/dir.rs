@@ -38,7 +38,7 @@ pub struct Merged {
 }
 
 /// What a scan read for one file: its text, or why it could not be read.
-pub type FileRead = Result<String, FileError>;
+pub(crate) type FileRead = Result<String, FileError>;
 
 /// What one [`ServiceConfigs::apply`] changed.
 #[derive(Debug, Default, PartialEq)]
@@ -199,7 +199,7 @@ impl ServiceConfigs {
     }
 
     /// How long a tombstone lasts.
-    pub fn tombstone_ttl_ms(&self) -> u64 {
+    pub(crate) fn tombstone_ttl_ms(&self) -> u64 {
         self.tombstone_ttl_ms
     }
 }
@@ -211,7 +211,7 @@ pub fn file_name(service: &str) -> String {
 
 /// The service a file configures; `None` for files that are not service configs
 /// (editor swap files, dotfiles, other extensions).
-pub fn service_of(file: &str) -> Option<&str> {
+pub(crate) fn service_of(file: &str) -> Option<&str> {
     if file.starts_with('.') {
         return None;
     }
@@ -248,7 +248,7 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> DirError + '_ {
 
 /// Reads every service file of `dir`. A file too big or unreadable is a refusal of
 /// that file, not of the scan.
-pub fn scan(dir: &Path) -> Result<BTreeMap<String, FileRead>, DirError> {
+pub(crate) fn scan(dir: &Path) -> Result<BTreeMap<String, FileRead>, DirError> {
     let mut files = BTreeMap::new();
     for item in std::fs::read_dir(dir).map_err(io_error(dir))? {
         let item = item.map_err(io_error(dir))?;
@@ -306,7 +306,7 @@ pub fn check(
 }
 
 /// Writes `bytes` to `path` so that a reader sees the old or the new file, never half.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
     let tmp = path.with_extension("tmp~");
     let mut f = std::fs::File::create(&tmp).map_err(io_error(&tmp))?;
     f.write_all(bytes).map_err(io_error(&tmp))?;
@@ -315,7 +315,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
 }
 
 /// Reads a persisted merged config or a backup.
-pub fn load_merged(path: &Path) -> Result<Merged, DirError> {
+pub(crate) fn load_merged(path: &Path) -> Result<Merged, DirError> {
     let bytes = std::fs::read(path).map_err(io_error(path))?;
     serde_json::from_slice(&bytes).map_err(|e| DirError::Corrupt {
         path: path.display().to_string(),
@@ -324,7 +324,7 @@ pub fn load_merged(path: &Path) -> Result<Merged, DirError> {
 }
 
 /// Persists the merged config.
-pub fn save_merged(path: &Path, merged: &Merged) -> Result<(), DirError> {
+pub(crate) fn save_merged(path: &Path, merged: &Merged) -> Result<(), DirError> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(io_error(parent))?;
     }

@@ -22,7 +22,7 @@ pub use ballast_balance::publish::LocalitySplit;
 
 /// The largest share one destination may have; xDS locality weights are `uint32` and
 /// their sum must fit too.
-pub const MAX_SHARE: u32 = 1_000_000;
+pub(crate) const MAX_SHARE: u32 = 1_000_000;
 
 /// Checks a split: names non-empty, shares within bounds, and every client zone sends
 /// somewhere.
@@ -59,7 +59,12 @@ pub struct Localities {
 
 impl Localities {
     /// The destination shares for clients of `service` in `client_zone`, if configured.
-    pub fn split_for(&self, service: &str, client_zone: &str) -> Option<&BTreeMap<String, u32>> {
+    #[cfg(test)]
+    pub(crate) fn split_for(
+        &self,
+        service: &str,
+        client_zone: &str,
+    ) -> Option<&BTreeMap<String, u32>> {
         self.services.get(service)?.get(client_zone)
     }
 }

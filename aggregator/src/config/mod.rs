@@ -120,14 +120,14 @@ impl Default for ServiceConfigSettings {
 
 impl ServiceConfigSettings {
     /// The merged config's file, given where the routing store keeps its file.
-    pub fn state_path(&self, store: &StoreConfig) -> PathBuf {
+    pub(crate) fn state_path(&self, store: &StoreConfig) -> PathBuf {
         self.state
             .clone()
             .unwrap_or_else(|| beside(&store.path, "services.json"))
     }
 
     /// The backup directory, given where the routing store keeps its file.
-    pub fn backup_path(&self, store: &StoreConfig) -> PathBuf {
+    pub(crate) fn backup_path(&self, store: &StoreConfig) -> PathBuf {
         self.backup_dir
             .clone()
             .unwrap_or_else(|| beside(&store.path, "config-backups"))

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 /// The largest service file read; anything bigger is refused unread, so a stray dump
 /// in the directory cannot balloon the aggregator.
-pub const MAX_FILE_BYTES: u64 = 256 * 1024;
+pub(crate) const MAX_FILE_BYTES: u64 = 256 * 1024;
 
 /// Why a service file was refused. The message names the file and, where the parser
 /// or the check can tell, the line.

@@ -30,7 +30,7 @@ pub struct ConfigDirStatus {
 }
 
 /// The config directory of a running aggregator.
-pub struct ConfigDir {
+pub(crate) struct ConfigDir {
     state: Arc<State>,
     dir: PathBuf,
     state_path: PathBuf,
@@ -43,7 +43,7 @@ impl ConfigDir {
     /// Loads the persisted merged config and scans the directory once, so that the
     /// first cycle already runs with every service's overrides. A missing or corrupt
     /// persisted config is logged and counted, and the directory alone is used.
-    pub fn open(
+    pub(crate) fn open(
         state: Arc<State>,
         dir: PathBuf,
         settings: &ServiceConfigSettings,
@@ -93,7 +93,7 @@ impl ConfigDir {
     }
 
     /// Scans the directory and puts what changed in force.
-    pub fn reload(&self) {
+    pub(crate) fn reload(&self) {
         let now = ballast_shared::unix_ms();
         let files = match dir::scan(&self.dir) {
             Ok(f) => f,
@@ -169,7 +169,7 @@ impl ConfigDir {
     }
 
     /// Backs the merged config up if it changed since the newest backup.
-    pub fn backup(&self) {
+    pub(crate) fn backup(&self) {
         let merged = match self.state.config_dir().as_ref() {
             Some(s) => s.configs.merged().clone(),
             None => return,
@@ -189,7 +189,7 @@ impl ConfigDir {
     /// Watches the directory until the task is aborted: file events trigger a scan
     /// after they settle, and a periodic scan catches anything the watcher missed and
     /// expires tombstones.
-    pub async fn run(self) {
+    pub(crate) async fn run(self) {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
         let watcher = watch(&self.dir, tx);
         if let Err(e) = &watcher {

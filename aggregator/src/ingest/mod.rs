@@ -1,3 +1,3 @@
 //! Report ingest: agents connect over QUIC with mutual TLS.
 
-pub mod quic;
+pub(crate) mod quic;

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// QUIC application error codes for closing connections; the protocol's own.
-pub use ballast_shared::session::close;
+pub(crate) use ballast_shared::session::close;
 
 /// Accepts connections until the endpoint closes.
-pub async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
+pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
     while let Some(incoming) = endpoint.accept().await {
         let state = state.clone();
         tokio::spawn(async move {

@@ -26,28 +26,28 @@ use std::time::{Duration, Instant};
 
 /// etcd's default `--max-txn-ops`: a larger batch is split into transactions of this
 /// many puts, or etcd would refuse it whole.
-pub const MAX_TXN_OPS: usize = 128;
+pub(crate) const MAX_TXN_OPS: usize = 128;
 /// The most value bytes put in one transaction: etcd refuses requests over 1.5 MiB
 /// (`--max-request-bytes`), so a batch of big snapshots is split well below that. A
 /// single service larger than this still goes alone.
-pub const MAX_TXN_BYTES: usize = 1 << 20;
+pub(crate) const MAX_TXN_BYTES: usize = 1 << 20;
 /// The largest response `load` accepts: every service of a big fleet in one range read
 /// is well over tonic's default of 4 MiB.
 const MAX_RESPONSE_BYTES: usize = 256 << 20;
 
 /// The range all service keys live in: `<prefix>/services/`. The trailing `/` keeps a
 /// prefix `/ballast` from reading the keys of `/ballast2`.
-pub fn services_prefix(prefix: &str) -> String {
+pub(crate) fn services_prefix(prefix: &str) -> String {
     format!("{prefix}/services/")
 }
 
 /// The key of one service: `<prefix>/services/<service>`.
-pub fn service_key(prefix: &str, service: &str) -> String {
+pub(crate) fn service_key(prefix: &str, service: &str) -> String {
     format!("{}{service}", services_prefix(prefix))
 }
 
 /// The service a key names, if it is a service key under `prefix` with a valid name.
-pub fn service_from_key<'k>(prefix: &str, key: &'k str) -> Option<&'k str> {
+pub(crate) fn service_from_key<'k>(prefix: &str, key: &'k str) -> Option<&'k str> {
     key.strip_prefix(&services_prefix(prefix))
         .filter(|s| !s.is_empty() && ballast_shared::wire::is_valid_name(s))
 }
@@ -150,7 +150,7 @@ impl Ledger {
 }
 
 /// A routing store in etcd. See the module documentation.
-pub struct EtcdStore {
+pub(crate) struct EtcdStore {
     // Kept so that the client's channel keeps its endpoint list alive.
     _client: Client,
     kv: KvClient,
@@ -167,7 +167,7 @@ impl EtcdStore {
     /// A store on the etcd members `cfg.endpoints` under `cfg.prefix`, on the calling
     /// runtime. The connection is made lazily, so this succeeds while etcd is down;
     /// `load` then reports it.
-    pub async fn connect(cfg: &EtcdConfig) -> Result<EtcdStore, StoreError> {
+    pub(crate) async fn connect(cfg: &EtcdConfig) -> Result<EtcdStore, StoreError> {
         cfg.validate().map_err(StoreError::Backend)?;
         let request_timeout = Duration::from_millis(cfg.request_timeout_ms);
         let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);

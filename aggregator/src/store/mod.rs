@@ -52,7 +52,8 @@ pub enum StoreError {
 
 /// What a store's asynchronous calls return: boxed, so that [`RoutingStore`] stays
 /// usable as `Arc<dyn RoutingStore>` and tests can put their own store in the daemon.
-pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+pub(crate) type StoreFuture<'a, T> =
+    Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
 
 /// Persistent per-service weights.
 ///

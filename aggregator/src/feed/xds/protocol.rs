@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// The resource names a stream asked for, for one type.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Subscription {
+pub(crate) struct Subscription {
     /// Everything of the type (LDS and CDS only): an empty first request, or `*`.
     pub wildcard: bool,
     /// The names asked for explicitly (without `*`).
@@ -50,7 +50,7 @@ pub struct Sent {
 
 /// What a request was.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// The first request of a type, or one without a nonce: a (re)subscription.
     Subscribe,
     /// The client accepted the response with this version.
@@ -72,7 +72,7 @@ pub enum Verdict {
 
 /// One type's state on one stream.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TypeState {
+pub(crate) struct TypeState {
     /// What the client asked for.
     pub subscription: Subscription,
     /// The last response sent.
@@ -88,19 +88,19 @@ pub struct TypeState {
 
 /// One ADS stream's protocol state over every type.
 #[derive(Debug, Clone, Default)]
-pub struct StreamState {
+pub(crate) struct StreamState {
     types: BTreeMap<ResourceType, TypeState>,
     nonces: u64,
 }
 
 impl StreamState {
     /// A new stream.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Applies a request of type `t` and says what it was.
-    pub fn on_request(
+    pub(crate) fn on_request(
         &mut self,
         t: ResourceType,
         names: &[String],
@@ -145,7 +145,7 @@ impl StreamState {
     /// now: the client subscribed to the type, and either asked for an answer or has
     /// not been sent these contents yet. Contents the client rejected are not sent
     /// again: they were the last sent.
-    pub fn should_send(&self, t: ResourceType, version: &str) -> bool {
+    pub(crate) fn should_send(&self, t: ResourceType, version: &str) -> bool {
         self.types.get(&t).is_some_and(|s| {
             s.must_respond || s.sent.as_ref().is_none_or(|sent| sent.version != version)
         })
@@ -153,7 +153,7 @@ impl StreamState {
 
     /// Records that a response of type `t` with `version` is being sent, and returns
     /// its nonce, unique on the stream.
-    pub fn record_sent(&mut self, t: ResourceType, version: &str) -> String {
+    pub(crate) fn record_sent(&mut self, t: ResourceType, version: &str) -> String {
         self.nonces += 1;
         let nonce = self.nonces.to_string();
         let state = self.types.entry(t).or_default();
@@ -166,12 +166,7 @@ impl StreamState {
     }
 
     /// The state of type `t`, if the client subscribed to it.
-    pub fn get(&self, t: ResourceType) -> Option<&TypeState> {
+    pub(crate) fn get(&self, t: ResourceType) -> Option<&TypeState> {
         self.types.get(&t)
-    }
-
-    /// The types the client subscribed to.
-    pub fn types(&self) -> impl Iterator<Item = ResourceType> + '_ {
-        self.types.keys().copied()
     }
 }

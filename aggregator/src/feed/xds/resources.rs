@@ -10,7 +10,7 @@
 //!
 //! A service's ClusterLoadAssignment comes in several versions: the default, which
 //! every client gets (one locality per zone, all of weight 1), and one per client zone
-//! that the service's locality config splits ([`split_assignment`]). A stream picks
+//! that the service's locality config splits (`split_of`). A stream picks
 //! by its client's `node.locality.zone` ([`Snapshot::select`]). In a split
 //! assignment each destination zone's locality weight is its share, and the zone's
 //! endpoint weights are the balancer's rescaled to a common total, because gRPC's
@@ -81,7 +81,7 @@ impl ResourceType {
     }
 
     /// The type of a type URL; `None` for types this server does not serve.
-    pub fn from_type_url(url: &str) -> Option<ResourceType> {
+    pub(crate) fn from_type_url(url: &str) -> Option<ResourceType> {
         Self::ALL.into_iter().find(|t| t.type_url() == url)
     }
 
@@ -97,7 +97,7 @@ impl ResourceType {
 
     /// Whether an empty subscription means "everything" (LDS and CDS), as the xDS
     /// protocol defines for the legacy wildcard.
-    pub fn allows_wildcard(self) -> bool {
+    pub(crate) fn allows_wildcard(self) -> bool {
         matches!(self, ResourceType::Listener | ResourceType::Cluster)
     }
 }
@@ -176,7 +176,7 @@ pub fn listener(service: &str) -> Listener {
 
 /// RouteConfiguration `service`: every authority and every path go to cluster
 /// `service`. No hash policy: under RING_HASH, gRPC then hashes each RPC at random.
-pub fn route_configuration(service: &str) -> RouteConfiguration {
+pub(crate) fn route_configuration(service: &str) -> RouteConfiguration {
     RouteConfiguration {
         name: service.to_string(),
         virtual_hosts: vec![VirtualHost {
@@ -204,7 +204,7 @@ pub fn route_configuration(service: &str) -> RouteConfiguration {
 /// The ring size asked of RING_HASH clients. gRPC caps rings at 4096 entries by
 /// default; the more entries, the closer each endpoint's share of the hash space is
 /// to its weight (the error falls as one over the square root of its entries).
-pub const RING_SIZE: u64 = 4096;
+pub(crate) const RING_SIZE: u64 = 4096;
 
 /// Cluster `service`: EDS over ADS, with `policy`.
 pub fn cluster(service: &str, policy: LbPolicy) -> Cluster {
@@ -239,7 +239,7 @@ pub fn cluster(service: &str, policy: LbPolicy) -> Cluster {
 
 /// Splits `host:port` (or `[v6]:port`) into an IP literal and a port. EDS carries
 /// socket addresses, not names: gRPC rejects a whole assignment with a host name in it.
-pub fn parse_address(address: &str) -> Option<(IpAddr, u16)> {
+pub(crate) fn parse_address(address: &str) -> Option<(IpAddr, u16)> {
     let (host, port) = address.rsplit_once(':')?;
     let host = host
         .strip_prefix('[')
@@ -316,7 +316,8 @@ fn locality(zone: &str, weight: u32, lb_endpoints: Vec<LbEndpoint>) -> LocalityL
 /// split: one locality per zone, all of weight 1; endpoints weighted by
 /// [`ballast_balance::load::envoy_weight`], draining ones DRAINING. Endpoints whose
 /// address is not `IP:port` are left out, with a warning.
-pub fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoadAssignment {
+#[cfg(test)]
+pub(crate) fn load_assignment(service: &str, endpoints: &[EndpointInput]) -> ClusterLoadAssignment {
     default_assignment(service, &addressable(service, endpoints))
 }
 
@@ -348,12 +349,12 @@ fn default_assignment(service: &str, eps: &[Addressed<'_>]) -> ClusterLoadAssign
 /// weight times the sum of its endpoint weights: with the same sum in every
 /// locality, the shares are the locality weights, whatever the number of endpoints
 /// in each zone. 100,000 keeps a per-mille resolution up to 100 endpoints a zone.
-pub const ZONE_WEIGHT_TOTAL: u32 = 100_000;
+pub(crate) const ZONE_WEIGHT_TOTAL: u32 = 100_000;
 
 /// The largest sum of locality weights in a split assignment. gRPC multiplies
 /// locality and endpoint weights in 32 bits; with at most 10,000 × 100,000 = 10⁹
 /// the products, and their sum, stay below 2³¹.
-pub const LOCALITY_WEIGHT_TOTAL: u32 = 10_000;
+pub(crate) const LOCALITY_WEIGHT_TOTAL: u32 = 10_000;
 
 fn gcd(a: u32, b: u32) -> u32 {
     if b == 0 {
@@ -366,7 +367,7 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// The locality weights of `shares`: reduced by their greatest common divisor (the
 /// seed's `50/50` becomes `1/1`), and scaled down to [`LOCALITY_WEIGHT_TOTAL`] only
 /// if they still add up to more, keeping every share at least 1.
-pub fn locality_weights(shares: &BTreeMap<&str, u32>) -> BTreeMap<String, u32> {
+pub(crate) fn locality_weights(shares: &BTreeMap<&str, u32>) -> BTreeMap<String, u32> {
     let divisor = shares.values().fold(0, |g, s| gcd(g, *s)).max(1);
     let reduced: BTreeMap<&str, u32> = shares.iter().map(|(z, s)| (*z, s / divisor)).collect();
     let sum: u64 = reduced.values().map(|s| u64::from(*s)).sum();
@@ -397,7 +398,8 @@ pub fn locality_weights(shares: &BTreeMap<&str, u32>) -> BTreeMap<String, u32> {
 ///
 /// `None` when no zone of the split has a serving endpoint: the caller then serves
 /// the default assignment, so that clients never get an empty one.
-pub fn split_assignment(
+#[cfg(test)]
+pub(crate) fn split_assignment(
     service: &str,
     endpoints: &[EndpointInput],
     shares: &BTreeMap<String, u32>,
@@ -550,7 +552,8 @@ impl ServiceResources {
 
     /// The client zones of the split that get the default assignment because none of
     /// their destination zones has a serving endpoint.
-    pub fn fallen_back(&self) -> impl Iterator<Item = &str> {
+    #[cfg(test)]
+    pub(crate) fn fallen_back(&self) -> impl Iterator<Item = &str> {
         self.fallen_back.iter().map(String::as_str)
     }
 
@@ -562,7 +565,7 @@ impl ServiceResources {
 
     /// The resource of type `t` for a client in `client_zone`: its zone's assignment
     /// for EDS if it has one, else what every client gets.
-    pub fn for_zone(&self, t: ResourceType, client_zone: &str) -> &Resource {
+    pub(crate) fn for_zone(&self, t: ResourceType, client_zone: &str) -> &Resource {
         match t {
             ResourceType::Endpoints => self.zonal.get(client_zone).unwrap_or(self.get(t)),
             _ => self.get(t),
@@ -651,7 +654,10 @@ impl Snapshot {
     }
 
     /// A snapshot of the given services, by name.
-    pub fn from_services(services: impl IntoIterator<Item = (String, ServiceResources)>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn from_services(
+        services: impl IntoIterator<Item = (String, ServiceResources)>,
+    ) -> Self {
         Snapshot {
             services: services
                 .into_iter()
@@ -661,7 +667,7 @@ impl Snapshot {
     }
 
     /// Whether both hold the same services with the same resources, by digest.
-    pub fn same_as(&self, other: &Snapshot) -> bool {
+    pub(crate) fn same_as(&self, other: &Snapshot) -> bool {
         self.services.len() == other.services.len()
             && self
                 .services
