@@ -86,9 +86,7 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
     }
-    cfg.validate()
-        .map_err(anyhow::Error::msg)
-        .context("configuration")?;
+    cfg.validate().context("configuration")?;
     Ok(cfg)
 }
 

@@ -31,7 +31,7 @@ pub struct State {
     /// The locality splits in force, replaced whole on a config reload.
     localities: RwLock<Arc<Localities>>,
     /// The per-service config directory, when one is configured.
-    config_dir: Mutex<Option<crate::config::watch::ConfigDirStatus>>,
+    config_dir: Mutex<Option<crate::config::dir::ConfigDirStatus>>,
 }
 
 impl State {
@@ -59,7 +59,7 @@ impl State {
     }
 
     /// The config directory's merged config and refusals; `None` without a directory.
-    pub fn config_dir(&self) -> MutexGuard<'_, Option<crate::config::watch::ConfigDirStatus>> {
+    pub fn config_dir(&self) -> MutexGuard<'_, Option<crate::config::dir::ConfigDirStatus>> {
         self.config_dir.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -160,68 +160,7 @@ impl EndpointView {
     }
 }
 
-/// `GET /v1/services/{name}/weights`: the published weight set with its version.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct WeightSet {
-    /// Service name.
-    pub service: String,
-    /// Increases with every material change.
-    pub version: u64,
-    /// The cycle the weights came from.
-    pub cycle: u64,
-    /// Weights by node.
-    pub weights: BTreeMap<String, WeightEntry>,
-}
-
-/// One endpoint's published weight, with each sink's integer.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct WeightEntry {
-    /// `host:port`.
-    pub address: String,
-    /// Zone.
-    pub zone: String,
-    /// Weight, mean 1.0.
-    pub weight: f64,
-    /// Whether draining.
-    pub draining: bool,
-    /// Envoy / gRPC `load_balancing_weight`.
-    pub envoy: u32,
-    /// HAProxy agent-check percentage.
-    pub haproxy_percent: u32,
-}
-
-impl WeightSet {
-    /// The weights of `svc`.
-    pub fn of(svc: &PublishedService) -> Self {
-        use ballast_balance::load::{envoy_weight, haproxy_percent};
-        WeightSet {
-            service: svc.name.clone(),
-            version: svc.version,
-            cycle: svc.cycle,
-            weights: svc
-                .endpoints
-                .iter()
-                .map(|(node, e)| {
-                    (
-                        node.clone(),
-                        WeightEntry {
-                            address: e.address.clone(),
-                            zone: e.zone.clone(),
-                            weight: e.weight,
-                            draining: e.draining,
-                            envoy: envoy_weight(e.weight),
-                            haproxy_percent: if e.draining {
-                                0
-                            } else {
-                                haproxy_percent(e.weight)
-                            },
-                        },
-                    )
-                })
-                .collect(),
-        }
-    }
-}
+pub use crate::feed::watch::{WeightEntry, WeightSet};
 
 /// `GET /v1/config`: the per-service config directory as merged.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -265,7 +204,7 @@ pub struct ServiceConfigView {
 
 impl ConfigView {
     /// The view of the config directory's status, or of its absence.
-    pub fn of(status: Option<&crate::config::watch::ConfigDirStatus>) -> Self {
+    pub fn of(status: Option<&crate::config::dir::ConfigDirStatus>) -> Self {
         let Some(s) = status else {
             return ConfigView {
                 dir: None,

@@ -19,6 +19,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// What the API shows of the config directory.
+#[derive(Debug, Clone)]
+pub struct ConfigDirStatus {
+    /// The directory.
+    pub dir: PathBuf,
+    /// The merged config and the refusals.
+    pub configs: ServiceConfigs,
+    /// When the directory was last scanned, in Unix milliseconds.
+    pub last_scan_unix_ms: u64,
+    /// Why the last scan failed, if it did (the directory missing or unreadable).
+    pub scan_error: Option<String>,
+}
+
 /// One service in the merged config.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
@@ -259,29 +272,43 @@ pub(crate) fn scan(dir: &Path) -> Result<BTreeMap<String, FileRead>, DirError> {
             continue;
         }
         let path = item.path();
-        let read = read_bounded(&path).map_err(|message| FileError {
+        let read = read_bounded(&path).map_err(|e| FileError {
             file: name.clone(),
             line: None,
-            message,
+            message: e.to_string(),
         });
         files.insert(name, read);
     }
     Ok(files)
 }
 
-fn read_bounded(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+/// Why a service file was not read.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    /// The file system refused.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// A directory, a device or a socket under a service file's name.
+    #[error("not a regular file")]
+    NotAFile,
+    /// Over the size limit: refused unread.
+    #[error("{0} bytes is more than the {MAX_FILE_BYTES}-byte limit of a service file")]
+    TooLarge(u64),
+    /// Not text.
+    #[error("not UTF-8 text")]
+    NotUtf8,
+}
+
+fn read_bounded(path: &Path) -> Result<String, ReadError> {
+    let meta = std::fs::metadata(path)?;
     if !meta.is_file() {
-        return Err("not a regular file".into());
+        return Err(ReadError::NotAFile);
     }
     if meta.len() > MAX_FILE_BYTES {
-        return Err(format!(
-            "{} bytes is more than the {MAX_FILE_BYTES}-byte limit of a service file",
-            meta.len()
-        ));
+        return Err(ReadError::TooLarge(meta.len()));
     }
-    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())
+    let bytes = std::fs::read(path)?;
+    String::from_utf8(bytes).map_err(|_| ReadError::NotUtf8)
 }
 
 /// Validates every service file in `dir` against `defaults`, as a scan would, without

@@ -13,6 +13,7 @@
 //! Clients in `zone_1` send everything to `zone_1`; clients in `zone_2` split evenly.
 //! Failing a data centre over is a one-file change.
 
+use super::InvalidSetting;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -26,24 +27,30 @@ pub(crate) const MAX_SHARE: u32 = 1_000_000;
 
 /// Checks a split: names non-empty, shares within bounds, and every client zone sends
 /// somewhere.
-pub fn validate(split: &LocalitySplit) -> Result<(), String> {
+pub fn validate(split: &LocalitySplit) -> Result<(), InvalidSetting> {
     for (client, dests) in split {
         if client.trim().is_empty() {
-            return Err("locality: a client zone name is empty".into());
+            return Err(InvalidSetting::new(
+                "locality",
+                "a client zone name is empty",
+            ));
         }
         if dests.keys().any(|d| d.trim().is_empty()) {
-            return Err(format!(
-                "locality.{client}: a destination zone name is empty"
+            return Err(InvalidSetting::new(
+                format!("locality.{client}"),
+                "a destination zone name is empty",
             ));
         }
         if let Some((d, s)) = dests.iter().find(|(_, s)| **s > MAX_SHARE) {
-            return Err(format!(
-                "locality.{client}.{d}: share {s} is above the limit of {MAX_SHARE}"
+            return Err(InvalidSetting::new(
+                format!("locality.{client}.{d}"),
+                format!("share {s} is above the limit of {MAX_SHARE}"),
             ));
         }
         if dests.values().all(|s| *s == 0) {
-            return Err(format!(
-                "locality.{client}: every share is 0, so its clients would get no endpoints"
+            return Err(InvalidSetting::new(
+                format!("locality.{client}"),
+                "every share is 0, so its clients would get no endpoints",
             ));
         }
     }
@@ -91,6 +98,6 @@ mod tests {
     #[test]
     fn an_all_zero_split_is_refused() {
         let split: LocalitySplit = toml::from_str("[z]\na = 0\n").expect("parses");
-        assert!(validate(&split).unwrap_err().contains("locality.z"));
+        assert_eq!(validate(&split).unwrap_err().setting, "locality.z");
     }
 }

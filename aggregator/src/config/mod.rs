@@ -60,21 +60,65 @@ impl Default for EtcdConfig {
     }
 }
 
+/// The load-balancing policy the xDS Clusters carry (`xds_lb_policy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LbPolicy {
+    /// `RING_HASH`: the only policy under which proxyless gRPC honours endpoint
+    /// weights (with no hash policy each RPC gets a random hash).
+    #[default]
+    RingHash,
+    /// `ROUND_ROBIN`: weighted round robin in Envoy; gRPC ignores the weights.
+    RoundRobin,
+    /// `LEAST_REQUEST`: Envoy's weighted least request.
+    LeastRequest,
+}
+
+/// A setting that parses but cannot be used: which one, and why. Its text names the
+/// setting by its dotted path, as an operator finds it in the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}: {reason}")]
+pub struct InvalidSetting {
+    /// The setting's dotted path, e.g. `store.etcd.prefix`.
+    pub setting: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl InvalidSetting {
+    /// `setting` is unusable for `reason`.
+    pub fn new(setting: impl Into<String>, reason: impl Into<String>) -> Self {
+        InvalidSetting {
+            setting: setting.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
 impl EtcdConfig {
     /// Checks what the types cannot.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.endpoints.is_empty() || self.endpoints.iter().any(|e| e.trim().is_empty()) {
-            return Err("store.etcd.endpoints must name at least one endpoint".into());
+            return Err(InvalidSetting::new(
+                "store.etcd.endpoints",
+                "must name at least one endpoint",
+            ));
         }
         if self.prefix.is_empty() || self.prefix.ends_with('/') {
-            return Err("store.etcd.prefix must be non-empty and must not end with '/'".into());
+            return Err(InvalidSetting::new(
+                "store.etcd.prefix",
+                "must be non-empty and must not end with '/'",
+            ));
         }
         for (name, ms) in [
             ("connect_timeout_ms", self.connect_timeout_ms),
             ("request_timeout_ms", self.request_timeout_ms),
         ] {
             if !(100..=60_000).contains(&ms) {
-                return Err(format!("store.etcd.{name} must be between 100 and 60000"));
+                return Err(InvalidSetting::new(
+                    format!("store.etcd.{name}"),
+                    "must be between 100 and 60000",
+                ));
             }
         }
         Ok(())
@@ -133,18 +177,24 @@ impl ServiceConfigSettings {
             .unwrap_or_else(|| beside(&store.path, "config-backups"))
     }
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
+        let bad = |name: &str, reason: &str| {
+            Err(InvalidSetting::new(
+                format!("service_config.{name}"),
+                reason,
+            ))
+        };
         if self.tombstone_ttl_s == 0 {
-            return Err("service_config.tombstone_ttl_s must be at least 1".into());
+            return bad("tombstone_ttl_s", "must be at least 1");
         }
         if !(60..=30 * 24 * 3600).contains(&self.backup_interval_s) {
-            return Err("service_config.backup_interval_s must be between 60 and 2592000".into());
+            return bad("backup_interval_s", "must be between 60 and 2592000");
         }
         if self.backup_keep == 0 {
-            return Err("service_config.backup_keep must be at least 1".into());
+            return bad("backup_keep", "must be at least 1");
         }
         if !(100..=3_600_000).contains(&self.rescan_ms) {
-            return Err("service_config.rescan_ms must be between 100 and 3600000".into());
+            return bad("rescan_ms", "must be between 100 and 3600000");
         }
         Ok(())
     }
@@ -177,7 +227,7 @@ pub struct Config {
     pub xds: Option<SocketAddr>,
     /// Load-balancing policy of the xDS clusters: `ring_hash` for proxyless gRPC,
     /// `round_robin` or `least_request` for Envoy.
-    pub xds_lb_policy: crate::feed::xds::LbPolicy,
+    pub xds_lb_policy: LbPolicy,
     /// Balancing defaults for every service.
     pub balance: Params,
     /// The per-service config directory.
@@ -195,7 +245,7 @@ impl Default for Config {
             services: None,
             balance: Params::default(),
             xds: None,
-            xds_lb_policy: crate::feed::xds::LbPolicy::default(),
+            xds_lb_policy: LbPolicy::default(),
             service_config: ServiceConfigSettings::default(),
         }
     }
@@ -219,19 +269,25 @@ impl Config {
     }
 
     /// Checks what the types cannot.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         self.balance
             .validate()
-            .map_err(|e| format!("balance.{e}"))?;
+            .map_err(|e| InvalidSetting::new(format!("balance.{}", e.field), e.reason))?;
         if !(100..=60_000).contains(&self.report_interval_ms) {
-            return Err("report_interval_ms must be between 100 and 60000".into());
+            return Err(InvalidSetting::new(
+                "report_interval_ms",
+                "must be between 100 and 60000",
+            ));
         }
         if let Some(services) = &self.services {
             if let Some(bad) = services
                 .iter()
                 .find(|s| s.is_empty() || !ballast_shared::wire::is_valid_name(s))
             {
-                return Err(format!("services: {bad:?} is not a valid service name"));
+                return Err(InvalidSetting::new(
+                    "services",
+                    format!("{bad:?} is not a valid service name"),
+                ));
             }
         }
         if let Some(etcd) = &self.store.etcd {

@@ -90,10 +90,10 @@ pub fn parse(file: &str, text: &str, defaults: &Params) -> Result<ServiceConfig,
         line: line_of_key(text, e.field),
         message: format!("balance.{e}"),
     })?;
-    locality::validate(&typed.locality).map_err(|message| FileError {
+    locality::validate(&typed.locality).map_err(|e| FileError {
         file: file.to_string(),
         line: line_of_table(text, "locality"),
-        message,
+        message: e.to_string(),
     })?;
     Ok(ServiceConfig {
         params,

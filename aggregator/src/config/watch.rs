@@ -16,18 +16,7 @@ use std::time::Duration;
 /// several steps, and one scan after the burst sees the finished file.
 const SETTLE: Duration = Duration::from_millis(150);
 
-/// What the API shows of the config directory.
-#[derive(Debug, Clone)]
-pub struct ConfigDirStatus {
-    /// The directory.
-    pub dir: PathBuf,
-    /// The merged config and the refusals.
-    pub configs: ServiceConfigs,
-    /// When the directory was last scanned, in Unix milliseconds.
-    pub last_scan_unix_ms: u64,
-    /// Why the last scan failed, if it did (the directory missing or unreadable).
-    pub scan_error: Option<String>,
-}
+use super::dir::ConfigDirStatus;
 
 /// The config directory of a running aggregator.
 pub(crate) struct ConfigDir {

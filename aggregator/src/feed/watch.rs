@@ -4,11 +4,13 @@
 //! A watcher gets the current set at once, then one event per material change. It
 //! never sees a half-applied cycle: each event is one service's whole set.
 
-use crate::api::views::WeightSet;
 use crate::metrics::ServiceLabel;
 use crate::state::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
+use ballast_balance::PublishedService;
 use futures_util::stream::{self, Stream};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,4 +85,67 @@ pub fn stream(
         },
     );
     Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+/// `GET /v1/services/{name}/weights`: the published weight set with its version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WeightSet {
+    /// Service name.
+    pub service: String,
+    /// Increases with every material change.
+    pub version: u64,
+    /// The cycle the weights came from.
+    pub cycle: u64,
+    /// Weights by node.
+    pub weights: BTreeMap<String, WeightEntry>,
+}
+
+/// One endpoint's published weight, with each sink's integer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WeightEntry {
+    /// `host:port`.
+    pub address: String,
+    /// Zone.
+    pub zone: String,
+    /// Weight, mean 1.0.
+    pub weight: f64,
+    /// Whether draining.
+    pub draining: bool,
+    /// Envoy / gRPC `load_balancing_weight`.
+    pub envoy: u32,
+    /// HAProxy agent-check percentage.
+    pub haproxy_percent: u32,
+}
+
+impl WeightSet {
+    /// The weights of `svc`.
+    pub fn of(svc: &PublishedService) -> Self {
+        use ballast_balance::load::{envoy_weight, haproxy_percent};
+        WeightSet {
+            service: svc.name.clone(),
+            version: svc.version,
+            cycle: svc.cycle,
+            weights: svc
+                .endpoints
+                .iter()
+                .map(|(node, e)| {
+                    (
+                        node.clone(),
+                        WeightEntry {
+                            address: e.address.clone(),
+                            zone: e.zone.clone(),
+                            weight: e.weight,
+                            draining: e.draining,
+                            envoy: envoy_weight(e.weight),
+                            haproxy_percent: if e.draining {
+                                0
+                            } else {
+                                haproxy_percent(e.weight)
+                            },
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
 }

@@ -168,7 +168,8 @@ impl EtcdStore {
     /// runtime. The connection is made lazily, so this succeeds while etcd is down;
     /// `load` then reports it.
     pub(crate) async fn connect(cfg: &EtcdConfig) -> Result<EtcdStore, StoreError> {
-        cfg.validate().map_err(StoreError::Backend)?;
+        cfg.validate()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
         let request_timeout = Duration::from_millis(cfg.request_timeout_ms);
         let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
         let options = ConnectOptions::new()

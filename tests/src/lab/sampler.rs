@@ -10,6 +10,8 @@ use ballast_agent::sample::cgroup::CgroupCpu;
 use ballast_agent::sample::host::HostCpu;
 use ballast_agent::sample::prometheus::parse_gauge;
 use ballast_agent::sample::CpuSource;
+use ballast_aggregator::api::views::EndpointView;
+use ballast_balance::inflight::InflightEstimate;
 use ballast_lab::backend::{CONNECTIONS_PEAK_METRIC, INFLIGHT_METRIC, INFLIGHT_PEAK_METRIC};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -75,21 +77,8 @@ pub struct Reported {
     pub inflight: u32,
     /// The weight it published, mean 1.
     pub weight: f64,
-    /// What the aggregator made of the in-flight count, when its API says.
-    pub estimate: Option<Estimate>,
-}
-
-/// The aggregator's verdict on an endpoint's in-flight count (`inflight_estimate`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Estimate {
-    /// The smoothed count.
-    pub smoothed: f64,
-    /// How far it stands out from the service's typical count (1 is typical).
-    pub ratio: f64,
-    /// The in-flight term set the load.
-    pub binding: bool,
-    /// The term is trusted.
-    pub trusted: bool,
+    /// What the aggregator made of the in-flight count.
+    pub estimate: Option<InflightEstimate>,
 }
 
 /// Parses `show servers conn BACKEND`: a `#` header naming the columns, then a row per
@@ -135,35 +124,27 @@ pub fn parse_servers_conn(text: &str) -> Result<BTreeMap<String, ServerConns>, S
     Ok(out)
 }
 
-/// The endpoints of `GET /v1/services/{service}/endpoints`, by node.
+/// The endpoints of `GET /v1/services/{service}/endpoints`, by node, read into the
+/// API's own type.
 fn parse_endpoints(text: &str) -> Option<BTreeMap<String, Reported>> {
-    let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    let mut out = BTreeMap::new();
-    for e in v.as_array()? {
-        let num = |k: &str| e.get(k).and_then(serde_json::Value::as_f64);
-        let Some(node) = e.get("node").and_then(|n| n.as_str()) else {
-            continue;
-        };
-        let estimate = e.get("inflight_estimate").and_then(|x| {
-            Some(Estimate {
-                smoothed: x.get("smoothed")?.as_f64()?,
-                ratio: x.get("ratio")?.as_f64()?,
-                binding: x.get("binding")?.as_bool()?,
-                trusted: x.get("trusted")?.as_bool()?,
+    let views: Vec<EndpointView> = serde_json::from_str(text).ok()?;
+    Some(
+        views
+            .into_iter()
+            .map(|e| {
+                (
+                    e.node,
+                    Reported {
+                        load: e.load,
+                        cpu: e.cpu,
+                        inflight: e.inflight,
+                        weight: e.weight,
+                        estimate: Some(e.inflight_estimate),
+                    },
+                )
             })
-        });
-        out.insert(
-            node.to_string(),
-            Reported {
-                load: num("load")?,
-                cpu: num("cpu")?,
-                inflight: num("inflight")? as u32,
-                weight: num("weight")?,
-                estimate,
-            },
-        );
-    }
-    Some(out)
+            .collect(),
+    )
 }
 
 /// Where the sampler finds what it reads besides the backends.
@@ -359,16 +340,32 @@ mod tests {
 
     #[test]
     fn parses_endpoints() {
-        let text = r#"[{"node":"web-1","load":0.5,"cpu":0.5,"inflight":3,"capacity":0,
-            "weight":0.8,"state":"serving"},
-            {"node":"web-2","load":2.5,"cpu":0.1,"inflight":9,"capacity":0,"weight":0.2,
-            "inflight_estimate":{"derivation":"fleet_relative","smoothed":8.5,"ratio":5.0,
-            "term":2.5,"binding":true,"trusted":true}}]"#;
-        let e = parse_endpoints(text).expect("parses");
+        let view = |node: &str, inflight, weight, binding| EndpointView {
+            node: node.to_string(),
+            address: "127.0.0.1:1".into(),
+            zone: String::new(),
+            load: 0.5,
+            cpu: 0.5,
+            inflight,
+            capacity: 0,
+            inflight_estimate: InflightEstimate {
+                ratio: 5.0,
+                binding,
+                trusted: true,
+                ..InflightEstimate::default()
+            },
+            weight,
+            state: ballast_balance::EndpointState::Serving,
+            report_age_ms: Some(10),
+        };
+        let text =
+            serde_json::to_string(&[view("web-1", 3, 0.8, false), view("web-2", 9, 0.2, true)])
+                .expect("serialises");
+        let e = parse_endpoints(&text).expect("parses");
         assert_eq!(e["web-1"].inflight, 3);
         assert_eq!(e["web-1"].weight, 0.8);
-        assert_eq!(e["web-1"].estimate, None);
         let x = e["web-2"].estimate.expect("estimate");
         assert!(x.binding && x.trusted && x.ratio == 5.0);
+        assert_eq!(parse_endpoints("[{\"node\": 1}]"), None);
     }
 }

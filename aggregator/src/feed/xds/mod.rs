@@ -44,21 +44,8 @@ pub mod server;
 
 pub use server::XdsServer;
 
-use serde::{Deserialize, Serialize};
-
-/// The load-balancing policy the served Clusters carry.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LbPolicy {
-    /// `RING_HASH`: the only policy under which proxyless gRPC honours endpoint
-    /// weights (with no hash policy each RPC gets a random hash).
-    #[default]
-    RingHash,
-    /// `ROUND_ROBIN`: weighted round robin in Envoy; gRPC ignores the weights.
-    RoundRobin,
-    /// `LEAST_REQUEST`: Envoy's weighted least request.
-    LeastRequest,
-}
+/// The configured policy, as the Clusters carry it; the config owns the setting.
+pub use crate::config::LbPolicy;
 
 #[cfg(test)]
 mod tests;
