@@ -26,6 +26,7 @@
 pub mod harness;
 pub mod lab;
 
+pub use harness::ads::{xds_aggregator_opts, EdsResponse, EdsWatch};
 pub use harness::agent::{start_fleet, Agent, AgentOpts, AgentStatus, ControlResponse};
 pub use harness::aggregator::{Aggregator, AggregatorOpts};
 pub use harness::api::{
@@ -34,6 +35,7 @@ pub use harness::api::{
     WeightSet,
 };
 pub use harness::backend::Backend;
+pub use harness::converge::{converged, node_names, start_speeds};
 pub use harness::etcd::{require_etcd, Etcd, Watch, WatchEvent};
 pub use harness::haproxy::{require_haproxy, Haproxy, HaproxyOpts, ServerState};
 pub use harness::packages::{packages, repo_root, require_tool, Packages, ScratchRoot};

@@ -29,21 +29,13 @@
 //!
 //! Needs Debian's `haproxy` package; the test fails, naming it, when it is missing.
 
-use ballast_aggregator::feed::xds::resources::ResourceType;
 use ballast_lab::load::{self, LoadSpec, Mode};
 use ballast_tests::harness::haproxy::OP_RUNNING;
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::*;
-use envoy_types::pb::envoy::config::core::v3::{address, socket_address, HealthStatus, Node};
-use envoy_types::pb::envoy::config::endpoint::v3::{lb_endpoint, ClusterLoadAssignment};
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
-use prost::Message;
-use std::collections::BTreeMap;
+use envoy_types::pb::envoy::config::core::v3::HealthStatus;
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const SERVICE: &str = "duck";
@@ -60,123 +52,16 @@ const QUIET_MS: u64 = 1500;
 /// The core's cold-start weight, relative to the mean.
 const COLD_START: f64 = 0.1;
 
-/// The longest an xDS watch runs, whatever happens to the test.
-const WATCH_LIMIT: Duration = Duration::from_secs(120);
-
-/// An xDS client of the service's endpoints: one ADS stream on its own thread that
-/// subscribes to the service's ClusterLoadAssignment, ACKs every response, and keeps
-/// the health status of each `IP:port` from the latest one. Stopped on drop.
-struct EdsWatch {
-    health: Arc<Mutex<Result<BTreeMap<String, i32>, String>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl EdsWatch {
-    fn start(xds: SocketAddr) -> EdsWatch {
-        let health = Arc::new(Mutex::new(Err("no EDS response yet".to_string())));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (h, st) = (health.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime for the xDS client");
-            if let Err(e) = rt.block_on(Self::run(xds, &h, &st)) {
-                *h.lock().unwrap() = Err(e);
-            }
-        });
-        EdsWatch {
-            health,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    async fn run(
-        xds: SocketAddr,
-        health: &Mutex<Result<BTreeMap<String, i32>, String>>,
-        stop: &AtomicBool,
-    ) -> Result<(), String> {
-        let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-            .await
-            .map_err(|e| format!("connect to xDS at {xds}: {e}"))?;
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let request = |version: &str, nonce: &str| DiscoveryRequest {
-            version_info: version.to_string(),
-            resource_names: vec![SERVICE.to_string()],
-            type_url: ResourceType::Endpoints.type_url().to_string(),
-            response_nonce: nonce.to_string(),
-            ..Default::default()
-        };
-        let first = DiscoveryRequest {
-            node: Some(Node {
-                id: "lameduck-test".into(),
-                ..Default::default()
-            }),
-            ..request("", "")
-        };
-        tx.send(first).await.map_err(|e| e.to_string())?;
-        let mut stream = client
-            .stream_aggregated_resources(
-                tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
-            )
-            .await
-            .map_err(|e| format!("ADS stream: {e}"))?
-            .into_inner();
-        let deadline = Instant::now() + WATCH_LIMIT;
-        while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-            let Ok(next) = tokio::time::timeout(Duration::from_millis(200), stream.message()).await
-            else {
-                continue;
-            };
-            let resp = next
-                .map_err(|e| format!("ADS stream: {e}"))?
-                .ok_or("the ADS stream ended")?;
-            let mut seen = BTreeMap::new();
-            for any in &resp.resources {
-                let cla = ClusterLoadAssignment::decode(any.value.as_slice())
-                    .map_err(|e| format!("a ClusterLoadAssignment that does not decode: {e}"))?;
-                for lb in cla.endpoints.iter().flat_map(|l| &l.lb_endpoints) {
-                    let Some(lb_endpoint::HostIdentifier::Endpoint(e)) = &lb.host_identifier else {
-                        continue;
-                    };
-                    if let Some(address::Address::SocketAddress(sa)) =
-                        e.address.as_ref().and_then(|a| a.address.as_ref())
-                    {
-                        if let Some(socket_address::PortSpecifier::PortValue(port)) =
-                            sa.port_specifier
-                        {
-                            seen.insert(format!("{}:{port}", sa.address), lb.health_status);
-                        }
-                    }
-                }
-            }
-            *health.lock().unwrap() = Ok(seen);
-            tx.send(request(&resp.version_info, &resp.nonce))
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-
-    /// The health status the client last got for `addr`.
-    fn health(&self, addr: SocketAddr) -> Result<HealthStatus, String> {
-        let seen = self.health.lock().unwrap().clone()?;
-        let code = *seen
-            .get(&addr.to_string())
-            .ok_or_else(|| format!("{addr} not in the EDS: {seen:?}"))?;
-        HealthStatus::try_from(code).map_err(|_| format!("unknown health status {code}"))
-    }
-}
-
-impl Drop for EdsWatch {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// The health status of `addr` in the latest EDS response the xDS client got.
+/// Panics, naming the client, if it stopped.
+fn xds_health(eds: &EdsWatch, addr: SocketAddr) -> Result<HealthStatus, String> {
+    let last = eds.latest().ok_or("no EDS response yet")?;
+    let endpoints = last.endpoints()?;
+    let code = endpoints
+        .get(&addr.to_string())
+        .ok_or_else(|| format!("{addr} not in the EDS: {:?}", endpoints.keys()))?
+        .health_status;
+    HealthStatus::try_from(code).map_err(|_| format!("unknown health status {code}"))
 }
 
 /// The agent-check's answer, read straight from the agent's port.
@@ -222,7 +107,7 @@ fn all_feeds_drained(
         .find(|e| e.node == node)
         .map(|e| (e.weight, e.state));
     let store = stored(agg, node);
-    let xds = eds.health(addr);
+    let xds = xds_health(eds, addr);
     let ok = hap_ok
         && xds == Ok(HealthStatus::Draining)
         && reply == "drain\n"
@@ -304,14 +189,14 @@ fn drain_stop_restart_undrain_loses_no_request() {
     for a in &agents {
         a.wait_weight(Duration::from_secs(15));
     }
-    let eds = EdsWatch::start(agg.xds_addr());
+    let eds = EdsWatch::start(agg.xds_addr(), SERVICE);
     wait_for(
         Duration::from_secs(10),
         "the xDS client to see every endpoint healthy",
         || {
             addrs
                 .iter()
-                .map(|a| match eds.health(*a) {
+                .map(|a| match xds_health(&eds, *a) {
                     Ok(HealthStatus::Healthy) => Ok(()),
                     other => Err(format!("{a}: {other:?}")),
                 })
@@ -491,7 +376,7 @@ fn drain_stop_restart_undrain_loses_no_request() {
     wait_for(
         Duration::from_secs(5),
         "the xDS client to see it healthy",
-        || match eds.health(addrs[d]) {
+        || match xds_health(&eds, addrs[d]) {
             Ok(HealthStatus::Healthy) => Ok(()),
             other => Err(format!("{other:?}")),
         },

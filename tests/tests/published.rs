@@ -27,22 +27,17 @@ use ballast_aggregator::feed::xds::LbPolicy;
 use ballast_balance::load::{envoy_weight, haproxy_percent};
 use ballast_balance::PublishedService;
 use ballast_tests::*;
-use envoy_types::pb::envoy::config::core::v3::{address, socket_address, HealthStatus, Node};
-use envoy_types::pb::envoy::config::endpoint::v3::{lb_endpoint, ClusterLoadAssignment};
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
-use prost::Message;
+use envoy_types::pb::envoy::config::core::v3::HealthStatus;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::BufRead;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const SERVICE: &str = "published";
 const SPEEDS: [f64; 3] = [0.6, 1.0, 1.5];
 const ZONES: [&str; 2] = ["zone-a", "zone-b"];
-/// The longest either stream reader runs, whatever happens to the test.
+/// The longest the watch stream reader runs, whatever happens to the test.
 const READ_LIMIT: Duration = Duration::from_secs(120);
 /// How long the controllers may take to converge.
 const CONVERGE_WITHIN: Duration = Duration::from_secs(40);
@@ -168,146 +163,17 @@ impl WatchReader {
 // ---------------------------------------------------------------------------------
 // The xDS client
 
-/// One EDS response as the client got it.
-#[derive(Debug, Clone)]
-struct EdsResponse {
-    version_info: String,
-    endpoints: Assignment,
-}
-
-/// An ADS client on its own thread: subscribes to the service's
-/// ClusterLoadAssignment, ACKs every response and records each. Stopped on drop, or
-/// after [`READ_LIMIT`].
-struct AdsReader {
-    responses: Arc<Mutex<Vec<EdsResponse>>>,
-    ended: Arc<Mutex<Option<String>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl AdsReader {
-    fn start(xds: SocketAddr) -> AdsReader {
-        let responses = Arc::new(Mutex::new(Vec::new()));
-        let ended = Arc::new(Mutex::new(None));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (r, end, st) = (responses.clone(), ended.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime for the xDS client");
-            let why = match rt.block_on(Self::run(xds, &r, &st)) {
-                Ok(()) => "stopped".to_string(),
-                Err(why) => why,
-            };
-            *end.lock().unwrap() = Some(why);
-        });
-        AdsReader {
-            responses,
-            ended,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    async fn run(
-        xds: SocketAddr,
-        responses: &Mutex<Vec<EdsResponse>>,
-        stop: &AtomicBool,
-    ) -> Result<(), String> {
-        let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-            .await
-            .map_err(|e| format!("connect to xDS at {xds}: {e}"))?;
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let request = |version: &str, nonce: &str| DiscoveryRequest {
-            version_info: version.to_string(),
-            resource_names: vec![SERVICE.to_string()],
-            type_url: ResourceType::Endpoints.type_url().to_string(),
-            response_nonce: nonce.to_string(),
-            ..Default::default()
-        };
-        let first = DiscoveryRequest {
-            node: Some(Node {
-                id: "published-test".into(),
-                ..Default::default()
-            }),
-            ..request("", "")
-        };
-        tx.send(first).await.map_err(|e| e.to_string())?;
-        let mut stream = client
-            .stream_aggregated_resources(
-                tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
-            )
-            .await
-            .map_err(|e| format!("ADS stream: {e}"))?
-            .into_inner();
-        let deadline = Instant::now() + READ_LIMIT;
-        while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-            let Ok(next) = tokio::time::timeout(Duration::from_millis(200), stream.message()).await
-            else {
-                continue;
-            };
-            let resp = next
-                .map_err(|e| format!("ADS stream: {e}"))?
-                .ok_or("the ADS stream ended")?;
-            if resp.type_url != ResourceType::Endpoints.type_url() {
-                return Err(format!("a response of type {}", resp.type_url));
-            }
-            let mut endpoints = Assignment::new();
-            for any in &resp.resources {
-                let cla = ClusterLoadAssignment::decode(any.value.as_slice())
-                    .map_err(|e| format!("a ClusterLoadAssignment that does not decode: {e}"))?;
-                for lb in cla.endpoints.iter().flat_map(|l| &l.lb_endpoints) {
-                    let Some(lb_endpoint::HostIdentifier::Endpoint(e)) = &lb.host_identifier else {
-                        return Err(format!("an endpoint without an address: {lb:?}"));
-                    };
-                    let Some(address::Address::SocketAddress(sa)) =
-                        e.address.as_ref().and_then(|a| a.address.as_ref())
-                    else {
-                        return Err(format!("not a socket address: {e:?}"));
-                    };
-                    let Some(socket_address::PortSpecifier::PortValue(port)) = sa.port_specifier
-                    else {
-                        return Err(format!("no port: {sa:?}"));
-                    };
-                    let weight = lb.load_balancing_weight.map_or(0, |w| w.value);
-                    endpoints.insert(format!("{}:{port}", sa.address), (weight, lb.health_status));
-                }
-            }
-            responses.lock().unwrap().push(EdsResponse {
-                version_info: resp.version_info.clone(),
-                endpoints,
-            });
-            tx.send(request(&resp.version_info, &resp.nonce))
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-
-    /// The responses so far, oldest first.
-    fn responses(&self) -> Vec<EdsResponse> {
-        self.responses.lock().unwrap().clone()
-    }
-
-    /// Panics, naming the xDS client, if it stopped.
-    fn alive(&self) {
-        if let Some(why) = self.ended.lock().unwrap().clone() {
-            panic!(
-                "the xDS client stopped: {why}; {} responses",
-                self.responses().len()
-            );
-        }
-    }
-}
-
-impl Drop for AdsReader {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// What `r` assigns each endpoint. Panics on an endpoint no xDS client could use: no
+/// timing explains it.
+fn assignment(r: &EdsResponse) -> Assignment {
+    r.endpoints()
+        .unwrap_or_else(|e| panic!("the xDS client got {e}"))
+        .into_iter()
+        .map(|(addr, lb)| {
+            let weight = lb.load_balancing_weight.map_or(0, |w| w.value);
+            (addr, (weight, lb.health_status))
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------
@@ -405,7 +271,7 @@ fn xds_version_of(p: &Published) -> String {
 /// One pass over the readers. `Err` when they do not (yet) agree: one lags, or the
 /// version moved on during the pass, or it has not held across a publication. Panics
 /// on what no timing explains: the same version with other weights, or a reader gone.
-fn agree(agg: &Aggregator, watch: &WatchReader, ads: &AdsReader) -> Result<Agreement, String> {
+fn agree(agg: &Aggregator, watch: &WatchReader, ads: &EdsWatch) -> Result<Agreement, String> {
     watch.alive();
     ads.alive();
     let p = agg.published();
@@ -471,12 +337,12 @@ fn agree(agg: &Aggregator, watch: &WatchReader, ads: &AdsReader) -> Result<Agree
     let want = expected_assignment(&weights, &addresses);
     let xds_version = xds_version_of(&p);
     let responses = ads.responses();
-    let Some(got) = responses.iter().rev().find(|r| r.endpoints == want) else {
+    let Some(got) = responses.iter().rev().find(|r| assignment(r) == want) else {
         return Err(format!(
             "no xDS assignment with version {version}'s weights yet: want {want:?}, last of {} \
              responses {:?}",
             responses.len(),
-            responses.last()
+            responses.last().map(|r| (&r.version_info, assignment(r)))
         ));
     };
     assert_eq!(
@@ -544,37 +410,15 @@ fn check_set(what: &str, set: &WeightSet, weights: &Weights, addresses: &BTreeMa
 #[test]
 fn every_reader_of_a_publication_shows_the_same_version_and_weights() {
     let pki = Pki::new();
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts {
-            xds: true,
-            ..AggregatorOpts::default()
-                .cycle_ms(300)
-                .report_interval_ms(300)
-                .grace_ms(1000)
-        },
-    );
-    let nodes: Vec<String> = (0..SPEEDS.len())
-        .map(|i| format!("{SERVICE}-{i}"))
-        .collect();
-    pki.issue_nodes(&nodes.iter().map(String::as_str).collect::<Vec<_>>());
-    let agents: Vec<Agent> = nodes
-        .iter()
-        .zip(SPEEDS)
-        .enumerate()
-        .map(|(i, (node, speed))| {
-            let mut opts = AgentOpts::new(SERVICE, node).speed(speed).seed(i as u64);
-            opts.zone = Some(ZONES[i % ZONES.len()].to_string());
-            Agent::start(&pki, &agg, opts)
-        })
-        .collect();
-    for a in &agents {
-        a.wait_weight(Duration::from_secs(15));
-    }
+    let agg = Aggregator::start(&pki, xds_aggregator_opts());
+    let nodes = node_names(SERVICE, SPEEDS.len());
+    let agents = start_speeds(&pki, &agg, SERVICE, &nodes, &SPEEDS, |i, opts| {
+        opts.zone = Some(ZONES[i % ZONES.len()].to_string());
+    });
 
     // Both stream readers from before convergence, so they see the versions go by.
     let watch = WatchReader::start(agg.http_addr());
-    let ads = AdsReader::start(agg.xds_addr());
+    let ads = EdsWatch::start(agg.xds_addr(), SERVICE);
     wait_for(FIRST_WITHIN, "the watch stream's first event", || {
         watch.alive();
         if watch.versions().is_empty() {
@@ -583,30 +427,18 @@ fn every_reader_of_a_publication_shows_the_same_version_and_weights() {
             Ok(())
         }
     });
-    wait_for(FIRST_WITHIN, "the xDS client's first assignment", || {
-        ads.alive();
-        match ads.responses().last() {
-            Some(r) if r.endpoints.len() == SPEEDS.len() => Ok(()),
+    wait_for(
+        FIRST_WITHIN,
+        "the xDS client's first assignment",
+        || match ads.latest().map(|r| assignment(&r)) {
+            Some(a) if a.len() == SPEEDS.len() => Ok(()),
             last => Err(format!("{last:?}")),
-        }
-    });
+        },
+    );
 
     // The controllers converge: the weights then sit near the speeds' ratios.
     wait_for(CONVERGE_WITHIN, "the weights to converge", || {
-        let d = agg.service(SERVICE);
-        let updates = d.updates().count();
-        let last = d
-            .history
-            .last()
-            .map_or(f64::INFINITY, |h| h.spread.max_over_avg);
-        if updates >= 5 && last <= 1.1 {
-            Ok(())
-        } else {
-            Err(format!(
-                "{updates} updates, max/avg {}",
-                d.recent_max_over_avg(5)
-            ))
-        }
+        converged(&agg, SERVICE, 5, 1.1)
     });
 
     let a = wait_for(

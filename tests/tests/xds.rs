@@ -129,58 +129,28 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
         .expect("temporary directory");
 
     let pki = Pki::new();
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts {
-            xds: true,
-            ..AggregatorOpts::default()
-                .cycle_ms(300)
-                .report_interval_ms(300)
-                .grace_ms(1000)
-        },
-    );
+    let agg = Aggregator::start(&pki, xds_aggregator_opts());
     let xds = agg.xds_addr();
 
     // The backends, then an agent for each that registers the backend's address.
-    let nodes: Vec<String> = (0..SPEEDS.len())
-        .map(|i| format!("{SERVICE}-{i}"))
-        .collect();
+    let nodes = node_names(SERVICE, SPEEDS.len());
     let node_refs: Vec<&str> = nodes.iter().map(String::as_str).collect();
     let backends = Backends::start(&node_refs, dir.path());
-    pki.issue_nodes(&node_refs);
-    let agents: Vec<Agent> = nodes
-        .iter()
-        .zip(SPEEDS)
-        .enumerate()
-        .map(|(i, (node, speed))| {
-            let mut opts = AgentOpts::new(SERVICE, node).speed(speed).seed(i as u64);
-            opts.address = Some(backends.address(node));
-            Agent::start(&pki, &agg, opts)
-        })
-        .collect();
-    for a in &agents {
-        a.wait_weight(Duration::from_secs(15));
-    }
+    let agents = start_speeds(&pki, &agg, SERVICE, &nodes, &SPEEDS, |_, opts| {
+        opts.address = Some(backends.address(&opts.node));
+    });
 
     // Let the controllers converge: the weights then sit near the speeds' ratios.
     let weights = wait_for(Duration::from_secs(40), "weights to converge", || {
-        let d = agg.service(SERVICE);
         let w = agg.weights(SERVICE);
-        let updates = d.updates().count();
-        let last = d
-            .history
-            .last()
-            .map_or(f64::INFINITY, |h| h.spread.max_over_avg);
         let shares = weight_shares(&w);
+        converged(&agg, SERVICE, 10, 1.08).map_err(|e| format!("{e}, shares {shares:?}"))?;
         let spread = shares.values().cloned().fold(0.0, f64::max)
             - shares.values().cloned().fold(1.0, f64::min);
-        if w.weights.len() == SPEEDS.len() && updates >= 10 && last <= 1.08 && spread >= 0.15 {
+        if w.weights.len() == SPEEDS.len() && spread >= 0.15 {
             Ok(w)
         } else {
-            Err(format!(
-                "{updates} updates, max/avg {}, shares {shares:?}",
-                d.recent_max_over_avg(5)
-            ))
+            Err(format!("shares {shares:?}"))
         }
     });
     eprintln!("converged weights: {:?}", weight_shares(&weights));

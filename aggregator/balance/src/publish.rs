@@ -105,7 +105,7 @@ pub struct PublishedEndpoint {
     /// Milliseconds from its last report to the cycle; `None` if it has not reported
     /// since it was registered or restored.
     pub report_age_ms: Option<u64>,
-    /// Each strategy's own weight, which the routing store keeps.
+    /// Each strategy's own weight as of this version, which the routing store keeps.
     pub strategy_weights: BTreeMap<Strategy, f64>,
 }
 
@@ -143,7 +143,7 @@ impl PublishedService {
                             inflight_estimate: e.inflight.estimate,
                             inflight_trusted: !e.inflight.distrusted(),
                             report_age_ms: e.report_age(now),
-                            strategy_weights: e.strategy_weights.clone(),
+                            strategy_weights: svc.published_strategy_weights(e).clone(),
                         },
                     )
                 })

@@ -292,6 +292,9 @@ pub struct Service {
     /// Recent cycles, newest last.
     pub history: VecDeque<HistoryPoint>,
     published: BTreeMap<String, (f64, bool)>,
+    /// Each endpoint's strategy weights as of the current version, so that what the
+    /// store keeps of a version mixes back to that version's weights on a restore.
+    published_strategies: BTreeMap<String, BTreeMap<Strategy, f64>>,
     published_cycle: u64,
     /// The last cycle's average load, and how many cycles in a row before it were
     /// skipped for a jump.
@@ -328,6 +331,7 @@ impl Service {
             weights_cycle: 0,
             history: VecDeque::new(),
             published: BTreeMap::new(),
+            published_strategies: BTreeMap::new(),
             published_cycle: 0,
             last_avg: None,
             feed_forward_from: 0,
@@ -798,9 +802,25 @@ impl Service {
                 });
         if moved {
             self.published = now;
+            self.published_strategies = self
+                .endpoints
+                .values()
+                .map(|e| (e.node.clone(), e.strategy_weights.clone()))
+                .collect();
             self.published_cycle = self.weights_cycle;
         }
         moved
+    }
+
+    /// An endpoint's strategy weights as of the current version (its live ones if it
+    /// registered since).
+    pub fn published_strategy_weights<'a>(
+        &'a self,
+        ep: &'a Endpoint,
+    ) -> &'a BTreeMap<Strategy, f64> {
+        self.published_strategies
+            .get(&ep.node)
+            .unwrap_or(&ep.strategy_weights)
     }
 
     /// An endpoint's weight and drain state as of the current version: what feeds publish.
@@ -844,30 +864,11 @@ impl Service {
             .values()
             .map(|e| (e.node.clone(), (e.weight, e.draining)))
             .collect();
-    }
-
-    /// What the routing store keeps for this service.
-    pub fn snapshot(&self) -> ServiceSnapshot {
-        ServiceSnapshot {
-            version: self.version,
-            cycle: self.weights_cycle,
-            endpoints: self
-                .endpoints
-                .values()
-                .map(|e| {
-                    (
-                        e.node.clone(),
-                        EndpointSnapshot {
-                            address: e.address.clone(),
-                            zone: e.zone.clone(),
-                            draining: e.draining,
-                            weight: e.weight,
-                            strategy_weights: e.strategy_weights.clone(),
-                        },
-                    )
-                })
-                .collect(),
-        }
+        self.published_strategies = self
+            .endpoints
+            .values()
+            .map(|e| (e.node.clone(), e.strategy_weights.clone()))
+            .collect();
     }
 }
 

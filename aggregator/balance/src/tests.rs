@@ -405,8 +405,11 @@ fn thin_feedback_is_reported_not_chased() {
 fn grace_period_holds_weights_after_a_restore() {
     let mut b = fleet(3, params());
     run_plant(&mut b, &[0.5, 1.0, 1.5], 0.6, 0, 15);
-    let snap = b.service(SVC).expect("svc").snapshot();
-    let before = weights(&b);
+    // What the routing store keeps: the published weights of the last version.
+    let published =
+        crate::Published::default().next(&b, &Default::default(), &Default::default(), 15_000);
+    let snap = published.services[SVC].snapshot();
+    let before: Vec<f64> = snap.endpoints.values().map(|e| e.weight).collect();
 
     let mut restarted = Balancer::new(Params::default(), 100_000);
     restarted.restore(100_000, &[(SVC.to_string(), snap)].into());

@@ -1,4 +1,4 @@
-//! `ballast-aggregator demo`: an aggregator and a fleet of real agents on loopback,
+//! `ballast-sim demo`: an aggregator and a fleet of real agents on loopback,
 //! converging live.
 //!
 //! The agents are in-process tasks, but each has its own QUIC endpoint and certificate

@@ -1,10 +1,12 @@
 //! The harness: one call each to get certificates, an aggregator, agents and a raw
 //! QUIC client, all real processes or sockets on 127.0.0.1, each cleaned up on drop.
 
+pub mod ads;
 pub mod agent;
 pub mod aggregator;
 pub mod api;
 pub mod backend;
+pub mod converge;
 pub mod etcd;
 pub mod grpc;
 pub mod haproxy;
