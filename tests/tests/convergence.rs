@@ -137,7 +137,8 @@ fn heterogeneous_fleet_converges_to_the_average() {
         published.services[SERVICE]
             .endpoints
             .keys()
-            .eq(weights.weights.keys()),
+            .map(|k| k.as_ref())
+            .eq(weights.weights.keys().map(String::as_str)),
         "/v1/published and /weights disagree on the endpoints"
     );
     let mean_speed = SPEEDS.iter().sum::<f64>() / SPEEDS.len() as f64;

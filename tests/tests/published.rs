@@ -233,12 +233,12 @@ fn published_weights(svc: &PublishedService) -> (Weights, BTreeMap<String, Strin
     let weights = svc
         .endpoints
         .iter()
-        .map(|(n, e)| (n.clone(), (e.weight, e.draining)))
+        .map(|(n, e)| (n.to_string(), (e.weight, e.draining)))
         .collect();
     let addresses = svc
         .endpoints
         .iter()
-        .map(|(n, e)| (n.clone(), e.address.clone()))
+        .map(|(n, e)| (n.to_string(), e.address.to_string()))
         .collect();
     (weights, addresses)
 }
@@ -381,7 +381,7 @@ fn check_set(what: &str, set: &WeightSet, weights: &Weights, addresses: &BTreeMa
     let got: Weights = set
         .weights
         .iter()
-        .map(|(n, e)| (n.clone(), (e.weight, e.draining)))
+        .map(|(n, e)| (n.to_string(), (e.weight, e.draining)))
         .collect();
     assert_eq!(
         &got, weights,

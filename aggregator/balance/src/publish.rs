@@ -71,16 +71,16 @@ pub struct PublishedService {
     /// Recent cycles, oldest first.
     pub history: Vec<HistoryPoint>,
     /// Endpoints by node.
-    pub endpoints: BTreeMap<String, PublishedEndpoint>,
+    pub endpoints: BTreeMap<Arc<str>, PublishedEndpoint>,
 }
 
 /// One endpoint as published.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PublishedEndpoint {
     /// `host:port`.
-    pub address: String,
+    pub address: Arc<str>,
     /// Its zone; empty when unknown.
-    pub zone: String,
+    pub zone: Arc<str>,
     /// The weight of this version, mean 1.0 over serving endpoints.
     pub weight: f64,
     /// Whether this version has it draining (weight 0 to every sink).
@@ -106,7 +106,7 @@ pub struct PublishedEndpoint {
     /// since it was registered or restored.
     pub report_age_ms: Option<u64>,
     /// Each strategy's own weight as of this version, which the routing store keeps.
-    pub strategy_weights: BTreeMap<Strategy, f64>,
+    pub strategy_weights: Arc<BTreeMap<Strategy, f64>>,
 }
 
 impl PublishedService {
@@ -123,15 +123,14 @@ impl PublishedService {
             stats: svc.stats.clone(),
             history: svc.history.iter().copied().collect(),
             endpoints: svc
-                .endpoints
-                .values()
-                .map(|e| {
-                    let (weight, draining) = svc.published(e);
+                .published_endpoints()
+                .map(|(e, (weight, draining), strategy_weights)| {
+                    let names = e.names();
                     (
-                        e.node.clone(),
+                        Arc::clone(&names.node),
                         PublishedEndpoint {
-                            address: e.address.clone(),
-                            zone: e.zone.clone(),
+                            address: Arc::clone(&names.address),
+                            zone: Arc::clone(&names.zone),
                             weight,
                             draining,
                             draining_now: e.draining,
@@ -143,7 +142,7 @@ impl PublishedService {
                             inflight_estimate: e.inflight.estimate,
                             inflight_trusted: !e.inflight.distrusted(),
                             report_age_ms: e.report_age(now),
-                            strategy_weights: svc.published_strategy_weights(e).clone(),
+                            strategy_weights,
                         },
                     )
                 })
@@ -161,13 +160,13 @@ impl PublishedService {
                 .iter()
                 .map(|(node, e)| {
                     (
-                        node.clone(),
+                        node.to_string(),
                         EndpointSnapshot {
-                            address: e.address.clone(),
-                            zone: e.zone.clone(),
+                            address: e.address.to_string(),
+                            zone: e.zone.to_string(),
                             draining: e.draining,
                             weight: e.weight,
-                            strategy_weights: e.strategy_weights.clone(),
+                            strategy_weights: e.strategy_weights.as_ref().clone(),
                         },
                     )
                 })
@@ -316,8 +315,8 @@ mod tests {
         let snap = svc.snapshot();
         assert_eq!(snap.version, svc.version);
         for (node, e) in &svc.endpoints {
-            assert_eq!(snap.endpoints[node].weight, e.weight);
-            assert_eq!(snap.endpoints[node].address, e.address);
+            assert_eq!(snap.endpoints[node.as_ref()].weight, e.weight);
+            assert_eq!(*snap.endpoints[node.as_ref()].address, *e.address);
         }
     }
 }

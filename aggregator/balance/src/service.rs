@@ -9,6 +9,7 @@ use super::stats::Spread;
 use super::{Millis, Observation};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 /// How many cycles of history a service keeps for the dashboard.
 pub(crate) const HISTORY: usize = 900;
@@ -69,9 +70,25 @@ pub struct Endpoint {
     pub established: bool,
     /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
     pub inflight: InflightTracker,
+    /// Its node, address and zone as shared strings, so that a publication shares
+    /// them instead of copying three strings per endpoint per cycle.
+    names: Names,
+}
+
+/// An endpoint's identity as a publication carries it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Names {
+    pub(crate) node: Arc<str>,
+    pub(crate) address: Arc<str>,
+    pub(crate) zone: Arc<str>,
 }
 
 impl Endpoint {
+    /// Its node, address and zone, shared.
+    pub(crate) fn names(&self) -> &Names {
+        &self.names
+    }
+
     fn new(node: &str, address: &str, zone: &str, now: Millis, weight: f64) -> Self {
         Endpoint {
             node: node.to_string(),
@@ -90,6 +107,11 @@ impl Endpoint {
             last_update: None,
             established: false,
             inflight: InflightTracker::default(),
+            names: Names {
+                node: Arc::from(node),
+                address: Arc::from(address),
+                zone: Arc::from(zone),
+            },
         }
     }
 
@@ -294,7 +316,7 @@ pub struct Service {
     published: BTreeMap<String, (f64, bool)>,
     /// Each endpoint's strategy weights as of the current version, so that what the
     /// store keeps of a version mixes back to that version's weights on a restore.
-    published_strategies: BTreeMap<String, BTreeMap<Strategy, f64>>,
+    published_strategies: BTreeMap<String, Arc<BTreeMap<Strategy, f64>>>,
     published_cycle: u64,
     /// The last cycle's average load, and how many cycles in a row before it were
     /// skipped for a jump.
@@ -360,8 +382,12 @@ impl Service {
             ep.warming = fleet_established;
             ep
         });
-        ep.address = address.to_string();
-        ep.zone = zone.to_string();
+        if ep.address != address || ep.zone != zone {
+            ep.address = address.to_string();
+            ep.zone = zone.to_string();
+            ep.names.address = Arc::from(address);
+            ep.names.zone = Arc::from(zone);
+        }
         ep.last_seen = now;
         // A new session restarts its sequence numbers.
         ep.last_seq = None;
@@ -805,22 +831,41 @@ impl Service {
             self.published_strategies = self
                 .endpoints
                 .values()
-                .map(|e| (e.node.clone(), e.strategy_weights.clone()))
+                .map(|e| (e.node.clone(), Arc::new(e.strategy_weights.clone())))
                 .collect();
             self.published_cycle = self.weights_cycle;
         }
         moved
     }
 
-    /// An endpoint's strategy weights as of the current version (its live ones if it
-    /// registered since).
-    pub fn published_strategy_weights<'a>(
-        &'a self,
-        ep: &'a Endpoint,
-    ) -> &'a BTreeMap<Strategy, f64> {
-        self.published_strategies
-            .get(&ep.node)
-            .unwrap_or(&ep.strategy_weights)
+    /// Every endpoint with its weight, drain state and strategy weights as of the
+    /// current version (its live ones if it registered since), in node order. One
+    /// merge of sorted maps rather than a lookup per endpoint: a publication walks
+    /// every endpoint every cycle.
+    pub(crate) fn published_endpoints(
+        &self,
+    ) -> impl Iterator<Item = (&Endpoint, (f64, bool), Arc<BTreeMap<Strategy, f64>>)> + '_ {
+        let mut published = self.published.iter().peekable();
+        let mut strategies = self.published_strategies.iter().peekable();
+        self.endpoints.values().map(move |ep| {
+            while published
+                .next_if(|(n, _)| n.as_str() < ep.node.as_str())
+                .is_some()
+            {}
+            while strategies
+                .next_if(|(n, _)| n.as_str() < ep.node.as_str())
+                .is_some()
+            {}
+            let state = match published.peek() {
+                Some((n, &w)) if **n == ep.node => w,
+                _ => (ep.weight, ep.draining),
+            };
+            let weights = match strategies.peek() {
+                Some((n, w)) if **n == ep.node => Arc::clone(w),
+                _ => Arc::new(ep.strategy_weights.clone()),
+            };
+            (ep, state, weights)
+        })
     }
 
     /// An endpoint's weight and drain state as of the current version: what feeds publish.
@@ -867,7 +912,7 @@ impl Service {
         self.published_strategies = self
             .endpoints
             .values()
-            .map(|e| (e.node.clone(), e.strategy_weights.clone()))
+            .map(|e| (e.node.clone(), Arc::new(e.strategy_weights.clone())))
             .collect();
     }
 }

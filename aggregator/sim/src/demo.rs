@@ -178,7 +178,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
             let mut by_speed: Vec<(f64, f64, usize)> =
                 opts.speeds.iter().map(|&s| (s, 0.0, 0)).collect();
             for (speed, agent) in &agents {
-                if let Some(e) = svc.endpoints.get(&agent.shared.config.node) {
+                if let Some(e) = svc.endpoints.get(agent.shared.config.node.as_str()) {
                     if let Some(slot) = by_speed.iter_mut().find(|(s, _, _)| s == speed) {
                         slot.1 += e.weight;
                         slot.2 += 1;

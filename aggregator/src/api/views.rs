@@ -144,9 +144,9 @@ impl EndpointView {
         svc.endpoints
             .iter()
             .map(|(node, e)| EndpointView {
-                node: node.clone(),
-                address: e.address.clone(),
-                zone: e.zone.clone(),
+                node: node.to_string(),
+                address: e.address.to_string(),
+                zone: e.zone.to_string(),
                 load: e.load,
                 cpu: e.cpu,
                 inflight: e.inflight,

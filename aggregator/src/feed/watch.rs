@@ -130,10 +130,10 @@ impl WeightSet {
                 .iter()
                 .map(|(node, e)| {
                     (
-                        node.clone(),
+                        node.to_string(),
                         WeightEntry {
-                            address: e.address.clone(),
-                            zone: e.zone.clone(),
+                            address: e.address.to_string(),
+                            zone: e.zone.to_string(),
                             weight: e.weight,
                             draining: e.draining,
                             envoy: envoy_weight(e.weight),

@@ -261,7 +261,7 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
                     let published = state.published();
                     let assignment = match published
                         .service(&hello.service)
-                        .and_then(|svc| Some((svc, svc.endpoints.get(&hello.node)?)))
+                        .and_then(|svc| Some((svc, svc.endpoints.get(hello.node.as_str())?)))
                     {
                         Some((svc, e)) => Assignment {
                             weight: e.weight,

@@ -121,8 +121,8 @@ impl EndpointInput {
     fn of(node: &str, ep: &ballast_balance::PublishedEndpoint) -> Self {
         EndpointInput {
             node: node.to_string(),
-            address: ep.address.clone(),
-            zone: ep.zone.clone(),
+            address: ep.address.to_string(),
+            zone: ep.zone.to_string(),
             weight: ep.weight,
             draining: ep.draining,
         }
@@ -616,9 +616,9 @@ impl Snapshot {
         for (name, svc) in &published.services {
             let key = endpoint_key(svc.endpoints.iter().map(|(node, e)| {
                 (
-                    node.as_str(),
-                    e.address.as_str(),
-                    e.zone.as_str(),
+                    node.as_ref(),
+                    e.address.as_ref(),
+                    e.zone.as_ref(),
                     e.draining,
                 )
             }));
