@@ -13,6 +13,7 @@
 
 use crate::sample::Sampler;
 use crate::shared::Shared;
+use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{
     self, Assignment, ClientConfig, ClientError, ClientEvent, ClientSession, Measurement,
 };
@@ -20,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::watch;
 
 /// How long a connection attempt may take. Short, because a dead aggregator first in
@@ -141,20 +142,6 @@ async fn resolve(target: &str) -> Result<SocketAddr, SessionError> {
 fn host_part(target: &str) -> &str {
     let host = target.rsplit_once(':').map(|(h, _)| h).unwrap_or(target);
     host.trim_start_matches('[').trim_end_matches(']')
-}
-
-/// The time now, in the session machine's terms; tokio's clock, so that it follows a
-/// paused runtime in tests.
-fn now() -> Instant {
-    tokio::time::Instant::now().into_std()
-}
-
-/// Sleeps until `deadline`; forever when there is none.
-async fn until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// One connection's life. `Ok(true)`: it was established and then ended; `Ok(false)`:

@@ -9,10 +9,11 @@
 
 use crate::state::State;
 use ballast_balance::{BalanceError, Observation};
+use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{Assignment, ServerConfig, ServerError, ServerEvent, ServerSession};
 use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// QUIC application error codes for closing connections; the protocol's own.
 pub(crate) use ballast_shared::session::close;
@@ -38,19 +39,6 @@ pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
                 tracing::debug!(remote = %conn.remote_address(), reason, "agent connection ended");
             }
         });
-    }
-}
-
-/// The time now, in the session machine's terms.
-fn now() -> Instant {
-    tokio::time::Instant::now().into_std()
-}
-
-/// Sleeps until `deadline`; forever when there is none.
-async fn until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-        None => std::future::pending().await,
     }
 }
 

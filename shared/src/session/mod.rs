@@ -28,6 +28,7 @@
 //! never panics, whatever bytes it is fed.
 
 mod client;
+pub mod driver;
 mod server;
 #[cfg(test)]
 mod tests;
