@@ -47,7 +47,10 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({ "error": self.message, "status": self.status.as_u16() });
+        let body = views::ErrorBody {
+            error: self.message,
+            status: self.status.as_u16(),
+        };
         (self.status, Json(body)).into_response()
     }
 }

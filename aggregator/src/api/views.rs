@@ -5,6 +5,16 @@ use ballast_balance::{EndpointState, PublishedService, SkipReason};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// The body of every error the API answers: the same two fields whatever went wrong,
+/// so that a client needs one shape to read them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What went wrong, for people.
+    pub error: String,
+    /// The HTTP status again, for clients that lose it on the way.
+    pub status: u16,
+}
+
 /// One line per service in `GET /v1/services`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ServiceSummary {

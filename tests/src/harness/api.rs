@@ -3,12 +3,11 @@
 //! tests at compile time instead of drifting from a copy), and a Prometheus text
 //! parser.
 
-use serde::Deserialize;
 use std::collections::BTreeMap;
 
 pub use ballast_aggregator::api::views::{
-    ConfigView, EndpointView, ServiceConfigView, ServiceDetail, ServiceSummary, WeightEntry,
-    WeightSet,
+    ConfigView, EndpointView, ErrorBody, ServiceConfigView, ServiceDetail, ServiceSummary,
+    WeightEntry, WeightSet,
 };
 pub use ballast_balance::inflight::InflightEstimate;
 pub use ballast_balance::service::{HistoryPoint, ServiceStats};
@@ -46,16 +45,6 @@ impl ServiceHistory for ServiceDetail {
             .collect::<Vec<_>>()
             .join(" ")
     }
-}
-
-/// The API's JSON error body. The aggregator builds it ad hoc rather than from a type,
-/// so this is the one shape the tests spell out themselves.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ErrorBody {
-    /// Text for people.
-    pub error: String,
-    /// The HTTP status again.
-    pub status: u16,
 }
 
 /// One sample of a Prometheus / OpenMetrics text exposition.
