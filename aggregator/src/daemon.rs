@@ -46,7 +46,12 @@ pub struct Daemon {
     xds: Option<crate::feed::xds::XdsServer>,
     endpoint: quinn::Endpoint,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    store_writer: tokio::task::JoinHandle<()>,
 }
+
+/// How long shutdown waits for the routing store to take the last publication, so that
+/// a restart resumes from the weights and version the feeds last served.
+const STORE_FLUSH: Duration = Duration::from_secs(5);
 
 /// TLS material loaded from the configured files.
 pub fn load_tls(cfg: &Config) -> Result<(Identity, Vec<CertificateDer<'static>>), TlsError> {
@@ -86,6 +91,9 @@ impl Daemon {
         }
         balancer.restore(clock.now(), &restored);
         let state = Arc::new(State::new(balancer, store, clock, cfg.report_interval_ms));
+        // Before anything can publish: the writer takes what is current now (the
+        // restored services) as what the store holds, and writes every change after it.
+        let store_writer = crate::store::writer(state.clone());
 
         let server = tls::server_config(identity, client_ca)?;
         let endpoint =
@@ -145,7 +153,6 @@ impl Daemon {
             );
             tasks.push(tokio::spawn(config_dir.run()));
         }
-        tasks.push(tokio::spawn(crate::store::writer(state.clone())));
         tasks.push(tokio::spawn(cycle_loop(
             state.clone(),
             Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
@@ -165,6 +172,7 @@ impl Daemon {
             xds,
             endpoint,
             tasks,
+            store_writer: tokio::spawn(store_writer),
         })
     }
 
@@ -175,6 +183,21 @@ impl Daemon {
         for t in &self.tasks {
             t.abort();
         }
+        // Nothing publishes any more; let the writer catch up with the last publication.
+        let last = self.state.published().version;
+        let flushed = tokio::time::timeout(STORE_FLUSH, async {
+            while self.state.store_status.written_version() < Some(last) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        if flushed.is_err() {
+            tracing::warn!(
+                version = last,
+                "the routing store did not take the last weights before shutdown"
+            );
+        }
+        self.store_writer.abort();
         if let Some(xds) = self.xds {
             xds.stop().await;
         }

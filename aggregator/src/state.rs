@@ -78,7 +78,7 @@ impl State {
             *current = Arc::new(localities);
             drop(current);
             let b = self.balancer();
-            self.publish(&b, &BTreeSet::new());
+            self.publish(&b, &BTreeSet::new(), self.clock.now());
         }
     }
 
@@ -108,10 +108,10 @@ impl State {
 
     /// Publishes the balancer's services, afresh for those in `ran`; the caller holds
     /// the balancer, so publications go out in the order of the states they show.
-    fn publish(&self, balancer: &Balancer, ran: &BTreeSet<String>) -> Arc<Published> {
+    fn publish(&self, balancer: &Balancer, ran: &BTreeSet<String>, now: Millis) -> Arc<Published> {
         let localities = self.localities();
         let previous = self.published();
-        let next = Arc::new(previous.next(balancer, ran, &localities.services, self.clock.now()));
+        let next = Arc::new(previous.next(balancer, ran, &localities.services, now));
         self.published.send_replace(next.clone());
         next
     }
@@ -119,18 +119,19 @@ impl State {
     /// Runs one cycle of every service, counts it, publishes, and returns the
     /// publication.
     pub fn cycle(&self, now: Millis) -> Arc<Published> {
-        self.run_cycle(|b| b.cycle(now))
+        self.run_cycle(now, |b| b.cycle(now))
             .unwrap_or_else(|| self.published())
     }
 
     /// Like [`State::cycle`], for the services whose own cycle is due at `now` (see
     /// [`Balancer::cycle_due`]); nothing is counted or published when none is.
     pub(crate) fn cycle_due(&self, now: Millis, slack: Millis) -> Option<Arc<Published>> {
-        self.run_cycle(|b| b.cycle_due(now, slack))
+        self.run_cycle(now, |b| b.cycle_due(now, slack))
     }
 
     fn run_cycle(
         &self,
+        now: Millis,
         run: impl FnOnce(&mut Balancer) -> Vec<ballast_balance::CycleResult>,
     ) -> Option<Arc<Published>> {
         let started = std::time::Instant::now();
@@ -141,7 +142,7 @@ impl State {
                 return None;
             }
             let ran = results.iter().map(|r| r.service.clone()).collect();
-            let published = self.publish(&b, &ran);
+            let published = self.publish(&b, &ran, now);
             (results, published)
         };
         self.metrics

@@ -142,11 +142,20 @@ async fn weights(
     Path(name): Path<String>,
     Query(q): Query<WatchQuery>,
 ) -> Result<Response, ApiError> {
-    let current = views::WeightSet::of(&*published_service(&state, &name)?);
     if !q.watch {
+        let current = views::WeightSet::of(&*published_service(&state, &name)?);
         return Ok(Json(current).into_response());
     }
-    Ok(crate::feed::watch::stream(state.clone(), name, current).into_response())
+    // Subscribed before the first set is read, so no publication falls between them.
+    let changes = state.subscribe();
+    let current = {
+        let published = changes.borrow();
+        let svc = published
+            .service(&name)
+            .ok_or_else(|| ApiError::unknown_service(&name))?;
+        views::WeightSet::of(svc)
+    };
+    Ok(crate::feed::watch::stream(state.clone(), name, changes, current).into_response())
 }
 
 async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {

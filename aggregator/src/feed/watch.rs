@@ -50,13 +50,14 @@ fn event(set: &WeightSet) -> Event {
         .data(data)
 }
 
-/// The event stream for one service, starting with `current`.
+/// The event stream for one service, starting with `current`, which the caller read from
+/// `changes` after subscribing, so that no publication falls between the two.
 pub fn stream(
     state: Arc<State>,
     service: String,
+    changes: tokio::sync::watch::Receiver<Arc<ballast_balance::Published>>,
     current: WeightSet,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let changes = state.subscribe();
     let first = event(&current);
     let open = Open::new(state.clone());
     let seed = (open, service, changes, current.version, Some(first));

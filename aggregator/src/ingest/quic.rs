@@ -253,7 +253,7 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
                     {
                         Some((svc, e)) => Assignment {
                             weight: e.weight,
-                            cycle: svc.weights_cycle,
+                            cycle: svc.cycle,
                             draining: e.draining,
                             load: e.load,
                             inflight_trusted: e.inflight_trusted,

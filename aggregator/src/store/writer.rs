@@ -97,6 +97,11 @@ impl StoreStatus {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The last publication the store holds all of, if any.
+    pub(crate) fn written_version(&self) -> Option<u64> {
+        self.lock().written_version
+    }
+
     /// The store's health at `now`, for the store named `name`.
     pub fn health(&self, name: String, now: Instant) -> StoreHealth {
         let p = self.lock();
