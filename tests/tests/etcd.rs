@@ -92,8 +92,13 @@ fn stored_in(etcd: &Etcd, prefix: &str, service: &str) -> Result<Stored, String>
 
 /// The API's weights as the store would hold them.
 fn served(agg: &Aggregator, service: &str) -> Stored {
-    let w = agg.weights(service);
-    Stored {
+    try_served(agg, service).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`served`], or why not (the service is not published yet).
+fn try_served(agg: &Aggregator, service: &str) -> Result<Stored, String> {
+    let w = agg.try_weights(service)?;
+    Ok(Stored {
         version: w.version,
         cycle: w.cycle,
         endpoints: w
@@ -101,7 +106,7 @@ fn served(agg: &Aggregator, service: &str) -> Stored {
             .into_iter()
             .map(|(n, e)| (n, (e.weight, e.draining, e.address)))
             .collect(),
-    }
+    })
 }
 
 fn same_endpoints(a: &Stored, b: &Stored) -> Result<(), String> {
@@ -203,7 +208,7 @@ fn a_restarted_aggregator_restores_its_weights_from_etcd() {
     }
     // Far enough from round robin that restored weights cannot be mistaken for new ones.
     wait_for(Duration::from_secs(25), "weights that follow speed", || {
-        let w = served(&first, SERVICE);
+        let w = try_served(&first, SERVICE)?;
         let (lo, hi) = w
             .endpoints
             .values()

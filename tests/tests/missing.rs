@@ -72,7 +72,7 @@ fn missing_endpoints_hold_their_weight_and_too_many_skip_the_update() {
         a.wait_weight(Duration::from_secs(15));
     }
     wait_for(Duration::from_secs(20), "a few updates", || {
-        let d = agg.service(SERVICE);
+        let d = agg.try_service(SERVICE)?;
         if d.stats.updates >= 6 {
             Ok(())
         } else {

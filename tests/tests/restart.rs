@@ -255,7 +255,7 @@ fn cycle_numbers_survive_a_restart() {
         a.wait_weight(Duration::from_secs(15));
     }
     wait_for(Duration::from_secs(20), "a few updates", || {
-        let ws = agg.weights("cycles");
+        let ws = agg.try_weights("cycles")?;
         if ws.cycle >= 5 {
             Ok(())
         } else {

@@ -400,6 +400,12 @@ impl Aggregator {
         self.get_json(&format!("/v1/services/{name}/weights"))
     }
 
+    /// `GET /v1/services/{name}/weights`, or why not: a service is served from its
+    /// first publication on, a cycle after its first agent registers.
+    pub fn try_weights(&self, name: &str) -> Result<WeightSet, String> {
+        self.try_get_json(&format!("/v1/services/{name}/weights"))
+    }
+
     /// `GET /metrics` as text; checks the OpenMetrics terminator.
     pub fn metrics(&self) -> String {
         let (status, body) = self.get("/metrics");
