@@ -67,6 +67,8 @@ pub struct Metrics {
     pub cycles: Family<ServiceLabel, Counter>,
     /// Cycles that changed nothing, by service and reason.
     pub cycles_skipped: Family<ServiceReason, Counter>,
+    /// Endpoints forgotten after a silence longer than `expire_ms`, by service.
+    pub endpoints_expired: Family<ServiceLabel, Counter>,
     /// Wall time of one cycle over all services, in seconds.
     pub cycle_duration: Histogram,
     /// Routing-store writes, by outcome.
@@ -119,6 +121,7 @@ impl Metrics {
             connections_open: Gauge::default(),
             cycles: Family::default(),
             cycles_skipped: Family::default(),
+            endpoints_expired: Family::default(),
             cycle_duration: Histogram::new(
                 [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0].into_iter(),
             ),
@@ -162,6 +165,11 @@ impl Metrics {
             "cycles_skipped",
             "Balancing cycles that changed no weight, by reason",
             m.cycles_skipped.clone(),
+        );
+        registry.register(
+            "endpoints_expired",
+            "Endpoints forgotten after a silence longer than expire_ms, by service",
+            m.endpoints_expired.clone(),
         );
         registry.register(
             "cycle_duration_seconds",

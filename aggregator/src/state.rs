@@ -135,6 +135,7 @@ impl State {
         run: impl FnOnce(&mut Balancer) -> Vec<ballast_balance::CycleResult>,
     ) -> Option<Arc<Published>> {
         let started = std::time::Instant::now();
+        let previous = self.published();
         let (results, published) = {
             let mut b = self.balancer();
             let results = run(&mut b);
@@ -150,12 +151,25 @@ impl State {
             .observe(started.elapsed().as_secs_f64());
         for r in &results {
             let service = r.service.clone();
-            self.metrics
-                .cycles
-                .get_or_create(&crate::metrics::ServiceLabel {
-                    service: service.clone(),
-                })
-                .inc();
+            let label = crate::metrics::ServiceLabel {
+                service: service.clone(),
+            };
+            self.metrics.cycles.get_or_create(&label).inc();
+            if !r.expired.is_empty() {
+                tracing::info!(%service, nodes = ?r.expired, "endpoints expired after a long silence");
+                self.metrics
+                    .endpoints_expired
+                    .get_or_create(&label)
+                    .inc_by(r.expired.len() as u64);
+            }
+            let held_before = previous
+                .service(&service)
+                .map_or(0, |s| s.stats.expiry_held);
+            if r.expiry_held > 0 && held_before == 0 {
+                tracing::warn!(%service, held = r.expiry_held,
+                    "endpoints silent past expire_ms are held with their last weights: \
+                     too much of the service is silent at once to believe it");
+            }
             if let Some(reason) = r.skipped {
                 self.metrics
                     .cycles_skipped

@@ -252,6 +252,9 @@ pub struct CycleResult {
     pub missing_share: f64,
     /// Endpoints forgotten this cycle after a long silence.
     pub expired: Vec<String>,
+    /// Endpoints past `expire_ms` that were kept because too much of the service is
+    /// silent at once.
+    pub expiry_held: usize,
 }
 
 /// One cycle's figures, kept for the dashboard and the API.
@@ -294,6 +297,11 @@ pub struct ServiceStats {
     pub inflight_distrusts: u64,
     /// Endpoints whose in-flight count is distrusted now.
     pub inflight_distrusted: usize,
+    /// Endpoints silent for longer than `expire_ms` that are kept, with their last
+    /// weights, because too much of the service fell silent for the silence to be
+    /// believed (see [`Service::cycle`]): the aggregator's view failed, not the fleet.
+    #[serde(default)]
+    pub expiry_held: usize,
 }
 
 /// A service: its endpoints, parameters and counters.
@@ -425,21 +433,41 @@ impl Service {
 
     /// Runs one cycle at `now`. `grace_until` is when the aggregator's start-up grace
     /// period ends.
+    ///
+    /// The cycle fails static: losing reports never empties a service. An endpoint
+    /// silent for longer than `expire_ms` is forgotten only while the rest of its
+    /// service is heard, that is, while some endpoint is fresh and the share of the
+    /// others that are silent is within `missing_threshold`. When a large share falls
+    /// silent at once, it is the aggregator's view that failed (a partition, blocked
+    /// UDP, an expired server certificate), not the fleet: nothing expires, the last
+    /// weights stay published, and [`ServiceStats::expiry_held`] says how many are
+    /// held so. A draining endpoint carries no traffic and expires on its own clock.
+    ///
+    /// An endpoint that has not reported since it said hello, or since it was
+    /// restored from the store, is not counted as missing: a hello with no report
+    /// hides no load, and after a restart the grace period's reports show which
+    /// restored endpoints are alive; those that stay silent keep their stored weights
+    /// and expire by the rule above, without freezing the rest of the service.
     pub fn cycle(&mut self, now: Millis, grace_until: Millis) -> CycleResult {
         self.stats.cycles += 1;
         let cycle = self.stats.cycles;
-        let expired = self.expire(now);
+        let (expired, expiry_held) = self.expire(now);
 
         let params = self.params.clone();
         self.assess_loads(now);
         // A draining endpoint is left out: a lame duck whose agent was stopped after
         // the drain is silent on purpose and carries no traffic, so its silence hides
-        // no load, and maintenance on a few nodes must not freeze the rest.
-        let known = self.endpoints.values().filter(|e| !e.draining).count();
+        // no load, and maintenance on a few nodes must not freeze the rest. So is one
+        // that has not reported yet (see above).
+        let known = self
+            .endpoints
+            .values()
+            .filter(|e| !e.draining && e.last_report.is_some())
+            .count();
         let missing = self
             .endpoints
             .values()
-            .filter(|e| !e.draining && !e.is_fresh(now, &params))
+            .filter(|e| !e.draining && e.last_report.is_some() && !e.is_fresh(now, &params))
             .count();
         let missing_share = if known == 0 {
             0.0
@@ -514,6 +542,7 @@ impl Service {
         self.stats.last_skip = skipped;
         self.stats.spread = spread;
         self.stats.missing_share = missing_share;
+        self.stats.expiry_held = expiry_held;
         self.stats.thin_feedback = matches!(skipped, Some(SkipReason::ThinFeedback { .. }));
         if self.history.len() == HISTORY {
             self.history.pop_front();
@@ -532,6 +561,7 @@ impl Service {
             spread,
             missing_share,
             expired,
+            expiry_held,
         }
     }
 
@@ -582,18 +612,43 @@ impl Service {
             .then_some(from)
     }
 
-    fn expire(&mut self, now: Millis) -> Vec<String> {
-        let limit = self.params.expire_ms;
-        let gone: Vec<String> = self
+    /// Forgets the endpoints silent for longer than `expire_ms` while the rest of the
+    /// service is heard (see [`Service::cycle`]). Returns those forgotten and how
+    /// many were held instead.
+    fn expire(&mut self, now: Millis) -> (Vec<String>, usize) {
+        let params = &self.params;
+        let limit = params.expire_ms;
+        let past = |e: &Endpoint| now.saturating_sub(e.last_seen) > limit;
+        if !self.endpoints.values().any(past) {
+            return (Vec::new(), 0);
+        }
+        let active = self.endpoints.values().filter(|e| !e.draining).count();
+        let fresh = self
             .endpoints
             .values()
-            .filter(|e| now.saturating_sub(e.last_seen) > limit)
-            .map(|e| e.node.clone())
-            .collect();
+            .filter(|e| !e.draining && e.is_fresh(now, params))
+            .count();
+        let silent = active - fresh;
+        // The share of the others that are silent, seen from one silent endpoint.
+        let others_silent = if active > 1 {
+            silent.saturating_sub(1) as f64 / (active - 1) as f64
+        } else {
+            1.0
+        };
+        let heard = fresh > 0 && others_silent <= params.missing_threshold;
+        let mut gone = Vec::new();
+        let mut held = 0;
+        for e in self.endpoints.values().filter(|e| past(e)) {
+            if e.draining || heard {
+                gone.push(e.node.clone());
+            } else {
+                held += 1;
+            }
+        }
         for node in &gone {
             self.endpoints.remove(node);
         }
-        gone
+        (gone, held)
     }
 
     fn update_pid(&mut self, now: Millis, avg: f64) {
@@ -884,8 +939,10 @@ impl Service {
         self.published_cycle
     }
 
-    /// Puts restored endpoints back as they were stored. They count as missing until
-    /// they report, and they are not cold: their weights were earned.
+    /// Puts restored endpoints back as they were stored, to be served as they are
+    /// until reports arrive. They are not cold: their weights were earned. Until one
+    /// reports it is not counted as missing, and it expires only by the fail-static
+    /// rule of [`Service::cycle`].
     pub fn restore(&mut self, now: Millis, snapshot: &ServiceSnapshot) {
         self.version = snapshot.version;
         // Cycle numbers go on from where they were, so that a reply's cycle never

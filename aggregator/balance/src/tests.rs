@@ -435,6 +435,187 @@ fn long_silent_endpoints_expire() {
 }
 
 #[test]
+fn one_silent_node_of_ten_expires_while_the_rest_report() {
+    let mut b = fleet(10, params());
+    let expire = params().expire_ms;
+    let loads = [0.5; 10];
+    let mut now = 0;
+    while now <= expire + 1000 {
+        report_all(&mut b, now, &loads, if now == 0 { &[] } else { &[3] });
+        let r = b.cycle(now).remove(0);
+        if now <= expire {
+            assert!(r.expired.is_empty(), "at {now}: {r:?}");
+        }
+        now += 1000;
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints.len(), 9);
+    assert!(!svc.endpoints.contains_key("n3"));
+    assert_eq!(svc.stats.expiry_held, 0);
+}
+
+#[test]
+fn losing_every_report_never_empties_a_service() {
+    let mut b = fleet(10, params());
+    let loads = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.5, 0.5, 0.5];
+    for c in 0..10 {
+        report_all(&mut b, c * 1000, &loads, &[]);
+        b.cycle(c * 1000);
+    }
+    let before = weights(&b);
+    let version = b.service(SVC).expect("svc").version;
+    // Every report is lost, for ten times the expiry period.
+    let expire = params().expire_ms;
+    let mut now = 10_000;
+    while now < 10 * expire {
+        let r = b.cycle(now).remove(0);
+        assert!(r.expired.is_empty(), "at {now}: {r:?}");
+        now += 60_000;
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints.len(), 10);
+    assert_eq!(svc.stats.expiry_held, 10, "{:?}", svc.stats);
+    assert!(matches!(
+        svc.stats.last_skip,
+        Some(SkipReason::Missing { .. })
+    ));
+    assert_eq!(weights(&b), before, "no weight moves on missing data");
+    assert_eq!(svc.version, version, "nothing new is published");
+
+    // The reports come back: the first cycle with them balances again, and the held
+    // count clears.
+    report_all(&mut b, now, &loads, &[]);
+    let r = b.cycle(now).remove(0);
+    assert!(r.skipped.is_none(), "{r:?}");
+    assert_eq!(b.service(SVC).expect("svc").stats.expiry_held, 0);
+}
+
+#[test]
+fn a_large_share_falling_silent_at_once_does_not_expire() {
+    // Three of ten go silent together, as when a zone is cut off from the aggregator:
+    // 2 of the 9 others silent (22 %) is over the 15 % threshold, so nothing expires,
+    // even though seven still report.
+    let mut b = fleet(10, params());
+    let expire = params().expire_ms;
+    let loads = [0.5; 10];
+    report_all(&mut b, 0, &loads, &[]);
+    let mut now = 1000;
+    while now <= 2 * expire {
+        report_all(&mut b, now, &loads, &[1, 4, 7]);
+        let r = b.cycle(now).remove(0);
+        assert!(r.expired.is_empty(), "at {now}: {r:?}");
+        now += 5000;
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.endpoints.len(), 10);
+    assert_eq!(svc.stats.expiry_held, 3);
+}
+
+#[test]
+fn the_last_endpoint_of_a_service_never_expires() {
+    let mut b = fleet(1, params());
+    report_all(&mut b, 0, &[0.5], &[]);
+    let r = b.cycle(10 * params().expire_ms).remove(0);
+    assert!(r.expired.is_empty());
+    assert_eq!(b.service(SVC).expect("svc").endpoints.len(), 1);
+}
+
+#[test]
+fn a_silent_drained_endpoint_expires_even_when_the_rest_is_silent() {
+    let mut b = fleet(2, params());
+    report_all(&mut b, 0, &[0.5, 0.5], &[]);
+    let drained = Observation {
+        draining: true,
+        ..obs(0.0)
+    };
+    b.observe(1, SVC, "n0", drained).expect("observes");
+    let r = b.cycle(params().expire_ms + 2).remove(0);
+    assert_eq!(r.expired, vec!["n0".to_string()]);
+    assert_eq!(r.expiry_held, 1, "the serving one is held");
+    assert_eq!(b.service(SVC).expect("svc").endpoints.len(), 1);
+}
+
+#[test]
+fn a_hello_without_reports_is_not_missing() {
+    // Five report; a sixth says hello and stays silent. Without the rule it would be
+    // 1 of 6 missing (17 %) and skip every cycle for the whole expiry period.
+    let mut b = fleet(5, params());
+    let loads = [0.2, 0.4, 0.6, 0.8, 0.5];
+    report_all(&mut b, 0, &loads, &[]);
+    b.register(500, SVC, "quiet", "10.0.0.99:80", "")
+        .expect("registers");
+    report_all(&mut b, 1000, &loads, &[]);
+    let r = b.cycle(1000).remove(0);
+    assert!(r.skipped.is_none(), "{r:?}");
+    assert_eq!(r.missing_share, 0.0);
+    // Once it has reported, its silence counts.
+    b.observe(1500, SVC, "quiet", obs(0.5)).expect("observes");
+    report_all(&mut b, 9000, &loads, &[]);
+    let r = b.cycle(9000).remove(0);
+    assert!(
+        matches!(r.skipped, Some(SkipReason::Missing { .. })),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn restored_endpoints_that_stay_silent_do_not_freeze_the_rest() {
+    // A store older than the expiry period, and a fleet that lost 3 of its 10 nodes
+    // while the aggregator was down.
+    let mut b = fleet(10, params());
+    let speeds = [0.5, 1.0, 1.5, 1.0, 0.8, 1.2, 1.0, 0.9, 1.1, 1.0];
+    run_plant(&mut b, &speeds, 0.6, 0, 15);
+    let published =
+        crate::Published::default().next(&b, &Default::default(), &Default::default(), 15_000);
+    let snap = published.services[SVC].snapshot();
+    let stored: Vec<f64> = snap.endpoints.values().map(|e| e.weight).collect();
+
+    let start = 15_000 + 2 * params().expire_ms;
+    let p = Params {
+        grace_ms: 3000,
+        ..params()
+    };
+    let mut restarted = Balancer::new(p, start);
+    restarted.restore(start, &[(SVC.to_string(), snap)].into());
+    // Served as stored at once, before any report.
+    assert_eq!(weights(&restarted), stored);
+    let dead = [2, 5, 8];
+    let loads: Vec<f64> = speeds.iter().map(|s| 0.6 / s).collect();
+    let mut now = start;
+    let mut updates = 0;
+    for _ in 0..10 {
+        now += 1000;
+        report_all(&mut restarted, now, &loads, &dead);
+        let r = restarted.cycle(now).remove(0);
+        if now > start + 3000 {
+            assert!(
+                r.skipped.is_none()
+                    || matches!(
+                        r.skipped,
+                        Some(SkipReason::LoadJump { .. } | SkipReason::Settling)
+                    ),
+                "at {now}: {r:?}"
+            );
+            updates += u32::from(r.skipped.is_none());
+        }
+    }
+    assert!(
+        updates >= 5,
+        "the live nodes are balanced after the grace period"
+    );
+    let svc = restarted.service(SVC).expect("svc");
+    assert_eq!(
+        svc.endpoints.len(),
+        10,
+        "the silent ones are held, with their weights"
+    );
+    for i in dead {
+        let e = &svc.endpoints[&format!("n{i}")];
+        assert_eq!(e.weight, stored[i], "n{i} keeps its stored weight");
+    }
+}
+
+#[test]
 fn reordered_reports_are_ignored() {
     let mut b = fleet(1, params());
     let o = |seq, load| Observation {

@@ -167,7 +167,7 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
         &'static str,
         fn(&views::ServiceSummary) -> f64,
     );
-    let gauges: [Gauge; 6] = [
+    let gauges: [Gauge; 7] = [
         (
             "ballast_service_max_over_avg",
             "Max over average load of fresh serving endpoints",
@@ -195,6 +195,12 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
             "ballast_service_inflight_distrusted",
             "Endpoints whose in-flight count does not follow their weight and is set aside",
             |s| s.inflight_distrusted as f64,
+        ),
+        (
+            "ballast_service_expiry_held",
+            "Endpoints silent past expire_ms kept with their last weights, because too \
+             much of the service fell silent at once",
+            |s| s.expiry_held as f64,
         ),
     ];
     let counters: [Gauge; 2] = [

@@ -43,6 +43,9 @@ pub struct ServiceSummary {
     pub inflight_distrusts: u64,
     /// Cycles that stepped weights straight to the capacity estimate.
     pub feed_forward_steps: u64,
+    /// Endpoints silent for longer than `expire_ms` kept with their last weights,
+    /// because too much of the service fell silent at once to believe it.
+    pub expiry_held: usize,
 }
 
 impl ServiceSummary {
@@ -62,6 +65,7 @@ impl ServiceSummary {
             inflight_distrusted: s.inflight_distrusted,
             inflight_distrusts: s.inflight_distrusts,
             feed_forward_steps: s.feed_forward_steps,
+            expiry_held: s.expiry_held,
         }
     }
 }

@@ -5,6 +5,7 @@ use super::aggregator::Aggregator;
 use super::pki::Pki;
 use super::process::{command, run_bounded, Proc, AGENT_BIN};
 use super::wait::wait_for;
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -158,7 +159,21 @@ pub struct Agent {
 
 impl Agent {
     /// Spawns the process without waiting for it.
-    fn spawn(pki: &Pki, agg: &Aggregator, opts: AgentOpts) -> Agent {
+    fn spawn(pki: &Pki, agg: &Aggregator, mut opts: AgentOpts) -> Agent {
+        // The address the aggregator sees the agent connect from: loopback, or the
+        // test's side of the link to the aggregator's network namespace. Fixed here,
+        // so that a restart keeps it.
+        let host = agg
+            .opts()
+            .netns
+            .as_ref()
+            .map_or(Ipv4Addr::LOCALHOST, |ns| ns.host_ip());
+        opts.address.get_or_insert_with(|| {
+            format!(
+                "{host}:{}",
+                NEXT_ADDRESS_PORT.fetch_add(1, Ordering::Relaxed)
+            )
+        });
         // Short path: a Unix socket path must fit in 108 bytes.
         let dir = tempfile::Builder::new()
             .prefix("bal-")
@@ -187,12 +202,7 @@ impl Agent {
             .tls_dir
             .clone()
             .unwrap_or_else(|| pki.node_tls_dir(&opts.node));
-        let address = opts.address.clone().unwrap_or_else(|| {
-            format!(
-                "127.0.0.1:{}",
-                NEXT_ADDRESS_PORT.fetch_add(1, Ordering::Relaxed)
-            )
-        });
+        let address = opts.address.clone().unwrap_or_default();
         let aggregators = opts
             .aggregators
             .clone()
@@ -215,6 +225,10 @@ impl Agent {
         }
         if let Some(zone) = &opts.zone {
             cmd.args(["--zone", zone]);
+        }
+        if agg.opts().netns.is_some() {
+            // The server certificate names localhost, not the namespace's address.
+            cmd.args(["--server-name", "localhost"]);
         }
         if let Some(addr) = opts.agent_check {
             cmd.args(["--agent-check", &addr.to_string()]);
@@ -273,6 +287,11 @@ impl Agent {
             }
             self.try_control("status").map(|_| ())
         });
+    }
+
+    /// The address it registers (`--address`).
+    pub fn address(&self) -> &str {
+        self.opts.address.as_deref().unwrap_or_default()
     }
 
     /// Its options.

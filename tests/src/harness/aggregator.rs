@@ -4,13 +4,15 @@ use super::api::{
     parse_metrics, sum_samples, ConfigView, EndpointView, ErrorBody, MetricSample, Published,
     ServiceDetail, ServiceSummary, WeightSet,
 };
+use super::netns::Netns;
 use super::pki::Pki;
 use super::ports;
 use super::process::{command, Proc, AGGREGATOR_BIN};
 use serde::de::DeserializeOwned;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a start may take before the test fails.
@@ -37,6 +39,9 @@ pub struct AggregatorOpts {
     pub config_dir: Option<PathBuf>,
     /// `--log-json`.
     pub log_json: bool,
+    /// Run inside this network namespace, on its address instead of 127.0.0.1, so
+    /// that a test can drop packets on their way to it (see [`Netns`]).
+    pub netns: Option<Arc<Netns>>,
 }
 
 impl Default for AggregatorOpts {
@@ -50,11 +55,18 @@ impl Default for AggregatorOpts {
             etcd: None,
             config_dir: None,
             log_json: false,
+            netns: None,
         }
     }
 }
 
 impl AggregatorOpts {
+    /// Inside `ns`.
+    pub fn netns(mut self, ns: &Arc<Netns>) -> Self {
+        self.netns = Some(Arc::clone(ns));
+        self
+    }
+
     /// With this cycle length.
     pub fn cycle_ms(mut self, v: u64) -> Self {
         self.cycle_ms = v;
@@ -135,11 +147,16 @@ impl Aggregator {
         // A port picked free can be taken by another process before the child binds it:
         // then try other ports.
         let mut last = String::new();
+        let ip = agg
+            .opts
+            .netns
+            .as_ref()
+            .map_or(Ipv4Addr::LOCALHOST, |ns| ns.ip());
         for _ in 0..5 {
-            agg.quic = SocketAddr::from(([127, 0, 0, 1], ports::free_udp()));
-            agg.http = SocketAddr::from(([127, 0, 0, 1], ports::free_tcp()));
+            agg.quic = SocketAddr::from((ip, ports::free_udp()));
+            agg.http = SocketAddr::from((ip, ports::free_tcp()));
             let xds = agg.opts.xds;
-            agg.xds = xds.then(|| SocketAddr::from(([127, 0, 0, 1], ports::free_tcp())));
+            agg.xds = xds.then(|| SocketAddr::from((ip, ports::free_tcp())));
             match agg.launch() {
                 Ok(()) => return agg,
                 Err(StartError::Exited(status, log)) if log.contains("cannot bind") => {
@@ -191,6 +208,9 @@ impl Aggregator {
             let path = self.dir.path().join("aggregator.toml");
             std::fs::write(&path, toml).expect("write aggregator.toml");
             cmd.arg("--config").arg(path);
+        }
+        if let Some(ns) = &self.opts.netns {
+            ns.enter(&mut cmd);
         }
         let mut proc = Proc::spawn(cmd, "ballast-aggregator", &log, 40);
         let deadline = Instant::now() + START_TIMEOUT;

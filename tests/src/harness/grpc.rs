@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -125,27 +125,38 @@ pub fn require_grpcio() {
 
 /// gRPC backends, one per name, each answering every call with its name.
 pub struct Backends {
-    /// Each backend's port on 127.0.0.1, by name.
+    /// Each backend's port, by name.
     pub ports: BTreeMap<String, u16>,
+    host: IpAddr,
     _process: Python,
 }
 
 impl Backends {
-    /// Starts one backend per name, in one Python process.
+    /// Starts one backend per name, in one Python process, on 127.0.0.1.
     pub fn start(names: &[&str], dir: &Path) -> Backends {
-        let mut process = Python::spawn("backends.py", "backends", names, &[], dir);
+        Self::start_on(IpAddr::from([127, 0, 0, 1]), names, dir)
+    }
+
+    /// Starts one backend per name, in one Python process, on `host` (an address of
+    /// this machine, such as the test's side of a network namespace's link).
+    pub fn start_on(host: IpAddr, names: &[&str], dir: &Path) -> Backends {
+        let host_arg = host.to_string();
+        let mut args = vec!["--host", host_arg.as_str()];
+        args.extend_from_slice(names);
+        let mut process = Python::spawn("backends.py", "backends", &args, &[], dir);
         let line = process.line(Duration::from_secs(20));
         let ports: BTreeMap<String, u16> =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("backends said {line:?}: {e}"));
         Backends {
             ports,
+            host,
             _process: process,
         }
     }
 
-    /// `127.0.0.1:<port>` of backend `name`, as its agent registers it.
+    /// `HOST:PORT` of backend `name`, as its agent registers it.
     pub fn address(&self, name: &str) -> String {
-        format!("127.0.0.1:{}", self.ports[name])
+        SocketAddr::from((self.host, self.ports[name])).to_string()
     }
 }
 

@@ -10,6 +10,7 @@ pub mod converge;
 pub mod etcd;
 pub mod grpc;
 pub mod haproxy;
+pub mod netns;
 pub mod packages;
 pub mod pki;
 pub mod ports;
