@@ -47,6 +47,8 @@ pub struct Daemon {
     endpoint: quinn::Endpoint,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     store_writer: tokio::task::JoinHandle<()>,
+    supervisor: crate::supervise::Supervisor,
+    ends: crate::supervise::Ends,
 }
 
 /// How long shutdown waits for the routing store to take the last publication, so that
@@ -91,6 +93,8 @@ impl Daemon {
         }
         balancer.restore(clock.now(), &restored);
         let state = Arc::new(State::new(balancer, store, clock, cfg.report_interval_ms));
+        state.health.set_cycle_ms(cfg.balance.cycle_ms);
+        let (supervisor, ends) = crate::supervise::supervisor();
         // Before anything can publish: the writer takes what is current now (the
         // restored services) as what the store holds, and writes every change after it.
         let store_writer = crate::store::writer(state.clone());
@@ -129,9 +133,13 @@ impl Daemon {
                 let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .map_err(bind_error)?;
-                let server =
-                    crate::feed::xds::XdsServer::start(listener, state.clone(), cfg.xds_lb_policy)
-                        .map_err(bind_error)?;
+                let server = crate::feed::xds::XdsServer::start_supervised(
+                    listener,
+                    state.clone(),
+                    cfg.xds_lb_policy,
+                    &supervisor,
+                )
+                .map_err(bind_error)?;
                 Some(server)
             }
             None => None,
@@ -139,10 +147,10 @@ impl Daemon {
         let xds_addr = xds.as_ref().map(|x| x.local_addr());
 
         let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(crate::ingest::quic::serve(
-            endpoint.clone(),
-            state.clone(),
-        )));
+        tasks.push(supervisor.spawn(
+            "QUIC ingest",
+            crate::ingest::quic::serve(endpoint.clone(), state.clone()),
+        ));
         if let Some(dir) = &cfg.service_config.dir {
             let config_dir = crate::config::watch::ConfigDir::open(
                 state.clone(),
@@ -151,14 +159,17 @@ impl Daemon {
                 &cfg.store,
                 &cfg.balance,
             );
-            tasks.push(tokio::spawn(config_dir.run()));
+            tasks.push(supervisor.spawn("config directory", config_dir.run()));
         }
-        tasks.push(tokio::spawn(cycle_loop(
-            state.clone(),
-            Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
-        )));
+        tasks.push(supervisor.spawn(
+            "cycle loop",
+            cycle_loop(
+                state.clone(),
+                Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
+            ),
+        ));
         let app = crate::api::router(state.clone());
-        tasks.push(tokio::spawn(async move {
+        tasks.push(supervisor.spawn("HTTP API", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP API stopped");
             }
@@ -172,12 +183,23 @@ impl Daemon {
             xds,
             endpoint,
             tasks,
-            store_writer: tokio::spawn(store_writer),
+            store_writer: supervisor.spawn("routing store writer", store_writer),
+            supervisor,
+            ends,
         })
+    }
+
+    /// Waits until one of the tasks that must run until shutdown ends (a panic, or a
+    /// loop that returned) and says which and how. A daemon for which this returns
+    /// is broken: the caller logs it, shuts down and exits non-zero, so that the
+    /// service manager restarts it.
+    pub async fn failed(&mut self) -> crate::supervise::TaskEnd {
+        self.ends.next().await
     }
 
     /// Stops serving: agents see the connection close and will reconnect elsewhere.
     pub async fn shutdown(self) {
+        self.supervisor.stop();
         self.endpoint
             .close(crate::ingest::quic::close::NORMAL.into(), b"shutting down");
         for t in &self.tasks {
@@ -233,6 +255,116 @@ async fn cycle_loop(state: Arc<State>, period: Duration) {
     loop {
         tick.tick().await;
         // Readers, the store writer among them, take the publication from the watch.
-        let _ = state.cycle_due(state.clock.now(), slack);
+        let now = state.clock.now();
+        let _ = state.cycle_due(now, slack);
+        state.health.ticked(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreFuture;
+    use ballast_balance::{Observation, ServiceSnapshot};
+    use ballast_shared::pki::Ca;
+    use std::collections::BTreeMap;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A routing store whose writes panic, as a bug in a store would.
+    struct PanickingStore;
+
+    impl RoutingStore for PanickingStore {
+        fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>> {
+            Box::pin(async { Ok(BTreeMap::new()) })
+        }
+
+        fn put<'a>(&'a self, _: &'a BTreeMap<String, ServiceSnapshot>) -> StoreFuture<'a, ()> {
+            Box::pin(async { panic!("the store broke") })
+        }
+
+        fn describe(&self) -> String {
+            "panicking".into()
+        }
+    }
+
+    fn loopback_config() -> Config {
+        Config {
+            quic: SocketAddr::from(([127, 0, 0, 1], 0)),
+            http: SocketAddr::from(([127, 0, 0, 1], 0)),
+            xds: None,
+            ..Config::default()
+        }
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        out
+    }
+
+    #[tokio::test]
+    async fn a_task_that_panics_is_reported_so_that_the_process_can_exit() {
+        let ca = Ca::generate("test CA").expect("CA");
+        let server = ca
+            .issue_server(&["localhost".to_string()])
+            .expect("server certificate");
+        let identity = server.identity("server").expect("identity");
+        let client_ca = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
+        let cfg = loopback_config();
+        let mut daemon =
+            Daemon::start_with_store(&cfg, identity, &client_ca, Arc::new(PanickingStore))
+                .await
+                .expect("starts");
+        // A publication with something to store makes the writer call the store.
+        let state = daemon.state.clone();
+        let now = state.clock.now();
+        state.write_balancer(|b| {
+            b.register(now, "web", "n1", "127.0.0.1:80", "")
+                .expect("registers");
+            b.observe(now, "web", "n1", Observation::default())
+                .expect("observes");
+        });
+        state.cycle(now);
+        let end = tokio::time::timeout(Duration::from_secs(10), daemon.failed())
+            .await
+            .expect("the failure is reported");
+        assert_eq!(end.task, "routing store writer");
+        assert!(end.reason.contains("the store broke"), "{end}");
+        daemon.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn healthz_fails_when_the_cycle_loop_has_stopped() {
+        let clock = crate::clock::Clock::start();
+        let balancer = Balancer::new(ballast_balance::Params::default(), clock.now());
+        let store = Arc::new(FileStore::new(
+            std::env::temp_dir().join("ballast-healthz-never-written.json"),
+        ));
+        // A state with no cycle loop: as if the loop had died.
+        let state = Arc::new(State::new(balancer, store, clock, 1000));
+        state.health.set_cycle_ms(500);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let app = crate::api::router(state.clone());
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        state.health.ticked(state.clock.now());
+        let fresh = get(addr, "/healthz").await;
+        assert!(fresh.starts_with("HTTP/1.0 200"), "{fresh}");
+        // Three cycle lengths (1.5 s) without a tick.
+        tokio::time::sleep(Duration::from_millis(1600)).await;
+        let late = get(addr, "/healthz").await;
+        assert!(late.starts_with("HTTP/1.0 503"), "{late}");
+        assert!(late.contains("\"failing\"") && late.contains("cycle loop"), "{late}");
+        // The loop runs again: healthy again.
+        state.health.ticked(state.clock.now());
+        let again = get(addr, "/healthz").await;
+        assert!(again.starts_with("HTTP/1.0 200"), "{again}");
+        server.abort();
     }
 }

@@ -13,3 +13,4 @@ pub(crate) mod ingest;
 pub mod metrics;
 pub mod state;
 pub mod store;
+pub mod supervise;

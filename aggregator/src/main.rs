@@ -100,15 +100,28 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let daemon = Daemon::start(&cfg, identity, &ca).await?;
+        let mut daemon = Daemon::start(&cfg, identity, &ca).await?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        let failed = tokio::select! {
+            _ = tokio::signal::ctrl_c() => None,
+            _ = term.recv() => None,
+            end = daemon.failed() => Some(end),
+        };
+        match failed {
+            None => {
+                tracing::info!("stopping");
+                daemon.shutdown().await;
+                Ok(ExitCode::SUCCESS)
+            }
+            Some(end) => {
+                tracing::error!(task = end.task, reason = %end.reason,
+                    "stopping: a task the daemon needs has ended; exiting non-zero so that \
+                     the service manager restarts it");
+                daemon.shutdown().await;
+                eprintln!("ballast-aggregator: {end}");
+                Ok(ExitCode::FAILURE)
+            }
         }
-        tracing::info!("stopping");
-        daemon.shutdown().await;
-        Ok(ExitCode::SUCCESS)
     })
 }
 

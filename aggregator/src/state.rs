@@ -7,6 +7,7 @@ use crate::metrics::Metrics;
 use crate::store::RoutingStore;
 use ballast_balance::{Balancer, Millis, Published};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 /// Shared daemon state. The balancer sits behind one mutex, held only by its writers
@@ -32,6 +33,48 @@ pub struct State {
     localities: RwLock<Arc<Localities>>,
     /// The per-service config directory, when one is configured.
     config_dir: Mutex<Option<crate::config::dir::ConfigDirStatus>>,
+    /// Whether the cycle loop is alive, for `/healthz`.
+    pub health: Health,
+}
+
+/// The cycle loop's liveness, for `/healthz`: a loop that stopped (a panic, a deadlock
+/// on the balancer) leaves weights frozen while everything else still answers.
+#[derive(Debug)]
+pub struct Health {
+    /// The configured cycle length, in milliseconds.
+    cycle_ms: AtomicU64,
+    /// When the cycle loop last ran (or the state was made, before its first tick).
+    last_tick: AtomicU64,
+}
+
+/// How many cycle lengths the loop may be silent before `/healthz` fails.
+pub const CYCLE_LATE_AFTER: u64 = 3;
+
+impl Health {
+    fn new(now: Millis) -> Self {
+        Health {
+            cycle_ms: AtomicU64::new(ballast_balance::Params::default().cycle_ms),
+            last_tick: AtomicU64::new(now),
+        }
+    }
+
+    /// Sets the cycle length the loop is held to.
+    pub fn set_cycle_ms(&self, ms: u64) {
+        self.cycle_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Records that the cycle loop ran at `now`.
+    pub fn ticked(&self, now: Millis) {
+        self.last_tick.store(now, Ordering::Relaxed);
+    }
+
+    /// How long ago the loop last ran, if that is more than [`CYCLE_LATE_AFTER`] cycle
+    /// lengths: the loop has stopped.
+    pub fn cycle_late(&self, now: Millis) -> Option<u64> {
+        let age = now.saturating_sub(self.last_tick.load(Ordering::Relaxed));
+        let limit = CYCLE_LATE_AFTER.saturating_mul(self.cycle_ms.load(Ordering::Relaxed));
+        (age > limit).then_some(age)
+    }
 }
 
 impl State {
@@ -45,6 +88,7 @@ impl State {
     ) -> Self {
         let first =
             Published::default().next(&balancer, &BTreeSet::new(), &BTreeMap::new(), clock.now());
+        let health = Health::new(clock.now());
         State {
             clock,
             balancer: Mutex::new(balancer),
@@ -55,6 +99,7 @@ impl State {
             report_interval_ms,
             localities: RwLock::new(Arc::new(Localities::default())),
             config_dir: Mutex::new(None),
+            health,
         }
     }
 

@@ -62,18 +62,45 @@ async fn not_found() -> ApiError {
     }
 }
 
-async fn healthz(AxState(state): AxState<Arc<State>>) -> Json<serde_json::Value> {
-    // The aggregator serves whatever the store does, so `status` stays "ok"; the
-    // store's own condition (ok, error, stalled) is under `store_writer`.
+/// `GET /healthz`: 200 and `"status": "ok"` while the daemon balances; 503 and
+/// `"status": "failing"`, with the reasons, when the cycle loop has not run for
+/// three cycle lengths or the routing store has been failing for longer than
+/// [`crate::store::writer::FAILING_UNHEALTHY_AFTER`]. A store error shorter than that
+/// shows under `store_writer` and leaves the status ok: the aggregator keeps serving
+/// the weights it has.
+async fn healthz(AxState(state): AxState<Arc<State>>) -> (StatusCode, Json<serde_json::Value>) {
     let store = state
         .store_status
         .health(state.store.describe(), std::time::Instant::now());
-    Json(serde_json::json!({
-        "status": "ok",
-        "store": store.name,
-        "store_error": store.error,
-        "store_writer": store,
-    }))
+    let mut failing = Vec::new();
+    if let Some(age) = state.health.cycle_late(state.clock.now()) {
+        failing.push(format!(
+            "the cycle loop last ran {age} ms ago, more than {} cycle lengths",
+            crate::state::CYCLE_LATE_AFTER
+        ));
+    }
+    if store.unhealthy() {
+        failing.push(format!(
+            "the routing store has been failing for {:.0} s: {}",
+            store.failing_seconds.unwrap_or_default(),
+            store.error.as_deref().unwrap_or("a write is stalled")
+        ));
+    }
+    let (code, status) = if failing.is_empty() {
+        (StatusCode::OK, "ok")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "failing")
+    };
+    (
+        code,
+        Json(serde_json::json!({
+            "status": status,
+            "failing": failing,
+            "store": store.name,
+            "store_error": store.error,
+            "store_writer": store,
+        })),
+    )
 }
 
 async fn config(AxState(state): AxState<Arc<State>>) -> Json<views::ConfigView> {

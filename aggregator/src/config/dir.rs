@@ -341,13 +341,26 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
     std::fs::rename(&tmp, path).map_err(io_error(path))
 }
 
-/// Reads a persisted merged config or a backup.
+/// Reads a persisted merged config or a backup, and checks every service's values as
+/// a config file's are checked: a file edited by hand or damaged on disk must not
+/// bring, say, a `min_weight` above `max_weight` into the core.
 pub(crate) fn load_merged(path: &Path) -> Result<Merged, DirError> {
     let bytes = std::fs::read(path).map_err(io_error(path))?;
-    serde_json::from_slice(&bytes).map_err(|e| DirError::Corrupt {
+    let corrupt = |detail: String| DirError::Corrupt {
         path: path.display().to_string(),
-        detail: e.to_string(),
-    })
+        detail,
+    };
+    let merged: Merged = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+    for (name, entry) in &merged.services {
+        entry
+            .config
+            .params
+            .validate()
+            .map_err(|e| corrupt(format!("service {name:?}: {e}")))?;
+        super::locality::validate(&entry.config.locality)
+            .map_err(|e| corrupt(format!("service {name:?}: {e}")))?;
+    }
+    Ok(merged)
 }
 
 /// Persists the merged config.
@@ -627,6 +640,28 @@ mod tests {
             restore(&kept[0], &conf, false),
             Err(DirError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn a_persisted_config_with_values_out_of_range_is_refused() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let path = tmp.path().join("services.json");
+        let mut c = configs();
+        c.apply(&files(&[("web.toml", "")]), &Params::default(), 0);
+        let mut merged = c.merged().clone();
+        save_merged(&path, &merged).expect("save");
+        assert_eq!(load_merged(&path).expect("a good one loads"), merged);
+        // Edited on disk: min above max, which f64::clamp would panic on.
+        let entry = merged.services.get_mut("web").expect("web");
+        entry.config.params.min_weight = 5.0;
+        entry.config.params.max_weight = 2.0;
+        save_merged(&path, &merged).expect("save");
+        match load_merged(&path) {
+            Err(DirError::Corrupt { detail, .. }) => {
+                assert!(detail.contains("web"), "{detail}")
+            }
+            other => panic!("loaded: {other:?}"),
+        }
     }
 
     #[test]

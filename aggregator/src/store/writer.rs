@@ -71,6 +71,22 @@ pub struct StoreHealth {
     pub pending: usize,
     /// The age of the oldest of those changes, in seconds.
     pub lag_seconds: Option<f64>,
+    /// How long writes have been failing (or the one in flight stalled), in seconds;
+    /// `None` while the store is ok.
+    pub failing_seconds: Option<f64>,
+}
+
+/// How long the routing store may fail before `/healthz` fails: long enough to ride
+/// out an etcd leader election or restart, short enough that a store that is gone
+/// for good pages someone while the weights it would restore are still recent.
+pub(crate) const FAILING_UNHEALTHY_AFTER: Duration = Duration::from_secs(300);
+
+impl StoreHealth {
+    /// Whether the store has been failing for longer than [`FAILING_UNHEALTHY_AFTER`].
+    pub fn unhealthy(&self) -> bool {
+        self.failing_seconds
+            .is_some_and(|s| s > FAILING_UNHEALTHY_AFTER.as_secs_f64())
+    }
 }
 
 /// The writer's progress, shared with `/healthz`. The writer updates it; anyone may
@@ -82,6 +98,8 @@ pub struct StoreStatus {
 
 #[derive(Debug, Default)]
 struct Progress {
+    /// When the current run of failed writes began.
+    failing_since: Option<Instant>,
     writing_since: Option<Instant>,
     writing_version: Option<u64>,
     error: Option<String>,
@@ -113,6 +131,14 @@ impl StoreStatus {
         } else {
             StoreCondition::Ok
         };
+        let failing_for = match status {
+            StoreCondition::Ok => None,
+            // A stalled write that follows failures has been failing since the first.
+            StoreCondition::Error | StoreCondition::Stalled => p
+                .failing_since
+                .or(p.writing_since)
+                .map(|t| now.saturating_duration_since(t)),
+        };
         StoreHealth {
             status,
             name,
@@ -126,6 +152,7 @@ impl StoreStatus {
             lag_seconds: p
                 .oldest_pending
                 .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+            failing_seconds: failing_for.map(|d| d.as_secs_f64()),
         }
     }
 }
@@ -325,6 +352,7 @@ async fn run(
                 p.writing_since = None;
                 p.writing_version = None;
                 p.error = None;
+                p.failing_since = None;
                 p.consecutive_failures = 0;
                 p.written_version = Some(latest.version);
             }
@@ -351,6 +379,7 @@ fn failed(state: &State, error: &StoreError, failures: u32, services: usize) {
     p.writing_since = None;
     p.writing_version = None;
     p.error = Some(error.to_string());
+    p.failing_since.get_or_insert_with(Instant::now);
     p.consecutive_failures = failures;
 }
 
@@ -678,6 +707,30 @@ mod tests {
         };
         assert_eq!((count("error"), count("ok")), (2, 1));
         task.abort();
+    }
+
+    #[test]
+    fn a_store_failing_for_five_minutes_is_unhealthy_and_a_good_write_clears_it() {
+        let status = StoreStatus::default();
+        let now = Instant::now();
+        {
+            let mut p = status.lock();
+            p.error = Some("etcd is gone".into());
+            p.failing_since = now.checked_sub(Duration::from_secs(200));
+        }
+        let h = status.health("test".into(), now);
+        assert_eq!(h.status, StoreCondition::Error);
+        assert!(!h.unhealthy(), "200 s is within the limit: {h:?}");
+        let later = now + Duration::from_secs(101);
+        assert!(status.health("test".into(), later).unhealthy());
+        {
+            let mut p = status.lock();
+            p.error = None;
+            p.failing_since = None;
+        }
+        let h = status.health("test".into(), later);
+        assert_eq!(h.failing_seconds, None);
+        assert!(!h.unhealthy());
     }
 
     #[test]

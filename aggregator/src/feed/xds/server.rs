@@ -30,6 +30,7 @@ use super::resources::{ResourceType, Snapshot};
 use super::LbPolicy;
 use crate::metrics::XdsResource;
 use crate::state::State;
+use crate::supervise::Supervisor;
 use ballast_balance::Published;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
@@ -74,16 +75,24 @@ impl XdsServer {
         state: Arc<State>,
         policy: LbPolicy,
     ) -> std::io::Result<XdsServer> {
+        Self::start_supervised(listener, state, policy, &Supervisor::detached())
+    }
+
+    /// Like [`XdsServer::start`], with its tasks watched by `supervisor`.
+    pub fn start_supervised(
+        listener: tokio::net::TcpListener,
+        state: Arc<State>,
+        policy: LbPolicy,
+        supervisor: &Supervisor,
+    ) -> std::io::Result<XdsServer> {
         let addr = listener.local_addr()?;
         let (shutdown, shutdown_rx) = watch::channel(false);
         let first = build(&state.published(), policy, &Snapshot::default());
         let (snapshots, snapshots_rx) = watch::channel(Arc::new(first));
-        let publisher = tokio::spawn(publish(
-            state.clone(),
-            policy,
-            snapshots,
-            shutdown_rx.clone(),
-        ));
+        let publisher = supervisor.spawn(
+            "xDS publisher",
+            publish(state.clone(), policy, snapshots, shutdown_rx.clone()),
+        );
         let ads = Ads {
             state,
             snapshots: snapshots_rx,
@@ -92,7 +101,7 @@ impl XdsServer {
         let mut stop = shutdown_rx;
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        let server = tokio::spawn(async move {
+        let server = supervisor.spawn("xDS server", async move {
             let result = tonic::transport::Server::builder()
                 // Streams live for hours: find dead clients without waiting for TCP.
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
