@@ -77,7 +77,7 @@ pub enum ControlError {
     Decode(#[from] serde_json::Error),
 }
 
-fn answer(shared: &Shared, line: &str) -> Response {
+pub(crate) fn answer(shared: &Shared, line: &str) -> Response {
     let request: Request = match serde_json::from_str(line.trim()) {
         Ok(r) => r,
         Err(e) => return Response::refused(format!("bad request: {e}")),

@@ -71,6 +71,85 @@ pub fn open_sampler(
     Ok(Sampler::new(cpu, inflight, cfg.capacity))
 }
 
+/// When the node's certificate expires, in milliseconds since the Unix epoch; `None`
+/// if it cannot be read (the TLS set-up reports that).
+fn certificate_expiry(cfg: &AgentConfig) -> Option<u64> {
+    let pem = tls::read(&cfg.tls.cert).ok()?;
+    let chain = tls::certs_from_pem(&pem, "node certificate").ok()?;
+    let info = tls::CertInfo::parse(chain.first()?).ok()?;
+    u64::try_from(info.not_after_unix_s).ok()?.checked_mul(1000)
+}
+
+/// What the node's certificate will make the aggregator refuse, in words, for
+/// `ballast-agent check`: another node's name, a service it does not name (the
+/// aggregator's policy may still grant it), or an expiry within 30 days.
+pub fn certificate_notes(cfg: &AgentConfig, now_unix_ms: u64) -> Vec<String> {
+    let mut notes = Vec::new();
+    let Some(info) = tls::read(&cfg.tls.cert)
+        .ok()
+        .and_then(|pem| tls::certs_from_pem(&pem, "node certificate").ok())
+        .and_then(|chain| tls::CertInfo::parse(chain.first()?).ok())
+    else {
+        return notes;
+    };
+    if info.identity != cfg.node {
+        notes.push(format!(
+            "the certificate names node {:?}, not {:?}: the aggregator refuses the hello \
+             (identity_mismatch)",
+            info.identity, cfg.node
+        ));
+    }
+    if info.services.is_empty() {
+        notes.push(format!(
+            "the certificate names no service: the aggregator refuses service {:?} \
+             (service_not_allowed) unless its policy grants it",
+            cfg.service
+        ));
+    } else if !info.services.contains(&cfg.service) {
+        notes.push(format!(
+            "the certificate allows service(s) {}, not {:?}: the aggregator refuses the \
+             hello (service_not_allowed) unless its policy grants it",
+            info.services.join(", "),
+            cfg.service
+        ));
+    }
+    let status = crate::status::Status {
+        certificate_expires_unix_ms: u64::try_from(info.not_after_unix_s)
+            .ok()
+            .and_then(|s| s.checked_mul(1000)),
+        ..Default::default()
+    };
+    notes.extend(status.certificate_warning(now_unix_ms));
+    notes
+}
+
+/// Warns in the log, once a day, from 30 days before the node's certificate expires.
+async fn watch_certificate(shared: Arc<Shared>) {
+    const DAY_MS: u64 = 24 * 3600 * 1000;
+    loop {
+        let status = shared.status();
+        let Some(expires) = status.certificate_expires_unix_ms else {
+            return;
+        };
+        let now = ballast_shared::unix_ms();
+        let expires_at = ballast_shared::pki::rfc3339(i64::try_from(expires / 1000).unwrap_or(0));
+        let wait_ms = match status.certificate_warning(now) {
+            Some(w) if now >= expires => {
+                tracing::error!(certificate = %shared.config.tls.cert.display(), expired = %expires_at, "{w}");
+                DAY_MS
+            }
+            Some(w) => {
+                tracing::warn!(certificate = %shared.config.tls.cert.display(), expires = %expires_at, "{w}");
+                DAY_MS.min(expires - now)
+            }
+            None => (expires - now)
+                .saturating_sub(crate::status::CERTIFICATE_WARNING_MS)
+                .clamp(1000, DAY_MS),
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+    }
+}
+
 /// A running agent.
 pub struct Agent {
     /// Its shared state.
@@ -139,6 +218,12 @@ impl Agent {
                 shared.clone(),
             )));
         }
+        let expires = certificate_expiry(&shared.config);
+        shared.update(|s| s.certificate_expires_unix_ms = expires);
+        if expires.is_some() {
+            tasks.push(tokio::spawn(watch_certificate(shared.clone())));
+        }
+        // Last: `stop` waits for the report loop to say goodbye.
         tasks.push(tokio::spawn(crate::report::run(
             shared.clone(),
             sampler,
@@ -166,5 +251,57 @@ impl Agent {
         if !path.as_os_str().is_empty() {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ballast_shared::config::TlsFiles;
+    use ballast_shared::pki::{Ca, NodeSpec};
+
+    fn config_with(dir: &std::path::Path, spec: &NodeSpec, service: &str) -> AgentConfig {
+        let ca = Ca::generate("test CA").expect("ca");
+        ca.issue_node_with(spec)
+            .expect("issue")
+            .pem
+            .write(dir, "node")
+            .expect("write");
+        AgentConfig {
+            service: service.into(),
+            node: "web-1".into(),
+            tls: TlsFiles::in_dir(dir, "node"),
+            ..AgentConfig::default()
+        }
+    }
+
+    #[test]
+    fn check_says_what_the_certificate_will_make_the_aggregator_refuse() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let year = std::time::Duration::from_secs(365 * 86_400);
+        let now = ballast_shared::unix_ms();
+        let web = vec!["web".to_string()];
+        let good = NodeSpec::new("web-1", &web, year).expect("spec");
+        let cfg = config_with(dir.path(), &good, "web");
+        assert_eq!(certificate_notes(&cfg, now), Vec::<String>::new());
+        assert_eq!(
+            certificate_expiry(&cfg),
+            Some(u64::try_from(good.not_after_unix_s).expect("time") * 1000)
+        );
+
+        let cfg = config_with(dir.path(), &good, "payments");
+        let notes = certificate_notes(&cfg, now);
+        assert!(
+            notes.len() == 1 && notes[0].contains("not \"payments\""),
+            "{notes:?}"
+        );
+
+        let other =
+            NodeSpec::new("web-2", &[], std::time::Duration::from_secs(86_400)).expect("spec");
+        let notes = certificate_notes(&config_with(dir.path(), &other, "web"), now);
+        assert_eq!(notes.len(), 3, "{notes:?}");
+        assert!(notes[0].contains("identity_mismatch"), "{notes:?}");
+        assert!(notes[1].contains("names no service"), "{notes:?}");
+        assert!(notes[2].contains("expires in 1.0 days"), "{notes:?}");
     }
 }

@@ -9,6 +9,8 @@ pub mod config;
 pub mod control;
 pub(crate) mod counters;
 pub mod daemon;
+#[doc(hidden)]
+pub mod fuzzing;
 pub(crate) mod metrics;
 pub(crate) mod report;
 pub mod sample;

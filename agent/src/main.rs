@@ -178,6 +178,16 @@ fn print_human(req: Request, resp: &Response) {
     if let Some(e) = &s.last_error {
         println!("last error  {e}");
     }
+    if let Some(r) = &s.rejection {
+        println!("refused     {} by {}: {}", r.reason, r.aggregator, r.detail);
+    }
+    if let Some(expires) = s.certificate_expires_unix_ms {
+        let at = ballast_shared::pki::rfc3339(i64::try_from(expires / 1000).unwrap_or(0));
+        match s.certificate_warning(ballast_shared::unix_ms()) {
+            Some(w) => println!("certificate expires {at}: {w}"),
+            None => println!("certificate expires {at}"),
+        }
+    }
     if let Some(w) = &resp.warning {
         println!("warning     {w}");
     }
@@ -196,5 +206,8 @@ fn check(flags: Flags) -> Result<ExitCode> {
         cfg.address,
         cfg.aggregators.join(", ")
     );
+    for note in daemon::certificate_notes(&cfg, ballast_shared::unix_ms()) {
+        eprintln!("warning: {note}");
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -58,7 +58,7 @@ pub(crate) fn render(
     sample(&mut out, &format!("{name}_sum"), sum);
     sample(&mut out, &format!("{name}_count"), cumulative);
 
-    let counters: [(&str, &str, u64); 5] = [
+    let counters: [(&str, &str, u64); 6] = [
         (
             "ballast_agent_reports_sent_total",
             "Reports sent to an aggregator.",
@@ -84,6 +84,11 @@ pub(crate) fn render(
             "Sessions established with an aggregator after the first.",
             status.connections.saturating_sub(1),
         ),
+        (
+            "ballast_agent_rejections_total",
+            "Refusals by an aggregator: of the hello, or of the node's certificate.",
+            status.rejections,
+        ),
     ];
     for (name, help, value) in counters {
         family(&mut out, name, "counter", help);
@@ -106,7 +111,7 @@ pub(crate) fn render(
     }
 
     let flag = |b: bool| u8::from(b);
-    let gauges: [(&str, &str, Option<f64>); 8] = [
+    let gauges: [(&str, &str, Option<f64>); 9] = [
         (
             "ballast_agent_connected",
             "1 while a session with an aggregator is up.",
@@ -149,6 +154,13 @@ pub(crate) fn render(
                 .weight_unix_ms
                 .map(|at| now_unix_ms.saturating_sub(at) as f64 / 1000.0),
         ),
+        (
+            "ballast_agent_certificate_expiry_seconds",
+            "Seconds until the node's certificate expires; negative once it has.",
+            status
+                .certificate_expires_unix_ms
+                .map(|at| (at as f64 - now_unix_ms as f64) / 1000.0),
+        ),
     ];
     for (name, help, value) in gauges {
         family(&mut out, name, "gauge", help);
@@ -162,7 +174,7 @@ pub(crate) fn render(
 
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Refusal {
+pub(crate) enum Refusal {
     BadRequest,
     TooLarge,
     NotFound,
@@ -170,7 +182,7 @@ enum Refusal {
 }
 
 impl Refusal {
-    fn status_line(self) -> &'static str {
+    pub(crate) fn status_line(self) -> &'static str {
         match self {
             Refusal::BadRequest => "400 Bad Request",
             Refusal::TooLarge => "431 Request Header Fields Too Large",
@@ -181,7 +193,7 @@ impl Refusal {
 }
 
 /// Reads the request line from a head (`GET /metrics HTTP/1.1`) and decides.
-fn route(head: &[u8]) -> Result<(), Refusal> {
+pub(crate) fn route(head: &[u8]) -> Result<(), Refusal> {
     let text = std::str::from_utf8(head).map_err(|_| Refusal::BadRequest)?;
     let line = text.lines().next().ok_or(Refusal::BadRequest)?;
     let mut parts = line.split(' ');
@@ -301,6 +313,8 @@ mod tests {
             draining: true,
             last_load: Some(0.25),
             connected_to: Some("agg:7400".into()),
+            rejections: 2,
+            certificate_expires_unix_ms: Some(86_400_000),
             ..Status::default()
         };
         let text = render(&m, &st, false, 0);
@@ -317,6 +331,8 @@ mod tests {
             "ballast_agent_draining 1",
             "ballast_agent_safe_to_stop 0",
             "ballast_agent_load 0.25",
+            "ballast_agent_rejections_total 2",
+            "ballast_agent_certificate_expiry_seconds 86400",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

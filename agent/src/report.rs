@@ -113,10 +113,21 @@ pub(crate) async fn run(
             Ok(true) => backoff.reset(),
             Ok(false) => {}
             Err(e) => {
-                tracing::warn!(aggregator = %target, error = %e, "aggregator session failed");
+                let rejection = rejection_of(&e, target);
+                match &rejection {
+                    Some(r) => tracing::error!(aggregator = %target, reason = %r.reason,
+                        detail = %r.detail, "the aggregator refused this node"),
+                    None => {
+                        tracing::warn!(aggregator = %target, error = %e, "aggregator session failed")
+                    }
+                }
                 shared.update(|s| {
                     s.connect_failures += 1;
                     s.last_error = Some(format!("{target}: {e}"));
+                    if let Some(r) = rejection {
+                        s.rejections += 1;
+                        s.rejection = Some(r);
+                    }
                 });
             }
         }
@@ -183,6 +194,7 @@ async fn session(
         st.connected_to = Some(target.to_string());
         st.connections += 1;
         st.last_error = None;
+        st.rejection = None;
     });
 
     loop {
@@ -202,6 +214,12 @@ async fn session(
                     Ok(b) => b,
                     Err(e) => return match e {
                         quinn::ConnectionError::LocallyClosed => Ok(false),
+                        // Closed over this node's certificate: a refusal to report.
+                        quinn::ConnectionError::ApplicationClosed(ref c)
+                            if close_reason(c.error_code.into_inner()).is_some() =>
+                        {
+                            Err(SessionError::Connection(e))
+                        }
                         other => {
                             tracing::info!(aggregator = %target, error = %other, "connection lost");
                             Ok(true)
@@ -262,9 +280,76 @@ async fn welcome(
     }
 }
 
+/// The metric and status code of a connection the aggregator closed with `code`,
+/// when it closed it over this node's hello or certificate.
+fn close_reason(code: u64) -> Option<&'static str> {
+    match u32::try_from(code).ok()? {
+        session::close::REJECTED => Some("rejected"),
+        session::close::REVOKED => Some("revoked"),
+        session::close::EXPIRED => Some("expired"),
+        _ => None,
+    }
+}
+
+/// What a TLS alert that ended the handshake says about this node's certificate.
+fn alert_reason(alert: u8) -> (&'static str, &'static str) {
+    match alert {
+        44 => (
+            "revoked",
+            "the aggregator refused this node's certificate: it is revoked",
+        ),
+        45 => (
+            "expired",
+            "the aggregator refused this node's certificate: it has expired or is not valid yet",
+        ),
+        _ => (
+            "certificate_refused",
+            "the aggregator refused this node's certificate (not signed by a CA it trusts, \
+             or unusable)",
+        ),
+    }
+}
+
+/// The refusal a failed session amounts to, if it was one: a reject of the hello, a
+/// connection closed over the certificate, or a handshake the aggregator ended over
+/// the certificate.
+fn rejection_of(e: &SessionError, target: &str) -> Option<crate::status::Rejection> {
+    let (reason, detail) = match e {
+        SessionError::Session(ClientError::Rejected(r)) => (r.reason.to_string(), r.detail.clone()),
+        SessionError::Connection(c)
+        | SessionError::Write(quinn::WriteError::ConnectionLost(c))
+        | SessionError::Read(quinn::ReadError::ConnectionLost(c)) => match c {
+            quinn::ConnectionError::ApplicationClosed(close) => {
+                let reason = close_reason(close.error_code.into_inner())?;
+                // A reject's own reason came in its frame; this is a close without one.
+                (
+                    reason.to_string(),
+                    String::from_utf8_lossy(&close.reason).into_owned(),
+                )
+            }
+            quinn::ConnectionError::ConnectionClosed(close) => {
+                let code = u64::from(close.error_code);
+                if !(0x100..0x200).contains(&code) {
+                    return None;
+                }
+                let (reason, words) = alert_reason(u8::try_from(code & 0xff).unwrap_or(0));
+                (reason.to_string(), words.to_string())
+            }
+            _ => return None,
+        },
+        _ => return None,
+    };
+    Some(crate::status::Rejection {
+        reason,
+        detail,
+        aggregator: target.to_string(),
+        unix_ms: ballast_shared::unix_ms(),
+    })
+}
+
 /// Keeps what the aggregator assigned: in the status, and published to every
 /// subscriber (the synthetic source follows its weight).
-fn assigned(shared: &Shared, a: Assignment) {
+pub(crate) fn assigned(shared: &Shared, a: Assignment) {
     shared.publish_assignment(a);
     shared.update(|st| {
         st.weight = Some(a.weight);

@@ -55,6 +55,59 @@ pub struct Status {
     pub connections: u64,
     /// The last error, in words.
     pub last_error: Option<String>,
+    /// The aggregator's last refusal of this node: of its hello (a service or an
+    /// address it may not claim, an unknown service, another node's certificate) or of
+    /// its certificate (revoked, expired, not trusted). Cleared by the next welcome.
+    #[serde(default)]
+    pub rejection: Option<Rejection>,
+    /// Refusals since the agent started.
+    #[serde(default)]
+    pub rejections: u64,
+    /// When this node's certificate expires, in milliseconds since the Unix epoch.
+    #[serde(default)]
+    pub certificate_expires_unix_ms: Option<u64>,
+}
+
+/// A refusal by the aggregator, as the agent heard it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejection {
+    /// A stable code: a reject reason of the protocol (`service_not_allowed`,
+    /// `address_not_allowed`, `unknown_service`, `identity_mismatch`,
+    /// `invalid_hello`), or what became of the certificate (`revoked`, `expired`,
+    /// `certificate_refused`).
+    pub reason: String,
+    /// The aggregator's words, or what the agent could tell.
+    pub detail: String,
+    /// The aggregator that refused.
+    pub aggregator: String,
+    /// When, in milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+}
+
+/// From how long before its certificate expires the agent warns.
+pub const CERTIFICATE_WARNING_MS: u64 = 30 * 24 * 3600 * 1000;
+
+impl Status {
+    /// A warning about the certificate's lifetime at `now_unix_ms`, from
+    /// [`CERTIFICATE_WARNING_MS`] before it expires.
+    pub fn certificate_warning(&self, now_unix_ms: u64) -> Option<String> {
+        let expires = self.certificate_expires_unix_ms?;
+        if now_unix_ms >= expires {
+            return Some(
+                "this node's certificate has expired: the aggregator refuses it; issue a new \
+                 one (ballast-aggregator certs issue) and restart the agent"
+                    .to_string(),
+            );
+        }
+        let left = expires - now_unix_ms;
+        (left < CERTIFICATE_WARNING_MS).then(|| {
+            format!(
+                "this node's certificate expires in {:.1} days: issue a new one \
+                 (ballast-aggregator certs issue) and restart the agent before then",
+                left as f64 / 86_400_000.0
+            )
+        })
+    }
 }
 
 /// Whether stopping the service now loses nothing, and why or why not, in words an
@@ -134,6 +187,22 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_certificate_is_warned_about_from_30_days_before_it_expires() {
+        let day = 86_400_000;
+        let now = 1_000 * day;
+        let at = |expires: u64| Status {
+            certificate_expires_unix_ms: Some(expires),
+            ..Status::default()
+        };
+        assert_eq!(Status::default().certificate_warning(now), None);
+        assert_eq!(at(now + 31 * day).certificate_warning(now), None);
+        let w = at(now + 29 * day).certificate_warning(now).expect("warned");
+        assert!(w.contains("29.0 days"), "{w}");
+        let w = at(now - 1).certificate_warning(now).expect("expired");
+        assert!(w.contains("has expired"), "{w}");
+    }
 
     fn drained(now: u64) -> Status {
         Status {

@@ -1,8 +1,56 @@
-//! `ballast-aggregator certs`: a CA, a server certificate and node certificates, so
-//! that a first deployment needs no openssl.
+//! `ballast-aggregator certs`: a CA, a server certificate, node certificates and a
+//! revocation list, so that a first deployment needs no openssl.
+//!
+//! A node certificate names its node and the services it may serve
+//! (`ballast://service/NAME` URIs), and expires after its validity period; each
+//! command says when each certificate it writes expires. Revoking a node adds its
+//! certificate to `crl.pem` beside the CA, which the aggregator reads
+//! (`[authorization] crl`) and reloads when it changes.
 
-use ballast_shared::pki::{Ca, PkiError};
-use std::path::Path;
+use ballast_shared::pki::{self, Ca, NodeSpec, PkiError, RevocationList, Revoked};
+use ballast_shared::tls::{CertInfo, TlsError};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The revocation list's file name in the certificate directory.
+pub const CRL_FILE: &str = "crl.pem";
+
+/// Why a `certs` command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CertsError {
+    /// Issuing or writing failed.
+    #[error(transparent)]
+    Pki(#[from] PkiError),
+    /// A certificate could not be read.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The directory holds no CA to issue from.
+    #[error(
+        "no CA in {0} (ca.pem and ca.key): create one with `ballast-aggregator certs init {0}`"
+    )]
+    NoCa(String),
+    /// There is no certificate for the node to revoke.
+    #[error("no certificate for node {node:?} at {path}: give its serial number with --serial")]
+    NoNode {
+        /// The node.
+        node: String,
+        /// Where its certificate was looked for.
+        path: String,
+    },
+    /// A serial number that is not hex.
+    #[error("serial number {0:?} is not hexadecimal")]
+    BadSerial(String),
+}
+
+/// A file a command wrote, and what it holds in words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    /// The file or directory.
+    pub path: PathBuf,
+    /// What it is: for certificates, whom they name, what they may serve and when
+    /// they expire.
+    pub summary: String,
+}
 
 /// The names the server certificate covers unless told otherwise.
 pub fn default_server_names() -> Vec<String> {
@@ -20,58 +68,327 @@ pub fn default_server_names() -> Vec<String> {
     names
 }
 
-/// Writes `ca.pem`, `ca.key`, `server.pem`, `server.key` and, per node,
-/// `nodes/NODE/{ca.pem,node.pem,node.key}` (a ready-made TLS dir for that agent).
-/// An existing CA in `dir` is reused, so nodes can be added later.
+/// `unix_s` for people: the date, and how far from now.
+pub fn describe_expiry(unix_s: i64) -> String {
+    let now = i64::try_from(ballast_shared::unix_ms() / 1000).unwrap_or(i64::MAX);
+    let days = (unix_s - now) / 86_400;
+    if unix_s <= now {
+        format!("expired {}", pki::rfc3339(unix_s))
+    } else {
+        format!("expires {} (in {days} days)", pki::rfc3339(unix_s))
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {
+    move |source| PkiError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// The CA in `dir`, if there is one.
+fn load_ca(dir: &Path) -> Result<Option<Ca>, CertsError> {
+    let (cert, key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    match (
+        std::fs::read_to_string(&cert),
+        std::fs::read_to_string(&key),
+    ) {
+        (Ok(c), Ok(k)) => Ok(Some(Ca::from_pem(&c, &k)?)),
+        (Err(e), _) | (_, Err(e)) if e.kind() != std::io::ErrorKind::NotFound => {
+            let path = if cert.exists() { key } else { cert };
+            Err(io(&path)(e).into())
+        }
+        _ => Ok(None),
+    }
+}
+
+/// What a node certificate names, in words.
+fn node_summary(node: &str, services: &[String], not_after_unix_s: i64) -> String {
+    let serves = if services.is_empty() {
+        "no service (only what the aggregator's policy grants)".to_string()
+    } else {
+        format!("services {}", services.join(", "))
+    };
+    format!(
+        "node {node}, {serves}, {}",
+        describe_expiry(not_after_unix_s)
+    )
+}
+
+/// Issues node `node`'s certificate into `dir/nodes/NODE/{ca.pem,node.pem,node.key}`
+/// (a ready-made TLS directory for that agent), replacing any before it.
+fn issue_into(dir: &Path, ca: &Ca, spec: &NodeSpec) -> Result<Written, CertsError> {
+    let node_dir = dir.join("nodes").join(&spec.node);
+    let issued = ca.issue_node_with(spec)?;
+    issued.pem.write(&node_dir, "node")?;
+    let ca_pem = dir.join("ca.pem");
+    std::fs::copy(&ca_pem, node_dir.join("ca.pem")).map_err(io(&node_dir.join("ca.pem")))?;
+    Ok(Written {
+        summary: node_summary(&spec.node, &spec.services, issued.not_after_unix_s),
+        path: node_dir,
+    })
+}
+
+/// Writes `ca.pem`, `ca.key`, an empty `crl.pem`, `server.pem`, `server.key` and, per node,
+/// `nodes/NODE/{ca.pem,node.pem,node.key}`: each node may serve `services` and its
+/// certificate is valid for `validity`. An existing CA and server certificate in
+/// `dir` are kept, so nodes can be added later.
 pub fn init(
     dir: &Path,
     server_names: &[String],
     nodes: &[String],
-) -> Result<Vec<String>, PkiError> {
-    let ca_cert = dir.join("ca.pem");
-    let ca_key = dir.join("ca.key");
+    services: &[String],
+    validity: Duration,
+) -> Result<Vec<Written>, CertsError> {
+    // Every name is checked before anything is written.
+    let specs = nodes
+        .iter()
+        .map(|n| NodeSpec::new(n, services, validity))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut written = Vec::new();
-    let ca = match (
-        std::fs::read_to_string(&ca_cert),
-        std::fs::read_to_string(&ca_key),
-    ) {
-        (Ok(c), Ok(k)) => Ca::from_pem(&c, &k)?,
-        _ => {
+    let ca = match load_ca(dir)? {
+        Some(ca) => ca,
+        None => {
             let ca = Ca::generate("Ballast CA")?;
             ca.pem().write(dir, "ca")?;
-            written.push(ca_cert.display().to_string());
+            written.push(Written {
+                path: dir.join("ca.pem"),
+                summary: "the CA (keep ca.key off the fleet)".into(),
+            });
             ca
         }
     };
-    if !dir.join("server.pem").exists() {
-        ca.issue_server(server_names)?.write(dir, "server")?;
-        written.push(dir.join("server.pem").display().to_string());
+    let crl = dir.join(CRL_FILE);
+    if !crl.exists() {
+        // An empty list from the start, so that the aggregator can be pointed at it
+        // before anything is revoked.
+        let pem = ca.revocation_list(&[], 1)?;
+        std::fs::write(&crl, pem).map_err(io(&crl))?;
+        written.push(Written {
+            path: crl,
+            summary: "the revocation list, empty (`certs revoke` adds to it)".into(),
+        });
     }
-    for node in nodes {
-        let node_dir = dir.join("nodes").join(node);
-        ca.issue_node(node)?.write(&node_dir, "node")?;
-        std::fs::copy(&ca_cert, node_dir.join("ca.pem")).map_err(|source| PkiError::Io {
-            path: node_dir.join("ca.pem").display().to_string(),
-            source,
-        })?;
-        written.push(node_dir.display().to_string());
+    if !dir.join("server.pem").exists() {
+        let server = ca.issue_server(server_names)?;
+        server.write(dir, "server")?;
+        let expiry = ballast_shared::tls::certs_from_pem(&server.cert, "server.pem")?
+            .first()
+            .map(CertInfo::parse)
+            .transpose()?
+            .map(|i| describe_expiry(i.not_after_unix_s))
+            .unwrap_or_default();
+        written.push(Written {
+            path: dir.join("server.pem"),
+            summary: format!(
+                "the server certificate for {}, {expiry}",
+                server_names.join(", ")
+            ),
+        });
+    }
+    for spec in &specs {
+        written.push(issue_into(dir, &ca, spec)?);
     }
     Ok(written)
+}
+
+/// Issues one node certificate from the CA in `dir`: node `node`, serving `services`,
+/// valid for `validity`, into `dir/nodes/NODE/`.
+pub fn issue(
+    dir: &Path,
+    node: &str,
+    services: &[String],
+    validity: Duration,
+) -> Result<Written, CertsError> {
+    let spec = NodeSpec::new(node, services, validity)?;
+    let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
+    issue_into(dir, &ca, &spec)
+}
+
+/// What to revoke.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RevokeTarget {
+    /// The certificate `certs init` or `certs issue` wrote for this node.
+    Node(String),
+    /// A certificate by its serial number, in hex (colons allowed).
+    Serial(String),
+}
+
+/// Adds a certificate to `dir/crl.pem` (made if missing), signed by the CA in `dir`.
+pub fn revoke(dir: &Path, target: &RevokeTarget) -> Result<Written, CertsError> {
+    let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
+    let (serial, what) = match target {
+        RevokeTarget::Node(node) => {
+            let path = dir.join("nodes").join(node).join("node.pem");
+            let pem = std::fs::read_to_string(&path).map_err(|_| CertsError::NoNode {
+                node: node.clone(),
+                path: path.display().to_string(),
+            })?;
+            let chain = ballast_shared::tls::certs_from_pem(&pem, &path.display().to_string())?;
+            let leaf = chain.first().ok_or_else(|| CertsError::NoNode {
+                node: node.clone(),
+                path: path.display().to_string(),
+            })?;
+            let info = CertInfo::parse(leaf)?;
+            let what = format!("node {node}'s certificate (serial {})", info.serial_hex());
+            (info.serial, what)
+        }
+        RevokeTarget::Serial(hex) => (parse_hex(hex)?, format!("serial {hex}")),
+    };
+    let crl_path = dir.join(CRL_FILE);
+    let mut list = match std::fs::read_to_string(&crl_path) {
+        Ok(pem) => RevocationList::from_pem(&pem, &crl_path.display().to_string())?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => RevocationList::default(),
+        Err(e) => return Err(io(&crl_path)(e).into()),
+    };
+    let already = list.revoked.iter().any(|r| r.serial == serial);
+    if !already {
+        list.revoked.push(Revoked {
+            serial,
+            revoked_unix_s: i64::try_from(ballast_shared::unix_ms() / 1000).unwrap_or(0),
+        });
+    }
+    let pem = ca.revocation_list(&list.revoked, list.number.saturating_add(1))?;
+    // Written beside and renamed, so that a reader never sees half a list.
+    let tmp = dir.join(format!(".{CRL_FILE}.tmp"));
+    std::fs::write(&tmp, pem).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &crl_path).map_err(io(&crl_path))?;
+    let state = if already {
+        "already revoked"
+    } else {
+        "revoked"
+    };
+    Ok(Written {
+        path: crl_path,
+        summary: format!(
+            "{what} {state}; the list holds {} certificate(s)",
+            list.revoked.len()
+        ),
+    })
+}
+
+fn parse_hex(s: &str) -> Result<Vec<u8>, CertsError> {
+    let digits: String = s.chars().filter(|c| *c != ':').collect();
+    let bad = || CertsError::BadSerial(s.to_string());
+    if digits.is_empty() || !digits.len().is_multiple_of(2) || digits.len() > 64 {
+        return Err(bad());
+    }
+    (0..digits.len())
+        .step_by(2)
+        .map(|i| {
+            digits
+                .get(i..i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(bad)
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const YEAR: Duration = Duration::from_secs(365 * 86_400);
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn info(dir: &Path, node: &str) -> CertInfo {
+        let pem = std::fs::read_to_string(dir.join("nodes").join(node).join("node.pem"))
+            .expect("node.pem");
+        let chain = ballast_shared::tls::certs_from_pem(&pem, "node.pem").expect("pem");
+        CertInfo::parse(&chain[0]).expect("info")
+    }
+
     #[test]
     fn init_then_add_a_node_reuses_the_ca() {
         let dir = tempfile::tempdir().expect("tempdir");
-        init(dir.path(), &default_server_names(), &["a".into()]).expect("init");
+        let web = names(&["web"]);
+        init(
+            dir.path(),
+            &default_server_names(),
+            &names(&["a"]),
+            &web,
+            YEAR,
+        )
+        .expect("init");
         let ca1 = std::fs::read_to_string(dir.path().join("ca.pem")).expect("ca");
-        init(dir.path(), &default_server_names(), &["b".into()]).expect("add");
+        let w = init(
+            dir.path(),
+            &default_server_names(),
+            &names(&["b"]),
+            &web,
+            YEAR,
+        )
+        .expect("add");
+        assert_eq!(w.len(), 1, "only the node is new: {w:?}");
+        assert!(w[0].summary.contains("services web") && w[0].summary.contains("expires"));
         let ca2 = std::fs::read_to_string(dir.path().join("ca.pem")).expect("ca");
         assert_eq!(ca1, ca2);
         assert!(dir.path().join("nodes/b/node.key").exists());
-        assert!(init(dir.path(), &[], &["bad/name".into()]).is_err());
+        assert!(init(dir.path(), &[], &names(&["bad/name"]), &web, YEAR).is_err());
+        assert!(init(dir.path(), &[], &names(&["c"]), &names(&["a b"]), YEAR).is_err());
+        assert!(
+            !dir.path().join("nodes/c").exists(),
+            "nothing written for a bad service"
+        );
+    }
+
+    #[test]
+    fn issue_writes_services_and_validity() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = issue(dir.path(), "n1", &names(&["web"]), YEAR).expect_err("no CA yet");
+        assert!(err.to_string().contains("certs init"), "{err}");
+        init(dir.path(), &default_server_names(), &[], &[], YEAR).expect("init");
+        let days = Duration::from_secs(30 * 86_400);
+        let w = issue(dir.path(), "n1", &names(&["web", "api"]), days).expect("issue");
+        assert!(
+            w.summary.contains("in 29 days") || w.summary.contains("in 30 days"),
+            "{w:?}"
+        );
+        let i = info(dir.path(), "n1");
+        assert_eq!(i.services, ["web", "api"]);
+        let now = i64::try_from(ballast_shared::unix_ms() / 1000).expect("now");
+        assert!((i.not_after_unix_s - now - 30 * 86_400).abs() < 60, "{i:?}");
+    }
+
+    #[test]
+    fn revoke_adds_to_the_list_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let web = names(&["web"]);
+        init(
+            dir.path(),
+            &default_server_names(),
+            &names(&["a", "b"]),
+            &web,
+            YEAR,
+        )
+        .expect("init");
+        let w = revoke(dir.path(), &RevokeTarget::Node("a".into())).expect("revoke");
+        assert!(w.summary.contains("holds 1"), "{w:?}");
+        let w = revoke(dir.path(), &RevokeTarget::Node("a".into())).expect("again");
+        assert!(w.summary.contains("already revoked"), "{w:?}");
+        revoke(
+            dir.path(),
+            &RevokeTarget::Serial(info(dir.path(), "b").serial_hex()),
+        )
+        .expect("by serial");
+        let pem = std::fs::read_to_string(dir.path().join(CRL_FILE)).expect("crl");
+        let list = RevocationList::from_pem(&pem, "crl").expect("parse");
+        assert_eq!(list.number, 4, "init's empty list, then three");
+        let serials: Vec<Vec<u8>> = list.revoked.iter().map(|r| r.serial.clone()).collect();
+        assert_eq!(
+            serials,
+            [info(dir.path(), "a").serial, info(dir.path(), "b").serial]
+        );
+        assert!(matches!(
+            revoke(dir.path(), &RevokeTarget::Node("zz".into())),
+            Err(CertsError::NoNode { .. })
+        ));
+        assert!(matches!(
+            revoke(dir.path(), &RevokeTarget::Serial("xyz".into())),
+            Err(CertsError::BadSerial(_))
+        ));
     }
 }

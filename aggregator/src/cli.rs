@@ -71,9 +71,43 @@ pub enum CertsCommand {
         /// Node identities to issue certificates for (comma-separated).
         #[arg(long, value_delimiter = ',')]
         nodes: Vec<String>,
+        /// Services the --nodes may serve (comma-separated or repeated). A node
+        /// certificate without one may serve nothing unless the aggregator's policy
+        /// grants it services.
+        #[arg(long = "service", value_delimiter = ',')]
+        services: Vec<String>,
+        /// How long the node certificates are valid, in days.
+        #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        validity_days: u32,
         /// Names the server certificate covers (default: localhost, 127.0.0.1, ::1, host name).
         #[arg(long = "server-name", value_delimiter = ',')]
         server_names: Vec<String>,
+    },
+    /// Issue one node certificate from the CA in DIR, into DIR/nodes/NODE/ (replacing
+    /// any certificate there: to renew it, or to change its services).
+    Issue {
+        /// The directory holding the CA (ca.pem, ca.key).
+        dir: PathBuf,
+        /// The node's identity.
+        node: String,
+        /// The services it may serve (comma-separated or repeated; at least one).
+        #[arg(long = "service", value_delimiter = ',', required = true)]
+        services: Vec<String>,
+        /// How long the certificate is valid, in days.
+        #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        validity_days: u32,
+    },
+    /// Revoke a node certificate: add it to DIR/crl.pem, which an aggregator given
+    /// that file (`--crl`) reloads, closing the node's connection.
+    Revoke {
+        /// The directory holding the CA (ca.pem, ca.key).
+        dir: PathBuf,
+        /// The node whose certificate in DIR/nodes/NODE/node.pem is revoked.
+        #[arg(required_unless_present = "serial", conflicts_with = "serial")]
+        node: Option<String>,
+        /// Revoke by serial number instead (hex), for a certificate not in DIR.
+        #[arg(long)]
+        serial: Option<String>,
     },
 }
 
@@ -92,6 +126,10 @@ pub struct RunArgs {
     /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC (off by default).
     #[arg(long, env = "BALLAST_XDS")]
     pub xds: Option<SocketAddr>,
+    /// How the xDS port is secured: `tls` (the default, with the server certificate),
+    /// `mutual` (clients need a certificate from the CA) or `plaintext`.
+    #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
+    pub xds_tls: Option<crate::config::XdsTls>,
     /// Directory with ca.pem, server.pem and server.key.
     #[arg(long, env = "BALLAST_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
@@ -108,6 +146,22 @@ pub struct RunArgs {
     /// Key prefix in etcd (default /ballast); needs --etcd or [store.etcd].
     #[arg(long, env = "BALLAST_ETCD_PREFIX")]
     pub etcd_prefix: Option<String>,
+    /// CA certificate (PEM) that etcd's server certificate is checked against; needed
+    /// with https:// endpoints.
+    #[arg(long, env = "BALLAST_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an etcd that checks them; needs --etcd-key.
+    #[arg(long, env = "BALLAST_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "BALLAST_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user to authenticate as; needs --etcd-password-file.
+    #[arg(long, env = "BALLAST_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (one line).
+    #[arg(long, env = "BALLAST_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
     /// Balancing cycle in milliseconds.
     #[arg(long, env = "BALLAST_CYCLE_MS")]
     pub cycle_ms: Option<u64>,
@@ -117,6 +171,13 @@ pub struct RunArgs {
     /// Report interval agents are told to use, in milliseconds.
     #[arg(long, env = "BALLAST_REPORT_INTERVAL_MS")]
     pub report_interval_ms: Option<u32>,
+    /// Authorization policy file: the services, networks and host names node identity
+    /// patterns may claim, beyond what their certificates name.
+    #[arg(long, env = "BALLAST_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// Certificate revocation list (PEM), reloaded when it changes.
+    #[arg(long, env = "BALLAST_CRL")]
+    pub crl: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
     pub log_json: bool,

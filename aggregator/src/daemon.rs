@@ -4,10 +4,10 @@
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::state::State;
-use crate::store::{file::FileStore, RoutingStore, StoreError};
+use crate::store::{RoutingStore, StoreError};
 use ballast_balance::Balancer;
 use ballast_shared::tls::CertificateDer;
-use ballast_shared::tls::{self, Identity, TlsError};
+use ballast_shared::tls::{Identity, TlsError};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +31,17 @@ pub enum DaemonError {
     /// The routing store could not be read.
     #[error("routing store: {0}")]
     Store(#[from] StoreError),
+    /// A file the xDS port's TLS needs cannot be read.
+    #[error("xDS TLS: cannot read {path}: {source}")]
+    XdsTls {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The authorization policy or the certificate revocation list is unusable.
+    #[error(transparent)]
+    Ingest(#[from] crate::ingest::IngestError),
 }
 
 /// A started aggregator.
@@ -68,10 +79,7 @@ impl Daemon {
         identity: Identity,
         client_ca: &[CertificateDer<'static>],
     ) -> Result<Daemon, DaemonError> {
-        let store: Arc<dyn RoutingStore> = match &cfg.store.etcd {
-            Some(etcd) => etcd_store(etcd).await?,
-            None => Arc::new(FileStore::new(cfg.store.path.clone())),
-        };
+        let store = crate::store::open(&cfg.store)?;
         Self::start_with_store(cfg, identity, client_ca, store).await
     }
 
@@ -87,19 +95,26 @@ impl Daemon {
         let clock = Clock::start();
         let restored = store.load().await?;
         let mut balancer = Balancer::new(cfg.balance.clone(), clock.now());
+        balancer.set_limits(
+            cfg.limits
+                .core(cfg.service_config.tombstone_ttl_s.saturating_mul(1000)),
+        );
         balancer.restrict_services(cfg.services.as_ref().map(|s| s.iter().cloned().collect()));
         if !restored.is_empty() {
             tracing::info!(services = restored.len(), store = %store.describe(), "weights restored from the routing store");
         }
         balancer.restore(clock.now(), &restored);
-        let state = Arc::new(State::new(balancer, store, clock, cfg.report_interval_ms));
+        let state = Arc::new(
+            State::new(balancer, store, clock, cfg.report_interval_ms)
+                .with_limits(cfg.limits.clone()),
+        );
         state.health.set_cycle_ms(cfg.balance.cycle_ms);
         let (supervisor, ends) = crate::supervise::supervisor();
         // Before anything can publish: the writer takes what is current now (the
         // restored services) as what the store holds, and writes every change after it.
         let store_writer = crate::store::writer(state.clone());
 
-        let server = tls::server_config(identity, client_ca)?;
+        let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
         let endpoint =
             quinn::Endpoint::server(server, cfg.quic).map_err(|source| DaemonError::Bind {
                 what: "QUIC",
@@ -137,6 +152,7 @@ impl Daemon {
                     listener,
                     state.clone(),
                     cfg.xds_lb_policy,
+                    xds_tls(cfg)?,
                     &supervisor,
                 )
                 .map_err(bind_error)?;
@@ -149,7 +165,7 @@ impl Daemon {
         let mut tasks = Vec::new();
         tasks.push(supervisor.spawn(
             "QUIC ingest",
-            crate::ingest::quic::serve(endpoint.clone(), state.clone()),
+            crate::ingest::quic::serve(endpoint.clone(), state.clone(), ingest),
         ));
         if let Some(dir) = &cfg.service_config.dir {
             let config_dir = crate::config::watch::ConfigDir::open(
@@ -169,6 +185,7 @@ impl Daemon {
             ),
         ));
         let app = crate::api::router(state.clone());
+        let listener = crate::api::listener::Limited::new(listener, state.clone());
         tasks.push(supervisor.spawn("HTTP API", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP API stopped");
@@ -227,20 +244,28 @@ impl Daemon {
     }
 }
 
-#[cfg(feature = "etcd")]
-async fn etcd_store(cfg: &crate::config::EtcdConfig) -> Result<Arc<dyn RoutingStore>, DaemonError> {
-    Ok(Arc::new(crate::store::etcd::EtcdStore::connect(cfg).await?))
-}
-
-#[cfg(not(feature = "etcd"))]
-async fn etcd_store(
-    _cfg: &crate::config::EtcdConfig,
-) -> Result<Arc<dyn RoutingStore>, DaemonError> {
-    Err(DaemonError::Store(StoreError::Backend(
-        "an etcd routing store is configured, but this ballast-aggregator was built without \
-         the etcd feature (build with `--features ballast-aggregator/etcd`)"
-            .into(),
-    )))
+/// The xDS port's TLS, from the aggregator's own certificate, key and CA, as
+/// `xds_tls` asks; `None` for plaintext.
+fn xds_tls(cfg: &Config) -> Result<Option<tonic::transport::ServerTlsConfig>, DaemonError> {
+    use crate::config::XdsTls;
+    use tonic::transport::{Certificate, Identity as TonicIdentity, ServerTlsConfig};
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).map_err(|source| DaemonError::XdsTls {
+            path: path.display().to_string(),
+            source,
+        })
+    };
+    let server = || -> Result<ServerTlsConfig, DaemonError> {
+        let identity = TonicIdentity::from_pem(read(&cfg.tls.cert)?, read(&cfg.tls.key)?);
+        Ok(ServerTlsConfig::new()
+            .identity(identity)
+            .timeout(Duration::from_secs(10)))
+    };
+    Ok(match cfg.xds_tls {
+        XdsTls::Plaintext => None,
+        XdsTls::Tls => Some(server()?),
+        XdsTls::Mutual => Some(server()?.client_ca_root(Certificate::from_pem(read(&cfg.tls.ca)?))),
+    })
 }
 
 /// The cycle loop's tick at most: services may override the cycle length, so the loop
@@ -264,6 +289,7 @@ async fn cycle_loop(state: Arc<State>, period: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::file::FileStore;
     use crate::store::StoreFuture;
     use ballast_balance::{Observation, ServiceSnapshot};
     use ballast_shared::pki::Ca;
@@ -360,7 +386,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1600)).await;
         let late = get(addr, "/healthz").await;
         assert!(late.starts_with("HTTP/1.0 503"), "{late}");
-        assert!(late.contains("\"failing\"") && late.contains("cycle loop"), "{late}");
+        assert!(
+            late.contains("\"failing\"") && late.contains("cycle loop"),
+            "{late}"
+        );
         // The loop runs again: healthy again.
         state.health.ticked(state.clock.now());
         let again = get(addr, "/healthz").await;

@@ -9,7 +9,9 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod feed;
-pub(crate) mod ingest;
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod ingest;
 pub mod metrics;
 pub mod state;
 pub mod store;

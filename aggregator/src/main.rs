@@ -21,8 +21,19 @@ fn main() -> ExitCode {
         Some(Command::Certs(CertsCommand::Init {
             dir,
             nodes,
+            services,
+            validity_days,
             server_names,
-        })) => certs_init(&dir, &nodes, server_names),
+        })) => certs_init(&dir, &nodes, &services, validity_days, server_names),
+        Some(Command::Certs(CertsCommand::Issue {
+            dir,
+            node,
+            services,
+            validity_days,
+        })) => certs_issue(&dir, &node, &services, validity_days),
+        Some(Command::Certs(CertsCommand::Revoke { dir, node, serial })) => {
+            certs_revoke(&dir, node, serial)
+        }
         Some(Command::Check { config }) => check(&config),
         Some(Command::Config(ConfigCommand::Check { dir })) => config_check(&dir, &cli.run),
         Some(Command::Config(ConfigCommand::Restore { backup, to, exact })) => {
@@ -55,6 +66,9 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.xds {
         cfg.xds = Some(v);
     }
+    if let Some(v) = args.xds_tls {
+        cfg.xds_tls = v;
+    }
     if let Some(dir) = &args.tls_dir {
         cfg.tls = TlsFiles::in_dir(dir, "server");
     }
@@ -71,11 +85,22 @@ fn config(args: &RunArgs) -> Result<Config> {
             .endpoints = endpoints.clone();
     }
     if let Some(prefix) = &args.etcd_prefix {
-        cfg.store
-            .etcd
-            .as_mut()
-            .context("--etcd-prefix needs --etcd or a [store.etcd] table")?
-            .prefix = prefix.clone();
+        etcd_table(&mut cfg, "--etcd-prefix")?.prefix = prefix.clone();
+    }
+    if let Some(v) = &args.etcd_ca {
+        etcd_table(&mut cfg, "--etcd-ca")?.ca_file = Some(v.clone());
+    }
+    if let Some(v) = &args.etcd_cert {
+        etcd_table(&mut cfg, "--etcd-cert")?.cert_file = Some(v.clone());
+    }
+    if let Some(v) = &args.etcd_key {
+        etcd_table(&mut cfg, "--etcd-key")?.key_file = Some(v.clone());
+    }
+    if let Some(v) = &args.etcd_user {
+        etcd_table(&mut cfg, "--etcd-user")?.user = Some(v.clone());
+    }
+    if let Some(v) = &args.etcd_password_file {
+        etcd_table(&mut cfg, "--etcd-password-file")?.password_file = Some(v.clone());
     }
     if let Some(v) = args.cycle_ms {
         cfg.balance.cycle_ms = v;
@@ -86,8 +111,25 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
     }
+    if let Some(v) = &args.policy {
+        cfg.authorization.policy = Some(v.clone());
+    }
+    if let Some(v) = &args.crl {
+        cfg.authorization.crl = Some(v.clone());
+    }
     cfg.validate().context("configuration")?;
     Ok(cfg)
+}
+
+/// The `[store.etcd]` table an etcd flag amends: one must be configured already.
+fn etcd_table<'a>(
+    cfg: &'a mut Config,
+    flag: &str,
+) -> Result<&'a mut ballast_aggregator::config::EtcdConfig> {
+    cfg.store
+        .etcd
+        .as_mut()
+        .with_context(|| format!("{flag} needs --etcd or a [store.etcd] table"))
 }
 
 fn run(args: RunArgs) -> Result<ExitCode> {
@@ -125,17 +167,64 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     })
 }
 
-fn certs_init(dir: &std::path::Path, nodes: &[String], names: Vec<String>) -> Result<ExitCode> {
+fn validity(days: u32) -> std::time::Duration {
+    std::time::Duration::from_secs(u64::from(days) * 86_400)
+}
+
+fn print_written(written: &[ballast_aggregator::certs::Written]) {
+    for w in written {
+        println!("wrote {}: {}", w.path.display(), w.summary);
+    }
+}
+
+fn certs_init(
+    dir: &std::path::Path,
+    nodes: &[String],
+    services: &[String],
+    validity_days: u32,
+    names: Vec<String>,
+) -> Result<ExitCode> {
     let names = if names.is_empty() {
         ballast_aggregator::certs::default_server_names()
     } else {
         names
     };
-    let written = ballast_aggregator::certs::init(dir, &names, nodes)?;
-    for w in written {
-        println!("wrote {w}");
+    let written =
+        ballast_aggregator::certs::init(dir, &names, nodes, services, validity(validity_days))?;
+    print_written(&written);
+    if !nodes.is_empty() && services.is_empty() {
+        eprintln!(
+            "note: these node certificates name no service; the aggregator refuses their \
+             hellos unless its authorization policy grants them services (--service names them)"
+        );
     }
-    println!("server certificate names: {}", names.join(", "));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn certs_issue(
+    dir: &std::path::Path,
+    node: &str,
+    services: &[String],
+    validity_days: u32,
+) -> Result<ExitCode> {
+    let written = ballast_aggregator::certs::issue(dir, node, services, validity(validity_days))?;
+    print_written(&[written]);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn certs_revoke(
+    dir: &std::path::Path,
+    node: Option<String>,
+    serial: Option<String>,
+) -> Result<ExitCode> {
+    use ballast_aggregator::certs::RevokeTarget;
+    let target = match (node, serial) {
+        (_, Some(serial)) => RevokeTarget::Serial(serial),
+        (Some(node), None) => RevokeTarget::Node(node),
+        (None, None) => anyhow::bail!("name a node or give --serial"),
+    };
+    let written = ballast_aggregator::certs::revoke(dir, &target)?;
+    print_written(&[written]);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -63,6 +63,8 @@ pub struct Metrics {
     pub connections_rejected: Family<Reason, Counter>,
     /// Agent connections open now.
     pub connections_open: Gauge,
+    /// Certificate revocation list reloads, by outcome (`applied`, `error`).
+    pub crl_reloads: Family<Reason, Counter>,
     /// Cycles run, by service.
     pub cycles: Family<ServiceLabel, Counter>,
     /// Cycles that changed nothing, by service and reason.
@@ -81,12 +83,19 @@ pub struct Metrics {
     /// Age of the oldest change the routing store does not hold yet, in seconds; 0
     /// when it holds every one. A hung or failing store makes it grow.
     pub store_lag_seconds: Gauge<f64, AtomicU64>,
+    /// Stored services skipped when read back because they are not valid snapshots,
+    /// by defect (`unparseable`, `service`, `node`, `address`, `zone`, `weight`).
+    pub store_corrupt: Family<Reason, Counter>,
     /// xDS responses sent, by resource type.
     pub xds_pushes: Family<XdsResource, Counter>,
     /// xDS responses clients rejected (NACK), by resource type.
     pub xds_nacks: Family<XdsResource, Counter>,
     /// xDS streams open now.
     pub xds_streams: Gauge,
+    /// xDS streams and requests refused for a limit, by reason.
+    pub xds_refused: Family<Reason, Counter>,
+    /// HTTP connections and watch streams refused or cut off for a limit, by reason.
+    pub http_refused: Family<Reason, Counter>,
     /// HTTP watch (server-sent) events sent, by service.
     pub watch_events: Family<ServiceLabel, Counter>,
     /// HTTP watch streams open now.
@@ -111,6 +120,24 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts an xDS refusal for `reason`.
+    pub fn refuse_xds(&self, reason: &str) {
+        self.xds_refused
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts an HTTP refusal for `reason`.
+    pub fn refuse_http(&self, reason: &str) {
+        self.http_refused
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
     /// Registers every metric under the `ballast` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("ballast");
@@ -119,6 +146,7 @@ impl Metrics {
             reports_rejected: Family::default(),
             connections_rejected: Family::default(),
             connections_open: Gauge::default(),
+            crl_reloads: Family::default(),
             cycles: Family::default(),
             cycles_skipped: Family::default(),
             endpoints_expired: Family::default(),
@@ -131,9 +159,12 @@ impl Metrics {
             ),
             store_pending: Gauge::default(),
             store_lag_seconds: Gauge::default(),
+            store_corrupt: Family::default(),
             xds_pushes: Family::default(),
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
+            xds_refused: Family::default(),
+            http_refused: Family::default(),
             watch_events: Family::default(),
             watch_streams: Gauge::default(),
             config_reloads: Family::default(),
@@ -159,6 +190,11 @@ impl Metrics {
             "connections_open",
             "Agent connections open",
             m.connections_open.clone(),
+        );
+        registry.register(
+            "crl_reloads",
+            "Certificate revocation list reloads, by outcome",
+            m.crl_reloads.clone(),
         );
         registry.register("cycles", "Balancing cycles run", m.cycles.clone());
         registry.register(
@@ -197,6 +233,11 @@ impl Metrics {
             m.store_lag_seconds.clone(),
         );
         registry.register(
+            "store_corrupt",
+            "Stored services skipped when read back as corrupt, by reason",
+            m.store_corrupt.clone(),
+        );
+        registry.register(
             "xds_pushes",
             "xDS responses sent, by resource type",
             m.xds_pushes.clone(),
@@ -207,6 +248,16 @@ impl Metrics {
             m.xds_nacks.clone(),
         );
         registry.register("xds_streams", "xDS streams open", m.xds_streams.clone());
+        registry.register(
+            "xds_refused",
+            "xDS streams and requests refused for a limit, by reason",
+            m.xds_refused.clone(),
+        );
+        registry.register(
+            "http_refused",
+            "HTTP connections and watch streams refused or cut off for a limit, by reason",
+            m.http_refused.clone(),
+        );
         registry.register(
             "watch_events",
             "HTTP watch events sent (one per weight version), by service",

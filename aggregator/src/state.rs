@@ -35,6 +35,8 @@ pub struct State {
     config_dir: Mutex<Option<crate::config::dir::ConfigDirStatus>>,
     /// Whether the cycle loop is alive, for `/healthz`.
     pub health: Health,
+    /// How much peers may make the daemon hold.
+    pub limits: crate::config::limits::Limits,
 }
 
 /// The cycle loop's liveness, for `/healthz`: a loop that stopped (a panic, a deadlock
@@ -100,7 +102,14 @@ impl State {
             localities: RwLock::new(Arc::new(Localities::default())),
             config_dir: Mutex::new(None),
             health,
+            limits: crate::config::limits::Limits::default(),
         }
+    }
+
+    /// With these limits instead of the defaults; the core's are set on the balancer.
+    pub fn with_limits(mut self, limits: crate::config::limits::Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// The config directory's merged config and refusals; `None` without a directory.
@@ -184,7 +193,11 @@ impl State {
         let (results, published) = {
             let mut b = self.balancer();
             let results = run(&mut b);
-            if results.is_empty() {
+            let forgotten = b.sweep_empty(now);
+            for service in &forgotten {
+                tracing::info!(%service, "service forgotten: no endpoint, and no config file, for longer than the tombstone period");
+            }
+            if results.is_empty() && forgotten.is_empty() {
                 return None;
             }
             let ran = results.iter().map(|r| r.service.clone()).collect();

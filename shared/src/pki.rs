@@ -1,11 +1,30 @@
 //! A small certificate authority, so that a first run needs no openssl: the
-//! aggregator's `certs init`, the demo and the tests all issue certificates here.
+//! aggregator's `certs init`, `certs issue` and `certs revoke`, the demo and the tests
+//! all issue certificates and revocation lists here.
+//!
+//! A node certificate names its node (a DNS subject alternative name and the common
+//! name) and the services the node may serve, one URI subject alternative name
+//! [`SERVICE_URI_PREFIX`]`NAME` each, and it expires ([`DEFAULT_VALIDITY`] unless told
+//! otherwise).
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertificateRevocationListParams, DistinguishedName,
+    DnType, ExtendedKeyUsagePurpose, IsCa, KeyIdMethod, KeyPair, KeyUsagePurpose,
+    RevokedCertParams, SanType, SerialNumber,
 };
 use std::path::Path;
+use std::time::Duration;
+
+/// How a node certificate names a service it may serve: this prefix, then the
+/// service's name, as a URI subject alternative name.
+pub const SERVICE_URI_PREFIX: &str = "ballast://service/";
+
+/// How long a node certificate is valid unless told otherwise: one year.
+pub const DEFAULT_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// How far back a new certificate's validity starts, so that a node whose clock runs a
+/// little behind the issuer's can use it at once.
+const BACKDATE_S: i64 = 3600;
 
 /// Why a certificate could not be issued or stored.
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +43,21 @@ pub enum PkiError {
     /// A name is not usable in a certificate.
     #[error("invalid name {0:?}")]
     BadName(String),
+    /// A service name is not usable: empty, too long, or with characters outside
+    /// `[A-Za-z0-9._-]`.
+    #[error("invalid service name {0:?} (letters, digits, '.', '_', '-'; at most 128)")]
+    BadService(String),
+    /// A validity period that is zero or beyond what a certificate can carry.
+    #[error("invalid validity period: {0}")]
+    BadValidity(String),
+    /// A certificate or revocation list could not be read.
+    #[error("{what}: {reason}")]
+    Parse {
+        /// What was being read.
+        what: String,
+        /// Why it could not be.
+        reason: String,
+    },
 }
 
 /// A PEM certificate and its PEM private key.
@@ -115,16 +149,58 @@ impl Ca {
         self.sign(params)
     }
 
-    /// A client certificate naming node `node`; the aggregator binds reports to it.
-    pub fn issue_node(&self, node: &str) -> Result<Pem, PkiError> {
+    /// A client certificate for `node`, which may serve each of `services`, valid for
+    /// [`DEFAULT_VALIDITY`] from now.
+    pub fn issue_node(&self, node: &str, services: &[String]) -> Result<Issued, PkiError> {
+        self.issue_node_with(&NodeSpec::new(node, services, DEFAULT_VALIDITY)?)
+    }
+
+    /// A client certificate as `spec` describes it; the aggregator binds reports to its
+    /// node and authorizes its services.
+    pub fn issue_node_with(&self, spec: &NodeSpec) -> Result<Issued, PkiError> {
+        let node = spec.node.as_str();
         if node.is_empty() || !crate::wire::is_valid_name(node) {
             return Err(PkiError::BadName(node.to_string()));
         }
         let mut params = CertificateParams::default();
         params.distinguished_name = dn(node);
         params.subject_alt_names = vec![san(node)?];
+        for service in &spec.services {
+            params.subject_alt_names.push(service_san(service)?);
+        }
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        self.sign(params)
+        params.not_before = datetime(spec.not_before_unix_s)?;
+        params.not_after = datetime(spec.not_after_unix_s)?;
+        Ok(Issued {
+            pem: self.sign(params)?,
+            not_after_unix_s: spec.not_after_unix_s,
+        })
+    }
+
+    /// A revocation list (PEM) signed by this CA, listing `revoked`, numbered
+    /// `number` (each new list must carry a higher number than the last).
+    pub fn revocation_list(&self, revoked: &[Revoked], number: u64) -> Result<String, PkiError> {
+        let now = unix_s();
+        let params = CertificateRevocationListParams {
+            this_update: datetime(now)?,
+            // Ballast does not enforce the next update; other readers may, so a year.
+            next_update: datetime(now.saturating_add(365 * 24 * 3600))?,
+            crl_number: SerialNumber::from(number),
+            issuing_distribution_point: None,
+            revoked_certs: revoked
+                .iter()
+                .map(|r| {
+                    Ok(RevokedCertParams {
+                        serial_number: SerialNumber::from_slice(&r.serial),
+                        revocation_time: datetime(r.revoked_unix_s)?,
+                        reason_code: None,
+                        invalidity_date: None,
+                    })
+                })
+                .collect::<Result<_, PkiError>>()?,
+            key_identifier_method: KeyIdMethod::Sha256,
+        };
+        Ok(params.signed_by(&self.cert, &self.key)?.pem()?)
     }
 
     fn sign(&self, params: CertificateParams) -> Result<Pem, PkiError> {
@@ -135,6 +211,149 @@ impl Ca {
             key: key.serialize_pem(),
         })
     }
+}
+
+/// A node certificate to issue: whom it names, what it may serve, and when it is
+/// valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSpec {
+    /// The node's identity.
+    pub node: String,
+    /// The services it may serve (none: what the aggregator's policy grants alone).
+    pub services: Vec<String>,
+    /// Valid from, in seconds since the Unix epoch.
+    pub not_before_unix_s: i64,
+    /// Valid until, in seconds since the Unix epoch.
+    pub not_after_unix_s: i64,
+}
+
+impl NodeSpec {
+    /// `node`, serving `services`, valid from (a little before) now for `validity`.
+    pub fn new(node: &str, services: &[String], validity: Duration) -> Result<Self, PkiError> {
+        let secs = i64::try_from(validity.as_secs())
+            .ok()
+            .filter(|s| *s > 0 && *s <= MAX_VALIDITY_S)
+            .ok_or_else(|| {
+                PkiError::BadValidity(format!(
+                    "{} s (between 1 s and {} days)",
+                    validity.as_secs(),
+                    MAX_VALIDITY_S / 86_400
+                ))
+            })?;
+        let now = unix_s();
+        Ok(NodeSpec {
+            node: node.to_string(),
+            services: services.to_vec(),
+            not_before_unix_s: now - BACKDATE_S,
+            not_after_unix_s: now + secs,
+        })
+    }
+}
+
+/// The longest validity accepted: 100 years.
+const MAX_VALIDITY_S: i64 = 100 * 365 * 24 * 3600;
+
+/// A certificate just issued, and when it expires.
+#[derive(Debug, Clone)]
+pub struct Issued {
+    /// The certificate and its key.
+    pub pem: Pem,
+    /// When it expires, in seconds since the Unix epoch.
+    pub not_after_unix_s: i64,
+}
+
+/// One revoked certificate in a revocation list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Revoked {
+    /// Its serial number, big-endian.
+    pub serial: Vec<u8>,
+    /// When it was revoked, in seconds since the Unix epoch.
+    pub revoked_unix_s: i64,
+}
+
+/// What a revocation list holds: its number and its entries.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RevocationList {
+    /// The list's number (0 for a list without one).
+    pub number: u64,
+    /// The certificates it revokes.
+    pub revoked: Vec<Revoked>,
+}
+
+impl RevocationList {
+    /// Reads a PEM revocation list; `what` names it in errors.
+    pub fn from_pem(pem: &str, what: &str) -> Result<Self, PkiError> {
+        let bad = |reason: String| PkiError::Parse {
+            what: what.to_string(),
+            reason,
+        };
+        let der = rustls_pemfile::crls(&mut pem.as_bytes())
+            .next()
+            .ok_or_else(|| bad("no X509 CRL in PEM".into()))?
+            .map_err(|e| bad(e.to_string()))?;
+        use x509_parser::prelude::FromDer;
+        let (_, crl) = x509_parser::revocation_list::CertificateRevocationList::from_der(&der)
+            .map_err(|e| bad(e.to_string()))?;
+        let number = crl
+            .crl_number()
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(0);
+        let revoked = crl
+            .iter_revoked_certificates()
+            .map(|r| Revoked {
+                serial: r.raw_serial().to_vec(),
+                revoked_unix_s: r.revocation_date.timestamp(),
+            })
+            .collect();
+        Ok(RevocationList { number, revoked })
+    }
+}
+
+/// Seconds since the Unix epoch now.
+fn unix_s() -> i64 {
+    i64::try_from(crate::unix_ms() / 1000).unwrap_or(i64::MAX)
+}
+
+fn datetime(unix_s: i64) -> Result<time::OffsetDateTime, PkiError> {
+    time::OffsetDateTime::from_unix_timestamp(unix_s)
+        .map_err(|e| PkiError::BadValidity(e.to_string()))
+}
+
+/// `unix_s` as an RFC 3339 UTC time, e.g. `2027-05-01T12:00:00Z`, for people.
+pub fn rfc3339(unix_s: i64) -> String {
+    // Days to civil date: Howard Hinnant's algorithm, proleptic Gregorian calendar.
+    let days = unix_s.div_euclid(86_400);
+    let secs = unix_s.rem_euclid(86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
+}
+
+/// Whether `name` may be named as a service in a certificate.
+pub fn is_valid_service(name: &str) -> bool {
+    !name.is_empty() && name.len() <= crate::wire::MAX_SERVICE && crate::wire::is_valid_name(name)
+}
+
+fn service_san(service: &str) -> Result<SanType, PkiError> {
+    if !is_valid_service(service) {
+        return Err(PkiError::BadService(service.to_string()));
+    }
+    let uri = format!("{SERVICE_URI_PREFIX}{service}")
+        .try_into()
+        .map_err(|_| PkiError::BadService(service.to_string()))?;
+    Ok(SanType::URI(uri))
 }
 
 fn dn(cn: &str) -> DistinguishedName {
@@ -158,12 +377,27 @@ fn san(name: &str) -> Result<SanType, PkiError> {
 mod tests {
     use super::*;
 
+    fn services(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
     #[test]
-    fn node_certificate_names_the_node() {
+    fn node_certificate_names_the_node_its_services_and_its_expiry() {
         let ca = Ca::generate("test CA").expect("ca");
-        let node = ca.issue_node("web-7").expect("node");
-        let id = node.identity("node").expect("parses");
-        assert_eq!(crate::tls::identity_of(&id.chain[0]).expect("id"), "web-7");
+        let node = ca
+            .issue_node("web-7", &services(&["web", "web-canary"]))
+            .expect("node");
+        let id = node.pem.identity("node").expect("parses");
+        let info = crate::tls::CertInfo::parse(&id.chain[0]).expect("info");
+        assert_eq!(info.identity, "web-7");
+        assert_eq!(info.services, ["web", "web-canary"]);
+        assert_eq!(info.not_after_unix_s, node.not_after_unix_s);
+        let year = DEFAULT_VALIDITY.as_secs() as i64;
+        assert!(
+            (info.not_after_unix_s - unix_s() - year).abs() < 60,
+            "{info:?}"
+        );
+        assert!(info.not_before_unix_s < unix_s(), "{info:?}");
     }
 
     #[test]
@@ -171,7 +405,43 @@ mod tests {
         let ca = Ca::generate("test CA").expect("ca");
         let pem = ca.pem();
         let again = Ca::from_pem(&pem.cert, &pem.key).expect("loads");
-        again.issue_node("n1").expect("issues");
-        assert!(ca.issue_node("bad/name").is_err());
+        again.issue_node("n1", &[]).expect("issues");
+        assert!(ca.issue_node("bad/name", &[]).is_err());
+        assert!(matches!(
+            ca.issue_node("n1", &services(&["a/b"])),
+            Err(PkiError::BadService(_))
+        ));
+        assert!(matches!(
+            NodeSpec::new("n1", &[], Duration::ZERO),
+            Err(PkiError::BadValidity(_))
+        ));
+    }
+
+    #[test]
+    fn a_revocation_list_round_trips() {
+        let ca = Ca::generate("test CA").expect("ca");
+        let revoked = vec![
+            Revoked {
+                serial: vec![0x12, 0x34],
+                revoked_unix_s: 1_700_000_000,
+            },
+            Revoked {
+                serial: vec![0x7f; 20],
+                revoked_unix_s: 1_700_000_100,
+            },
+        ];
+        let pem = ca.revocation_list(&revoked, 7).expect("crl");
+        let list = RevocationList::from_pem(&pem, "crl").expect("parses");
+        assert_eq!(list.number, 7);
+        assert_eq!(list.revoked, revoked);
+        assert!(RevocationList::from_pem("nothing", "crl").is_err());
+    }
+
+    #[test]
+    fn times_read_as_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_798_761_599), "2026-12-31T23:59:59Z");
+        assert_eq!(rfc3339(-86_400), "1969-12-31T00:00:00Z");
     }
 }

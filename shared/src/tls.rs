@@ -1,10 +1,17 @@
 //! Mutual TLS for QUIC: both sides present certificates from the same CA, and the
-//! aggregator reads the node's identity from the client certificate.
+//! aggregator reads the node's identity, the services it may serve and its lifetime
+//! from the client certificate ([`CertInfo`]). The aggregator's verifier
+//! ([`ClientVerifier`]) checks each client certificate's chain, validity period and
+//! revocation, and takes new revocation lists while it runs.
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-pub use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::pki_types::UnixTime;
+pub use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 /// Why TLS material could not be loaded or used.
@@ -47,6 +54,19 @@ pub enum TlsError {
     /// The certificate carries no name to use as a node identity.
     #[error("certificate has neither a DNS subject alternative name nor a common name")]
     NoIdentity,
+    /// The PEM holds no certificate revocation list.
+    #[error("{0}: no X509 CRL found in PEM")]
+    NoCrl(String),
+    /// A revocation list that is not one of the trusted CAs' own: issued by a name no
+    /// trusted CA has, or not signed by that CA's key. Put in force, it would refuse
+    /// every certificate of that CA.
+    #[error("revocation list issued by {issuer}: {reason}")]
+    CrlIssuer {
+        /// The list's issuer, as it names it.
+        issuer: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 /// A certificate chain and its private key.
@@ -145,15 +165,25 @@ pub fn server_config(
     identity: Identity,
     client_ca: &[CertificateDer<'static>],
 ) -> Result<quinn::ServerConfig, TlsError> {
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        Arc::new(roots(client_ca)?),
-        provider(),
-    )
-    .build()?;
+    let verifier = ClientVerifier::new(client_ca, Vec::new())?;
+    server_config_with(identity, Arc::new(verifier))
+}
+
+/// The aggregator's QUIC config: TLS 1.3, each client certificate checked by
+/// `verifier` (keep a clone of the `Arc` to give it new revocation lists).
+pub fn server_config_with(
+    identity: Identity,
+    verifier: Arc<ClientVerifier>,
+) -> Result<quinn::ServerConfig, TlsError> {
     let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
         .with_single_cert(identity.chain, identity.key)?;
+    // No session resumption: a resumed session skips the client certificate's check,
+    // and so would let a revoked or expired certificate back in. Agents connect
+    // rarely; a full handshake each time costs nothing that matters.
+    tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    tls.send_tls13_tickets = 0;
     tls.alpn_protocols = vec![crate::ALPN.to_vec()];
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(tls)?));
     cfg.transport_config(Arc::new(transport()));
@@ -175,34 +205,415 @@ pub fn client_config(
     Ok(cfg)
 }
 
-/// The node identity a certificate names: its first DNS subject alternative name, or
-/// failing that its common name.
-pub(crate) fn identity_of(cert: &CertificateDer<'_>) -> Result<String, TlsError> {
-    use x509_parser::prelude::*;
-    let (_, x509) = X509Certificate::from_der(cert.as_ref())
-        .map_err(|e| TlsError::Certificate(e.to_string()))?;
-    if let Ok(Some(san)) = x509.subject_alternative_name() {
-        for name in &san.value.general_names {
-            if let GeneralName::DNSName(dns) = name {
-                return Ok((*dns).to_string());
-            }
-        }
-    }
-    let cn = x509
-        .subject()
-        .iter_common_name()
-        .next()
-        .and_then(|cn| cn.as_str().ok())
-        .map(str::to_string);
-    cn.ok_or(TlsError::NoIdentity)
+/// What a node certificate says about its holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertInfo {
+    /// The node identity: the first DNS subject alternative name, or failing that the
+    /// common name.
+    pub identity: String,
+    /// The services the certificate names as URI subject alternative names
+    /// ([`crate::pki::SERVICE_URI_PREFIX`]`NAME`), in its order. A URI with that prefix
+    /// but no valid service name after it names nothing.
+    pub services: Vec<String>,
+    /// Valid from, in seconds since the Unix epoch.
+    pub not_before_unix_s: i64,
+    /// Valid until, in seconds since the Unix epoch.
+    pub not_after_unix_s: i64,
+    /// The serial number, big-endian, as encoded.
+    pub serial: Vec<u8>,
 }
 
-/// The identity of the peer of an established QUIC connection.
-pub fn peer_identity(conn: &quinn::Connection) -> Result<String, TlsError> {
+impl CertInfo {
+    /// Reads a DER certificate.
+    pub fn parse(cert: &CertificateDer<'_>) -> Result<CertInfo, TlsError> {
+        use x509_parser::prelude::*;
+        let (_, x509) = X509Certificate::from_der(cert.as_ref())
+            .map_err(|e| TlsError::Certificate(e.to_string()))?;
+        let mut dns = None;
+        let mut services = Vec::new();
+        if let Ok(Some(san)) = x509.subject_alternative_name() {
+            for name in &san.value.general_names {
+                match name {
+                    GeneralName::DNSName(d) if dns.is_none() => dns = Some((*d).to_string()),
+                    GeneralName::URI(uri) => {
+                        if let Some(service) = uri.strip_prefix(crate::pki::SERVICE_URI_PREFIX) {
+                            if crate::pki::is_valid_service(service)
+                                && !services.iter().any(|s| s == service)
+                            {
+                                services.push(service.to_string());
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let identity = match dns {
+            Some(d) => d,
+            None => x509
+                .subject()
+                .iter_common_name()
+                .next()
+                .and_then(|cn| cn.as_str().ok())
+                .map(str::to_string)
+                .ok_or(TlsError::NoIdentity)?,
+        };
+        let validity = x509.validity();
+        Ok(CertInfo {
+            identity,
+            services,
+            not_before_unix_s: validity.not_before.timestamp(),
+            not_after_unix_s: validity.not_after.timestamp(),
+            serial: x509.raw_serial().to_vec(),
+        })
+    }
+
+    /// The serial number as lower-case hex, for people.
+    pub fn serial_hex(&self) -> String {
+        self.serial.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Seconds from `now_unix_s` until the certificate expires; negative once it has.
+    pub fn expires_in_s(&self, now_unix_s: i64) -> i64 {
+        self.not_after_unix_s.saturating_sub(now_unix_s)
+    }
+}
+
+/// The certificate chain the peer of an established QUIC connection presented, leaf
+/// first.
+pub fn peer_chain(conn: &quinn::Connection) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let chain = conn
         .peer_identity()
         .and_then(|any| any.downcast::<Vec<CertificateDer<'static>>>().ok())
         .ok_or(TlsError::NoIdentity)?;
+    if chain.is_empty() {
+        return Err(TlsError::NoIdentity);
+    }
+    Ok(*chain)
+}
+
+/// The identity of the peer of an established QUIC connection.
+pub fn peer_identity(conn: &quinn::Connection) -> Result<String, TlsError> {
+    let chain = peer_chain(conn)?;
     let leaf = chain.first().ok_or(TlsError::NoIdentity)?;
-    identity_of(leaf)
+    Ok(CertInfo::parse(leaf)?.identity)
+}
+
+/// Every certificate revocation list in a PEM text; `what` names it in errors. None
+/// at all is an error: an empty file is more likely a botched copy than a wish to
+/// revoke nothing.
+pub fn crls_from_pem(
+    pem: &str,
+    what: &str,
+) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    let crls = rustls_pemfile::crls(&mut pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| TlsError::Pem {
+            what: what.to_string(),
+            source,
+        })?;
+    if crls.is_empty() {
+        return Err(TlsError::NoCrl(what.to_string()));
+    }
+    Ok(crls)
+}
+
+/// The aggregator's check of client certificates: the chain to one of the trusted CAs,
+/// the validity period at the time of the handshake (an expired certificate is
+/// refused), and revocation by the lists in force, which [`ClientVerifier::set_crls`]
+/// replaces while connections come and go.
+///
+/// Only the node's own certificate is checked for revocation, and a certificate whose
+/// issuer has no list is not refused for it: a list covers the CA that signed it.
+/// A list past its next update stays in force (an old list is better than none).
+pub struct ClientVerifier {
+    cas: Vec<CertificateDer<'static>>,
+    roots: Arc<rustls::RootCertStore>,
+    hints: Vec<DistinguishedName>,
+    inner: RwLock<Arc<dyn ClientCertVerifier>>,
+}
+
+impl std::fmt::Debug for ClientVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientVerifier")
+            .field("roots", &self.roots.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientVerifier {
+    /// A verifier trusting `client_ca`, with the revocation lists `crls` (none: nothing
+    /// is revoked).
+    pub fn new(
+        client_ca: &[CertificateDer<'static>],
+        crls: Vec<CertificateRevocationListDer<'static>>,
+    ) -> Result<Self, TlsError> {
+        let roots = Arc::new(roots(client_ca)?);
+        check_crl_issuers(client_ca, &crls)?;
+        let inner = Self::build(&roots, crls)?;
+        Ok(ClientVerifier {
+            cas: client_ca.to_vec(),
+            roots,
+            hints: inner.root_hint_subjects().to_vec(),
+            inner: RwLock::new(inner),
+        })
+    }
+
+    fn build(
+        roots: &Arc<rustls::RootCertStore>,
+        crls: Vec<CertificateRevocationListDer<'static>>,
+    ) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+        Ok(
+            rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+                .with_crls(crls)
+                .only_check_end_entity_revocation()
+                .allow_unknown_revocation_status()
+                .build()?,
+        )
+    }
+
+    /// Puts new revocation lists in force for every handshake from now on. Lists that
+    /// do not parse, or that are not signed by one of the trusted CAs, are refused, and
+    /// the lists in force stay.
+    pub fn set_crls(
+        &self,
+        crls: Vec<CertificateRevocationListDer<'static>>,
+    ) -> Result<(), TlsError> {
+        check_crl_issuers(&self.cas, &crls)?;
+        let next = Self::build(&self.roots, crls)?;
+        *self.inner.write().unwrap_or_else(|p| p.into_inner()) = next;
+        Ok(())
+    }
+
+    fn current(&self) -> Arc<dyn ClientCertVerifier> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Checks a chain (leaf first) as a handshake at `now_unix_s` would, with the lists
+    /// in force now: for connections made before a list changed.
+    pub fn check(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now_unix_s: u64,
+    ) -> Result<(), rustls::Error> {
+        let (leaf, intermediates) = chain
+            .split_first()
+            .ok_or(rustls::Error::NoCertificatesPresented)?;
+        self.current()
+            .verify_client_cert(
+                leaf,
+                intermediates,
+                UnixTime::since_unix_epoch(Duration::from_secs(now_unix_s)),
+            )
+            .map(|_| ())
+    }
+}
+
+/// Checks that each list is issued and signed by one of `cas`.
+fn check_crl_issuers(
+    cas: &[CertificateDer<'static>],
+    crls: &[CertificateRevocationListDer<'static>],
+) -> Result<(), TlsError> {
+    use x509_parser::prelude::*;
+    let cas = cas
+        .iter()
+        .map(|der| {
+            X509Certificate::from_der(der.as_ref())
+                .map(|(_, c)| c)
+                .map_err(|e| TlsError::Certificate(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for der in crls {
+        let (_, crl) =
+            x509_parser::revocation_list::CertificateRevocationList::from_der(der.as_ref())
+                .map_err(|e| TlsError::CrlIssuer {
+                    issuer: "?".into(),
+                    reason: format!("not a revocation list: {e}"),
+                })?;
+        let issuer = crl.issuer();
+        let named: Vec<_> = cas.iter().filter(|c| c.subject() == issuer).collect();
+        if named.is_empty() {
+            return Err(TlsError::CrlIssuer {
+                issuer: issuer.to_string(),
+                reason: "no trusted CA has that name".into(),
+            });
+        }
+        if !named
+            .iter()
+            .any(|ca| crl.verify_signature(ca.public_key()).is_ok())
+        {
+            return Err(TlsError::CrlIssuer {
+                issuer: issuer.to_string(),
+                reason: "its signature does not verify with that CA's key".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl ClientCertVerifier for ClientVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &self.hints
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.current()
+            .verify_client_cert(end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.current().verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.current().verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.current().supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pki::{Ca, NodeSpec, Revoked};
+
+    fn now_s() -> i64 {
+        i64::try_from(crate::unix_ms() / 1000).expect("time")
+    }
+
+    fn node(ca: &Ca, spec: &NodeSpec) -> Vec<CertificateDer<'static>> {
+        let issued = ca.issue_node_with(spec).expect("issue");
+        issued.pem.identity("node").expect("parse").chain
+    }
+
+    fn check_now(v: &ClientVerifier, chain: &[CertificateDer<'_>]) -> Result<(), rustls::Error> {
+        v.check(chain, u64::try_from(now_s()).expect("time"))
+    }
+
+    fn ca_certs(ca: &Ca) -> Vec<CertificateDer<'static>> {
+        certs_from_pem(&ca.pem().cert, "ca").expect("ca")
+    }
+
+    #[test]
+    fn an_expired_or_not_yet_valid_certificate_is_refused() {
+        let ca = Ca::generate("test CA").expect("ca");
+        let v = ClientVerifier::new(&ca_certs(&ca), Vec::new()).expect("verifier");
+        let now = now_s();
+        let good = node(
+            &ca,
+            &NodeSpec::new("n1", &[], Duration::from_secs(3600)).expect("spec"),
+        );
+        assert_eq!(check_now(&v, &good), Ok(()));
+        let expired = node(
+            &ca,
+            &NodeSpec {
+                node: "n1".into(),
+                services: Vec::new(),
+                not_before_unix_s: now - 2 * 86_400,
+                not_after_unix_s: now - 86_400,
+            },
+        );
+        let early = node(
+            &ca,
+            &NodeSpec {
+                node: "n1".into(),
+                services: Vec::new(),
+                not_before_unix_s: now + 86_400,
+                not_after_unix_s: now + 2 * 86_400,
+            },
+        );
+        for (chain, what) in [(&expired, "expired"), (&early, "not yet valid")] {
+            match check_now(&v, chain) {
+                Err(rustls::Error::InvalidCertificate(e)) => assert_eq!(
+                    rustls::AlertDescription::from(e),
+                    rustls::AlertDescription::CertificateExpired,
+                    "{what}"
+                ),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_revocation_list_refuses_its_certificates_from_when_it_is_set() {
+        let ca = Ca::generate("test CA").expect("ca");
+        let spec = |n: &str| NodeSpec::new(n, &[], Duration::from_secs(3600)).expect("spec");
+        let (a, b) = (node(&ca, &spec("a")), node(&ca, &spec("b")));
+        let v = ClientVerifier::new(&ca_certs(&ca), Vec::new()).expect("verifier");
+        assert_eq!(check_now(&v, &a), Ok(()));
+        let serial = |chain: &[CertificateDer<'_>]| {
+            use x509_parser::prelude::*;
+            let (_, c) = X509Certificate::from_der(chain[0].as_ref()).expect("x509");
+            c.raw_serial().to_vec()
+        };
+        let crl = ca
+            .revocation_list(
+                &[Revoked {
+                    serial: serial(&a),
+                    revoked_unix_s: now_s(),
+                }],
+                1,
+            )
+            .expect("crl");
+        v.set_crls(crls_from_pem(&crl, "crl").expect("crls"))
+            .expect("set");
+        assert_eq!(
+            check_now(&v, &a),
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::Revoked
+            ))
+        );
+        assert_eq!(check_now(&v, &b), Ok(()), "only the revoked one");
+        // An empty list un-revokes.
+        let empty = ca.revocation_list(&[], 2).expect("crl");
+        v.set_crls(crls_from_pem(&empty, "crl").expect("crls"))
+            .expect("set");
+        assert_eq!(check_now(&v, &a), Ok(()));
+    }
+
+    #[test]
+    fn a_revocation_list_of_another_ca_is_refused_and_the_old_one_stays() {
+        let ca = Ca::generate("test CA").expect("ca");
+        let other = Ca::generate("other CA").expect("ca");
+        // Same name, other key: a CA made again from scratch.
+        let twin = Ca::generate("test CA").expect("ca");
+        let v = ClientVerifier::new(&ca_certs(&ca), Vec::new()).expect("verifier");
+        let n = node(
+            &ca,
+            &NodeSpec::new("n", &[], Duration::from_secs(3600)).expect("spec"),
+        );
+        for (foreign, why) in [(&other, "no trusted CA"), (&twin, "signature")] {
+            let crl = foreign.revocation_list(&[], 1).expect("crl");
+            let err = v
+                .set_crls(crls_from_pem(&crl, "crl").expect("crls"))
+                .expect_err("foreign list");
+            assert!(err.to_string().contains(why), "{err}");
+            assert!(
+                ClientVerifier::new(&ca_certs(&ca), crls_from_pem(&crl, "crl").expect("crls"))
+                    .is_err()
+            );
+        }
+        assert_eq!(check_now(&v, &n), Ok(()), "the lists in force stay");
+        assert!(matches!(
+            crls_from_pem("no pem here", "crl.pem"),
+            Err(TlsError::NoCrl(_))
+        ));
+    }
 }

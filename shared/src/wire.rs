@@ -122,6 +122,15 @@ pub enum RejectReason {
     NoHello,
     /// The aggregator does not serve this service.
     UnknownService,
+    /// The node's certificate (and the aggregator's policy) do not allow it to serve
+    /// this service.
+    ServiceNotAllowed,
+    /// The advertised address is not one the node may claim: not the connection's
+    /// source address, nor in a network or a host name its policy allows.
+    AddressNotAllowed,
+    /// Registering would pass one of the aggregator's limits (services in all,
+    /// endpoints in a service).
+    LimitReached,
 }
 
 impl fmt::Display for RejectReason {
@@ -131,6 +140,9 @@ impl fmt::Display for RejectReason {
             RejectReason::InvalidHello => "invalid_hello",
             RejectReason::NoHello => "no_hello",
             RejectReason::UnknownService => "unknown_service",
+            RejectReason::ServiceNotAllowed => "service_not_allowed",
+            RejectReason::AddressNotAllowed => "address_not_allowed",
+            RejectReason::LimitReached => "limit_reached",
         })
     }
 }

@@ -11,12 +11,22 @@
 //!   weights, `/healthz` and the write counter report the failure, and once etcd is
 //!   back the key catches up with what changed while it was away (a drain).
 //!
+//! - against an etcd secured as production runs it (`https://`, client certificates
+//!   required, users), an aggregator with the CA, a client certificate and a user stores
+//!   and restores weights; one without the certificate, or with a wrong password,
+//!   starts, writes nothing, and `/healthz` says why;
+//! - a corrupt key is skipped, logged and counted, and the other services restore;
+//! - an aggregator started while etcd is down starts, serves its local copy, says so
+//!   in `/healthz`, and writes to etcd once etcd is back.
+//!
 //! The aggregator binary must be built with the feature:
 //! `cargo build --workspace --bins --features ballast-aggregator/etcd`.
 
 use ballast_tests::*;
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const NODES: usize = 4;
@@ -373,4 +383,334 @@ fn etcd_going_away_does_not_stop_the_aggregator() {
             }
         },
     );
+}
+
+/// `[store.etcd]` for a secured etcd: its endpoint and CA, the client certificate
+/// unless `client_cert` is false, and `user` with the password in `password_file`.
+/// (The file is checked on its own, so it names the https:// endpoint too.)
+fn secured_toml(etcd: &Etcd, client_cert: bool, user: &str, password_file: &Path) -> String {
+    let tls = etcd.tls();
+    let mut toml = format!(
+        "[store.etcd]\nendpoints = [{:?}]\nca_file = {:?}\nuser = {user:?}\n\
+         password_file = {:?}\n",
+        etcd.endpoint(),
+        tls.ca,
+        password_file
+    );
+    if client_cert {
+        toml.push_str(&format!(
+            "cert_file = {:?}\nkey_file = {:?}\n",
+            tls.client_cert, tls.client_key
+        ));
+    }
+    toml
+}
+
+/// A secured etcd with authentication on and user `ballast` (password `PASSWORD`)
+/// allowed to read and write under `prefix`; the password is in the returned file.
+fn secured_etcd(prefix: &str) -> (Etcd, PathBuf) {
+    let mut etcd = Etcd::start_tls();
+    etcd.enable_auth("root-password");
+    etcd.add_user("ballast", PASSWORD, prefix);
+    let password = etcd.scratch_dir().join("ballast.password");
+    std::fs::write(&password, format!("{PASSWORD}\n")).expect("write the password file");
+    std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod the password file");
+    (etcd, password)
+}
+
+const PASSWORD: &str = "s3cret-for-ballast";
+
+/// `/healthz` once its `store_error` contains `needle`.
+fn wait_store_error(agg: &Aggregator, needle: &str, timeout: Duration) -> serde_json::Value {
+    wait_for(timeout, &format!("/healthz to report {needle:?}"), || {
+        let h: serde_json::Value = agg.get_json("/healthz");
+        match h["store_error"].as_str() {
+            Some(e) if e.contains(needle) => Ok(h),
+            _ => Err(h.to_string()),
+        }
+    })
+}
+
+#[test]
+fn a_secured_etcd_stores_and_restores_weights() {
+    const SERVICE: &str = "secure";
+    let prefix = "/ballast-tls";
+    let (etcd, password) = secured_etcd(prefix);
+    assert!(etcd.endpoint().starts_with("https://"));
+    let pki = Pki::new();
+    let toml = secured_toml(&etcd, true, "ballast", &password);
+    let opts = AggregatorOpts {
+        config_toml: Some(toml.clone()),
+        ..AggregatorOpts::default()
+    };
+    let mut first = start_aggregator(&pki, &etcd, prefix, opts);
+    let agents = start_fleet(&pki, &first, SERVICE, 2, SPEEDS);
+    for a in &agents {
+        a.wait_weight(Duration::from_secs(15));
+    }
+    wait_for(
+        Duration::from_secs(15),
+        "both endpoints stored in etcd over TLS",
+        || {
+            let s = stored_in(&etcd, prefix, SERVICE)?;
+            if s.endpoints.len() == 2 {
+                Ok(())
+            } else {
+                Err(format!("{s:?}"))
+            }
+        },
+    );
+    let health: serde_json::Value = first.get_json("/healthz");
+    assert!(health["store_error"].is_null(), "{health}");
+    let (status, killed) = first.stop();
+    assert!(
+        status.success() && !killed,
+        "stop: {status}, killed {killed}"
+    );
+    drop(agents);
+    let stored = stored_in(&etcd, prefix, SERVICE).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        stored.version >= 1 && stored.endpoints.len() == 2,
+        "{stored:?}"
+    );
+
+    // A new aggregator with an empty local directory restores them from etcd.
+    let second = start_aggregator(
+        &pki,
+        &etcd,
+        prefix,
+        AggregatorOpts {
+            config_toml: Some(toml),
+            ..AggregatorOpts::default().grace_ms(10_000)
+        },
+    );
+    let restored = served(&second, SERVICE);
+    assert_eq!(
+        restored.version, stored.version,
+        "{restored:?} vs {stored:?}"
+    );
+    same_endpoints(&restored, &stored)
+        .unwrap_or_else(|e| panic!("the API does not serve the weights from etcd: {e}"));
+    let health: serde_json::Value = second.get_json("/healthz");
+    assert!(health["store_error"].is_null(), "{health}");
+}
+
+#[test]
+fn a_secured_etcd_refuses_a_missing_client_certificate_and_a_wrong_password() {
+    let prefix = "/ballast-refused";
+    let (etcd, password) = secured_etcd(prefix);
+    let wrong = etcd.scratch_dir().join("wrong.password");
+    std::fs::write(&wrong, "not-the-password\n").expect("write");
+    std::fs::set_permissions(&wrong, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let pki = Pki::new();
+    let cases = [
+        (
+            "no-cert",
+            secured_toml(&etcd, false, "ballast", &password),
+            "client certificate",
+        ),
+        (
+            "wrong-password",
+            secured_toml(&etcd, true, "ballast", &wrong),
+            "wrong user or password",
+        ),
+    ];
+    for (service, toml, why) in cases {
+        let agg = start_aggregator(
+            &pki,
+            &etcd,
+            prefix,
+            AggregatorOpts {
+                config_toml: Some(toml),
+                ..AggregatorOpts::default()
+            },
+        );
+        // It starts, and balances; the store says why it cannot write.
+        let agent = start_fleet(&pki, &agg, service, 1, &[1.0]).remove(0);
+        agent.wait_weight(Duration::from_secs(15));
+        let health = wait_store_error(&agg, why, Duration::from_secs(15));
+        assert_eq!(health["status"], "ok", "{health}");
+        assert_eq!(health["store_writer"]["status"], "error", "{health}");
+        wait_for(Duration::from_secs(10), "a failed write counted", || {
+            let errors = agg.counter("ballast_store_writes_total", &[("reason", "error")]);
+            if errors >= 1.0 {
+                Ok(())
+            } else {
+                Err(format!("{errors}"))
+            }
+        });
+        assert_eq!(
+            etcd.get(&key(prefix, service)),
+            None,
+            "{service}: etcd took a write it should have refused"
+        );
+    }
+}
+
+#[test]
+fn a_corrupt_key_is_skipped_and_the_other_services_restore() {
+    let prefix = "/ballast-corrupt";
+    let etcd = Etcd::start();
+    let good = serde_json::json!({
+        "version": 7,
+        "cycle": 40,
+        "endpoints": {
+            "g1": {"address": "127.0.0.1:8001", "zone": "z1", "draining": false,
+                   "weight": 1.4, "strategy_weights": {"pid": 1.4, "round_robin": 1.0}},
+            "g2": {"address": "127.0.0.1:8002", "zone": "z1", "draining": false,
+                   "weight": 0.6, "strategy_weights": {"pid": 0.6, "round_robin": 1.0}},
+        }
+    });
+    let with = |path: &[&str], value: serde_json::Value| {
+        let mut v = good.clone();
+        let mut at = &mut v;
+        for p in path {
+            at = &mut at[*p];
+        }
+        *at = value;
+        v.to_string()
+    };
+    let mut renamed = good.clone();
+    let g1 = renamed["endpoints"]["g1"].take();
+    renamed["endpoints"] = serde_json::json!({ "g 1": g1 });
+    let keys = [
+        ("good", good.to_string(), None),
+        (
+            "bad-json",
+            "{\"version\": 3, \"endpoints\": {".to_string(),
+            Some("unparseable"),
+        ),
+        (
+            "bad-weight",
+            with(&["endpoints", "g1", "weight"], (-1.0).into()),
+            Some("weight"),
+        ),
+        (
+            "bad-address",
+            with(&["endpoints", "g2", "address"], "nowhere".into()),
+            Some("address"),
+        ),
+        ("bad-node", renamed.to_string(), Some("node")),
+        ("bad name", good.to_string(), Some("service")),
+    ];
+    for (service, value, _) in &keys {
+        etcd.try_ctl(&["put", &key(prefix, service), value])
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let pki = Pki::new();
+    // The long grace period keeps the restored weights as they are while we look.
+    let agg = start_aggregator(
+        &pki,
+        &etcd,
+        prefix,
+        AggregatorOpts::default().grace_ms(10_000),
+    );
+    let names: Vec<String> = agg.services().into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["good"], "only the valid service is restored");
+    let restored = served(&agg, "good");
+    assert_eq!((restored.version, restored.cycle), (7, 40), "{restored:?}");
+    assert_eq!(restored.endpoints["g1"].0, 1.4);
+    assert_eq!(restored.endpoints["g2"].0, 0.6);
+    for (service, _, reason) in &keys {
+        let Some(reason) = reason else { continue };
+        assert_eq!(
+            agg.counter("ballast_store_corrupt_total", &[("reason", reason)]),
+            1.0,
+            "{service}: {reason}"
+        );
+        let k = key(prefix, service);
+        assert!(
+            agg.log()
+                .lines()
+                .any(|l| l.contains("corrupt key") && l.contains(&k)),
+            "no log line names {k}:\n{}",
+            agg.log()
+        );
+    }
+    assert_eq!(agg.counter("ballast_store_corrupt_total", &[]), 5.0);
+    let health: serde_json::Value = agg.get_json("/healthz");
+    assert!(health["store_error"].is_null(), "{health}");
+}
+
+#[test]
+fn an_aggregator_started_while_etcd_is_down_serves_its_local_copy() {
+    const KEPT: &str = "kept";
+    const LATE: &str = "late";
+    let prefix = "/ballast-down";
+    let mut etcd = Etcd::start();
+    let pki = Pki::new();
+    let mut agg = start_aggregator(&pki, &etcd, prefix, AggregatorOpts::default());
+    let copy_path = agg.store_path().with_extension("etcd-copy.json");
+    let agents = start_fleet(&pki, &agg, KEPT, 2, SPEEDS);
+    for a in &agents {
+        a.wait_weight(Duration::from_secs(15));
+    }
+    wait_for(
+        Duration::from_secs(15),
+        "both endpoints in etcd and in the local copy",
+        || {
+            let stored = stored_in(&etcd, prefix, KEPT)?;
+            let copy: serde_json::Value = std::fs::read_to_string(&copy_path)
+                .map_err(|e| format!("{}: {e}", copy_path.display()))
+                .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))?;
+            let copied = copy["services"][KEPT]["version"].as_u64();
+            if stored.endpoints.len() == 2 && copied == Some(stored.version) {
+                Ok(())
+            } else {
+                Err(format!("etcd {stored:?}, copy {copy}"))
+            }
+        },
+    );
+    let (status, killed) = agg.stop();
+    assert!(
+        status.success() && !killed,
+        "stop: {status}, killed {killed}"
+    );
+    drop(agents);
+    let stored = stored_in(&etcd, prefix, KEPT).unwrap_or_else(|e| panic!("{e}"));
+
+    // etcd goes down; the aggregator restarts (as systemd would) and must not exit.
+    etcd.kill();
+    agg.restart();
+    let restored = served(&agg, KEPT);
+    assert_eq!(
+        restored.version, stored.version,
+        "{restored:?} vs {stored:?}"
+    );
+    same_endpoints(&restored, &stored)
+        .unwrap_or_else(|e| panic!("the local copy is not what is served: {e}"));
+    let health = wait_store_error(&agg, "local copy", Duration::from_secs(5));
+    assert_eq!(health["status"], "ok", "{health}");
+    assert_eq!(health["store_writer"]["status"], "error", "{health}");
+
+    // A service that starts during the outage is balanced, and waits for etcd.
+    let late = start_fleet(&pki, &agg, LATE, 1, &[1.0]).remove(0);
+    late.wait_weight(Duration::from_secs(15));
+    let late_served = wait_for(
+        Duration::from_secs(10),
+        "the late service published",
+        || try_served(&agg, LATE),
+    );
+
+    // etcd comes back: the aggregator reads it, and writes what it holds.
+    etcd.restart();
+    wait_for(Duration::from_secs(15), "the late service in etcd", || {
+        let s = stored_in(&etcd, prefix, LATE)?;
+        if s.version >= late_served.version {
+            Ok(())
+        } else {
+            Err(format!("{s:?} vs served {late_served:?}"))
+        }
+    });
+    wait_for(Duration::from_secs(10), "/healthz to clear", || {
+        let h: serde_json::Value = agg.get_json("/healthz");
+        if h["store_error"].is_null() {
+            Ok(())
+        } else {
+            Err(h.to_string())
+        }
+    });
+    let kept = stored_in(&etcd, prefix, KEPT).unwrap_or_else(|e| panic!("{e}"));
+    assert!(kept.version >= stored.version, "{kept:?} vs {stored:?}");
 }

@@ -66,7 +66,8 @@ fn a_partition_longer_than_expiry_keeps_every_endpoint_and_weight() {
     const SPEEDS: [f64; 4] = [0.6, 1.0, 1.5, 1.0];
     require_grpcio();
     let ns = Netns::new();
-    let pki = Pki::new();
+    // The xDS client checks the server's certificate for the namespace's address.
+    let pki = Pki::with_server_names(&[&ns.ip().to_string()]);
     let dir = tempfile::tempdir().expect("temporary directory");
     let host = IpAddr::V4(ns.host_ip());
     let backends = Backends::start_on(host, &NODES, dir.path());
@@ -97,7 +98,7 @@ fn a_partition_longer_than_expiry_keeps_every_endpoint_and_weight() {
             Err(format!("{ws:?}"))
         }
     });
-    let mut client = XdsClient::start(agg.xds_addr(), SERVICE, "client", None, dir.path());
+    let mut client = XdsClient::start(&agg.xds(), SERVICE, "client", None, dir.path());
     let round = client.round(400, Duration::from_secs(20));
     assert!(
         round.errors.is_empty() && round.counts.len() == NODES.len(),
@@ -217,7 +218,7 @@ fn one_silent_node_of_ten_expires_and_every_feed_drops_it() {
     for a in &agents {
         a.wait_weight(Duration::from_secs(15));
     }
-    let watch = EdsWatch::start(agg.xds_addr(), SERVICE);
+    let watch = EdsWatch::start(agg.xds(), SERVICE);
     wait_for(Duration::from_secs(15), "all ten in every feed", || {
         let w = agg.try_weights(SERVICE)?;
         let eds = watch.latest().ok_or("no EDS response yet")?;

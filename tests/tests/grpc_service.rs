@@ -372,7 +372,7 @@ fn a_cpu_bound_grpc_service_behind_proxyless_grpc_converges_with_shipped_agent_d
         .as_secs_f64()
         + BALANCE.as_secs_f64()
         + 1.0;
-    let bootstrap = write_bootstrap(agg.xds_addr(), "grpcwork-load", None, dir.path());
+    let bootstrap = write_bootstrap(&agg.xds(), "grpcwork-load", None, dir.path());
     let target = format!("xds:///{SERVICE}");
     let mut client = Python::spawn(
         "../grpc/cpu_service.py",

@@ -189,7 +189,7 @@ fn drain_stop_restart_undrain_loses_no_request() {
     for a in &agents {
         a.wait_weight(Duration::from_secs(15));
     }
-    let eds = EdsWatch::start(agg.xds_addr(), SERVICE);
+    let eds = EdsWatch::start(agg.xds(), SERVICE);
     wait_for(
         Duration::from_secs(10),
         "the xDS client to see every endpoint healthy",

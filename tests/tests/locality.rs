@@ -248,10 +248,10 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
         },
     );
 
-    let xds = agg.xds_addr();
-    let mut c1 = XdsClient::start(xds, SERVICE, "client-zone-1", Some("zone_1"), work.path());
-    let mut c2 = XdsClient::start(xds, SERVICE, "client-zone-2", Some("zone_2"), work.path());
-    let mut c3 = XdsClient::start(xds, SERVICE, "client-zone-3", Some("zone_3"), work.path());
+    let xds = agg.xds();
+    let mut c1 = XdsClient::start(&xds, SERVICE, "client-zone-1", Some("zone_1"), work.path());
+    let mut c2 = XdsClient::start(&xds, SERVICE, "client-zone-2", Some("zone_2"), work.path());
+    let mut c3 = XdsClient::start(&xds, SERVICE, "client-zone-3", Some("zone_3"), work.path());
     // Warm up: the first calls wait for the resources and connect the subchannels.
     for (who, c) in [
         ("zone_1 client", &mut c1),
@@ -307,8 +307,9 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
             ("zone_2", &[("zone_1", 75), ("zone_2", 25)]),
         ],
     );
-    // The push is on its way: small rounds until the zone_1 client has failed over,
-    // then a moment for the other stream, which got the same push.
+    // The push is on its way: small rounds until each client shows it. The zone_2
+    // client goes from half to three quarters in zone_1: 0.65 lies more than three
+    // standard deviations of a 200-call round from both.
     wait_for(
         Duration::from_secs(10),
         "the zone_1 client to fail over",
@@ -321,7 +322,19 @@ fn grpc_clients_split_calls_across_zones_by_the_locality_config_and_follow_a_liv
             }
         },
     );
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for(
+        Duration::from_secs(10),
+        "the zone_2 client to take the new split",
+        || {
+            let probe = c2.round(200, Duration::from_secs(5));
+            let share = zone_shares(&probe).get("zone_1").copied().unwrap_or(0.0);
+            if share > 0.65 && probe.errors.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("zone_1 share {share:.3}: {probe:?}"))
+            }
+        },
+    );
     let r1 = full_round(&mut c1, "zone_1 client", &agg);
     let r2 = full_round(&mut c2, "zone_2 client", &agg);
     eprintln!(

@@ -77,7 +77,7 @@ fn assert_protocol_close(conn: &RawConn, what: &str) {
 
 /// A connection of node `node` that has said hello and been welcomed.
 fn welcomed(pki: &Pki, agg: &Aggregator, node: &str) -> (RawClient, RawConn) {
-    let client = RawClient::for_node(pki, node);
+    let client = RawClient::for_node_serving(pki, node, &[RAW_SERVICE]);
     let conn = client
         .connect(agg.quic_addr())
         .unwrap_or_else(|e| panic!("{node}: {e}"));

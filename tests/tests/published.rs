@@ -418,7 +418,7 @@ fn every_reader_of_a_publication_shows_the_same_version_and_weights() {
 
     // Both stream readers from before convergence, so they see the versions go by.
     let watch = WatchReader::start(agg.http_addr());
-    let ads = EdsWatch::start(agg.xds_addr(), SERVICE);
+    let ads = EdsWatch::start(agg.xds(), SERVICE);
     wait_for(FIRST_WITHIN, "the watch stream's first event", || {
         watch.alive();
         if watch.versions().is_empty() {

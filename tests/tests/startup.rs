@@ -27,7 +27,7 @@ fn agent_runs_without_a_control_socket() {
             .arg("--aggregator")
             .arg(agg.quic_addr().to_string())
             .arg("--tls-dir")
-            .arg(pki.node_tls_dir(node));
+            .arg(pki.node_tls_dir_for(node, &[SERVICE]));
         if by_env {
             cmd.env("BALLAST_CONTROL", "");
         } else {

@@ -130,7 +130,7 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
 
     let pki = Pki::new();
     let agg = Aggregator::start(&pki, xds_aggregator_opts());
-    let xds = agg.xds_addr();
+    let xds = agg.xds();
 
     // The backends, then an agent for each that registers the backend's address.
     let nodes = node_names(SERVICE, SPEEDS.len());
@@ -156,7 +156,7 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
     eprintln!("converged weights: {:?}", weight_shares(&weights));
 
     // The client, bootstrapped to the aggregator's ADS server.
-    let mut client = XdsClient::start(xds, SERVICE, "xds-test-client", Some("test"), dir.path());
+    let mut client = XdsClient::start(&xds, SERVICE, "xds-test-client", Some("test"), dir.path());
 
     // Warm up: the first calls wait for the resources and connect the subchannels.
     let warm = client.round(300, Duration::from_secs(30));
@@ -205,8 +205,19 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
             }
         },
     );
-    // The push is on its way to the client; give it a moment to apply.
-    std::thread::sleep(Duration::from_millis(500));
+    // The push is on its way to the client: small rounds until it has applied it.
+    wait_for(
+        Duration::from_secs(10),
+        "the client to stop calling the drained backend",
+        || {
+            let probe = client.round(100, Duration::from_secs(5));
+            if !probe.counts.contains_key(drained) && probe.errors.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{probe:?}"))
+            }
+        },
+    );
     let (r2, want2, versions2) = measured_round(&agg, &mut client, CALLS);
     assert_eq!(r2.sent, CALLS, "round 2 ran out of time: {r2:?}");
     assert!(r2.errors.is_empty(), "round 2 had errors: {r2:?}");

@@ -176,7 +176,7 @@ fn has_v2_usage(cpu_stat: &Path) -> bool {
 }
 
 /// The `usage_usec` line of a v2 `cpu.stat`.
-fn parse_v2_usage_usec(text: &str) -> Option<u64> {
+pub(crate) fn parse_v2_usage_usec(text: &str) -> Option<u64> {
     text.lines().find_map(|l| {
         let mut it = l.split_whitespace();
         match (it.next(), it.next()) {
@@ -239,20 +239,22 @@ pub fn online_cpus() -> f64 {
         .map_or(1.0, |n| n as f64)
 }
 
-/// Counts the CPUs in a kernel CPU list such as `0-3,6,8-9`.
+/// Counts the CPUs in a kernel CPU list such as `0-3,6,8-9`; `None` for a list that is
+/// malformed or counts beyond `usize`.
 pub(crate) fn parse_cpu_list(text: &str) -> Option<usize> {
     let mut n = 0usize;
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        n += match part.split_once('-') {
+        let cpus = match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
-                b.checked_sub(a)? + 1
+                b.checked_sub(a)?.checked_add(1)?
             }
             None => {
                 part.parse::<usize>().ok()?;
                 1
             }
         };
+        n = n.checked_add(cpus)?;
     }
     (n > 0).then_some(n)
 }
@@ -718,6 +720,17 @@ mod tests {
         assert_eq!(parse_cpu_list("3-1"), None);
         assert_eq!(parse_cpu_list("a"), None);
         assert!(online_cpus() >= 1.0);
+    }
+
+    #[test]
+    fn a_cpu_list_counting_beyond_usize_is_refused_not_a_panic() {
+        // Found by fuzzing: the count of a range, or the sum of the ranges, overflowed.
+        assert_eq!(parse_cpu_list("0-18446744073709551615\n"), None);
+        assert_eq!(
+            parse_cpu_list("0-18446744073709551614,0-18446744073709551614"),
+            None
+        );
+        assert_eq!(parse_cpu_list("1-18446744073709551615"), Some(usize::MAX));
     }
 
     /// This agent's own cgroup on the real machine, as `/proc/self/cgroup` names it. On

@@ -46,7 +46,7 @@
 //!   grows with both the table and the hash size, which is what makes this path slow
 //!   on a big host.
 
-mod netlink;
+pub(crate) mod netlink;
 
 use std::fs::File;
 use std::io::{ErrorKind, Read};
@@ -114,7 +114,7 @@ pub(crate) fn count_connections_str(text: &str, ports: &[u16]) -> Result<TcpCoun
 
 /// [`count_connections`] reading through `buf`, which keeps its size between calls
 /// (it grows only if one line does not fit, up to [`MAX_LINE_BYTES`]).
-fn count_table<R: Read>(
+pub(crate) fn count_table<R: Read>(
     mut reader: R,
     buf: &mut Vec<u8>,
     ports: &[u16],

@@ -59,6 +59,14 @@ pub enum BalanceError {
     /// The service is not on the allow-list.
     #[error("unknown service {0:?}")]
     UnknownService(String),
+    /// A registration past one of the [`Limits`].
+    #[error("too many {what} (the limit is {limit})")]
+    Limit {
+        /// What is limited: "services", "endpoints in this service".
+        what: &'static str,
+        /// The limit.
+        limit: usize,
+    },
     /// A report for an endpoint that never registered (or has expired).
     #[error("endpoint {node:?} of service {service:?} is not registered")]
     UnknownEndpoint {
@@ -86,6 +94,36 @@ pub struct Assignment {
     pub inflight_trusted: bool,
 }
 
+/// Bounds on what registrations may create, so that a broken or hostile agent cannot
+/// grow the aggregator without end: every service costs history, metric series and
+/// xDS resources pushed to every client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Services in all.
+    pub max_services: usize,
+    /// Endpoints in one service.
+    pub max_endpoints_per_service: usize,
+    /// Services one node may serve at once. A registration for one more first
+    /// forgets the node's registrations elsewhere that have gone stale (a node that
+    /// moved to another service), and is refused if that is not enough.
+    pub services_per_node: usize,
+    /// How long a service with no endpoints, and no parameters or allowance of its own
+    /// (no config file), is kept before it is forgotten.
+    pub empty_service_ttl_ms: Millis,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_services: 10_000,
+            max_endpoints_per_service: 50_000,
+            services_per_node: usize::MAX,
+            // The config directory's tombstone period.
+            empty_service_ttl_ms: 3 * 24 * 3600 * 1000,
+        }
+    }
+}
+
 /// All services and their endpoints.
 #[derive(Debug, Clone)]
 pub struct Balancer {
@@ -96,6 +134,9 @@ pub struct Balancer {
     grace_until: Millis,
     /// When each service's next cycle is due, for [`Balancer::cycle_due`].
     next_cycle: BTreeMap<String, Millis>,
+    limits: Limits,
+    /// Since when each service has had no endpoint.
+    empty_since: BTreeMap<String, Millis>,
 }
 
 impl Balancer {
@@ -109,7 +150,106 @@ impl Balancer {
             allowed: None,
             services: BTreeMap::new(),
             next_cycle: BTreeMap::new(),
+            limits: Limits::default(),
+            empty_since: BTreeMap::new(),
         }
+    }
+
+    /// Sets the limits on registrations.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Checks that `node` may serve one more service than it does, besides `service`;
+    /// forgets its stale registrations elsewhere if that makes room.
+    fn make_room_for(
+        &mut self,
+        now: Millis,
+        service: &str,
+        node: &str,
+    ) -> Result<(), BalanceError> {
+        let limit = self.limits.services_per_node;
+        if limit == usize::MAX {
+            return Ok(());
+        }
+        let elsewhere = |b: &Balancer| -> Vec<String> {
+            b.services
+                .values()
+                .filter(|s| s.name != service && s.endpoints.contains_key(node))
+                .map(|s| s.name.clone())
+                .collect()
+        };
+        let others = elsewhere(self);
+        if others.len() < limit {
+            return Ok(());
+        }
+        for name in &others {
+            let Some(svc) = self.services.get_mut(name) else {
+                continue;
+            };
+            let params = svc.params.clone();
+            let stale = svc
+                .endpoints
+                .get(node)
+                .is_some_and(|e| !e.is_fresh(now, &params));
+            if !stale {
+                continue;
+            }
+            svc.endpoints.remove(node);
+            // A service that held only this node, and has no config of its own, goes
+            // with it: a node hopping from service to service must not leave a trail
+            // of empty services behind.
+            let configured = self.overrides.contains_key(name)
+                || self.allowed.as_ref().is_some_and(|a| a.contains(name));
+            if svc.endpoints.is_empty() && !configured {
+                self.services.remove(name);
+                self.next_cycle.remove(name);
+                self.empty_since.remove(name);
+            }
+        }
+        if elsewhere(self).len() < limit {
+            Ok(())
+        } else {
+            Err(BalanceError::Limit {
+                what: "services for this node",
+                limit,
+            })
+        }
+    }
+
+    /// Forgets the services that have had no endpoint for longer than
+    /// [`Limits::empty_service_ttl_ms`] and have no parameters or allowance of their
+    /// own (no config file names them). Returns their names.
+    pub fn sweep_empty(&mut self, now: Millis) -> Vec<String> {
+        for (name, svc) in &self.services {
+            if svc.endpoints.is_empty() {
+                self.empty_since.entry(name.clone()).or_insert(now);
+            } else {
+                self.empty_since.remove(name);
+            }
+        }
+        let ttl = self.limits.empty_service_ttl_ms;
+        let gone: Vec<String> = self
+            .empty_since
+            .iter()
+            .filter(|(name, since)| {
+                now.saturating_sub(**since) > ttl
+                    && !self.overrides.contains_key(*name)
+                    && !self.allowed.as_ref().is_some_and(|a| a.contains(*name))
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &gone {
+            self.services.remove(name);
+            self.next_cycle.remove(name);
+            self.empty_since.remove(name);
+        }
+        gone
     }
 
     /// Limits registration to these services; `None` admits any (the zero-config default).
@@ -150,6 +290,12 @@ impl Balancer {
             }
         }
         if !self.services.contains_key(service) {
+            if self.services.len() >= self.limits.max_services {
+                return Err(BalanceError::Limit {
+                    what: "services",
+                    limit: self.limits.max_services,
+                });
+            }
             let params = self.params(service).clone();
             self.services
                 .insert(service.to_string(), Service::new(service, params));
@@ -169,8 +315,16 @@ impl Balancer {
         address: &str,
         zone: &str,
     ) -> Result<(), BalanceError> {
-        self.service_mut(service)?
-            .register(now, node, address, zone);
+        self.make_room_for(now, service, node)?;
+        let limit = self.limits.max_endpoints_per_service;
+        let svc = self.service_mut(service)?;
+        if svc.endpoints.len() >= limit && !svc.endpoints.contains_key(node) {
+            return Err(BalanceError::Limit {
+                what: "endpoints in this service",
+                limit,
+            });
+        }
+        svc.register(now, node, address, zone);
         Ok(())
     }
 

@@ -131,8 +131,25 @@ mod tests {
 
     #[test]
     fn garbage_in_gives_zero_out() {
+        // A NaN error counts as no error, an infinite dt as one cycle: nothing moves,
+        // and the memory stays clean for the next real error.
         let mut pid = Pid::default();
         let out = pid.update(&PidGains::default(), f64::NAN, f64::INFINITY, (-0.5, 0.5));
-        assert!(out.is_finite());
+        assert_eq!(out, 0.0);
+        assert_eq!(pid.integral, 0.0);
+        assert_eq!(pid.last_error, Some(0.0));
+        let out = pid.update(
+            &PidGains::default(),
+            f64::NEG_INFINITY,
+            f64::NAN,
+            (-0.5, 0.5),
+        );
+        assert_eq!(out, 0.0);
+        // After the garbage, a real error gets the same answer as from a fresh start.
+        let g = PidGains::default();
+        let after = pid.update(&g, 0.2, 1.0, (-0.5, 0.5));
+        let mut fresh = Pid::default();
+        fresh.update(&g, 0.0, 1.0, (-0.5, 0.5));
+        assert_eq!(after, fresh.update(&g, 0.2, 1.0, (-0.5, 0.5)));
     }
 }

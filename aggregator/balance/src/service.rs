@@ -153,6 +153,24 @@ impl Endpoint {
     }
 }
 
+/// The fleet's load level, as the load-jump rule follows it: the mean without the
+/// highest and the lowest load once there are five or more. A real change of level
+/// moves every endpoint; one endpoint whose load swings (a broken or hostile agent
+/// alternating 0 and 100 %) is the highest or the lowest and is left out, so it cannot
+/// make the rule hold the whole service's weights three cycles in four.
+fn fleet_level(loads: &[f64]) -> f64 {
+    if loads.len() < 5 {
+        return loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    }
+    let (mut lo, mut hi, mut sum) = (f64::INFINITY, f64::NEG_INFINITY, 0.0);
+    for &l in loads {
+        lo = lo.min(l);
+        hi = hi.max(l);
+        sum += l;
+    }
+    (sum - lo - hi) / (loads.len() - 2) as f64
+}
+
 /// The most cycles in a row skipped because the average keeps jumping. Reports lag
 /// and are spread over a cycle, so a sudden change can take two or three cycles to show
 /// whole; a load that keeps climbing past that is a real trend, and is steered by.
@@ -186,9 +204,11 @@ pub enum SkipReason {
     /// The last cycle stepped weights straight to the capacity estimate; this cycle's
     /// reports were taken partly before the load balancers applied them.
     Settling,
-    /// The average load jumped since the last cycle; this cycle's reports straddle it.
+    /// The fleet's load level jumped since the last cycle; this cycle's reports
+    /// straddle it.
     LoadJump {
-        /// The last cycle's average load.
+        /// The last cycle's level: the mean load, without the highest and the lowest
+        /// once there are five endpoints or more.
         from: f64,
         /// This cycle's.
         to: f64,
@@ -481,6 +501,7 @@ impl Service {
             .map(|e| e.load)
             .collect();
         let spread = Spread::of(&loads);
+        let level = fleet_level(&loads);
 
         let skipped = if now < grace_until {
             Some(SkipReason::Grace {
@@ -501,10 +522,8 @@ impl Service {
                 threshold: params.thin_load,
             })
         } else {
-            self.jumped(spread.avg).map(|from| SkipReason::LoadJump {
-                from,
-                to: spread.avg,
-            })
+            self.jumped(level)
+                .map(|from| SkipReason::LoadJump { from, to: level })
         };
 
         if !loads.is_empty() {
@@ -512,7 +531,7 @@ impl Service {
                 (Some(SkipReason::LoadJump { .. }), Some((_, run))) => run + 1,
                 _ => 0,
             };
-            self.last_avg = Some((spread.avg, run));
+            self.last_avg = Some((level, run));
         }
         match skipped {
             None => {
@@ -602,8 +621,8 @@ impl Service {
             .count();
     }
 
-    /// The last average, if `avg` jumped away from it and the run of jump skips is
-    /// not yet at its limit.
+    /// The last level, if `avg` (this cycle's [`fleet_level`]) jumped away from it and
+    /// the run of jump skips is not yet at its limit.
     fn jumped(&self, avg: f64) -> Option<f64> {
         let threshold = self.params.jump_threshold;
         let (from, run) = self.last_avg?;

@@ -616,6 +616,139 @@ fn restored_endpoints_that_stay_silent_do_not_freeze_the_rest() {
 }
 
 #[test]
+fn one_endpoint_swinging_its_load_cannot_hold_the_service() {
+    // Nine steady endpoints and one that reports 0 and 100 % in turn, as a broken or
+    // hostile agent would: the mean jumps every cycle, the level does not.
+    let mut b = fleet(10, params());
+    let mut skipped = 0;
+    for c in 0..20u64 {
+        let mut loads = [0.5; 10];
+        loads[4] = if c % 2 == 0 { 0.0 } else { 5.0 };
+        report_all(&mut b, c * 1000, &loads, &[]);
+        let r = b.cycle(c * 1000).remove(0);
+        skipped += u32::from(matches!(r.skipped, Some(SkipReason::LoadJump { .. })));
+    }
+    assert_eq!(skipped, 0, "no cycle held for a jump");
+    // A real change of level, on every endpoint, is still held for.
+    report_all(&mut b, 20_000, &[1.0; 10], &[]);
+    let r = b.cycle(20_000).remove(0);
+    assert!(
+        matches!(r.skipped, Some(SkipReason::LoadJump { .. })),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn registrations_stop_at_the_limits_and_known_endpoints_still_come_back() {
+    let mut b = Balancer::new(params(), 0);
+    b.set_limits(Limits {
+        max_services: 2,
+        max_endpoints_per_service: 3,
+        ..Limits::default()
+    });
+    for i in 0..3 {
+        b.register(0, "a", &format!("n{i}"), "10.0.0.1:80", "")
+            .expect("within the limit");
+    }
+    assert_eq!(
+        b.register(0, "a", "n3", "10.0.0.1:80", ""),
+        Err(BalanceError::Limit {
+            what: "endpoints in this service",
+            limit: 3
+        })
+    );
+    // A known endpoint's hello is a refresh, not a new endpoint.
+    assert_eq!(b.register(1, "a", "n2", "10.0.0.1:81", ""), Ok(()));
+    b.register(0, "b", "n0", "10.0.0.1:80", "")
+        .expect("a second service");
+    assert!(matches!(
+        b.register(0, "c", "n0", "10.0.0.1:80", ""),
+        Err(BalanceError::Limit {
+            what: "services",
+            ..
+        })
+    ));
+    assert_eq!(b.services().count(), 2);
+}
+
+#[test]
+fn a_node_serves_one_service_at_a_time_and_may_move() {
+    let mut b = Balancer::new(params(), 0);
+    b.set_limits(Limits {
+        services_per_node: 1,
+        ..Limits::default()
+    });
+    b.register(0, "a", "n0", "10.0.0.1:80", "")
+        .expect("first service");
+    b.observe(0, "a", "n0", obs(0.5)).expect("observes");
+    // Still reporting to "a": a second service is refused.
+    assert_eq!(
+        b.register(1000, "b", "n0", "10.0.0.1:81", ""),
+        Err(BalanceError::Limit {
+            what: "services for this node",
+            limit: 1
+        })
+    );
+    // Once its registration in "a" has gone stale, the node moves: "a" forgets it
+    // instead of waiting for it as missing.
+    let later = params().stale_ms + 1000;
+    b.register(later, "b", "n0", "10.0.0.1:81", "")
+        .expect("the node moves");
+    assert!(
+        b.service("a").is_none(),
+        "the service it left empty is gone"
+    );
+    assert!(b.service("b").expect("b").endpoints.contains_key("n0"));
+    // Hopping from service to service leaves one service, not a trail of them.
+    for i in 0..100 {
+        b.register(later + 1, &format!("s{i}"), "n0", "10.0.0.1:81", "")
+            .expect("hellos without reports are never fresh");
+    }
+    assert_eq!(b.services().count(), 1);
+}
+
+#[test]
+fn empty_services_without_config_are_forgotten_after_the_ttl() {
+    let ttl = 60_000;
+    let mut b = Balancer::new(params(), 0);
+    b.set_limits(Limits {
+        empty_service_ttl_ms: ttl,
+        ..Limits::default()
+    });
+    b.set_params("configured", params());
+    for svc in ["configured", "adhoc", "busy"] {
+        b.register(0, svc, "n0", "10.0.0.1:80", "")
+            .expect("registers");
+        let drained = Observation {
+            draining: svc != "busy",
+            ..obs(0.5)
+        };
+        b.observe(0, svc, "n0", drained).expect("observes");
+    }
+    // The drained endpoints expire; "busy" keeps reporting.
+    let expire = params().expire_ms;
+    let mut now = 0;
+    while now <= expire + 2 * ttl {
+        b.observe(now, "busy", "n0", obs(0.5)).expect("observes");
+        b.cycle(now);
+        let gone = b.sweep_empty(now);
+        if now <= expire + ttl {
+            assert!(gone.is_empty(), "at {now}: {gone:?}");
+        }
+        now += 10_000;
+    }
+    let names: Vec<&str> = b.services().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["busy", "configured"],
+        "the one with a config file stays"
+    );
+    // It can come back, as a new service.
+    b.register(now, "adhoc", "n0", "10.0.0.1:80", "")
+        .expect("registers again");
+}
+
+#[test]
 fn reordered_reports_are_ignored() {
     let mut b = fleet(1, params());
     let o = |seq, load| Observation {

@@ -250,8 +250,9 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
     // First, on a quiet machine: one real agent binary at the default 1 s interval.
     let tls = dir.join("nodes/footprint");
     let _ = std::fs::create_dir_all(&tls);
-    ca.issue_node("footprint")
+    ca.issue_node("footprint", &["footprint".to_string()])
         .expect("cert")
+        .pem
         .write(&tls, "node")
         .expect("write");
     let _ = std::fs::copy(dir.join("ca.pem"), tls.join("ca.pem"));
@@ -310,7 +311,10 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
     let mut agents = Vec::new();
     for i in 0..n_agents {
         let node = format!("load-{i}");
-        let pem = ca.issue_node(&node).expect("node cert");
+        let pem = ca
+            .issue_node(&node, &["bench".to_string()])
+            .expect("node cert")
+            .pem;
         let client =
             ballast_shared::tls::client_config(pem.identity(&node).expect("id"), &ca_certs)
                 .expect("client");

@@ -126,7 +126,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
     for i in 0..opts.nodes {
         let node = format!("node-{i:02}");
         let speed = opts.speeds[i % opts.speeds.len().max(1)];
-        let pem = ca.issue_node(&node)?;
+        let pem = ca.issue_node(&node, &[SERVICE.to_string()])?.pem;
         let client = ballast_shared::tls::client_config(pem.identity(&node)?, &ca_certs)?;
         let agent_cfg = AgentConfig {
             service: SERVICE.into(),

@@ -1,5 +1,6 @@
 //! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
 
+pub(crate) mod listener;
 pub mod views;
 
 use crate::state::State;
@@ -172,6 +173,14 @@ async fn weights(
     if !q.watch {
         let current = views::WeightSet::of(&*published_service(&state, &name)?);
         return Ok(Json(current).into_response());
+    }
+    let max = state.limits.watch_max_streams;
+    if state.metrics.watch_streams.get() >= i64::try_from(max).unwrap_or(i64::MAX) {
+        state.metrics.refuse_http("watch_streams");
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!("{max} watch streams are open, the limit; try again later"),
+        });
     }
     // Subscribed before the first set is read, so no publication falls between them.
     let changes = state.subscribe();

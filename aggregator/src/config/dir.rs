@@ -107,7 +107,7 @@ impl ServiceConfigs {
             let Some(name) = service_of(file) else {
                 continue;
             };
-            if !ballast_shared::wire::is_valid_name(name) || name.is_empty() || name.len() > 64 {
+            if !is_service_name(name) {
                 errors.insert(
                     file.clone(),
                     FileError {
@@ -231,6 +231,12 @@ pub(crate) fn service_of(file: &str) -> Option<&str> {
     file.strip_suffix(".toml")
 }
 
+/// Whether `name` is one a scan takes a service file's name for: letters, digits,
+/// '.', '_' and '-', at most 64 bytes.
+fn is_service_name(name: &str) -> bool {
+    ballast_shared::wire::is_valid_name(name) && !name.is_empty() && name.len() <= 64
+}
+
 /// Why the config directory, the persisted config or a backup could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum DirError {
@@ -352,6 +358,10 @@ pub(crate) fn load_merged(path: &Path) -> Result<Merged, DirError> {
     };
     let merged: Merged = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
     for (name, entry) in &merged.services {
+        // `restore` writes a file by the name: it must be one a scan could have taken.
+        if !is_service_name(name) {
+            return Err(corrupt(format!("{name:?} is not a valid service name")));
+        }
         entry
             .config
             .params
@@ -661,6 +671,28 @@ mod tests {
                 assert!(detail.contains("web"), "{detail}")
             }
             other => panic!("loaded: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_persisted_config_with_an_invalid_service_name_is_refused() {
+        // Found by fuzzing: a name no scan takes, such as one with a path in it, which
+        // `restore` would write a file by.
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let path = tmp.path().join("services.json");
+        let mut c = configs();
+        c.apply(&files(&[("web.toml", "")]), &Params::default(), 0);
+        for bad in ["a  pi", "../../etc/cron.d/x", ""] {
+            let mut merged = c.merged().clone();
+            let entry = merged.services.remove("web").expect("web");
+            merged.services.insert(bad.to_string(), entry);
+            save_merged(&path, &merged).expect("save");
+            match load_merged(&path) {
+                Err(DirError::Corrupt { detail, .. }) => {
+                    assert!(detail.contains("not a valid service name"), "{detail}")
+                }
+                other => panic!("{bad:?} loaded: {other:?}"),
+            }
         }
     }
 

@@ -2,6 +2,7 @@
 //! config directory.
 
 pub mod dir;
+pub mod limits;
 pub mod locality;
 pub mod service;
 pub mod watch;
@@ -37,7 +38,8 @@ impl Default for StoreConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EtcdConfig {
-    /// Client URLs of the etcd members, e.g. `http://127.0.0.1:2379`.
+    /// Client URLs of the etcd members, all `http://` or all `https://`, e.g.
+    /// `https://10.0.0.1:2379`. `https://` connects with TLS and needs `ca_file`.
     pub endpoints: Vec<String>,
     /// Key prefix, without a trailing `/`.
     pub prefix: String,
@@ -47,6 +49,24 @@ pub struct EtcdConfig {
     /// routing store's background writer, so a dead etcd delays no cycle: each attempt
     /// fails after at most this long, and the writer retries.
     pub request_timeout_ms: u64,
+    /// The CA certificate(s), PEM, that etcd's server certificate must chain to.
+    /// Required with `https://` endpoints; only those.
+    pub ca_file: Option<PathBuf>,
+    /// The client certificate, PEM, for an etcd that checks them
+    /// (`--client-cert-auth`). Needs `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key, PEM.
+    pub key_file: Option<PathBuf>,
+    /// The etcd user to authenticate as (etcd's `auth enable`). Needs `password_file`.
+    pub user: Option<String>,
+    /// A file holding the user's password (one line; a final newline is ignored). A
+    /// file and not the password itself, so that the password stays out of the
+    /// configuration (world-readable as packaged) and out of the process's arguments.
+    pub password_file: Option<PathBuf>,
+    /// Where the aggregator keeps its local copy of the weights it stores in etcd,
+    /// served when etcd cannot be read at start. By default beside `store.path`,
+    /// with the extension `etcd-copy.json` (`/var/lib/ballast/weights.etcd-copy.json`).
+    pub local_copy: Option<PathBuf>,
 }
 
 impl Default for EtcdConfig {
@@ -56,6 +76,12 @@ impl Default for EtcdConfig {
             prefix: "/ballast".to_string(),
             connect_timeout_ms: 2000,
             request_timeout_ms: 2000,
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            user: None,
+            password_file: None,
+            local_copy: None,
         }
     }
 }
@@ -72,6 +98,22 @@ pub enum LbPolicy {
     RoundRobin,
     /// `LEAST_REQUEST`: Envoy's weighted least request.
     LeastRequest,
+}
+
+/// How the xDS port is secured (`xds_tls`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum XdsTls {
+    /// TLS with the aggregator's server certificate (`tls.cert`, `tls.key`): clients
+    /// check it against the CA, so an on-path attacker cannot rewrite the weights.
+    #[default]
+    Tls,
+    /// TLS, and clients must present a certificate signed by the aggregator's CA
+    /// (`tls.ca`): only known proxies may read the endpoint lists.
+    Mutual,
+    /// No TLS: anyone who can reach the port reads every endpoint, and anyone on the
+    /// path can rewrite them. Only for a port bound to loopback or a trusted network.
+    Plaintext,
 }
 
 /// A setting that parses but cannot be used: which one, and why. Its text names the
@@ -96,12 +138,29 @@ impl InvalidSetting {
 }
 
 impl EtcdConfig {
-    /// Checks what the types cannot.
+    /// Checks what the types cannot: the endpoints' scheme, and that the TLS and
+    /// authentication settings come in usable combinations.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.endpoints.is_empty() || self.endpoints.iter().any(|e| e.trim().is_empty()) {
             return Err(InvalidSetting::new(
                 "store.etcd.endpoints",
                 "must name at least one endpoint",
+            ));
+        }
+        if let Some(bad) = self
+            .endpoints
+            .iter()
+            .find(|e| !e.starts_with("https://") && !e.starts_with("http://"))
+        {
+            return Err(InvalidSetting::new(
+                "store.etcd.endpoints",
+                format!("{bad:?} is not an http:// or https:// URL"),
+            ));
+        }
+        if self.uses_tls() && self.endpoints.iter().any(|e| e.starts_with("http://")) {
+            return Err(InvalidSetting::new(
+                "store.etcd.endpoints",
+                "must be all http:// or all https://, not a mix",
             ));
         }
         if self.prefix.is_empty() || self.prefix.ends_with('/') {
@@ -121,7 +180,75 @@ impl EtcdConfig {
                 ));
             }
         }
+        if self.uses_tls() {
+            if self.ca_file.is_none() {
+                return Err(InvalidSetting::new(
+                    "store.etcd.ca_file",
+                    "https:// endpoints need the CA certificate that etcd's server \
+                     certificate is checked against",
+                ));
+            }
+        } else {
+            for (name, set) in [
+                ("ca_file", self.ca_file.is_some()),
+                ("cert_file", self.cert_file.is_some()),
+                ("key_file", self.key_file.is_some()),
+            ] {
+                if set {
+                    return Err(InvalidSetting::new(
+                        format!("store.etcd.{name}"),
+                        "is used only with https:// endpoints",
+                    ));
+                }
+            }
+        }
+        match (&self.cert_file, &self.key_file) {
+            (Some(_), None) => {
+                return Err(InvalidSetting::new(
+                    "store.etcd.key_file",
+                    "cert_file needs the key of the client certificate",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(InvalidSetting::new(
+                    "store.etcd.cert_file",
+                    "key_file needs the client certificate it belongs to",
+                ))
+            }
+            _ => {}
+        }
+        match (&self.user, &self.password_file) {
+            (Some(user), _) if user.is_empty() => {
+                return Err(InvalidSetting::new("store.etcd.user", "must not be empty"))
+            }
+            (Some(_), None) => {
+                return Err(InvalidSetting::new(
+                    "store.etcd.password_file",
+                    "user needs a password: the file that holds it",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(InvalidSetting::new(
+                    "store.etcd.user",
+                    "password_file needs the user it is the password of",
+                ))
+            }
+            _ => {}
+        }
         Ok(())
+    }
+
+    /// Whether the endpoints are `https://`: the connection uses TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.endpoints.iter().any(|e| e.starts_with("https://"))
+    }
+
+    /// The local copy's file: `local_copy`, or beside `store_path` with the extension
+    /// `etcd-copy.json`.
+    pub fn local_copy_path(&self, store_path: &Path) -> PathBuf {
+        self.local_copy
+            .clone()
+            .unwrap_or_else(|| store_path.with_extension("etcd-copy.json"))
     }
 }
 
@@ -146,6 +273,11 @@ pub struct ServiceConfigSettings {
     /// How often the directory is scanned whatever file events say, in milliseconds:
     /// it catches what a watcher can miss (network file systems) and expires tombstones.
     pub rescan_ms: u64,
+    /// Whether a hello may register a service that has no file in the directory
+    /// (true by default: a new service starts balancing as soon as its certificates
+    /// allow it, with the defaults). False refuses such hellos with `unknown_service`,
+    /// so that only services an operator has configured exist. Needs `dir`.
+    pub accept_unknown_services: bool,
 }
 
 impl Default for ServiceConfigSettings {
@@ -158,6 +290,7 @@ impl Default for ServiceConfigSettings {
             backup_interval_s: 3600,
             backup_keep: 72,
             rescan_ms: 10_000,
+            accept_unknown_services: true,
         }
     }
 }
@@ -200,6 +333,46 @@ impl ServiceConfigSettings {
     }
 }
 
+/// Who may claim what (`[authorization]`): the optional policy file and the
+/// certificate revocation list. Without either, a node may serve the services its
+/// certificate names, at its connection's source address, and nothing is revoked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthorizationConfig {
+    /// A policy file granting services, networks and host names to node identity
+    /// patterns (see `docs/security.md`); none by default.
+    pub policy: Option<PathBuf>,
+    /// A certificate revocation list (PEM, one or more `X509 CRL` blocks), as
+    /// `ballast-aggregator certs revoke` writes it; none by default. Reloaded when it
+    /// changes: a revoked node is refused at its next handshake and its live
+    /// connection is closed.
+    pub crl: Option<PathBuf>,
+    /// How often the revocation list's file is checked for changes, in milliseconds.
+    pub crl_check_ms: u64,
+}
+
+impl Default for AuthorizationConfig {
+    fn default() -> Self {
+        AuthorizationConfig {
+            policy: None,
+            crl: None,
+            crl_check_ms: 1000,
+        }
+    }
+}
+
+impl AuthorizationConfig {
+    fn validate(&self) -> Result<(), InvalidSetting> {
+        if !(100..=3_600_000).contains(&self.crl_check_ms) {
+            return Err(InvalidSetting::new(
+                "authorization.crl_check_ms",
+                "must be between 100 and 3600000",
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn beside(file: &Path, name: &str) -> PathBuf {
     file.parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -228,10 +401,17 @@ pub struct Config {
     /// Load-balancing policy of the xDS clusters: `ring_hash` for proxyless gRPC,
     /// `round_robin` or `least_request` for Envoy.
     pub xds_lb_policy: LbPolicy,
+    /// How the xDS port is secured: `tls` (the default), `mutual`, or `plaintext`,
+    /// which must be asked for.
+    pub xds_tls: XdsTls,
     /// Balancing defaults for every service.
     pub balance: Params,
     /// The per-service config directory.
     pub service_config: ServiceConfigSettings,
+    /// Who may claim what: the policy file and the revocation list.
+    pub authorization: AuthorizationConfig,
+    /// Bounds on what peers can make the aggregator hold.
+    pub limits: limits::Limits,
 }
 
 impl Default for Config {
@@ -246,7 +426,10 @@ impl Default for Config {
             balance: Params::default(),
             xds: None,
             xds_lb_policy: LbPolicy::default(),
+            xds_tls: XdsTls::default(),
             service_config: ServiceConfigSettings::default(),
+            authorization: AuthorizationConfig::default(),
+            limits: limits::Limits::default(),
         }
     }
 }
@@ -294,6 +477,8 @@ impl Config {
             etcd.validate()?;
         }
         self.service_config.validate()?;
+        self.limits.validate()?;
+        self.authorization.validate()?;
         Ok(())
     }
 }
@@ -336,5 +521,69 @@ mod tests {
         assert!(err.to_string().contains("store.etcd.prefix"), "{err}");
         let err = Config::parse("[store.etcd]\nendpoints = []\n", "t").expect_err("empty");
         assert!(err.to_string().contains("store.etcd.endpoints"), "{err}");
+    }
+
+    #[test]
+    fn etcd_tls_and_authentication_come_in_usable_combinations() {
+        let parse = |body: &str| Config::parse(&format!("[store.etcd]\n{body}"), "t");
+        let tls = "endpoints = [\"https://10.0.0.1:2379\", \"https://10.0.0.2:2379\"]\n";
+        let cfg = parse(&format!(
+            "{tls}ca_file = \"/etc/ballast/etcd/ca.pem\"\ncert_file = \"c.pem\"\n\
+             key_file = \"c.key\"\nuser = \"ballast\"\npassword_file = \"pw\"\n"
+        ))
+        .expect("a full TLS and user setup parses");
+        let etcd = cfg.store.etcd.expect("etcd");
+        assert!(etcd.uses_tls());
+        assert_eq!(etcd.user.as_deref(), Some("ballast"));
+        assert_eq!(
+            etcd.local_copy_path(Path::new("/var/lib/ballast/weights.json")),
+            Path::new("/var/lib/ballast/weights.etcd-copy.json")
+        );
+        for (body, setting, why) in [
+            (tls.to_string(), "store.etcd.ca_file", "https without a CA"),
+            (
+                format!("{tls}ca_file = \"ca.pem\"\ncert_file = \"c.pem\"\n"),
+                "store.etcd.key_file",
+                "a certificate without its key",
+            ),
+            (
+                format!("{tls}ca_file = \"ca.pem\"\nkey_file = \"c.key\"\n"),
+                "store.etcd.cert_file",
+                "a key without its certificate",
+            ),
+            (
+                "user = \"ballast\"\n".to_string(),
+                "store.etcd.password_file",
+                "a user without a password",
+            ),
+            (
+                "password_file = \"pw\"\n".to_string(),
+                "store.etcd.user",
+                "a password without a user",
+            ),
+            (
+                "user = \"\"\npassword_file = \"pw\"\n".to_string(),
+                "store.etcd.user",
+                "an empty user",
+            ),
+            (
+                "ca_file = \"ca.pem\"\n".to_string(),
+                "store.etcd.ca_file",
+                "a CA for http://",
+            ),
+            (
+                "endpoints = [\"https://a:2379\", \"http://b:2379\"]\n".to_string(),
+                "store.etcd.endpoints",
+                "a mix of schemes",
+            ),
+            (
+                "endpoints = [\"10.0.0.1:2379\"]\n".to_string(),
+                "store.etcd.endpoints",
+                "no scheme",
+            ),
+        ] {
+            let err = parse(&body).expect_err(why).to_string();
+            assert!(err.contains(setting), "{why}: {err}");
+        }
     }
 }

@@ -1,3 +1,105 @@
 //! Report ingest: agents connect over QUIC with mutual TLS.
+//!
+//! Who may claim what is decided here, before anything reaches the balancer: the
+//! handshake checks each client certificate's chain, lifetime and revocation
+//! ([`revocation`]), and each hello is checked against what its certificate and the
+//! authorization policy grant ([`policy`]) and, with a config directory that accepts
+//! no unknown services, against the services that have a file.
 
+mod limits;
+mod policy;
 pub(crate) mod quic;
+mod revocation;
+
+pub use policy::PolicyError;
+
+use crate::config::Config;
+use ballast_shared::tls::{self, CertificateDer, Identity, TlsError};
+use policy::Policy;
+use revocation::Revocation;
+use std::sync::Arc;
+
+/// Why ingest could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    /// The authorization policy file is unusable.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The certificate revocation list is unusable.
+    #[error("certificate revocation list {path}: {source}")]
+    Crl {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: TlsError,
+    },
+    /// The TLS configuration could not be built.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// Settings that cannot work together.
+    #[error(transparent)]
+    Setting(#[from] crate::config::InvalidSetting),
+}
+
+/// What ingest needs besides the daemon's state: the policy, the revocation list and
+/// the config directory's rule for unknown services.
+pub(crate) struct Ingest {
+    policy: Policy,
+    revocation: Arc<Revocation>,
+    /// Hellos for services without a file in the config directory are refused.
+    require_service_file: bool,
+    /// What connections and nodes may cost.
+    limits: crate::config::limits::Limits,
+    /// The connections open now.
+    connections: Arc<limits::Connections>,
+}
+
+/// Loads the policy and the revocation list named in `cfg` and builds the QUIC server
+/// configuration whose handshakes check client certificates against `client_ca` and
+/// the revocation list. A bad policy or list stops the start with its reason.
+pub(crate) fn setup(
+    cfg: &Config,
+    identity: Identity,
+    client_ca: &[CertificateDer<'static>],
+) -> Result<(quinn::ServerConfig, Ingest), IngestError> {
+    if !cfg.service_config.accept_unknown_services && cfg.service_config.dir.is_none() {
+        return Err(crate::config::InvalidSetting::new(
+            "service_config.accept_unknown_services",
+            "false needs a config directory (service_config.dir or --config-dir): without \
+             one no service has a file, and every hello would be refused",
+        )
+        .into());
+    }
+    let auth = &cfg.authorization;
+    let policy = match &auth.policy {
+        Some(path) => {
+            let p = Policy::load(path)?;
+            tracing::info!(policy = %path.display(), rules = p.rules(),
+                certificate_services = p.certificate_services(), "authorization policy loaded");
+            p
+        }
+        None => Policy::default(),
+    };
+    let revocation = Arc::new(Revocation::load(
+        client_ca,
+        auth.crl.clone(),
+        std::time::Duration::from_millis(auth.crl_check_ms),
+    )?);
+    let mut server = tls::server_config_with(identity, revocation.verifier())?;
+    // The aggregator sends no keep-alives: a connection is kept alive by its agent,
+    // so one whose agent went quiet times out instead of being held open from here.
+    let mut transport = tls::transport();
+    transport.keep_alive_interval(None);
+    server.transport_config(Arc::new(transport));
+    // Connections not yet accepted by the driver, beyond which the endpoint refuses.
+    server.max_incoming(cfg.limits.quic_max_connections.clamp(1, 1 << 16));
+    let ingest = Ingest {
+        policy,
+        revocation,
+        require_service_file: cfg.service_config.dir.is_some()
+            && !cfg.service_config.accept_unknown_services,
+        limits: cfg.limits.clone(),
+        connections: Arc::new(limits::Connections::default()),
+    };
+    Ok((server, ingest))
+}

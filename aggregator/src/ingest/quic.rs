@@ -1,16 +1,23 @@
 //! The QUIC side of ingest: one task per agent connection.
 //!
-//! The session's rules (the hello and the certificate's identity, the welcome or
-//! reject, reordered reports, the reply to each report, what a fault costs) are the
-//! sans-IO [`ServerSession`], shared with the agent's side of the protocol; this module
-//! is its async driver: the connection, the hello's deadline, the metrics, and the
-//! calls into the balancer, which all go through [`balance`]. Faults are counted and
-//! never reach other connections: each has its own task and a bad one is closed.
+//! The session's rules (the hello and the certificate's identity, what the peer may
+//! claim, the welcome or reject, reordered reports, the reply to each report, what a
+//! fault costs) are the sans-IO [`ServerSession`], shared with the agent's side of the
+//! protocol; this module is its async driver: the connection, the peer's grant from
+//! its certificate and the policy, the hello's deadline, the metrics, the calls into
+//! the balancer, which all go through [`balance`], and the end of a connection whose
+//! certificate is revoked or expires. Faults are counted and never reach other
+//! connections: each has its own task and a bad one is closed.
 
+use super::revocation::Verdict;
+use super::Ingest;
 use crate::state::State;
 use ballast_balance::{BalanceError, Observation};
 use ballast_shared::session::driver::{now, until};
-use ballast_shared::session::{Assignment, ServerConfig, ServerError, ServerEvent, ServerSession};
+use ballast_shared::session::{
+    Assignment, Peer, ServerConfig, ServerError, ServerEvent, ServerSession,
+};
+use ballast_shared::tls::{CertInfo, CertificateDer};
 use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,22 +25,51 @@ use std::time::Duration;
 /// QUIC application error codes for closing connections; the protocol's own.
 pub(crate) use ballast_shared::session::close;
 
-/// Accepts connections until the endpoint closes.
-pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
+/// TLS alerts a refused client certificate ends its handshake with, which say why.
+const ALERT_CERTIFICATE_REVOKED: u8 = 44;
+const ALERT_CERTIFICATE_EXPIRED: u8 = 45;
+
+/// Accepts connections until the endpoint closes, and keeps the revocation list
+/// current meanwhile.
+pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: Ingest) {
+    let ingest = Arc::new(ingest);
+    let watcher = tokio::spawn(ingest.revocation.clone().watch(state.clone()));
+    // The watcher ends with this task, however it ends.
+    let _watcher = AbortOnDrop(watcher);
     while let Some(incoming) = endpoint.accept().await {
+        let Some(slot) = ingest.connections.open(ingest.limits.quic_max_connections) else {
+            // Refused before any cryptography: the cap is the whole point.
+            tracing::debug!(open = ingest.connections.total(), remote = %incoming.remote_address(),
+                "agent connection refused: at the connection limit");
+            state.metrics.reject_connection("connections");
+            incoming.refuse();
+            continue;
+        };
+        if ingest.limits.quic_retry && !incoming.remote_address_validated() {
+            // A stateless round trip proves the source address before a handshake is
+            // spent on it; the client comes back with the token.
+            if incoming.retry().is_err() {
+                state.metrics.reject_connection("retry");
+            }
+            continue;
+        }
         let state = state.clone();
+        let ingest = ingest.clone();
         tokio::spawn(async move {
+            let mut slot = slot;
             let conn = match incoming.await {
                 Ok(c) => c,
                 Err(e) => {
-                    // Missing or untrusted client certificates end here.
-                    tracing::info!(error = %e, "agent handshake failed");
-                    state.metrics.reject_connection("handshake");
+                    // Missing, untrusted, expired and revoked client certificates end
+                    // here.
+                    let reason = handshake_reason(&e);
+                    tracing::info!(error = %e, reason, "agent handshake failed");
+                    state.metrics.reject_connection(reason);
                     return;
                 }
             };
             state.metrics.connections_open.inc();
-            let result = handle(&conn, &state).await;
+            let result = handle(&conn, &state, &ingest, &mut slot).await;
             state.metrics.connections_open.dec();
             if let Err(reason) = result {
                 tracing::debug!(remote = %conn.remote_address(), reason, "agent connection ended");
@@ -42,9 +78,57 @@ pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>) {
     }
 }
 
-async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static str> {
-    let identity = match ballast_shared::tls::peer_identity(conn) {
-        Ok(id) => id,
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The metric reason of a failed handshake: the TLS alert says whether the client's
+/// certificate was revoked or expired.
+fn handshake_reason(e: &quinn::ConnectionError) -> &'static str {
+    if let quinn::ConnectionError::TransportError(t) = e {
+        if t.code == quinn::TransportErrorCode::crypto(ALERT_CERTIFICATE_REVOKED) {
+            return "revoked";
+        }
+        if t.code == quinn::TransportErrorCode::crypto(ALERT_CERTIFICATE_EXPIRED) {
+            return "expired";
+        }
+    }
+    "handshake"
+}
+
+/// Who the peer of `conn` is and what it may claim, from its certificate and the
+/// policy; with its chain, and when its certificate expires.
+fn peer_of(
+    conn: &quinn::Connection,
+    ingest: &Ingest,
+) -> Result<(Peer, Vec<CertificateDer<'static>>, i64), ballast_shared::tls::TlsError> {
+    let chain = ballast_shared::tls::peer_chain(conn)?;
+    let leaf = chain
+        .first()
+        .ok_or(ballast_shared::tls::TlsError::NoIdentity)?;
+    let info = CertInfo::parse(leaf)?;
+    let grant = ingest.policy.grant(&info.identity, &info.services);
+    let peer = Peer {
+        identity: info.identity,
+        source: conn.remote_address().ip(),
+        grant,
+    };
+    Ok((peer, chain, info.not_after_unix_s))
+}
+
+async fn handle(
+    conn: &quinn::Connection,
+    state: &State,
+    ingest: &Ingest,
+    slot: &mut super::limits::Slot,
+) -> Result<(), &'static str> {
+    let (peer, chain, not_after_unix_s) = match peer_of(conn, ingest) {
+        Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "client certificate carries no identity");
             state.metrics.reject_connection("no_identity");
@@ -52,8 +136,24 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
             return Err("no identity");
         }
     };
+    let per_node = ingest.limits.quic_max_connections_per_identity;
+    if !slot.claim(&peer.identity, per_node) {
+        tracing::warn!(node = %peer.identity, limit = per_node, "connection refused: the node holds too many");
+        state.metrics.reject_connection("identity_connections");
+        conn.close(
+            close::REJECTED.into(),
+            b"too many connections for this node",
+        );
+        return Err("too many connections for this node");
+    }
+    // Subscribed before the first check, so that a list put in force after the
+    // handshake is never missed.
+    let mut revocations = ingest.revocation.subscribe();
+    if let Some(end) = credentials_end(conn, state, ingest, &peer.identity, &chain) {
+        return Err(end);
+    }
     let config = ServerConfig::new(state.report_interval_ms);
-    let mut session = ServerSession::new(identity, config, now());
+    let mut session = ServerSession::new(peer, config, now());
     let (mut send, mut recv) = loop {
         tokio::select! {
             s = conn.accept_bi() => match s {
@@ -92,12 +192,16 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
             Err(e) => return Err(fault(conn, state, &session, &e)),
         }
     };
-    let welcome = match balance(state, &hello, Ask::Register) {
-        Answer::UnknownService(detail) => {
-            let reject = Reject {
-                reason: RejectReason::UnknownService,
-                detail,
-            };
+    let refused = match unconfigured(state, ingest, &hello.service) {
+        Some(detail) => Some((RejectReason::UnknownService, detail)),
+        None => match balance(state, &hello, Ask::Register) {
+            Answer::Refused(reason, detail) => Some((reason, detail)),
+            _ => None,
+        },
+    };
+    let welcome = match refused {
+        Some((reason, detail)) => {
+            let reject = Reject { reason, detail };
             return match session.reject(reject.reason, reject.detail.clone()) {
                 Ok(frame) => {
                     refuse(conn, state, session.identity(), &mut send, reject, frame).await
@@ -105,7 +209,7 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
                 Err(_) => Err("reject failed"),
             };
         }
-        _ => session.welcome(),
+        None => session.welcome(),
     };
     let Ok(welcome) = welcome else {
         return Err("welcome failed");
@@ -116,32 +220,82 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
     let _ = send.finish();
     tracing::info!(node = %hello.node, service = %hello.service, address = %hello.address, zone = %hello.zone, agent_version = %hello.version, "agent connected");
 
+    let expired = tokio::time::sleep(expires_in(not_after_unix_s));
+    tokio::pin!(expired);
+    let silence_limit = super::limits::report_timeout(
+        ingest.limits.quic_report_timeout_ms,
+        state.report_interval_ms,
+    );
+    let silence = tokio::time::sleep(silence_limit);
+    tokio::pin!(silence);
+    let mut rate = super::limits::Rate::new(
+        ingest.limits.quic_max_datagrams_per_second,
+        std::time::Instant::now(),
+    );
+    let mut watching = true;
     loop {
-        let bytes = match conn.read_datagram().await {
-            Ok(b) => b,
-            Err(_) => return Ok(()),
-        };
-        match session.handle_datagram(&bytes) {
-            Ok(ServerEvent::Report(report)) => match balance(state, &hello, Ask::Report(&report)) {
-                Answer::Assigned {
-                    assignment,
-                    accepted,
-                } => {
-                    if accepted {
-                        state.metrics.reports_accepted.inc();
-                    } else {
-                        state.metrics.reject("reordered");
-                    }
-                    // Answered even when another session of the node got ahead, so
-                    // that this one still hears its weight.
-                    if let Ok(reply) = session.reply(&assignment) {
-                        let _ = conn.send_datagram(reply.into());
-                    }
-                }
-                Answer::Reregistered => state.metrics.reject("unknown_endpoint"),
-                Answer::UnknownService(_) => state.metrics.reject("unknown_service"),
-                Answer::Registered => {}
+        let bytes = tokio::select! {
+            read = conn.read_datagram() => match read {
+                Ok(b) => b,
+                Err(_) => return Ok(()),
             },
+            _ = &mut silence => {
+                tracing::info!(node = %hello.node, after = ?silence_limit, "connection closed: no report");
+                state.metrics.reject_connection("no_reports");
+                conn.close(close::NORMAL.into(), b"no report");
+                return Err("no report");
+            }
+            changed = revocations.changed(), if watching => {
+                if changed.is_err() {
+                    // The list is gone with the daemon: nothing more changes.
+                    watching = false;
+                    continue;
+                }
+                match credentials_end(conn, state, ingest, &hello.node, &chain) {
+                    Some(end) => return Err(end),
+                    None => continue,
+                }
+            }
+            _ = &mut expired => {
+                let left = expires_in(not_after_unix_s);
+                if left.is_zero() {
+                    return Err(close_for(conn, state, &hello.node, Verdict::Expired));
+                }
+                expired.as_mut().reset(tokio::time::Instant::now() + left);
+                continue;
+            }
+        };
+        if !rate.take(std::time::Instant::now()) {
+            // Dropped unread: a flood never reaches the decoder or the balancer's lock.
+            state.metrics.reject("rate_limited");
+            continue;
+        }
+        match session.handle_datagram(&bytes) {
+            Ok(ServerEvent::Report(report)) => {
+                silence
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + silence_limit);
+                match balance(state, &hello, Ask::Report(&report)) {
+                    Answer::Assigned {
+                        assignment,
+                        accepted,
+                    } => {
+                        if accepted {
+                            state.metrics.reports_accepted.inc();
+                        } else {
+                            state.metrics.reject("reordered");
+                        }
+                        // Answered even when another session of the node got ahead, so
+                        // that this one still hears its weight.
+                        if let Ok(reply) = session.reply(&assignment) {
+                            let _ = conn.send_datagram(reply.into());
+                        }
+                    }
+                    Answer::Reregistered => state.metrics.reject("unknown_endpoint"),
+                    Answer::Refused(reason, _) => state.metrics.reject(&reason.to_string()),
+                    Answer::Registered => {}
+                }
+            }
             Ok(ServerEvent::Reordered { .. }) => state.metrics.reject("reordered"),
             Ok(_) => {}
             Err(e) => {
@@ -151,6 +305,77 @@ async fn handle(conn: &quinn::Connection, state: &State) -> Result<(), &'static 
                 }
             }
         }
+    }
+}
+
+/// The longest a connection's expiry timer is set for; a later expiry sets it again
+/// when it fires (and the wall clock may have moved meanwhile).
+const EXPIRY_TIMER_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// How long until a certificate valid until `not_after_unix_s` expires: zero if it
+/// has, and at most [`EXPIRY_TIMER_MAX`].
+fn expires_in(not_after_unix_s: i64) -> Duration {
+    let now_ms = i64::try_from(ballast_shared::unix_ms()).unwrap_or(i64::MAX);
+    let left_ms = not_after_unix_s
+        .saturating_mul(1000)
+        .saturating_sub(now_ms)
+        .max(0);
+    Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)).min(EXPIRY_TIMER_MAX)
+}
+
+/// Closes the connection if its certificate is now revoked or expired (the list in
+/// force changed since the handshake); the reason, if it did.
+fn credentials_end(
+    conn: &quinn::Connection,
+    state: &State,
+    ingest: &Ingest,
+    node: &str,
+    chain: &[CertificateDer<'static>],
+) -> Option<&'static str> {
+    match ingest.revocation.verdict(chain) {
+        Verdict::Valid => None,
+        v => Some(close_for(conn, state, node, v)),
+    }
+}
+
+/// Closes a connection whose certificate is no longer good, with the code that says
+/// why, and counts it.
+fn close_for(
+    conn: &quinn::Connection,
+    state: &State,
+    node: &str,
+    verdict: Verdict,
+) -> &'static str {
+    let (code, reason, text): (u32, &'static str, &[u8]) = match verdict {
+        Verdict::Revoked => (close::REVOKED, "revoked", b"certificate revoked"),
+        Verdict::Expired | Verdict::Valid => (close::EXPIRED, "expired", b"certificate expired"),
+    };
+    tracing::warn!(%node, reason, "closing the connection of a node whose certificate is no longer valid");
+    state.metrics.reject_connection(reason);
+    conn.close(code.into(), text);
+    reason
+}
+
+/// Why a hello for `service` is refused as unknown before it reaches the balancer:
+/// with a config directory that accepts no unknown services, a service without a file
+/// (a deleted file's tombstone still counts as one, as does a file refused for a
+/// mistake: its team configured the service).
+fn unconfigured(state: &State, ingest: &Ingest, service: &str) -> Option<String> {
+    if !ingest.require_service_file {
+        return None;
+    }
+    let file = crate::config::dir::file_name(service);
+    let known = state.config_dir().as_ref().is_some_and(|status| {
+        status.configs.merged().services.contains_key(service)
+            || status.configs.errors().contains_key(&file)
+    });
+    if known {
+        None
+    } else {
+        Some(format!(
+            "service {service:?} has no file {file} in the config directory, and this \
+             aggregator accepts no unknown services (accept_unknown_services = false)"
+        ))
     }
 }
 
@@ -216,8 +441,19 @@ enum Answer {
     /// The endpoint had expired while connected (a very long stall): registered again,
     /// and the report dropped.
     Reregistered,
-    /// The service is not served here.
-    UnknownService(String),
+    /// Refused: the service is not served here, or a limit would be passed.
+    Refused(RejectReason, String),
+}
+
+/// The refusal a registration error amounts to.
+fn refusal(e: BalanceError) -> Answer {
+    let reason = match e {
+        BalanceError::Limit { .. } => RejectReason::LimitReached,
+        BalanceError::UnknownService(_) | BalanceError::UnknownEndpoint { .. } => {
+            RejectReason::UnknownService
+        }
+    };
+    Answer::Refused(reason, e.to_string())
 }
 
 /// Every call ingest makes into the balancer, in one place: registering a node and
@@ -240,7 +476,7 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
     match ask {
         Ask::Register => match register(&mut balancer) {
             Ok(()) => Answer::Registered,
-            Err(e) => Answer::UnknownService(e.to_string()),
+            Err(e) => refusal(e),
         },
         Ask::Report(report) => {
             match balancer.observe(now, &hello.service, &hello.node, observation(report)) {
@@ -275,7 +511,11 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
                     let _ = register(&mut balancer);
                     Answer::Reregistered
                 }
-                Err(BalanceError::UnknownService(s)) => Answer::UnknownService(s),
+                // Reports never create anything, so no limit can refuse one; an
+                // unknown service is one removed since the hello.
+                Err(e @ (BalanceError::UnknownService(_) | BalanceError::Limit { .. })) => {
+                    refusal(e)
+                }
             }
         }
     }

@@ -13,14 +13,41 @@
 //! latest value of every pending service, so etcd catches up without waiting for those
 //! services to change again. Every network wait is bounded by `request_timeout_ms`.
 //!
+//! **Security.** `https://` endpoints connect with TLS, checking etcd's certificate
+//! against `ca_file` and presenting the client certificate `cert_file` if set; `user`
+//! authenticates with the password in `password_file`, and the client renews its token
+//! when etcd expires it (after a restart of etcd, say). The files are read at start: one
+//! that cannot be used stops the start with the setting that names it. A key read back
+//! is restored only if it is a valid snapshot ([`super::validate`]); others are skipped
+//! with a log line naming the key, and counted.
+//!
+//! **The local copy.** Every write also goes to a local file (the file store's format,
+//! labelled with the prefix): what etcd holds as far as this store knows, with the
+//! values put since, written after each write whether etcd took it or not. When etcd
+//! cannot be read at start, [`RoutingStore::load`] serves that copy instead of failing,
+//! so that an etcd outage cannot keep the aggregator from starting (and systemd's start
+//! limit from stopping it for good). The store is then in fallback
+//! ([`RoutingStore::fallback`]): the writer's next write, made at once and retried with
+//! its backoff, first reads etcd, and reconciles service by service, by version: a
+//! service etcd holds at a higher version than the aggregator serves, or that the
+//! aggregator does not have, is left in etcd and handed back
+//! ([`RoutingStore::take_newer`]) to be restored; everything else is written.
+//!
 //! The client is async and runs on the daemon's runtime: the store owns no runtime and
-//! no thread, and nothing in it blocks a worker.
+//! no thread, and nothing in it blocks a worker. It connects on first use, and again
+//! after a connection attempt fails.
 
+use super::file::FileStore;
+use super::validate::{self, Corrupt, Defect, SkipCounts};
 use super::{RoutingStore, StoreError, StoreFuture};
 use crate::config::EtcdConfig;
 use ballast_balance::ServiceSnapshot;
-use etcd_client::{Client, ConnectOptions, GetOptions, KvClient, Txn, TxnOp};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, Identity, KvClient, TlsOptions, Txn, TxnOp,
+};
 use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -49,7 +76,39 @@ pub(crate) fn service_key(prefix: &str, service: &str) -> String {
 /// The service a key names, if it is a service key under `prefix` with a valid name.
 pub(crate) fn service_from_key<'k>(prefix: &str, key: &'k str) -> Option<&'k str> {
     key.strip_prefix(&services_prefix(prefix))
-        .filter(|s| !s.is_empty() && ballast_shared::wire::is_valid_name(s))
+        .filter(|s| validate::check_service_name(s).is_ok())
+}
+
+/// A key and value read from etcd as a service and its snapshot, or what is wrong.
+fn decode_entry(
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+) -> Result<(String, ServiceSnapshot), Corrupt> {
+    let service = match service_from_key(prefix, key) {
+        Some(s) => s,
+        None => {
+            let name = key.strip_prefix(&services_prefix(prefix)).unwrap_or(key);
+            return Err(validate::check_service_name(name).err().unwrap_or(Corrupt {
+                defect: Defect::Service,
+                detail: format!("{key:?} is not a service key under {prefix}"),
+            }));
+        }
+    };
+    let snapshot = validate::parse_snapshot(service, value)?;
+    Ok((service.to_string(), snapshot))
+}
+
+/// The services etcd holds (`stored`) that are newer than what a write carries
+/// (`ours`): at a higher version, or not carried at all.
+fn newer_in_store(
+    stored: BTreeMap<String, ServiceSnapshot>,
+    ours: &BTreeMap<String, ServiceSnapshot>,
+) -> BTreeMap<String, ServiceSnapshot> {
+    stored
+        .into_iter()
+        .filter(|(service, s)| ours.get(service).is_none_or(|o| s.version > o.version))
+        .collect()
 }
 
 /// Splits a batch into transactions etcd accepts: at most [`MAX_TXN_OPS`] puts and,
@@ -69,6 +128,150 @@ fn txn_chunks(batch: &[(String, Vec<u8>)]) -> Vec<&[(String, Vec<u8>)]> {
         chunks.push(&batch[start..]);
     }
     chunks
+}
+
+/// An etcd client error with its causes: tonic's transport errors say only
+/// "transport error" on their own, the TLS or connection failure is in their source.
+fn describe(e: &etcd_client::Error) -> String {
+    ballast_shared::error_chain(e)
+}
+
+/// How the store talks to etcd, to explain its errors.
+#[derive(Debug, Clone)]
+struct Credentials {
+    tls: bool,
+    client_cert: bool,
+    user: Option<String>,
+}
+
+impl Credentials {
+    /// `detail`, led by what it most likely means for the settings, where the error
+    /// says: a refused certificate, a refused login, a missing permission. The raw
+    /// error always follows.
+    fn explain(&self, prefix: &str, detail: String) -> String {
+        let user = self.user.as_deref().unwrap_or("(none)");
+        let hint = if detail.contains("received fatal alert") {
+            Some(if self.client_cert {
+                "etcd refused the TLS connection: its trusted CA (--trusted-ca-file) does not \
+                 accept the client certificate store.etcd.cert_file"
+                    .to_string()
+            } else {
+                "etcd refused the TLS connection: it requires a client certificate, and none \
+                 is configured (store.etcd.cert_file, key_file)"
+                    .to_string()
+            })
+        } else if detail.contains("invalid peer certificate") {
+            Some(
+                "etcd's server certificate is not accepted: it must be signed by \
+                 store.etcd.ca_file and name the endpoint's host"
+                    .to_string(),
+            )
+        } else if self.tls && !self.client_cert && detail.contains("connection closed") {
+            Some(
+                "etcd closed the TLS connection: if it requires client certificates \
+                 (--client-cert-auth), set store.etcd.cert_file and key_file"
+                    .to_string(),
+            )
+        } else if detail.contains("authentication failed") {
+            Some(format!(
+                "etcd refused user {user:?}: wrong user or password (store.etcd.user, \
+                 password_file)"
+            ))
+        } else if detail.contains("authentication is not enabled") {
+            Some(format!(
+                "etcd has no authentication enabled, yet user {user:?} is configured"
+            ))
+        } else if detail.contains("permission denied") {
+            Some(format!(
+                "user {user:?} may not read and write the keys under {}",
+                services_prefix(prefix)
+            ))
+        } else if detail.contains("user name is empty") || detail.contains("invalid auth token") {
+            Some("etcd requires authentication: set store.etcd.user and password_file".to_string())
+        } else {
+            None
+        };
+        match hint {
+            Some(hint) => format!("{hint}: {detail}"),
+            None => detail,
+        }
+    }
+}
+
+/// Reads a file an etcd setting names, at start.
+fn read_setting(setting: &str, path: &Path) -> Result<String, StoreError> {
+    std::fs::read_to_string(path).map_err(|e| StoreError::Setup {
+        setting: format!("store.etcd.{setting}"),
+        reason: format!("{}: {e}", path.display()),
+    })
+}
+
+fn setup_error(setting: &str, reason: impl std::fmt::Display) -> StoreError {
+    StoreError::Setup {
+        setting: format!("store.etcd.{setting}"),
+        reason: reason.to_string(),
+    }
+}
+
+/// The client's options from `cfg`: timeouts, TLS and the user, with the files they
+/// name read and checked now.
+fn connect_options(cfg: &EtcdConfig) -> Result<ConnectOptions, StoreError> {
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
+        .with_timeout(Duration::from_millis(cfg.request_timeout_ms))
+        // A simple token dies with the etcd member that issued it: log in again.
+        .with_auto_token_refresh(true);
+    if cfg.uses_tls() {
+        let ca_path = cfg
+            .ca_file
+            .as_deref()
+            .ok_or_else(|| setup_error("ca_file", "required with https:// endpoints"))?;
+        let ca = read_setting("ca_file", ca_path)?;
+        ballast_shared::tls::certs_from_pem(&ca, &ca_path.display().to_string())
+            .map_err(|e| setup_error("ca_file", e))?;
+        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(ca));
+        if let (Some(cert_path), Some(key_path)) = (&cfg.cert_file, &cfg.key_file) {
+            let cert = read_setting("cert_file", cert_path)?;
+            let key = read_setting("key_file", key_path)?;
+            ballast_shared::tls::Identity::from_pem(&cert, &key, &cert_path.display().to_string())
+                .map_err(|e| setup_error("cert_file", e))?;
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        options = options.with_tls(tls);
+    }
+    if let (Some(user), Some(path)) = (&cfg.user, &cfg.password_file) {
+        let text = read_setting("password_file", path)?;
+        let password = text
+            .strip_suffix('\n')
+            .map(|p| p.strip_suffix('\r').unwrap_or(p))
+            .unwrap_or(&text);
+        if password.is_empty() {
+            return Err(setup_error(
+                "password_file",
+                format!("{} is empty", path.display()),
+            ));
+        }
+        warn_if_readable_by_others(path);
+        if !cfg.uses_tls() {
+            tracing::warn!(
+                user = %user,
+                "the etcd password goes over http:// in clear text: use https:// endpoints \
+                 unless etcd is on this host"
+            );
+        }
+        options = options.with_user(user.clone(), password.to_string());
+    }
+    Ok(options)
+}
+
+fn warn_if_readable_by_others(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path) {
+        if meta.permissions().mode() & 0o007 != 0 {
+            tracing::warn!(file = %path.display(),
+                "the etcd password file is open to every user on this host (chmod o-rwx it)");
+        }
+    }
 }
 
 /// Why etcd is considered unreachable.
@@ -123,6 +326,15 @@ impl Ledger {
         }
     }
 
+    /// Records what etcd holds, as just read: the ledger's knowledge of etcd becomes
+    /// that, and a pending value equal to what etcd holds needs no write.
+    fn loaded(&mut self, values: Vec<(String, Vec<u8>)>) {
+        self.written = values.into_iter().collect();
+        let written = &self.written;
+        self.pending
+            .retain(|service, value| written.get(service) != Some(value));
+    }
+
     /// Records a failed write; the first failure of an outage dates it.
     fn failed(&mut self, error: String, now: Instant) {
         match &mut self.outage {
@@ -149,51 +361,131 @@ impl Ledger {
     }
 }
 
+/// The local copy of what etcd holds, with the values put since.
+struct LocalCopy {
+    file: FileStore,
+    state: Mutex<CopyState>,
+    /// Whether the last attempt to write the copy failed, so that a run of failures
+    /// is logged once.
+    failing: AtomicBool,
+}
+
+#[derive(Default)]
+struct CopyState {
+    services: BTreeMap<String, ServiceSnapshot>,
+    /// Changed since it was last written.
+    dirty: bool,
+}
+
+impl LocalCopy {
+    fn lock(&self) -> MutexGuard<'_, CopyState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What etcd holds, as just read: the copy becomes that.
+    fn reset(&self, services: &BTreeMap<String, ServiceSnapshot>, dirty: bool) {
+        let mut state = self.lock();
+        state.services = services.clone();
+        state.dirty = dirty;
+    }
+
+    /// Values being put, or kept from etcd.
+    fn absorb(&self, services: &BTreeMap<String, ServiceSnapshot>) {
+        let mut state = self.lock();
+        for (service, snapshot) in services {
+            if state.services.get(service) != Some(snapshot) {
+                state.services.insert(service.clone(), snapshot.clone());
+                state.dirty = true;
+            }
+        }
+    }
+
+    /// Writes the copy if it changed. A failure is logged, not returned: the copy is a
+    /// fallback, and etcd itself may be fine.
+    async fn save(&self) {
+        let services = {
+            let mut state = self.lock();
+            if !state.dirty {
+                return;
+            }
+            state.dirty = false;
+            state.services.clone()
+        };
+        match self.file.replace(services).await {
+            Ok(()) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!(file = %self.file.path().display(),
+                        "the local copy of the etcd routing store is written again");
+                }
+            }
+            Err(e) => {
+                // Written again with the next change.
+                self.lock().dirty = true;
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %e,
+                        "cannot write the local copy of the etcd routing store; a start \
+                         while etcd is down would serve an older copy");
+                }
+            }
+        }
+    }
+}
+
 /// A routing store in etcd. See the module documentation.
 pub(crate) struct EtcdStore {
-    // Kept so that the client's channel keeps its endpoint list alive.
-    _client: Client,
-    kv: KvClient,
-    prefix: String,
     endpoints: Vec<String>,
+    prefix: String,
+    options: ConnectOptions,
+    credentials: Credentials,
+    connect_timeout: Duration,
     request_timeout: Duration,
+    /// Connected on first use; kept once connected (the client reconnects by itself),
+    /// dropped never, retried when connecting fails (authentication does at connect).
+    client: tokio::sync::Mutex<Option<Client>>,
     ledger: Mutex<Ledger>,
     // One transaction in flight at a time, so that an older batch can never land after
     // a newer one.
     writer: tokio::sync::Mutex<()>,
+    copy: LocalCopy,
+    /// Why the services served at start came from the local copy, until etcd is read.
+    fallback: Mutex<Option<String>>,
+    /// Services etcd held newer than the aggregator when it was read after a fallback.
+    newer: Mutex<BTreeMap<String, ServiceSnapshot>>,
+    skipped: SkipCounts,
 }
 
 impl EtcdStore {
-    /// A store on the etcd members `cfg.endpoints` under `cfg.prefix`, on the calling
-    /// runtime. The connection is made lazily, so this succeeds while etcd is down;
-    /// `load` then reports it.
-    pub(crate) async fn connect(cfg: &EtcdConfig) -> Result<EtcdStore, StoreError> {
-        cfg.validate()
-            .map_err(|e| StoreError::Backend(e.to_string()))?;
-        let request_timeout = Duration::from_millis(cfg.request_timeout_ms);
-        let connect_timeout = Duration::from_millis(cfg.connect_timeout_ms);
-        let options = ConnectOptions::new()
-            .with_connect_timeout(connect_timeout)
-            .with_timeout(request_timeout);
-        let endpoints = cfg.endpoints.clone();
-        let client = tokio::time::timeout(
-            connect_timeout,
-            Client::connect(endpoints.clone(), Some(options)),
-        )
-        .await
-        .map_err(|_| StoreError::Backend("etcd: connect timed out".into()))?
-        .map_err(|e| StoreError::Backend(format!("etcd: {e}")))?;
-        let kv = client
-            .kv_client()
-            .max_decoding_message_size(MAX_RESPONSE_BYTES);
+    /// A store on the etcd members `cfg.endpoints` under `cfg.prefix`, with its local
+    /// copy at `copy`. Nothing is contacted yet, so this succeeds while etcd is down;
+    /// the TLS and password files are read and checked now.
+    pub(crate) fn open(cfg: &EtcdConfig, copy: PathBuf) -> Result<EtcdStore, StoreError> {
+        cfg.validate().map_err(|e| StoreError::Setup {
+            setting: e.setting,
+            reason: e.reason,
+        })?;
+        let options = connect_options(cfg)?;
         Ok(EtcdStore {
-            _client: client,
-            kv,
+            endpoints: cfg.endpoints.clone(),
             prefix: cfg.prefix.clone(),
-            endpoints,
-            request_timeout,
+            options,
+            credentials: Credentials {
+                tls: cfg.uses_tls(),
+                client_cert: cfg.cert_file.is_some(),
+                user: cfg.user.clone(),
+            },
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            request_timeout: Duration::from_millis(cfg.request_timeout_ms),
+            client: tokio::sync::Mutex::new(None),
             ledger: Mutex::new(Ledger::default()),
             writer: tokio::sync::Mutex::new(()),
+            copy: LocalCopy {
+                file: FileStore::with_origin(copy, format!("etcd prefix {}", cfg.prefix)),
+                state: Mutex::new(CopyState::default()),
+                failing: AtomicBool::new(false),
+            },
+            fallback: Mutex::new(None),
+            newer: Mutex::new(BTreeMap::new()),
+            skipped: SkipCounts::default(),
         })
     }
 
@@ -202,36 +494,46 @@ impl EtcdStore {
         self.ledger.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn members(&self) -> String {
+        self.endpoints.join(",")
+    }
+
+    /// A KV client, connecting first if need be. Connecting authenticates the user,
+    /// so a wrong password shows here.
+    async fn kv(&self) -> Result<KvClient, String> {
+        let mut slot = self.client.lock().await;
+        let client = match slot.as_ref() {
+            Some(client) => client.clone(),
+            None => {
+                let limit = self.connect_timeout + self.request_timeout;
+                let client = tokio::time::timeout(
+                    limit,
+                    Client::connect(self.endpoints.clone(), Some(self.options.clone())),
+                )
+                .await
+                .map_err(|_| format!("connecting timed out after {limit:?}"))?
+                .map_err(|e| format!("connecting: {}", describe(&e)))?;
+                slot.insert(client).clone()
+            }
+        };
+        Ok(client
+            .kv_client()
+            .max_decoding_message_size(MAX_RESPONSE_BYTES))
+    }
+
     /// Writes every pending service, in as few transactions as etcd accepts (one for
     /// any ordinary cycle). Returns how many services were written.
     async fn flush(&self) -> Result<usize, StoreError> {
         let _writer = self.writer.lock().await;
         let batch = self.ledger().batch();
         for chunk in txn_chunks(&batch) {
-            let ops: Vec<TxnOp> = chunk
-                .iter()
-                .map(|(service, value)| {
-                    TxnOp::put(service_key(&self.prefix, service), value.clone(), None)
-                })
-                .collect();
-            let mut kv = self.kv.clone();
-            let outcome =
-                tokio::time::timeout(self.request_timeout, kv.txn(Txn::new().and_then(ops)))
-                    .await
-                    .map_err(|_| format!("write timed out after {:?}", self.request_timeout))
-                    .and_then(|r| r.map_err(|e| e.to_string()));
-            match outcome {
-                Ok(_) => self.ledger().committed(chunk),
-                Err(error) => {
-                    let now = Instant::now();
-                    let mut ledger = self.ledger();
-                    ledger.failed(error.clone(), now);
-                    let detail = ledger.outage_message(now).unwrap_or(error);
-                    return Err(StoreError::Backend(format!(
-                        "etcd {}: {detail}",
-                        self.endpoints.join(",")
-                    )));
-                }
+            match self.txn(chunk).await {
+                Ok(()) => self.ledger().committed(chunk),
+                Err(error) => return Err(self.failed(error)),
             }
         }
         if let Some(outage) = self.ledger().recovered() {
@@ -244,23 +546,48 @@ impl EtcdStore {
         Ok(batch.len())
     }
 
+    /// Puts `chunk` in one transaction.
+    async fn txn(&self, chunk: &[(String, Vec<u8>)]) -> Result<(), String> {
+        let mut kv = self.kv().await?;
+        let ops: Vec<TxnOp> = chunk
+            .iter()
+            .map(|(service, value)| {
+                TxnOp::put(service_key(&self.prefix, service), value.clone(), None)
+            })
+            .collect();
+        tokio::time::timeout(self.request_timeout, kv.txn(Txn::new().and_then(ops)))
+            .await
+            .map_err(|_| format!("write timed out after {:?}", self.request_timeout))?
+            .map_err(|e| describe(&e))?;
+        Ok(())
+    }
+
+    /// Records a failed call in the outage and says what to report.
+    fn failed(&self, error: String) -> StoreError {
+        StoreError::Backend(self.outage(error))
+    }
+
+    /// Records a failed call in the outage: the error, and how long etcd has failed.
+    fn outage(&self, error: String) -> String {
+        let error = self.credentials.explain(&self.prefix, error);
+        let now = Instant::now();
+        let mut ledger = self.ledger();
+        ledger.failed(error.clone(), now);
+        let detail = ledger.outage_message(now).unwrap_or(error);
+        format!("etcd {}: {detail}", self.members())
+    }
+
     /// Every key and value under the services prefix.
-    async fn read_all(&self) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        let mut kv = self.kv.clone();
+    async fn read_all(&self) -> Result<Vec<(String, Vec<u8>)>, String> {
+        let mut kv = self.kv().await?;
         let range = services_prefix(&self.prefix);
         let mut resp = tokio::time::timeout(
             self.request_timeout,
             kv.get(range, Some(GetOptions::new().with_prefix())),
         )
         .await
-        .map_err(|_| {
-            StoreError::Backend(format!(
-                "etcd {}: read timed out after {:?}",
-                self.endpoints.join(","),
-                self.request_timeout
-            ))
-        })?
-        .map_err(|e| StoreError::Backend(format!("etcd {}: {e}", self.endpoints.join(","))))?;
+        .map_err(|_| format!("read timed out after {:?}", self.request_timeout))?
+        .map_err(|e| describe(&e))?;
         Ok(resp
             .take_kvs()
             .into_iter()
@@ -271,34 +598,107 @@ impl EtcdStore {
             .collect())
     }
 
-    async fn load_all(&self) -> Result<BTreeMap<String, ServiceSnapshot>, StoreError> {
+    /// Every valid service in etcd. A key that is not one is skipped, logged with the
+    /// key, and counted; the rest loads. What etcd holds needs no rewrite until it
+    /// changes, so the ledger learns it.
+    async fn read_valid(&self) -> Result<BTreeMap<String, ServiceSnapshot>, String> {
         let entries = self.read_all().await?;
         let mut services = BTreeMap::new();
         let mut values = Vec::with_capacity(entries.len());
         for (key, value) in entries {
-            let corrupt = |detail: String| StoreError::Corrupt {
-                path: key.clone(),
-                detail,
-            };
-            let service = service_from_key(&self.prefix, &key)
-                .ok_or_else(|| corrupt("not a valid service name".into()))?
-                .to_string();
-            let snapshot: ServiceSnapshot =
-                serde_json::from_slice(&value).map_err(|e| corrupt(e.to_string()))?;
-            services.insert(service.clone(), snapshot);
-            values.push((service, value));
+            match decode_entry(&self.prefix, &key, &value) {
+                Ok((service, snapshot)) => {
+                    services.insert(service.clone(), snapshot);
+                    values.push((service, value));
+                }
+                Err(corrupt) => {
+                    tracing::warn!(%key, reason = corrupt.defect.label(), error = %corrupt,
+                        "etcd routing store: a corrupt key is skipped; the others load");
+                    self.skipped.record(corrupt.defect);
+                }
+            }
         }
-        // What etcd holds needs no rewrite until it changes.
-        let mut ledger = self.ledger();
-        for (service, value) in values {
-            ledger.pending.remove(&service);
-            ledger.written.insert(service, value);
-        }
+        self.ledger().loaded(values);
         Ok(services)
     }
 
+    /// The start: etcd's services, or, when etcd cannot be read, the local copy's.
+    async fn load_at_start(&self) -> Result<BTreeMap<String, ServiceSnapshot>, StoreError> {
+        let error = match self.read_valid().await {
+            Ok(services) => {
+                self.copy.reset(&services, true);
+                self.copy.save().await;
+                return Ok(services);
+            }
+            Err(error) => error,
+        };
+        let path = self.copy.file.path().display().to_string();
+        let (services, what) = match self.copy.file.load().await {
+            Ok(services) => {
+                let what = format!("{} service(s)", services.len());
+                (services, what)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the local copy of the etcd routing store cannot be used either; starting with no weights");
+                (
+                    BTreeMap::new(),
+                    format!("unusable: {e}; serving no weights"),
+                )
+            }
+        };
+        self.copy.reset(&services, false);
+        let error = self.credentials.explain(&self.prefix, error);
+        let why = format!(
+            "etcd {} could not be read at start ({error}); serving the local copy {path} \
+             ({what}) until it can be",
+            self.members()
+        );
+        tracing::warn!(services = services.len(), copy = %path, error = %error,
+            "etcd cannot be read at start: serving the local copy of the routing store, and \
+             retrying etcd in the background");
+        *Self::lock(&self.fallback) = Some(why);
+        Ok(services)
+    }
+
+    /// After a fallback: reads etcd and reconciles with `ours`, the services the
+    /// aggregator serves. A service etcd holds newer is taken out of the pending writes
+    /// and kept for [`RoutingStore::take_newer`]; the rest is written by the flush that
+    /// follows.
+    async fn reconcile(&self, ours: &BTreeMap<String, ServiceSnapshot>) -> Result<(), StoreError> {
+        let stored = match self.read_valid().await {
+            Ok(stored) => stored,
+            Err(error) => {
+                return Err(StoreError::Backend(format!(
+                    "{}; not read since the start: serving the local copy {}",
+                    self.outage(error),
+                    self.copy.file.path().display()
+                )));
+            }
+        };
+        let total = stored.len();
+        let newer = newer_in_store(stored, ours);
+        {
+            let mut ledger = self.ledger();
+            for service in newer.keys() {
+                ledger.pending.remove(service);
+            }
+        }
+        self.copy.absorb(&newer);
+        tracing::info!(
+            in_etcd = total,
+            newer_in_etcd = newer.len(),
+            services = ?newer.keys().collect::<Vec<_>>(),
+            "etcd read after a start from the local copy: services etcd holds newer are \
+             restored from it, the others are written"
+        );
+        Self::lock(&self.newer).extend(newer);
+        *Self::lock(&self.fallback) = None;
+        Ok(())
+    }
+
     async fn put_all(&self, changed: &BTreeMap<String, ServiceSnapshot>) -> Result<(), StoreError> {
-        if changed.is_empty() {
+        let reconciling = Self::lock(&self.fallback).is_some();
+        if changed.is_empty() && !reconciling {
             return Ok(());
         }
         let mut values = Vec::with_capacity(changed.len());
@@ -313,13 +713,23 @@ impl EtcdStore {
                 ledger.absorb(service, value);
             }
         }
-        self.flush().await.map(|_| ())
+        self.copy.absorb(changed);
+        let outcome = match reconciling {
+            true => self.reconcile(changed).await,
+            false => Ok(()),
+        };
+        let outcome = match outcome {
+            Ok(()) => self.flush().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        self.copy.save().await;
+        outcome
     }
 }
 
 impl RoutingStore for EtcdStore {
     fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>> {
-        Box::pin(self.load_all())
+        Box::pin(self.load_at_start())
     }
 
     fn put<'a>(&'a self, changed: &'a BTreeMap<String, ServiceSnapshot>) -> StoreFuture<'a, ()> {
@@ -327,7 +737,23 @@ impl RoutingStore for EtcdStore {
     }
 
     fn describe(&self) -> String {
-        format!("etcd {} {}", self.endpoints.join(","), self.prefix)
+        format!("etcd {} {}", self.members(), self.prefix)
+    }
+
+    fn fallback(&self) -> Option<String> {
+        Self::lock(&self.fallback).clone()
+    }
+
+    fn take_newer(&self) -> BTreeMap<String, ServiceSnapshot> {
+        std::mem::take(&mut *Self::lock(&self.newer))
+    }
+
+    fn take_skipped(&self) -> BTreeMap<Defect, u64> {
+        let mut counts = self.skipped.take();
+        for (defect, n) in self.copy.file.take_skipped() {
+            *counts.entry(defect).or_default() += n;
+        }
+        counts
     }
 }
 
@@ -439,6 +865,7 @@ mod tests {
             prefix: "/t".into(),
             connect_timeout_ms: 300,
             request_timeout_ms: 300,
+            ..EtcdConfig::default()
         }
     }
 
@@ -450,11 +877,29 @@ mod tests {
         }
     }
 
+    fn versioned(version: u64) -> ServiceSnapshot {
+        ServiceSnapshot {
+            version,
+            cycle: version,
+            endpoints: [(
+                "n1".to_string(),
+                ballast_balance::EndpointSnapshot {
+                    address: "10.0.0.1:80".into(),
+                    zone: "z".into(),
+                    draining: false,
+                    weight: 1.25,
+                    strategy_weights: BTreeMap::new(),
+                },
+            )]
+            .into(),
+        }
+    }
+
     #[tokio::test]
     async fn an_unreachable_etcd_fails_writes_within_the_timeout_and_keeps_them_pending() {
-        let store = EtcdStore::connect(&closed_port_config())
-            .await
-            .expect("lazy connect");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = EtcdStore::open(&closed_port_config(), dir.path().join("copy.json"))
+            .expect("opens without contacting etcd");
         assert!(store.describe().starts_with("etcd http://127.0.0.1:"));
         let changed: BTreeMap<_, _> = [("web".to_string(), snapshot())].into();
         for attempt in 0..2 {
@@ -471,7 +916,208 @@ mod tests {
         // The failed value waits for the next write, which carries it.
         assert_eq!(store.ledger().pending.len(), 1);
         assert!(store.ledger().outage.is_some());
-        assert!(store.load().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_start_while_etcd_is_down_serves_the_local_copy_and_keeps_it_current() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("weights.etcd-copy.json");
+        let cfg = closed_port_config();
+        FileStore::with_origin(&path, "etcd prefix /t")
+            .replace([("web".to_string(), versioned(7))].into())
+            .await
+            .expect("a copy from an earlier run");
+        let store = EtcdStore::open(&cfg, path.clone()).expect("opens");
+        assert_eq!(store.fallback(), None);
+        let started = Instant::now();
+        let served = store.load().await.expect("the copy, not an error");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(served, [("web".to_string(), versioned(7))].into());
+        let why = store.fallback().expect("in fallback");
+        assert!(
+            why.contains("could not be read at start") && why.contains("local copy"),
+            "{why}"
+        );
+        // Writes carry the reconciliation; while etcd is down they fail, saying so, and
+        // the copy takes the new values for a restart during the outage.
+        let err = store
+            .put(&[("api".to_string(), versioned(2))].into())
+            .await
+            .expect_err("etcd is down");
+        assert!(err.to_string().contains("serving the local copy"), "{err}");
+        assert!(store.fallback().is_some());
+        let copy = FileStore::with_origin(&path, "etcd prefix /t")
+            .load()
+            .await
+            .expect("the copy");
+        assert_eq!(copy.keys().collect::<Vec<_>>(), ["api", "web"]);
+        // Even an empty write reads etcd while in fallback.
+        assert!(store.put(&BTreeMap::new()).await.is_err());
+        // A copy of another prefix is never served.
+        let other = EtcdConfig {
+            prefix: "/other".into(),
+            ..cfg
+        };
+        let store = EtcdStore::open(&other, path).expect("opens");
+        assert!(store.load().await.expect("starts").is_empty());
+        assert!(store.fallback().is_some());
+    }
+
+    #[test]
+    fn keys_that_are_not_valid_services_are_told_apart() {
+        let good = serde_json::to_vec(&versioned(3)).expect("json");
+        let (service, snap) = decode_entry("/p", "/p/services/web", &good).expect("valid");
+        assert_eq!((service.as_str(), snap), ("web", versioned(3)));
+        let defect =
+            |key: &str, value: &[u8]| decode_entry("/p", key, value).err().map(|c| c.defect);
+        assert_eq!(defect("/p/services/a b", &good), Some(Defect::Service));
+        assert_eq!(defect("/p/services/a/b", &good), Some(Defect::Service));
+        assert_eq!(
+            defect("/p/services/web", b"{not json"),
+            Some(Defect::Unparseable)
+        );
+        let mut bad = versioned(3);
+        if let Some(ep) = bad.endpoints.get_mut("n1") {
+            ep.address = "nowhere".into();
+        }
+        let bad = serde_json::to_vec(&bad).expect("json");
+        assert_eq!(defect("/p/services/web", &bad), Some(Defect::Address));
+    }
+
+    #[test]
+    fn etcd_is_newer_where_its_version_is_higher_or_the_aggregator_lacks_the_service() {
+        let stored: BTreeMap<_, _> = [
+            ("older".to_string(), versioned(3)),
+            ("same".to_string(), versioned(5)),
+            ("newer".to_string(), versioned(9)),
+            ("only-in-etcd".to_string(), versioned(1)),
+        ]
+        .into();
+        let ours: BTreeMap<_, _> = [
+            ("older".to_string(), versioned(4)),
+            ("same".to_string(), versioned(5)),
+            ("newer".to_string(), versioned(8)),
+            ("only-ours".to_string(), versioned(1)),
+        ]
+        .into();
+        let newer = newer_in_store(stored, &ours);
+        assert_eq!(newer.keys().collect::<Vec<_>>(), ["newer", "only-in-etcd"]);
+    }
+
+    #[test]
+    fn what_is_read_replaces_what_the_ledger_knew() {
+        let mut l = Ledger::default();
+        l.absorb("a", v("1"));
+        l.absorb("b", v("2"));
+        l.committed(&l.batch());
+        l.absorb("a", v("3"));
+        l.absorb("c", v("4"));
+        // etcd holds a=3 (so nothing to write), and lost b.
+        l.loaded(vec![("a".to_string(), v("3"))]);
+        assert_eq!(l.batch(), vec![("c".to_string(), v("4"))]);
+        assert!(!l.written.contains_key("b"));
+    }
+
+    #[test]
+    fn errors_say_what_they_mean_for_the_settings() {
+        let no_cert = Credentials {
+            tls: true,
+            client_cert: false,
+            user: Some("ballast".into()),
+        };
+        let with_cert = Credentials {
+            client_cert: true,
+            ..no_cert.clone()
+        };
+        let plain = Credentials {
+            tls: false,
+            client_cert: false,
+            user: None,
+        };
+        let alert = "transport error: received fatal alert: BadCertificate".to_string();
+        assert!(no_cert
+            .explain("/p", alert.clone())
+            .starts_with("etcd refused the TLS connection: it requires a client certificate"));
+        assert!(with_cert
+            .explain("/p", alert.clone())
+            .contains("does not accept the client certificate"));
+        let closed = "hyper::Error(Canceled, \"connection closed\")".to_string();
+        assert!(no_cert.explain("/p", closed.clone()).contains("cert_file"));
+        assert_eq!(with_cert.explain("/p", closed.clone()), closed);
+        assert_eq!(plain.explain("/p", closed.clone()), closed);
+        let login = "etcdserver: authentication failed, invalid user ID or password".to_string();
+        let explained = with_cert.explain("/p", login.clone());
+        assert!(
+            explained.contains("wrong user or password") && explained.ends_with(&login),
+            "{explained}"
+        );
+        let denied = "etcdserver: permission denied".to_string();
+        assert!(with_cert.explain("/p", denied).contains("/p/services/"));
+        let refused = "tcp connect error: Connection refused".to_string();
+        assert_eq!(no_cert.explain("/p", refused.clone()), refused);
+    }
+
+    #[test]
+    fn unusable_files_stop_the_start_naming_the_setting() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ca = ballast_shared::pki::Ca::generate("etcd test CA").expect("CA");
+        let ca_path = dir.path().join("ca.pem");
+        std::fs::write(&ca_path, ca.pem().cert).expect("write");
+        let client = ca.issue_node("agg", &[]).expect("client certificate").pem;
+        let (cert, key) = (dir.path().join("c.pem"), dir.path().join("c.key"));
+        client.write(dir.path(), "c").expect("write");
+        let password = dir.path().join("pw");
+        std::fs::write(&password, "secret\n").expect("write");
+        let tls = EtcdConfig {
+            endpoints: vec!["https://127.0.0.1:2379".into()],
+            ca_file: Some(ca_path.clone()),
+            cert_file: Some(cert.clone()),
+            key_file: Some(key.clone()),
+            user: Some("ballast".into()),
+            password_file: Some(password.clone()),
+            ..EtcdConfig::default()
+        };
+        let copy = dir.path().join("copy.json");
+        assert!(EtcdStore::open(&tls, copy.clone()).is_ok());
+        let setting_of = |cfg: EtcdConfig| match EtcdStore::open(&cfg, copy.clone()) {
+            Err(StoreError::Setup { setting, reason }) => format!("{setting}: {reason}"),
+            Err(e) => panic!("not a setup error: {e}"),
+            Ok(_) => "opened".into(),
+        };
+        let missing = setting_of(EtcdConfig {
+            ca_file: Some(dir.path().join("absent.pem")),
+            ..tls.clone()
+        });
+        assert!(
+            missing.starts_with("store.etcd.ca_file: ") && missing.contains("absent.pem"),
+            "{missing}"
+        );
+        let not_pem = setting_of(EtcdConfig {
+            ca_file: Some(password.clone()),
+            ..tls.clone()
+        });
+        assert!(not_pem.starts_with("store.etcd.ca_file: "), "{not_pem}");
+        let swapped = setting_of(EtcdConfig {
+            cert_file: Some(key.clone()),
+            ..tls.clone()
+        });
+        assert!(swapped.starts_with("store.etcd.cert_file: "), "{swapped}");
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").expect("write");
+        let empty = setting_of(EtcdConfig {
+            password_file: Some(empty),
+            ..tls.clone()
+        });
+        assert!(empty.starts_with("store.etcd.password_file: "), "{empty}");
+        let invalid = setting_of(EtcdConfig {
+            ca_file: None,
+            ..tls
+        });
+        assert!(invalid.starts_with("store.etcd.ca_file: "), "{invalid}");
     }
 
     #[tokio::test]
@@ -479,10 +1125,11 @@ mod tests {
         // The daemon builds the store and calls `load` on its own runtime (here a
         // current-thread one): nothing may need a second runtime, block the one
         // thread, or panic when dropped there.
-        let store = EtcdStore::connect(&closed_port_config())
-            .await
-            .expect("lazy connect");
-        assert!(store.load().await.is_err());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store =
+            EtcdStore::open(&closed_port_config(), dir.path().join("copy.json")).expect("opens");
+        assert!(store.load().await.is_ok(), "falls back to the (empty) copy");
+        assert!(store.put(&BTreeMap::new()).await.is_err());
         drop(store);
     }
 }

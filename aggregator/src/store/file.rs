@@ -2,7 +2,17 @@
 //!
 //! The file I/O is blocking, so each call runs on tokio's blocking pool and the
 //! runtime's workers never wait on the disk.
+//!
+//! Each service in the file is checked when it is read ([`super::validate`]): one that
+//! does not parse or is not valid is dropped with a log line and counted, and the
+//! others load. A file that is not JSON at all, or of another format, still fails the
+//! load: that is a file someone else wrote, not a service gone bad.
+//!
+//! The same format keeps the etcd store's local copy; that file is labelled with the
+//! etcd prefix it copies ([`FileStore::with_origin`]), so that a copy of another prefix
+//! is never served.
 
+use super::validate::{self, Defect, SkipCounts};
 use super::{RoutingStore, StoreError, StoreFuture};
 use ballast_balance::ServiceSnapshot;
 use std::collections::BTreeMap;
@@ -11,10 +21,24 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// The file format, versioned so that a future layout can be told apart.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Document {
+#[derive(serde::Serialize)]
+struct Document<'a> {
     format: u32,
-    services: BTreeMap<String, ServiceSnapshot>,
+    /// What the file copies, for a copy (the etcd store's local copy); absent in the
+    /// weights file itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    origin: Option<&'a str>,
+    services: &'a BTreeMap<String, ServiceSnapshot>,
+}
+
+/// [`Document`] as read: each service is parsed on its own, so that one bad service
+/// does not take the others with it.
+#[derive(serde::Deserialize)]
+struct RawDocument {
+    format: u32,
+    #[serde(default)]
+    origin: Option<String>,
+    services: BTreeMap<String, serde_json::Value>,
 }
 
 const FORMAT: u32 = 1;
@@ -29,20 +53,46 @@ pub struct FileStore {
 
 struct Inner {
     path: PathBuf,
+    /// What the file must say it copies; `None` for the weights file itself.
+    origin: Option<String>,
     // The whole document, so that a batch of services rewrites the file once. The lock
     // also keeps two writes from interleaving on the temporary file.
     cache: Mutex<Option<BTreeMap<String, ServiceSnapshot>>>,
+    skipped: SkipCounts,
 }
 
 impl FileStore {
     /// A store at `path`; the file need not exist yet.
     pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self::build(path.into(), None)
+    }
+
+    /// A store at `path` that holds a copy of `origin` (e.g. `etcd prefix /ballast`):
+    /// the file is labelled with it, and a file labelled otherwise is refused.
+    pub fn with_origin(path: impl Into<PathBuf>, origin: impl Into<String>) -> Self {
+        Self::build(path.into(), Some(origin.into()))
+    }
+
+    fn build(path: PathBuf, origin: Option<String>) -> Self {
         FileStore {
             inner: Arc::new(Inner {
-                path: path.into(),
+                path,
+                origin,
                 cache: Mutex::new(None),
+                skipped: SkipCounts::default(),
             }),
         }
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Replaces the whole file with `services`: the services not among them are
+    /// removed.
+    pub fn replace(&self, services: BTreeMap<String, ServiceSnapshot>) -> StoreFuture<'static, ()> {
+        self.blocking(move |inner| inner.replace(services))
     }
 
     /// Runs `f` on the blocking pool with the store's state.
@@ -63,23 +113,47 @@ impl Inner {
         }
     }
 
+    fn corrupt(&self, detail: String) -> StoreError {
+        StoreError::Corrupt {
+            path: self.path.display().to_string(),
+            detail,
+        }
+    }
+
     fn read(&self) -> Result<BTreeMap<String, ServiceSnapshot>, StoreError> {
         let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
             Err(e) => return Err(self.io(e)),
         };
-        let doc: Document = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
-            path: self.path.display().to_string(),
-            detail: e.to_string(),
-        })?;
+        let doc: RawDocument =
+            serde_json::from_slice(&bytes).map_err(|e| self.corrupt(e.to_string()))?;
         if doc.format != FORMAT {
-            return Err(StoreError::Corrupt {
-                path: self.path.display().to_string(),
-                detail: format!("format {} is not {FORMAT}", doc.format),
-            });
+            return Err(self.corrupt(format!("format {} is not {FORMAT}", doc.format)));
         }
-        Ok(doc.services)
+        if doc.origin != self.origin {
+            return Err(self.corrupt(format!(
+                "a copy of {}, not of {}",
+                doc.origin.as_deref().unwrap_or("nothing (a weights file)"),
+                self.origin.as_deref().unwrap_or("nothing (a weights file)"),
+            )));
+        }
+        let mut services = BTreeMap::new();
+        for (service, value) in doc.services {
+            match validate::snapshot_from_json(&service, value) {
+                Ok(snapshot) => {
+                    services.insert(service, snapshot);
+                }
+                Err(corrupt) => self.skip(&service, corrupt.defect, &corrupt.detail),
+            }
+        }
+        Ok(services)
+    }
+
+    fn skip(&self, service: &str, defect: Defect, detail: &str) {
+        tracing::warn!(file = %self.path.display(), %service, reason = defect.label(),
+            error = detail, "routing store: a corrupt service is skipped; the others load");
+        self.skipped.record(defect);
     }
 
     fn write_atomically(
@@ -94,7 +168,8 @@ impl Inner {
         std::fs::create_dir_all(dir).map_err(|e| self.io(e))?;
         let doc = Document {
             format: FORMAT,
-            services: services.clone(),
+            origin: self.origin.as_deref(),
+            services,
         };
         let bytes =
             serde_json::to_vec_pretty(&doc).map_err(|e| StoreError::Backend(e.to_string()))?;
@@ -133,6 +208,16 @@ impl Inner {
         *cache = Some(all);
         result
     }
+
+    fn replace(&self, services: BTreeMap<String, ServiceSnapshot>) -> Result<(), StoreError> {
+        let mut cache = self
+            .cache
+            .lock()
+            .map_err(|_| StoreError::Backend("store lock poisoned".into()))?;
+        let result = self.write_atomically(&services);
+        *cache = Some(services);
+        result
+    }
 }
 
 fn tempfile_in(dir: &Path, target: &Path) -> std::io::Result<(PathBuf, std::fs::File)> {
@@ -160,6 +245,10 @@ impl RoutingStore for FileStore {
 
     fn describe(&self) -> String {
         format!("file {}", self.inner.path.display())
+    }
+
+    fn take_skipped(&self) -> BTreeMap<Defect, u64> {
+        self.inner.skipped.take()
     }
 }
 
@@ -212,11 +301,113 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn corrupt_services_are_dropped_and_counted_and_the_others_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("weights.json");
+        let mut negative = serde_json::to_value(snap(1.0)).expect("json");
+        negative["endpoints"]["n1"]["weight"] = serde_json::json!(-2.0);
+        let mut no_port = serde_json::to_value(snap(1.0)).expect("json");
+        no_port["endpoints"]["n1"]["address"] = serde_json::json!("10.0.0.1");
+        let mut bad_node = serde_json::to_value(snap(1.0)).expect("json");
+        let ep = bad_node["endpoints"]["n1"].take();
+        bad_node["endpoints"] = serde_json::json!({ "n 1": ep });
+        let doc = serde_json::json!({
+            "format": 1,
+            "services": {
+                "good": serde_json::to_value(snap(1.5)).expect("json"),
+                "negative": negative,
+                "no-port": no_port,
+                "bad-node": bad_node,
+                "not-a-snapshot": "weights",
+                "bad name": serde_json::to_value(snap(1.0)).expect("json"),
+            }
+        });
+        std::fs::write(&path, serde_json::to_vec(&doc).expect("json")).expect("write");
+        let store = FileStore::new(&path);
+        let loaded = store.load().await.expect("the good service loads");
+        assert_eq!(loaded.keys().collect::<Vec<_>>(), ["good"]);
+        assert_eq!(loaded["good"], snap(1.5));
+        let skipped = store.take_skipped();
+        assert_eq!(
+            skipped,
+            [
+                (Defect::Unparseable, 1),
+                (Defect::Service, 1),
+                (Defect::Node, 1),
+                (Defect::Address, 1),
+                (Defect::Weight, 1)
+            ]
+            .into()
+        );
+        assert!(store.take_skipped().is_empty(), "counted once");
+        // The next write keeps only what loaded.
+        store
+            .put(&[("other".to_string(), snap(0.5))].into())
+            .await
+            .expect("put");
+        let again = FileStore::new(&path);
+        assert_eq!(again.load().await.expect("load").len(), 2);
+        assert!(again.take_skipped().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_copy_is_labelled_and_a_copy_of_something_else_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("weights.etcd-copy.json");
+        let copy = FileStore::with_origin(&path, "etcd prefix /a");
+        copy.replace([("web".to_string(), snap(1.0))].into())
+            .await
+            .expect("replace");
+        copy.replace([("api".to_string(), snap(2.0))].into())
+            .await
+            .expect("replace");
+        let same = FileStore::with_origin(&path, "etcd prefix /a");
+        assert_eq!(
+            same.load().await.expect("load").keys().collect::<Vec<_>>(),
+            ["api"],
+            "replace removes what it does not name"
+        );
+        let other = FileStore::with_origin(&path, "etcd prefix /b");
+        let err = other.load().await.expect_err("another prefix");
+        assert!(err.to_string().contains("etcd prefix /a"), "{err}");
+        let err = FileStore::new(&path)
+            .load()
+            .await
+            .expect_err("not a weights file");
+        assert!(err.to_string().contains("copy"), "{err}");
+    }
+
+    #[tokio::test]
     async fn a_corrupt_file_is_a_clear_error() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("weights.json");
         std::fs::write(&path, b"{not json").expect("write");
         let err = FileStore::new(&path).load().await.expect_err("corrupt");
         assert!(err.to_string().contains("corrupt routing store"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_weight_reads_back_bit_for_bit() {
+        // Found by fuzzing: the shortest digits of 16/15 (and of one weight in ten)
+        // were read back one unit in the last place off, until serde_json parsed floats
+        // exactly (its `float_roundtrip` feature).
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("weights.json");
+        for w in [
+            16.0 / 15.0,
+            1.0 / 11.0,
+            1.0 / 53.0,
+            0.1 + 0.2,
+            9.999999999999998,
+        ] {
+            let store = FileStore::new(&path);
+            store
+                .put(&[("a".to_string(), snap(w))].into())
+                .await
+                .expect("put");
+            let back = FileStore::new(&path).load().await.expect("load");
+            let read = back["a"].endpoints["n1"].weight;
+            assert_eq!(read.to_bits(), w.to_bits(), "{w} read back as {read}");
+        }
     }
 }

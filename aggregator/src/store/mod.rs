@@ -11,17 +11,26 @@
 //! versions rather than queueing them. How it is doing shows in [`StoreStatus`]
 //! (`/healthz`) and in the `ballast_store_*` metrics.
 
+//!
+//! What a store reads back is checked ([`validate`]): a stored service that is not one
+//! the aggregator could have written is skipped, logged and counted, and the rest
+//! loads.
+
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod file;
+pub mod validate;
 mod writer;
 
 pub use writer::{writer, StoreCondition, StoreHealth, StoreStatus, STALL_AFTER};
 
+use crate::config::StoreConfig;
 use ballast_balance::ServiceSnapshot;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use validate::Defect;
 
 /// Why the store could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +57,15 @@ pub enum StoreError {
     /// The blocking task that did the file I/O panicked or was cancelled.
     #[error("routing store task: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// A file the store's settings name cannot be used (a CA, a client certificate,
+    /// a password file): found at start, before anything is served.
+    #[error("{setting}: {reason}")]
+    Setup {
+        /// The setting's dotted path, e.g. `store.etcd.ca_file`.
+        setting: String,
+        /// What is wrong with what it names.
+        reason: String,
+    },
 }
 
 /// What a store's asynchronous calls return: boxed, so that [`RoutingStore`] stays
@@ -60,11 +78,67 @@ pub(crate) type StoreFuture<'a, T> =
 /// Implementations must not block the runtime's workers: file I/O goes to
 /// `spawn_blocking`, network I/O is async and bounded by the store's own timeouts.
 pub trait RoutingStore: Send + Sync {
-    /// Every stored service; called once at start, before serving.
+    /// Every valid stored service; called once at start, before serving. A store that
+    /// keeps a local copy (etcd) serves the copy when it cannot be read, and says so
+    /// in [`RoutingStore::fallback`], rather than failing the start.
     fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>>;
     /// Writes the given services in one batch; services not named are left as stored.
-    /// Only the [`writer`] calls it, one call at a time.
+    /// Only the [`writer`] calls it, one call at a time. After a [fallback], the
+    /// first call reads the store first and reconciles (see
+    /// [`RoutingStore::take_newer`]); it is made even with an empty batch.
+    ///
+    /// [fallback]: RoutingStore::fallback
     fn put<'a>(&'a self, changed: &'a BTreeMap<String, ServiceSnapshot>) -> StoreFuture<'a, ()>;
     /// A short name for logs and the API.
     fn describe(&self) -> String;
+    /// Why what `load` returned is not known to be what the store holds (etcd could
+    /// not be read at start and its local copy was served), until a `put` has read the
+    /// store again; `None` when `load` read the store itself.
+    fn fallback(&self) -> Option<String> {
+        None
+    }
+    /// The services that the store, read again after a fallback, holds at a higher
+    /// version than the `put` that read it carried, or that it did not carry at all.
+    /// They were left as stored; the writer restores them into the balancer where that
+    /// replaces nothing live. Each is returned once.
+    fn take_newer(&self) -> BTreeMap<String, ServiceSnapshot> {
+        BTreeMap::new()
+    }
+    /// How many stored services were skipped as corrupt since the last call, by
+    /// defect; the writer counts them in `ballast_store_corrupt_total`.
+    fn take_skipped(&self) -> BTreeMap<Defect, u64> {
+        BTreeMap::new()
+    }
+}
+
+/// The routing store `cfg` configures: etcd when `[store.etcd]` is set, else the file.
+/// Nothing is read yet; a file an etcd setting names that cannot be used is an error.
+pub fn open(cfg: &StoreConfig) -> Result<Arc<dyn RoutingStore>, StoreError> {
+    match &cfg.etcd {
+        Some(etcd) => open_etcd(etcd, &cfg.path),
+        None => Ok(Arc::new(file::FileStore::new(cfg.path.clone()))),
+    }
+}
+
+#[cfg(feature = "etcd")]
+fn open_etcd(
+    cfg: &crate::config::EtcdConfig,
+    store_path: &std::path::Path,
+) -> Result<Arc<dyn RoutingStore>, StoreError> {
+    Ok(Arc::new(etcd::EtcdStore::open(
+        cfg,
+        cfg.local_copy_path(store_path),
+    )?))
+}
+
+#[cfg(not(feature = "etcd"))]
+fn open_etcd(
+    _cfg: &crate::config::EtcdConfig,
+    _store_path: &std::path::Path,
+) -> Result<Arc<dyn RoutingStore>, StoreError> {
+    Err(StoreError::Backend(
+        "an etcd routing store is configured, but this ballast-aggregator was built without \
+         the etcd feature (build with `--features ballast-aggregator/etcd`)"
+            .into(),
+    ))
 }

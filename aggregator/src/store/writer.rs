@@ -12,6 +12,14 @@
 //! with the latest publication. While a write is in flight or waiting to be retried,
 //! the writer keeps following publications, so [`StoreStatus`] and the metrics show
 //! how many services wait and for how long even when the store hangs.
+//!
+//! When the store served a fallback at start (etcd's local copy, etcd being down), the
+//! writer does not take the restored services as stored: `/healthz` shows why from the
+//! start, and the writer writes every service at once, and again after each backoff,
+//! until the store takes it. That write reads the store first and reconciles; the
+//! services the store turns out to hold newer are restored into the balancer, unless
+//! the aggregator has balanced them from reports since, in which case its live weights
+//! are written over them.
 
 use super::StoreError;
 use crate::state::State;
@@ -232,6 +240,21 @@ impl Tracker {
         }
     }
 
+    /// Starts from nothing stored: every service is due (after a fallback at start,
+    /// when what the store holds is not known).
+    fn unconfirmed() -> Self {
+        Tracker {
+            written: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+        }
+    }
+
+    /// Forgets what was written of `service`, so that it is written again.
+    fn forget(&mut self, service: &str) {
+        self.written.remove(service);
+    }
+
     /// Records that the write in flight failed: its services wait as before.
     fn failed(&mut self) {
         for name in std::mem::take(&mut self.in_flight).keys() {
@@ -286,14 +309,87 @@ fn backoff(failures: u32) -> Duration {
 pub fn writer(state: Arc<State>) -> impl Future<Output = ()> + Send + 'static {
     let mut publications = state.subscribe();
     let first = publications.borrow_and_update().clone();
-    state.store_status.lock().written_version = Some(first.version);
-    run(state, publications, Tracker::new(&first))
+    count_skipped(&state);
+    let fallback = state.store.fallback();
+    let tracker = match &fallback {
+        None => {
+            state.store_status.lock().written_version = Some(first.version);
+            Tracker::new(&first)
+        }
+        Some(why) => {
+            let mut p = state.store_status.lock();
+            p.error = Some(why.clone());
+            p.failing_since = Some(Instant::now());
+            Tracker::unconfirmed()
+        }
+    };
+    run(state, publications, tracker, fallback.is_some())
+}
+
+/// Counts the stored services the store skipped as corrupt in
+/// `ballast_store_corrupt_total`.
+fn count_skipped(state: &State) {
+    for (defect, n) in state.store.take_skipped() {
+        state
+            .metrics
+            .store_corrupt
+            .get_or_create(&crate::metrics::Reason {
+                reason: defect.label().to_string(),
+            })
+            .inc_by(n);
+    }
+}
+
+/// Restores into the balancer the services the store holds newer than the aggregator
+/// (found by the first write after a fallback), where that replaces nothing live: the
+/// service is absent, or none of its endpoints has reported since the start and the
+/// store's snapshot has every one of them. Any other is written again with the
+/// aggregator's weights, which come from reports.
+fn restore_newer(state: &State, tracker: &mut Tracker) {
+    let newer = state.store.take_newer();
+    if newer.is_empty() {
+        return;
+    }
+    let mut restore = BTreeMap::new();
+    {
+        let mut balancer = state.balancer();
+        for (name, stored) in newer {
+            let live = balancer.service(&name).map(|s| {
+                let untouched = s
+                    .endpoints
+                    .values()
+                    .all(|e| e.last_report.is_none() && stored.endpoints.contains_key(&e.node));
+                (s.version, untouched)
+            });
+            match live {
+                Some((version, _)) if version >= stored.version => tracker.forget(&name),
+                Some((version, false)) => {
+                    tracing::warn!(service = %name, stored = stored.version, live = version,
+                        "the routing store holds a newer version of a service the aggregator \
+                         has balanced from reports since it started: its live weights are \
+                         written over it");
+                    tracker.forget(&name);
+                }
+                Some((_, true)) | None => {
+                    restore.insert(name, stored);
+                }
+            }
+        }
+        if !restore.is_empty() {
+            balancer.restore(state.clock.now(), &restore);
+        }
+    }
+    if !restore.is_empty() {
+        tracing::info!(services = ?restore.keys().collect::<Vec<_>>(),
+            "services restored from the routing store, which held them newer than the local copy");
+    }
 }
 
 async fn run(
     state: Arc<State>,
     mut publications: watch::Receiver<Arc<Published>>,
     mut tracker: Tracker,
+    mut unconfirmed: bool,
 ) {
     let store = state.store.clone();
     let mut open = true;
@@ -303,7 +399,8 @@ async fn run(
         let now = Instant::now();
         let due = tracker.differing(&latest, now);
         report(&state, &tracker, now);
-        if due.is_empty() {
+        // After a fallback the store must be read and reconciled even with nothing due.
+        if due.is_empty() && !unconfirmed {
             state.store_status.lock().written_version = Some(latest.version);
             if !open || publications.changed().await.is_err() {
                 return;
@@ -337,9 +434,14 @@ async fn run(
                 reason: if outcome.is_ok() { "ok" } else { "error" }.to_string(),
             })
             .inc();
+        count_skipped(&state);
         match outcome {
             Ok(()) => {
                 tracker.committed();
+                if unconfirmed {
+                    unconfirmed = false;
+                    restore_newer(&state, &mut tracker);
+                }
                 if failures > 0 {
                     tracing::info!(
                         failures,
@@ -706,6 +808,182 @@ mod tests {
                 .get()
         };
         assert_eq!((count("error"), count("ok")), (2, 1));
+        task.abort();
+    }
+
+    /// A store that served a fallback at start: it fails the first `fail` writes, and
+    /// the first good one hands back `newer` as the services it holds newer.
+    struct FallbackStore {
+        inner: TestStore,
+        fallback: Mutex<Option<String>>,
+        newer: Mutex<BTreeMap<String, ServiceSnapshot>>,
+        handed: Mutex<BTreeMap<String, ServiceSnapshot>>,
+    }
+
+    impl RoutingStore for FallbackStore {
+        fn load(&self) -> StoreFuture<'_, BTreeMap<String, ServiceSnapshot>> {
+            self.inner.load()
+        }
+
+        fn put<'a>(
+            &'a self,
+            changed: &'a BTreeMap<String, ServiceSnapshot>,
+        ) -> StoreFuture<'a, ()> {
+            Box::pin(async move {
+                self.inner.put(changed).await?;
+                if self.fallback.lock().expect("lock").take().is_some() {
+                    let newer = std::mem::take(&mut *self.newer.lock().expect("lock"));
+                    *self.handed.lock().expect("lock") = newer;
+                }
+                Ok(())
+            })
+        }
+
+        fn describe(&self) -> String {
+            "fallback".into()
+        }
+
+        fn fallback(&self) -> Option<String> {
+            self.fallback.lock().expect("lock").clone()
+        }
+
+        fn take_newer(&self) -> BTreeMap<String, ServiceSnapshot> {
+            std::mem::take(&mut *self.handed.lock().expect("lock"))
+        }
+    }
+
+    fn stored(version: u64, node: &str) -> ServiceSnapshot {
+        ServiceSnapshot {
+            version,
+            cycle: version,
+            endpoints: [(
+                node.to_string(),
+                ballast_balance::EndpointSnapshot {
+                    address: format!("{node}:80"),
+                    zone: "z1".into(),
+                    draining: false,
+                    weight: 1.0,
+                    strategy_weights: BTreeMap::new(),
+                },
+            )]
+            .into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn after_a_fallback_the_store_is_written_until_it_takes_it_and_newer_services_return() {
+        let store = Arc::new(FallbackStore {
+            inner: TestStore {
+                fail: AtomicUsize::new(2),
+                ..TestStore::default()
+            },
+            fallback: Mutex::new(Some("etcd is down; serving the local copy".into())),
+            newer: Mutex::new(
+                [
+                    // Restored from the copy at version 5 and untouched since.
+                    ("web".to_string(), stored(9, "w1")),
+                    // Not in the copy at all.
+                    ("gone".to_string(), stored(3, "g1")),
+                    // Balanced from reports since the start: the live weights win.
+                    ("busy".to_string(), stored(50, "b1")),
+                    // A node the store does not know said hello: restoring would drop it.
+                    ("mixed".to_string(), stored(9, "m1")),
+                ]
+                .into(),
+            ),
+            handed: Mutex::new(BTreeMap::new()),
+        });
+        let clock = Clock::start();
+        let params = Params {
+            grace_ms: 0,
+            ..Params::default()
+        };
+        let mut balancer = Balancer::new(params, clock.now());
+        balancer.restore(
+            clock.now(),
+            &[
+                ("web".to_string(), stored(5, "w1")),
+                ("mixed".to_string(), stored(5, "m1")),
+            ]
+            .into(),
+        );
+        let state = Arc::new(State::new(balancer, store.clone(), clock, 1000));
+        let now = state.clock.now();
+        state
+            .balancer()
+            .register(now, "mixed", "m2", "m2:80", "z1")
+            .expect("register");
+        state
+            .balancer()
+            .register(now, "busy", "b1", "b1:80", "z1")
+            .expect("register");
+        state
+            .balancer()
+            .observe(now, "busy", "b1", Observation::default())
+            .expect("observe");
+        state.cycle(now);
+        let busy_version = state.balancer().service("busy").expect("busy").version;
+        assert!(busy_version < 50);
+
+        let task = tokio::spawn(writer(state.clone()));
+        // Shown from the start, before any write.
+        let h = health(&state);
+        assert_eq!(h.status, StoreCondition::Error, "{h:?}");
+        assert!(
+            h.error.as_deref().is_some_and(|e| e.contains("local copy")),
+            "{h:?}"
+        );
+        assert_eq!(h.written_version, None);
+        // Written although nothing changed, retried through two failures.
+        eventually("the reconciling write", || !store.inner.writes().is_empty()).await;
+        let first = &store.inner.writes()[0];
+        assert!(
+            ["web", "busy"].iter().all(|s| first.contains_key(*s)),
+            "{first:?}"
+        );
+        let failed = state
+            .metrics
+            .store_writes
+            .get_or_create(&crate::metrics::Reason {
+                reason: "error".into(),
+            })
+            .get();
+        assert_eq!(failed, 2);
+        // What the store held newer is restored where nothing live is replaced…
+        eventually("newer services restored", || {
+            let b = state.balancer();
+            b.service("web").is_some_and(|s| s.version == 9)
+                && b.service("gone").is_some_and(|s| s.version == 3)
+        })
+        .await;
+        // …and the live service is written over the store's.
+        eventually("the live service written again", || {
+            store.inner.writes().len() >= 2
+        })
+        .await;
+        let second = &store.inner.writes()[1];
+        assert!(
+            second
+                .get("busy")
+                .is_some_and(|s| s.version == busy_version),
+            "{second:?}"
+        );
+        assert!(second.contains_key("mixed"), "{second:?}");
+        assert!(!second.contains_key("web"), "{second:?}");
+        assert!(state
+            .balancer()
+            .service("mixed")
+            .is_some_and(|s| s.endpoints.contains_key("m2")));
+        assert_eq!(
+            state.balancer().service("busy").map(|s| s.version),
+            Some(busy_version)
+        );
+        let h = health(&state);
+        assert_eq!(
+            (h.status, h.error.clone()),
+            (StoreCondition::Ok, None),
+            "{h:?}"
+        );
         task.abort();
     }
 

@@ -15,7 +15,9 @@
 //!
 //! 1. the agent sends one framed [`Hello`](crate::wire::Hello) on a bidirectional
 //!    stream ([`crate::frame`]: a 2-byte length, then the message);
-//! 2. the aggregator answers on the same stream with one framed
+//! 2. the aggregator checks the hello against the connection's [`Peer`]: the node its
+//!    certificate names, the services it may serve and the addresses it may advertise
+//!    ([`authz`]); it answers on the same stream with one framed
 //!    [`Welcome`](crate::wire::Welcome) (the report interval) or
 //!    [`Reject`](crate::wire::Reject) (a reason code and text);
 //! 3. after the welcome the agent sends one [`Report`](crate::wire::Report) datagram
@@ -27,12 +29,14 @@
 //! Faults are typed ([`ProtocolError`], [`ClientError`], [`ServerError`]); a machine
 //! never panics, whatever bytes it is fed.
 
+pub mod authz;
 mod client;
 pub mod driver;
 mod server;
 #[cfg(test)]
 mod tests;
 
+pub use authz::{Cidr, Grant, Peer};
 pub use client::{ClientConfig, ClientError, ClientEvent, ClientSession, Measurement};
 pub use server::{ServerConfig, ServerError, ServerEvent, ServerSession};
 
@@ -48,6 +52,10 @@ pub mod close {
     pub const REJECTED: u32 = 1;
     /// The peer broke the protocol (malformed or unexpected messages, no hello in time).
     pub const PROTOCOL: u32 = 2;
+    /// The peer's certificate was revoked while it was connected.
+    pub const REVOKED: u32 = 3;
+    /// The peer's certificate expired while it was connected.
+    pub const EXPIRED: u32 = 4;
 }
 
 /// The shortest report interval either side uses, in milliseconds: shorter would make

@@ -1,5 +1,6 @@
 //! The aggregator's side of a session.
 
+use super::authz::Peer;
 use super::{
     clamp_interval_ms, close, seq_newer, Assignment, FrameReader, MessageKind, ProtocolError,
 };
@@ -58,9 +59,10 @@ pub enum ServerEvent {
     /// the node, then answers with [`ServerSession::welcome`] or
     /// [`ServerSession::reject`].
     Hello(Hello),
-    /// The hello was refused here (invalid fields, or a node other than the
-    /// certificate's): the driver sends `frame` on the stream, then closes the
-    /// connection with [`close::REJECTED`].
+    /// The hello was refused here (invalid fields, a node other than the
+    /// certificate's, a service or an address the peer's grant does not allow): the
+    /// driver sends `frame` on the stream, then closes the connection with
+    /// [`close::REJECTED`].
     Refused {
         /// Why, for metrics and logs.
         reject: Reject,
@@ -150,23 +152,23 @@ enum State {
 }
 
 /// The aggregator's side of one connection: takes the hello, checks it against the
-/// certificate's identity, answers with a welcome or a reject, drops reordered
-/// reports, builds the reply to each report, and closes a session whose peer keeps
-/// breaking the protocol.
+/// certificate's identity and what the peer may claim (its services, its address),
+/// answers with a welcome or a reject, drops reordered reports, builds the reply to
+/// each report, and closes a session whose peer keeps breaking the protocol.
 #[derive(Debug)]
 pub struct ServerSession {
-    identity: String,
+    peer: Peer,
     config: ServerConfig,
     interval_ms: u32,
     state: State,
 }
 
 impl ServerSession {
-    /// A session for a connection whose client certificate names `identity`, accepted
-    /// at `now`.
-    pub fn new(identity: impl Into<String>, config: ServerConfig, now: Instant) -> Self {
+    /// A session for a connection from `peer` (the identity its certificate names, its
+    /// source address and what it may claim), accepted at `now`.
+    pub fn new(peer: Peer, config: ServerConfig, now: Instant) -> Self {
         ServerSession {
-            identity: identity.into(),
+            peer,
             config,
             interval_ms: clamp_interval_ms(config.interval_ms),
             state: State::AwaitingHello {
@@ -201,9 +203,9 @@ impl ServerSession {
     }
 
     /// Takes bytes the agent sent on the hello stream. A whole, valid hello from the
-    /// certificate's node yields [`ServerEvent::Hello`]; an invalid one or another
-    /// node's, [`ServerEvent::Refused`]; bad bytes or another message close the
-    /// session.
+    /// certificate's node, for a service and an address the peer may claim, yields
+    /// [`ServerEvent::Hello`]; any other hello, [`ServerEvent::Refused`]; bad bytes or
+    /// another message close the session.
     pub fn handle_stream(
         &mut self,
         now: Instant,
@@ -362,7 +364,12 @@ impl ServerSession {
 
     /// The identity of the client certificate.
     pub fn identity(&self) -> &str {
-        &self.identity
+        &self.peer.identity
+    }
+
+    /// The peer: its identity, its source address and what it may claim.
+    pub fn peer(&self) -> &Peer {
+        &self.peer
     }
 
     /// The hello taken, once there is one that was not refused.
@@ -395,13 +402,34 @@ impl ServerSession {
                 detail: e.to_string(),
             });
         }
-        if hello.node != self.identity {
+        let peer = &self.peer;
+        if hello.node != peer.identity {
             return Some(Reject {
                 reason: RejectReason::IdentityMismatch,
                 detail: format!(
                     "certificate is for {:?}, hello claims {:?}",
-                    self.identity, hello.node
+                    peer.identity, hello.node
                 ),
+            });
+        }
+        if !peer.grant.allows_service(&hello.service) {
+            let allowed = if peer.grant.services.is_empty() {
+                "no service: its certificate names none and no policy rule grants any".to_string()
+            } else {
+                format!("only {}", peer.grant.services.join(", "))
+            };
+            return Some(Reject {
+                reason: RejectReason::ServiceNotAllowed,
+                detail: format!(
+                    "{:?} may not serve {:?}; it may serve {allowed}",
+                    peer.identity, hello.service
+                ),
+            });
+        }
+        if let Err(e) = peer.grant.check_address(&hello.address, peer.source) {
+            return Some(Reject {
+                reason: RejectReason::AddressNotAllowed,
+                detail: e.to_string(),
             });
         }
         None

@@ -16,6 +16,167 @@ fn hello(node: &str) -> Hello {
     }
 }
 
+/// The source address of the test connections: the address [`hello`] advertises.
+const SOURCE: [u8; 4] = [10, 0, 0, 1];
+
+/// A peer whose certificate names `node` and the service `web`, connecting from the
+/// address its hello advertises.
+fn peer(node: &str) -> Peer {
+    Peer {
+        identity: node.into(),
+        source: SOURCE.into(),
+        grant: Grant {
+            services: vec!["web".into()],
+            ..Grant::default()
+        },
+    }
+}
+
+/// What `server` answers to `hello`: the hello back when it is taken, or the reject.
+fn admit(server: &mut ServerSession, hello: &Hello, t0: Instant) -> Result<Hello, Reject> {
+    let frame = framed(&Message::Hello(hello.clone()));
+    match server.handle_stream(t0, &frame) {
+        Ok(Some(ServerEvent::Hello(h))) => Ok(h),
+        Ok(Some(ServerEvent::Refused { reject, frame })) => {
+            assert_eq!(server.close_code(), Some(close::REJECTED));
+            assert_eq!(
+                wire::decode(&frame[2..]),
+                Ok(Message::Reject(reject.clone())),
+                "the frame carries the reject"
+            );
+            Err(reject)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_stolen_certificate_claims_only_its_own_service_and_address() {
+    let t0 = Instant::now();
+    let batch = Peer {
+        identity: "batch-7".into(),
+        source: SOURCE.into(),
+        grant: Grant {
+            services: vec!["batch".into()],
+            ..Grant::default()
+        },
+    };
+    let own = Hello {
+        node: "batch-7".into(),
+        service: "batch".into(),
+        ..hello("batch-7")
+    };
+    let mut server = ServerSession::new(batch.clone(), ServerConfig::new(1000), t0);
+    assert_eq!(admit(&mut server, &own, t0), Ok(own.clone()));
+
+    // Another service.
+    let payments = Hello {
+        service: "payments".into(),
+        ..own.clone()
+    };
+    let mut server = ServerSession::new(batch.clone(), ServerConfig::new(1000), t0);
+    let r = admit(&mut server, &payments, t0).expect_err("another service");
+    assert_eq!(r.reason, RejectReason::ServiceNotAllowed);
+    assert!(
+        r.detail.contains("payments") && r.detail.contains("batch"),
+        "{r:?}"
+    );
+    assert!(server.hello().is_none());
+
+    // Another address, as an IP and as a host name.
+    for address in ["10.6.6.6:443", "payments.internal:443", "[fd00::6]:443"] {
+        let elsewhere = Hello {
+            address: address.into(),
+            ..own.clone()
+        };
+        let mut server = ServerSession::new(batch.clone(), ServerConfig::new(1000), t0);
+        let r = admit(&mut server, &elsewhere, t0).expect_err(address);
+        assert_eq!(r.reason, RejectReason::AddressNotAllowed, "{address}");
+    }
+
+    // Both at once: the service is what is reported.
+    let both = Hello {
+        address: "10.6.6.6:443".into(),
+        ..payments
+    };
+    let mut server = ServerSession::new(batch, ServerConfig::new(1000), t0);
+    let r = admit(&mut server, &both, t0).expect_err("both");
+    assert_eq!(r.reason, RejectReason::ServiceNotAllowed);
+}
+
+#[test]
+fn a_certificate_without_services_may_serve_none() {
+    let t0 = Instant::now();
+    let unscoped = Peer {
+        grant: Grant::default(),
+        ..peer("web-1")
+    };
+    let mut server = ServerSession::new(unscoped, ServerConfig::new(1000), t0);
+    let r = admit(&mut server, &hello("web-1"), t0).expect_err("no service");
+    assert_eq!(r.reason, RejectReason::ServiceNotAllowed);
+    assert!(r.detail.contains("names none"), "{r:?}");
+}
+
+#[test]
+fn identity_is_checked_before_what_the_identity_may_claim() {
+    let t0 = Instant::now();
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
+    let other = Hello {
+        service: "payments".into(),
+        address: "10.6.6.6:1".into(),
+        ..hello("web-2")
+    };
+    let r = admit(&mut server, &other, t0).expect_err("another node");
+    assert_eq!(r.reason, RejectReason::IdentityMismatch);
+}
+
+#[test]
+fn a_grant_admits_networks_host_names_and_service_patterns() {
+    let t0 = Instant::now();
+    let natted = Peer {
+        identity: "edge-1".into(),
+        source: [192, 0, 2, 10].into(),
+        grant: Grant {
+            services: vec!["edge-*".into()],
+            networks: vec!["10.20.0.0/16".parse().expect("cidr")],
+            hostnames: vec!["*.edge.example".into()],
+        },
+    };
+    for (service, address, ok) in [
+        ("edge-eu", "10.20.3.4:443", true),
+        ("edge-us", "n1.edge.example:443", true),
+        ("edge-eu", "192.0.2.10:443", true),
+        ("edge-eu", "10.21.0.1:443", false),
+        ("edge-eu", "n1.core.example:443", false),
+        ("core", "10.20.3.4:443", false),
+    ] {
+        let h = Hello {
+            node: "edge-1".into(),
+            service: service.into(),
+            address: address.into(),
+            ..hello("edge-1")
+        };
+        let mut server = ServerSession::new(natted.clone(), ServerConfig::new(1000), t0);
+        assert_eq!(
+            admit(&mut server, &h, t0).is_ok(),
+            ok,
+            "{service} at {address}"
+        );
+    }
+    // A peer trusted with anything is the old behaviour: identity alone.
+    let mut server = ServerSession::new(
+        Peer::trusted("web-1", [127, 0, 0, 1].into()),
+        ServerConfig::new(1000),
+        t0,
+    );
+    let h = Hello {
+        service: "payments".into(),
+        address: "10.6.6.6:443".into(),
+        ..hello("web-1")
+    };
+    assert!(admit(&mut server, &h, t0).is_ok());
+}
+
 fn ms(t0: Instant, ms: u64) -> Instant {
     t0 + Duration::from_millis(ms)
 }
@@ -62,7 +223,7 @@ fn report(seq: u32) -> Vec<u8> {
 /// A client and a server that have exchanged hello and welcome at `t0`.
 fn established(t0: Instant) -> (ClientSession, ServerSession) {
     let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0);
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     let frame = client.hello_frame().expect("hello encodes");
     match server.handle_stream(t0, &frame) {
         Ok(Some(ServerEvent::Hello(h))) => assert_eq!(h, hello("web-1")),
@@ -168,7 +329,7 @@ fn the_server_refuses_another_nodes_hello_and_an_invalid_one() {
         ),
     ] {
         let mut client = ClientSession::new(claimed.clone(), ClientConfig::default(), t0);
-        let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+        let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
         let frame = client.hello_frame().expect("encodes");
         let (reject, answer) = match server.handle_stream(t0, &frame) {
             Ok(Some(ServerEvent::Refused { reject, frame })) => (reject, frame),
@@ -197,7 +358,7 @@ fn the_server_refuses_another_nodes_hello_and_an_invalid_one() {
 fn the_driver_rejects_what_only_it_can_judge() {
     let t0 = Instant::now();
     let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0);
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     let frame = client.hello_frame().expect("encodes");
     assert!(matches!(
         server.handle_stream(t0, &frame),
@@ -220,7 +381,7 @@ fn the_driver_rejects_what_only_it_can_judge() {
 #[test]
 fn welcome_and_reject_need_a_waiting_hello() {
     let t0 = Instant::now();
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     assert!(matches!(server.welcome(), Err(ServerError::NotAdmitting)));
     assert!(matches!(
         server.reject(RejectReason::NoHello, String::new()),
@@ -398,7 +559,7 @@ fn a_late_client_starts_its_schedule_again() {
 #[test]
 fn timeouts_before_the_exchange_close_both_sides() {
     let t0 = Instant::now();
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     assert_eq!(server.poll_timeout(), Some(ms(t0, 5000)));
     assert!(server.handle_timeout(ms(t0, 4999)).is_ok());
     let err = server.handle_timeout(ms(t0, 5000)).expect_err("timed out");
@@ -407,7 +568,7 @@ fn timeouts_before_the_exchange_close_both_sides() {
     assert_eq!(server.close_code(), Some(close::PROTOCOL));
 
     // A hello finished after the deadline is too late too.
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     let frame = framed(&Message::Hello(hello("web-1")));
     assert!(matches!(
         server.handle_stream(ms(t0, 6000), &frame),
@@ -429,7 +590,7 @@ fn frames_split_anywhere_reassemble() {
     let t0 = Instant::now();
     let frame = framed(&Message::Hello(hello("web-1")));
     for cut in 0..=frame.len() {
-        let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+        let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
         let (a, b) = frame.split_at(cut);
         let first = server.handle_stream(t0, a).expect("first part");
         let second = server.handle_stream(t0, b).expect("second part");
@@ -440,7 +601,7 @@ fn frames_split_anywhere_reassemble() {
         );
     }
     // One byte at a time.
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     let mut got = None;
     for b in &frame {
         if let Some(e) = server
@@ -479,7 +640,7 @@ fn bad_hello_streams_close_the_session_with_a_label() {
         ),
     ];
     for (bytes, label) in cases {
-        let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+        let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
         let err = server.handle_stream(t0, &bytes).expect_err("refused");
         assert_eq!(err.label(), label, "{bytes:?}: {err}");
         assert_eq!(server.close_code(), Some(close::PROTOCOL), "{bytes:?}");
@@ -489,7 +650,7 @@ fn bad_hello_streams_close_the_session_with_a_label() {
         ));
     }
     // A stream that ends early.
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     assert!(server
         .handle_stream(t0, &[0x00])
         .expect("partial")
@@ -588,7 +749,7 @@ fn bad_datagrams_never_close_the_client() {
 #[test]
 fn datagrams_before_the_welcome_are_dropped() {
     let t0 = Instant::now();
-    let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     let err = server
         .handle_datagram(&report(1))
         .expect_err("no hello yet");
@@ -639,7 +800,7 @@ proptest! {
     #[test]
     fn arbitrary_input_never_panics_the_server(inputs in proptest::collection::vec(input(), 0..24)) {
         let t0 = Instant::now();
-        let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+        let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
         let mut now = t0;
         let mut seq = 0u32;
         for i in inputs {
@@ -714,7 +875,7 @@ proptest! {
         let mut bytes = framed(&Message::Hello(hello("web-1")));
         let i = flip % bytes.len();
         bytes[i] = val;
-        let mut server = ServerSession::new("web-1", ServerConfig::new(1000), t0);
+        let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
         let (a, b) = bytes.split_at(cut.min(bytes.len()));
         let _ = server.handle_stream(t0, a);
         let _ = server.handle_stream(t0, b);

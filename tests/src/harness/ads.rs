@@ -7,7 +7,7 @@
 //! ACKs every response so the server keeps pushing, and records each one for the test
 //! to read.
 
-use super::aggregator::AggregatorOpts;
+use super::aggregator::{AggregatorOpts, XdsTarget};
 use ballast_aggregator::feed::xds::resources::ResourceType;
 use envoy_types::pb::envoy::config::core::v3::{address, socket_address, Node};
 use envoy_types::pb::envoy::config::endpoint::v3::{
@@ -17,7 +17,6 @@ use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
 use prost::Message;
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -100,8 +99,8 @@ pub struct EdsWatch {
 impl EdsWatch {
     /// Subscribes to `service`'s endpoints at the xDS server `xds`. Returns at once;
     /// the responses come in the background.
-    pub fn start(xds: SocketAddr, service: &str) -> EdsWatch {
-        let what = format!("the xDS client of {service}'s endpoints at {xds}");
+    pub fn start(xds: XdsTarget, service: &str) -> EdsWatch {
+        let what = format!("the xDS client of {service}'s endpoints at {}", xds.addr);
         let responses = Arc::new(Mutex::new(Vec::new()));
         let ended = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
@@ -174,7 +173,7 @@ impl Drop for EdsWatch {
 /// The stream: subscribe, then record and ACK each response until stopped. Returns
 /// why it stopped, `Err` when the stream failed.
 async fn run(
-    xds: SocketAddr,
+    xds: XdsTarget,
     service: &str,
     responses: &Mutex<Vec<EdsResponse>>,
     stop: &AtomicBool,
@@ -198,9 +197,7 @@ async fn run(
     };
     tx.send(first).await.map_err(|e| e.to_string())?;
     let open = async {
-        let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
+        let mut client = AggregatedDiscoveryServiceClient::new(xds.channel().await?);
         client
             .stream_aggregated_resources(
                 tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),

@@ -201,7 +201,7 @@ impl Agent {
         let tls_dir = opts
             .tls_dir
             .clone()
-            .unwrap_or_else(|| pki.node_tls_dir(&opts.node));
+            .unwrap_or_else(|| pki.node_tls_dir_for(&opts.node, &[&opts.service]));
         let address = opts.address.clone().unwrap_or_default();
         let aggregators = opts
             .aggregators
@@ -287,6 +287,11 @@ impl Agent {
             }
             self.try_control("status").map(|_| ())
         });
+    }
+
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(|p| p.pid())
     }
 
     /// The address it registers (`--address`).
@@ -414,7 +419,10 @@ pub fn start_fleet(
     speeds: &[f64],
 ) -> Vec<Agent> {
     let nodes: Vec<String> = (0..n).map(|i| format!("{service}-{i:02}")).collect();
-    pki.issue_nodes(&nodes.iter().map(String::as_str).collect::<Vec<_>>());
+    pki.issue_nodes_for(
+        service,
+        &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
     // Spawn them all, then wait: the fleet comes up together.
     let mut agents: Vec<Agent> = nodes
         .iter()

@@ -8,6 +8,7 @@ use super::netns::Netns;
 use super::pki::Pki;
 use super::ports;
 use super::process::{command, Proc, AGGREGATOR_BIN};
+pub use ballast_aggregator::config::XdsTls;
 use serde::de::DeserializeOwned;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -19,6 +20,48 @@ use std::time::{Duration, Instant};
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a graceful stop may take before the process is killed.
 const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Where an xDS client connects, and how it checks the server.
+#[derive(Debug, Clone)]
+pub struct XdsTarget {
+    /// The ADS port.
+    pub addr: SocketAddr,
+    /// The CA that signed the server's certificate, for TLS; `None` for plaintext.
+    pub ca: Option<PathBuf>,
+    /// The client's own certificate and key, for mutual TLS.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl XdsTarget {
+    /// The server name to check its certificate for: the harness's server certificate
+    /// names localhost.
+    pub const SERVER_NAME: &'static str = "localhost";
+
+    /// A tonic channel to it, over TLS unless the port is plaintext.
+    pub async fn channel(&self) -> Result<tonic::transport::Channel, String> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+        let scheme = if self.ca.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", self.addr))
+            .map_err(|e| e.to_string())?;
+        let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+        if let Some(ca) = &self.ca {
+            let mut tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(read(ca)?))
+                .domain_name(Self::SERVER_NAME);
+            if let Some((cert, key)) = &self.client {
+                tls = tls.identity(tonic::transport::Identity::from_pem(
+                    read(cert)?,
+                    read(key)?,
+                ));
+            }
+            endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+        }
+        endpoint
+            .connect()
+            .await
+            .map_err(|e| format!("connect to xDS at {}: {e:?}", self.addr))
+    }
+}
 
 /// How the aggregator runs.
 #[derive(Debug, Clone)]
@@ -33,6 +76,8 @@ pub struct AggregatorOpts {
     pub config_toml: Option<String>,
     /// `--xds` on a free loopback port.
     pub xds: bool,
+    /// `--xds-tls`; the shipped default (`tls`) passes no flag.
+    pub xds_tls: XdsTls,
     /// `--etcd ENDPOINTS --etcd-prefix PREFIX`: weights in etcd instead of the file.
     pub etcd: Option<(String, String)>,
     /// `--config-dir`: the per-service config directory, watched live.
@@ -52,6 +97,7 @@ impl Default for AggregatorOpts {
             report_interval_ms: 500,
             config_toml: None,
             xds: false,
+            xds_tls: XdsTls::default(),
             etcd: None,
             config_dir: None,
             log_json: false,
@@ -177,9 +223,15 @@ impl Aggregator {
             .path()
             .join(format!("aggregator-{}.log", self.runs));
         let mut cmd = command(AGGREGATOR_BIN);
+        // In a namespace, QUIC listens on every address of it, so that a test can cut
+        // off the agents that dial one address and not those that dial the other.
+        let quic_bind = match &self.opts.netns {
+            Some(_) => SocketAddr::from(([0, 0, 0, 0], self.quic.port())),
+            None => self.quic,
+        };
         cmd.arg("run")
             .arg("--quic")
-            .arg(self.quic.to_string())
+            .arg(quic_bind.to_string())
             .arg("--http")
             .arg(self.http.to_string())
             .arg("--tls-dir")
@@ -194,6 +246,15 @@ impl Aggregator {
             .arg(self.opts.report_interval_ms.to_string());
         if let Some(xds) = self.xds {
             cmd.arg("--xds").arg(xds.to_string());
+            match self.opts.xds_tls {
+                XdsTls::Tls => {}
+                XdsTls::Mutual => {
+                    cmd.args(["--xds-tls", "mutual"]);
+                }
+                XdsTls::Plaintext => {
+                    cmd.args(["--xds-tls", "plaintext"]);
+                }
+            }
         }
         if let Some((endpoints, prefix)) = &self.opts.etcd {
             cmd.args(["--etcd", endpoints, "--etcd-prefix", prefix]);
@@ -315,6 +376,16 @@ impl Aggregator {
     pub fn xds_addr(&self) -> SocketAddr {
         self.xds
             .expect("the aggregator was started without AggregatorOpts::xds")
+    }
+
+    /// How an xDS client reaches this aggregator: the address, and the CA to check its
+    /// certificate with (none when the port is plaintext).
+    pub fn xds(&self) -> XdsTarget {
+        XdsTarget {
+            addr: self.xds_addr(),
+            ca: (self.opts.xds_tls != XdsTls::Plaintext).then(|| self.tls_dir.join("ca.pem")),
+            client: None,
+        }
     }
 
     /// The routing store file.

@@ -32,7 +32,10 @@ pub fn start_speeds(
     mut adjust: impl FnMut(usize, &mut AgentOpts),
 ) -> Vec<Agent> {
     assert_eq!(nodes.len(), speeds.len(), "one speed for each node");
-    pki.issue_nodes(&nodes.iter().map(String::as_str).collect::<Vec<_>>());
+    pki.issue_nodes_for(
+        service,
+        &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
     let agents: Vec<Agent> = nodes
         .iter()
         .zip(speeds)

@@ -1,9 +1,19 @@
 //! A real single-member etcd (Debian's `etcd-server` package) on free 127.0.0.1 ports
 //! with a temporary data directory, `etcdctl` (`etcd-client`) to read keys, and a
 //! `etcdctl watch` child that records every event. Each is killed on drop.
+//!
+//! [`Etcd::start_tls`] starts it secured as production would run it: `https://` with a
+//! server certificate, client certificates required (`--client-cert-auth`) and checked
+//! against a CA (`--trusted-ca-file`), all made here by the project's own CA code
+//! ([`Ca`]). [`Etcd::enable_auth`] then turns on user authentication, and
+//! [`Etcd::add_user`] adds a user who may read and write one prefix. The harness's own
+//! `etcdctl` calls present a client certificate and, once authentication is on, log in
+//! as root. Health is checked on a separate plain-HTTP metrics port, so that it does not
+//! need the client certificate.
 
 use super::ports;
 use super::process::{run_bounded, Proc};
+use ballast_shared::pki::Ca;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -48,11 +58,62 @@ fn etcd_command(bin: &str) -> Command {
     cmd
 }
 
+/// The TLS files of a secured etcd ([`Etcd::start_tls`]), all PEM.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// The CA that signed etcd's server certificate and the client certificates.
+    pub ca: PathBuf,
+    /// etcd's server certificate (for 127.0.0.1 and localhost) and key.
+    pub server_cert: PathBuf,
+    /// The server certificate's key.
+    pub server_key: PathBuf,
+    /// A client certificate etcd accepts, for an aggregator.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+    /// The client certificate the harness's `etcdctl` presents.
+    ctl_cert: PathBuf,
+    ctl_key: PathBuf,
+}
+
+impl EtcdTls {
+    /// Makes a CA, a server certificate and two client certificates in `dir`.
+    fn generate(dir: &Path) -> EtcdTls {
+        std::fs::create_dir_all(dir).expect("etcd TLS directory");
+        let ca = Ca::generate("ballast test etcd CA").expect("etcd CA");
+        std::fs::write(dir.join("ca.pem"), ca.pem().cert).expect("write the etcd CA");
+        ca.issue_server(&["127.0.0.1".to_string(), "localhost".to_string()])
+            .expect("etcd server certificate")
+            .write(dir, "server")
+            .expect("write the etcd server certificate");
+        for name in ["aggregator", "etcdctl"] {
+            ca.issue_node(&format!("ballast-{name}"), &[])
+                .expect("etcd client certificate")
+                .pem
+                .write(dir, name)
+                .expect("write an etcd client certificate");
+        }
+        EtcdTls {
+            ca: dir.join("ca.pem"),
+            server_cert: dir.join("server.pem"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("aggregator.pem"),
+            client_key: dir.join("aggregator.key"),
+            ctl_cert: dir.join("etcdctl.pem"),
+            ctl_key: dir.join("etcdctl.key"),
+        }
+    }
+}
+
 /// A running etcd. Killed on drop.
 pub struct Etcd {
     client_port: u16,
     peer_port: u16,
+    metrics_port: u16,
     runs: u32,
+    tls: Option<EtcdTls>,
+    /// root's password, once authentication is enabled.
+    root_password: Option<String>,
     http: reqwest::blocking::Client,
     proc: Option<Proc>,
     // Last, so that the process is gone before its directory is removed.
@@ -60,8 +121,20 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// Starts etcd on free loopback ports and waits until `/health` says it is healthy.
+    /// Starts etcd on free loopback ports (`http://`) and waits until `/health` says
+    /// it is healthy.
     pub fn start() -> Etcd {
+        Self::start_with(false)
+    }
+
+    /// Starts etcd secured: `https://` with a server certificate from a CA made for it,
+    /// and client certificates from that CA required (`--cert-file`, `--key-file`,
+    /// `--client-cert-auth`, `--trusted-ca-file`). See [`Etcd::tls`].
+    pub fn start_tls() -> Etcd {
+        Self::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Etcd {
         require_etcd();
         let dir = tempfile::Builder::new()
             .prefix("ballast-etcd-")
@@ -72,10 +145,14 @@ impl Etcd {
             .no_proxy()
             .build()
             .expect("HTTP client");
+        let tls = tls.then(|| EtcdTls::generate(&dir.path().join("tls")));
         let mut etcd = Etcd {
             client_port: 0,
             peer_port: 0,
+            metrics_port: 0,
             runs: 0,
+            tls,
+            root_password: None,
             http,
             proc: None,
             dir,
@@ -85,6 +162,7 @@ impl Etcd {
         for _ in 0..5 {
             etcd.client_port = ports::free_tcp();
             etcd.peer_port = ports::free_tcp();
+            etcd.metrics_port = ports::free_tcp();
             match etcd.launch() {
                 Ok(()) => return etcd,
                 Err(log) if log.contains("address already in use") => last = log,
@@ -107,7 +185,17 @@ impl Etcd {
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("ballast-test={peer}")])
+            .args(["--listen-metrics-urls", &self.metrics_url()])
             .args(["--logger", "zap", "--log-outputs", "stderr"]);
+        if let Some(tls) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(&tls.server_cert)
+                .arg("--key-file")
+                .arg(&tls.server_key)
+                .arg("--client-cert-auth")
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca);
+        }
         let log = self.dir.path().join(format!("etcd-{}.log", self.runs));
         let mut proc = Proc::spawn(cmd, "etcd", &log, 20);
         let deadline = Instant::now() + START_TIMEOUT;
@@ -129,9 +217,13 @@ impl Etcd {
         }
     }
 
+    fn metrics_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.metrics_port)
+    }
+
     fn healthy(&self) -> bool {
         self.http
-            .get(format!("{}/health", self.endpoint()))
+            .get(format!("{}/health", self.metrics_url()))
             .send()
             .and_then(|r| r.json::<serde_json::Value>())
             .is_ok_and(|v| v["health"] == "true")
@@ -141,9 +233,86 @@ impl Etcd {
         self.dir.path().join("data")
     }
 
-    /// The client URL, e.g. `http://127.0.0.1:23790`.
+    /// The client URL, e.g. `http://127.0.0.1:23790`, or `https://` when secured.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The TLS files of an etcd started with [`Etcd::start_tls`]; panics otherwise.
+    pub fn tls(&self) -> &EtcdTls {
+        self.tls
+            .as_ref()
+            .expect("this etcd was started without TLS (Etcd::start_tls)")
+    }
+
+    /// Where a test may write files beside this etcd's (e.g. a password file).
+    pub fn scratch_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// An `etcdctl` command for this etcd: its endpoint, a bounded command time, and
+    /// when secured a client certificate, and root's login once authentication is on.
+    fn ctl_command(&self) -> Command {
+        let mut cmd = etcd_command(ETCDCTL_BIN);
+        cmd.args(["--endpoints", &self.endpoint()]);
+        if let Some(tls) = &self.tls {
+            cmd.arg("--cacert")
+                .arg(&tls.ca)
+                .arg("--cert")
+                .arg(&tls.ctl_cert)
+                .arg("--key")
+                .arg(&tls.ctl_key);
+        }
+        if let Some(password) = &self.root_password {
+            cmd.arg("--user").arg(format!("root:{password}"));
+        }
+        cmd
+    }
+
+    /// `etcdctl ARGS`, panicking with its output unless it succeeds.
+    fn must_ctl(&self, args: &[&str]) -> String {
+        self.try_ctl(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Turns on etcd's authentication (`user add root`, `auth enable`), root having
+    /// `root_password`; the harness's own calls log in as root from then on.
+    pub fn enable_auth(&mut self, root_password: &str) {
+        self.must_ctl(&[
+            "user",
+            "add",
+            "root",
+            "--interactive=false",
+            "--new-user-password",
+            root_password,
+        ]);
+        self.must_ctl(&["auth", "enable"]);
+        self.root_password = Some(root_password.to_string());
+        // Each call now logs in: check that root can.
+        self.must_ctl(&["user", "list"]);
+    }
+
+    /// Adds user `user` with `password`, allowed to read and write the keys under
+    /// `prefix` and nothing else (a role of the same name).
+    pub fn add_user(&self, user: &str, password: &str, prefix: &str) {
+        self.must_ctl(&[
+            "user",
+            "add",
+            user,
+            "--interactive=false",
+            "--new-user-password",
+            password,
+        ]);
+        self.must_ctl(&["role", "add", user]);
+        self.must_ctl(&[
+            "role",
+            "grant-permission",
+            user,
+            "--prefix=true",
+            "readwrite",
+            prefix,
+        ]);
+        self.must_ctl(&["user", "grant-role", user, user]);
     }
 
     /// Kills etcd (SIGKILL), as a crash or a partition would look to its clients.
@@ -173,9 +342,8 @@ impl Etcd {
 
     /// `etcdctl ARGS` against this etcd, bounded in time; its stdout, or why it failed.
     pub fn try_ctl(&self, args: &[&str]) -> Result<String, String> {
-        let mut cmd = etcd_command(ETCDCTL_BIN);
-        cmd.args(["--endpoints", &self.endpoint(), "--command-timeout", "3s"])
-            .args(args);
+        let mut cmd = self.ctl_command();
+        cmd.args(["--command-timeout", "3s"]).args(args);
         let out = run_bounded(cmd, Duration::from_secs(15));
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -202,18 +370,11 @@ impl Etcd {
     pub fn watch(&self, prefix: &str) -> Watch {
         let out = self.dir.path().join(format!("watch-{}.out", self.runs));
         let err = self.dir.path().join(format!("watch-{}.err", self.runs));
-        let mut cmd = etcd_command(ETCDCTL_BIN);
-        cmd.args([
-            "--endpoints",
-            &self.endpoint(),
-            "watch",
-            "--prefix",
-            "--rev",
-            "1",
-        ])
-        .arg(prefix)
-        .stdout(File::create(&out).expect("watch output file"))
-        .stderr(File::create(&err).expect("watch error file"));
+        let mut cmd = self.ctl_command();
+        cmd.args(["watch", "--prefix", "--rev", "1"])
+            .arg(prefix)
+            .stdout(File::create(&out).expect("watch output file"))
+            .stderr(File::create(&err).expect("watch error file"));
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start etcdctl watch: {e}"));

@@ -2,6 +2,7 @@
 //! their names, and `grpcio` xDS clients that count calls per backend, driven over
 //! their standard input and output (the scripts are in `tests/xds/`).
 
+use super::aggregator::XdsTarget;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
@@ -183,7 +184,7 @@ impl XdsClient {
     /// A client whose xDS node is `node_id`, in `zone` if given (`node.locality.zone`
     /// of the bootstrap), resolving `xds:///<service>` through the ADS server at `xds`.
     pub fn start(
-        xds: SocketAddr,
+        xds: &XdsTarget,
         service: &str,
         node_id: &str,
         zone: Option<&str>,
@@ -220,19 +221,35 @@ impl XdsClient {
 }
 
 /// Writes a gRPC xDS bootstrap for node `node_id` (in `zone` if given) that points at
-/// the ADS server `xds` with insecure credentials, as `dir/bootstrap-<node_id>.json`,
+/// the ADS server `xds`, over TLS with its CA (the `tls` channel credentials of
+/// gRPC's bootstrap) unless the port is plaintext, as `dir/bootstrap-<node_id>.json`,
 /// and returns its path: the file `GRPC_XDS_BOOTSTRAP` names, for an [`XdsClient`] or
 /// a client of a test's own making (a load generator, say).
-pub fn write_bootstrap(xds: SocketAddr, node_id: &str, zone: Option<&str>, dir: &Path) -> PathBuf {
+pub fn write_bootstrap(xds: &XdsTarget, node_id: &str, zone: Option<&str>, dir: &Path) -> PathBuf {
     let path = dir.join(format!("bootstrap-{node_id}.json"));
     let mut node = serde_json::json!({ "id": node_id });
     if let Some(zone) = zone {
         node["locality"] = serde_json::json!({ "zone": zone });
     }
+    let creds = match (&xds.ca, &xds.client) {
+        (Some(ca), Some((cert, key))) => serde_json::json!({
+            "type": "tls",
+            "config": {
+                "ca_certificate_file": ca,
+                "certificate_file": cert,
+                "private_key_file": key,
+            },
+        }),
+        (Some(ca), None) => serde_json::json!({
+            "type": "tls",
+            "config": { "ca_certificate_file": ca },
+        }),
+        (None, _) => serde_json::json!({ "type": "insecure" }),
+    };
     let doc = serde_json::json!({
         "xds_servers": [{
-            "server_uri": xds.to_string(),
-            "channel_creds": [{"type": "insecure"}],
+            "server_uri": xds.addr.to_string(),
+            "channel_creds": [creds],
             "server_features": ["xds_v3"],
         }],
         "node": node,

@@ -8,6 +8,7 @@ pub mod api;
 pub mod backend;
 pub mod converge;
 pub mod etcd;
+pub mod fleet;
 pub mod grpc;
 pub mod haproxy;
 pub mod netns;

@@ -24,12 +24,15 @@ const CMD_TIMEOUT: Duration = Duration::from_secs(10);
 static MADE: AtomicU32 = AtomicU32::new(0);
 
 /// A network namespace with one veth link to the test's namespace: the test's side
-/// has [`Netns::host_ip`], the namespace's side [`Netns::ip`], on a /30 of their own.
+/// has [`Netns::host_ip`], the namespace's side [`Netns::ip`] and [`Netns::ip2`], on a
+/// /29 of their own. The second address lets a test cut off some clients of a server
+/// in the namespace and not others: those that dial it.
 #[derive(Debug)]
 pub struct Netns {
     name: String,
     host_ip: Ipv4Addr,
     ip: Ipv4Addr,
+    ip2: Ipv4Addr,
     /// Holds the namespace open for `setns` in children.
     file: File,
 }
@@ -44,11 +47,12 @@ impl Netns {
         // Interface names are at most 15 bytes.
         let tag = format!("{}{}", pid % 100_000, n % 100);
         let (host_if, ns_if) = (format!("bh{tag}"), format!("bn{tag}"));
-        // A /30 per namespace, from the pid and the count, in 10.128.0.0/9.
-        let slot = (pid % 512) * 64 + (n % 64);
-        let base = 0x0A80_0000u32 | (slot << 2);
+        // A /29 per namespace, from the pid and the count, in 10.128.0.0/9.
+        let slot = (pid % 512) * 32 + (n % 32);
+        let base = 0x0A80_0000u32 | (slot << 3);
         let host_ip = Ipv4Addr::from(base | 1);
         let ip = Ipv4Addr::from(base | 2);
+        let ip2 = Ipv4Addr::from(base | 3);
         run_ip(&["netns", "add", &name]);
         // From here on, drop deletes it even if a later step fails.
         let file = File::open(format!("/var/run/netns/{name}"))
@@ -57,14 +61,16 @@ impl Netns {
             name,
             host_ip,
             ip,
+            ip2,
             file,
         };
         run_ip(&[
             "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if, "netns", &ns.name,
         ]);
-        run_ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &host_if]);
+        run_ip(&["addr", "add", &format!("{host_ip}/29"), "dev", &host_if]);
         run_ip(&["link", "set", &host_if, "up"]);
-        ns.ip_in(&["addr", "add", &format!("{ip}/30"), "dev", &ns_if]);
+        ns.ip_in(&["addr", "add", &format!("{ip}/29"), "dev", &ns_if]);
+        ns.ip_in(&["addr", "add", &format!("{ip2}/29"), "dev", &ns_if]);
         ns.ip_in(&["link", "set", &ns_if, "up"]);
         ns.ip_in(&["link", "set", "lo", "up"]);
         Arc::new(ns)
@@ -78,6 +84,11 @@ impl Netns {
     /// The namespace's address on the link.
     pub fn ip(&self) -> Ipv4Addr {
         self.ip
+    }
+
+    /// The namespace's second address on the link.
+    pub fn ip2(&self) -> Ipv4Addr {
+        self.ip2
     }
 
     /// The test's address on the link, as seen from inside.
@@ -147,6 +158,21 @@ impl Netns {
         };
         format!(
             "table inet ballast_faults {{\n  chain input {{\n    type filter hook input priority 0; policy accept;\n    udp dport {port} {some}counter drop\n  }}\n}}\n"
+        )
+    }
+
+    /// A ruleset that drops every TCP segment to and from `port` in the namespace, both
+    /// ways: a partition of the server there from its TCP clients.
+    pub fn drop_tcp_to_port(port: u16) -> String {
+        format!(
+            "table inet ballast_faults {{\n  chain input {{\n    type filter hook input priority 0; policy accept;\n    tcp dport {port} counter drop\n  }}\n  chain output {{\n    type filter hook output priority 0; policy accept;\n    tcp sport {port} counter drop\n  }}\n}}\n"
+        )
+    }
+
+    /// A ruleset that drops every UDP datagram arriving for `ip`:`port`.
+    pub fn drop_udp_to(ip: Ipv4Addr, port: u16) -> String {
+        format!(
+            "table inet ballast_faults {{\n  chain input {{\n    type filter hook input priority 0; policy accept;\n    ip daddr {ip} udp dport {port} counter drop\n  }}\n}}\n"
         )
     }
 

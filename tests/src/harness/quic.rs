@@ -41,9 +41,16 @@ pub fn client_config_without_certificate(pki: &Pki) -> quinn::ClientConfig {
 }
 
 impl RawClient {
-    /// A client presenting node `node`'s certificate from `pki`.
+    /// A client presenting node `node`'s certificate from `pki` (which names no
+    /// service, if `pki` issues it here).
     pub fn for_node(pki: &Pki, node: &str) -> RawClient {
         Self::with_config(pki.client_config(node))
+    }
+
+    /// A client presenting a certificate from `pki` for node `node` that may serve
+    /// `services`.
+    pub fn for_node_serving(pki: &Pki, node: &str, services: &[&str]) -> RawClient {
+        Self::with_config(pki.client_config_from(&pki.node_tls_dir_for(node, services)))
     }
 
     /// A client with any configuration.

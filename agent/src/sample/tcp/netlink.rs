@@ -277,17 +277,17 @@ impl DiagCounter {
 
 /// What one received datagram held.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Chunk {
+pub(crate) struct Chunk {
     /// Socket records for this request.
-    pub(super) sockets: u32,
+    pub(crate) sockets: u32,
     /// Of those, established sockets whose local port is in the set.
-    pub(super) established: u32,
+    pub(crate) established: u32,
     /// Of those, the sockets owed a response ([`owes_response`]).
-    pub(super) owed: u32,
+    pub(crate) owed: u32,
     /// `NLMSG_DONE` (or an `NLMSG_ERROR`) ended the answer.
-    pub(super) done: bool,
+    pub(crate) done: bool,
     /// The errno of an `NLMSG_ERROR`: the kernel refused the request.
-    pub(super) refused: Option<i32>,
+    pub(crate) refused: Option<i32>,
 }
 
 /// Parses one datagram of a dump answering request `seq`, whose socket records have
@@ -300,7 +300,7 @@ pub(super) struct Chunk {
 /// fit the buffer, a record shorter than `struct inet_diag_msg`, or a matching record
 /// whose attributes are malformed ([`tcp_times`]) becomes [`SampleError::Parse`]. Never
 /// panics.
-pub(super) fn parse_chunk(
+pub(crate) fn parse_chunk(
     buf: &[u8],
     seq: u32,
     kind: u16,

@@ -40,6 +40,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use futures_util::stream::BoxStream;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{oneshot, watch, Notify};
@@ -75,17 +76,26 @@ impl XdsServer {
         state: Arc<State>,
         policy: LbPolicy,
     ) -> std::io::Result<XdsServer> {
-        Self::start_supervised(listener, state, policy, &Supervisor::detached())
+        Self::start_supervised(listener, state, policy, None, &Supervisor::detached())
     }
 
-    /// Like [`XdsServer::start`], with its tasks watched by `supervisor`.
+    /// Like [`XdsServer::start`], over TLS when `tls` is given, with its tasks
+    /// watched by `supervisor`. Fails if the TLS configuration is unusable.
     pub fn start_supervised(
         listener: tokio::net::TcpListener,
         state: Arc<State>,
         policy: LbPolicy,
+        tls: Option<tonic::transport::ServerTlsConfig>,
         supervisor: &Supervisor,
     ) -> std::io::Result<XdsServer> {
         let addr = listener.local_addr()?;
+        let state_tls = if tls.is_some() { "on" } else { "off" };
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            builder = builder
+                .tls_config(tls)
+                .map_err(|e| std::io::Error::other(format!("xDS TLS: {e}")))?;
+        }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let first = build(&state.published(), policy, &Snapshot::default());
         let (snapshots, snapshots_rx) = watch::channel(Arc::new(first));
@@ -93,21 +103,25 @@ impl XdsServer {
             "xDS publisher",
             publish(state.clone(), policy, snapshots, shutdown_rx.clone()),
         );
+        let limits = state.limits.clone();
         let ads = Ads {
             state,
             snapshots: snapshots_rx,
             shutdown: shutdown_rx.clone(),
+            open: Arc::new(AtomicUsize::new(0)),
         };
         let mut stop = shutdown_rx;
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let server = supervisor.spawn("xDS server", async move {
-            let result = tonic::transport::Server::builder()
+            let result = builder
                 // Streams live for hours: find dead clients without waiting for TCP.
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
                 .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+                .max_concurrent_streams(Some(limits.xds_max_streams_per_connection))
                 .serve_with_incoming_shutdown(
-                    AggregatedDiscoveryServiceServer::new(ads),
+                    AggregatedDiscoveryServiceServer::new(ads)
+                        .max_decoding_message_size(limits.xds_max_request_bytes),
                     incoming,
                     async move { stopping(&mut stop).await },
                 )
@@ -116,7 +130,7 @@ impl XdsServer {
                 tracing::error!(error = %e, "xDS server stopped");
             }
         });
-        tracing::info!(xds_addr = %addr, ?policy, "xDS (ADS) serving");
+        tracing::info!(xds_addr = %addr, ?policy, tls = %state_tls, "xDS (ADS) serving");
         Ok(XdsServer {
             addr,
             shutdown,
@@ -180,6 +194,45 @@ struct Ads {
     state: Arc<State>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     shutdown: watch::Receiver<bool>,
+    /// Streams open, against `limits.xds_max_streams`.
+    open: Arc<AtomicUsize>,
+}
+
+/// Holds one place among the open streams for as long as the stream's request side
+/// lives.
+struct StreamSlot(Arc<AtomicUsize>);
+
+impl StreamSlot {
+    /// A place, if fewer than `max` are taken.
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<StreamSlot> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| StreamSlot(open.clone()))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The most bytes of a NACK's `error_detail` kept for the log: a client's message is
+/// its own business, and its size is the client's choice.
+const MAX_NACK_DETAIL: usize = 512;
+
+/// `text`, cut to at most `max` bytes at a character boundary.
+fn truncated(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 type ResponseStream<T> = BoxStream<'static, Result<T, Status>>;
@@ -193,6 +246,14 @@ impl AggregatedDiscoveryService for Ads {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
         let peer = request.remote_addr();
+        let max = self.state.limits.xds_max_streams;
+        let Some(slot) = StreamSlot::take(&self.open, max) else {
+            self.state.metrics.refuse_xds("streams");
+            tracing::warn!(?peer, max, "xDS stream refused: too many open streams");
+            return Err(Status::resource_exhausted(format!(
+                "this xDS server has {max} streams open, its limit"
+            )));
+        };
         let shared = Arc::new(Shared {
             session: Mutex::new(Session {
                 protocol: StreamState::new(),
@@ -208,6 +269,7 @@ impl AggregatedDiscoveryService for Ads {
             shutdown: self.shutdown.clone(),
             peer,
             alive,
+            _slot: slot,
         };
         tokio::spawn(requests.run(request.into_inner()));
         let outbound = Outbound {
@@ -290,6 +352,7 @@ struct AdsStream {
     peer: Option<SocketAddr>,
     /// Closed when tonic drops the outbound side: the client is gone.
     alive: oneshot::Sender<()>,
+    _slot: StreamSlot,
 }
 
 impl AdsStream {
@@ -320,6 +383,14 @@ impl AdsStream {
             tokio::select! {
                 msg = requests.message() => match msg {
                     Ok(Some(req)) => {
+                        let max = self.state.limits.xds_max_resource_names;
+                        if req.resource_names.len() > max {
+                            self.state.metrics.refuse_xds("resource_names");
+                            return Err(Status::invalid_argument(format!(
+                                "{} resource names in one request; the limit is {max}",
+                                req.resource_names.len()
+                            )));
+                        }
                         self.on_request(req);
                         self.shared.wake.notify_one();
                     }
@@ -351,7 +422,10 @@ impl AdsStream {
             tracing::debug!(node = %session.node_id(), type_url = %req.type_url, "xDS request for a type not served; ignored");
             return;
         };
-        let error = req.error_detail.as_ref().map(|e| e.message.as_str());
+        let error = req
+            .error_detail
+            .as_ref()
+            .map(|e| truncated(&e.message, MAX_NACK_DETAIL));
         let verdict =
             session
                 .protocol

@@ -1,0 +1,212 @@
+//! The HTTP API's listener, with its limits: a cap on open connections, a deadline for
+//! a connection's first request, and an idle timeout. A client that trickles its
+//! headers, or a watcher that stops reading, holds a connection for a bounded time,
+//! and no number of them can take more than the cap.
+
+use crate::state::State;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+
+/// Accepts at most `http_max_connections` at a time; the rest wait in the backlog.
+pub(crate) struct Limited {
+    inner: TcpListener,
+    permits: Arc<Semaphore>,
+    state: Arc<State>,
+}
+
+impl Limited {
+    /// Limits `inner` by the state's `[limits]`.
+    pub(crate) fn new(inner: TcpListener, state: Arc<State>) -> Self {
+        let permits = Arc::new(Semaphore::new(state.limits.http_max_connections));
+        Limited {
+            inner,
+            permits,
+            state,
+        }
+    }
+}
+
+impl axum::serve::Listener for Limited {
+    type Io = Guarded;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let permit = match self.permits.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    self.state.metrics.refuse_http("connections");
+                    match self.permits.clone().acquire_owned().await {
+                        Ok(p) => p,
+                        // The semaphore is never closed.
+                        Err(_) => continue,
+                    }
+                }
+            };
+            match self.inner.accept().await {
+                Ok((stream, addr)) => {
+                    let _ = stream.set_nodelay(true);
+                    return (Guarded::new(stream, permit, self.state.clone()), addr);
+                }
+                Err(e) => {
+                    // Out of descriptors, say: wait a little rather than spin.
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+/// One accepted connection, holding its place under the cap, cut off when it misses
+/// its deadline: its first response must start within `http_request_timeout_ms` of
+/// the accept, and after that a byte must move either way every
+/// `http_idle_timeout_ms`.
+pub(crate) struct Guarded {
+    stream: TcpStream,
+    _permit: OwnedSemaphorePermit,
+    state: Arc<State>,
+    deadline: Pin<Box<Sleep>>,
+    /// Whether a response has started: until then reads do not extend the deadline.
+    answered: bool,
+    idle: Duration,
+}
+
+impl Guarded {
+    fn new(stream: TcpStream, permit: OwnedSemaphorePermit, state: Arc<State>) -> Self {
+        let first = Duration::from_millis(state.limits.http_request_timeout_ms);
+        let idle = Duration::from_millis(state.limits.http_idle_timeout_ms);
+        Guarded {
+            stream,
+            _permit: permit,
+            state,
+            deadline: Box::pin(tokio::time::sleep(first)),
+            answered: false,
+            idle,
+        }
+    }
+
+    /// Moves the deadline on after progress: reads count only once a response has
+    /// started, so a first request cannot be trickled in.
+    fn progressed(&mut self, wrote: bool) {
+        self.answered |= wrote;
+        if self.answered {
+            let next = Instant::now() + self.idle;
+            // Resetting the timer on every small read costs more than it buys.
+            if next > self.deadline.deadline() + Duration::from_millis(250) {
+                self.deadline.as_mut().reset(next);
+            }
+        }
+    }
+
+    /// The timeout error if the deadline has passed; registers the waker otherwise.
+    fn expired(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        if self.deadline.as_mut().poll(cx).is_pending() {
+            return None;
+        }
+        let reason = if self.answered {
+            "idle_timeout"
+        } else {
+            "request_timeout"
+        };
+        self.state.metrics.refuse_http(reason);
+        Some(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("HTTP connection cut off: {reason}"),
+        ))
+    }
+}
+
+impl AsyncRead for Guarded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.stream).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                if buf.filled().len() > before {
+                    self.progressed(false);
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.expired(cx) {
+                Some(e) => Poll::Ready(Err(e)),
+                None => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.stream).poll_write(cx, data) {
+            Poll::Ready(r) => {
+                if matches!(r, Ok(n) if n > 0) {
+                    self.progressed(true);
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.expired(cx) {
+                Some(e) => Poll::Ready(Err(e)),
+                None => Poll::Pending,
+            },
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match Pin::new(&mut self.stream).poll_flush(cx) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => match self.expired(cx) {
+                Some(e) => Poll::Ready(Err(e)),
+                None => Poll::Pending,
+            },
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = ready!(Pin::new(&mut self.stream).poll_shutdown(cx));
+        Poll::Ready(r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.stream).poll_write_vectored(cx, bufs) {
+            Poll::Ready(r) => {
+                if matches!(r, Ok(n) if n > 0) {
+                    self.progressed(true);
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.expired(cx) {
+                Some(e) => Poll::Ready(Err(e)),
+                None => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}

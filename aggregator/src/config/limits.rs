@@ -1,0 +1,156 @@
+//! `[limits]`: how much a broken or hostile peer can make the aggregator hold. Every
+//! limit has a default sized for a large fleet, and a metric that counts refusals when
+//! it bites (`docs/security.md` lists them).
+
+use super::InvalidSetting;
+use serde::{Deserialize, Serialize};
+
+/// The `[limits]` table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Services in all; a hello that would create one more is refused.
+    pub max_services: usize,
+    /// Endpoints in one service.
+    pub max_endpoints_per_service: usize,
+    /// Services one node (certificate identity) may serve at once. A hello for one
+    /// more first forgets the node's registrations in other services that have gone
+    /// silent (a node moved to another service), and is refused if that is not enough.
+    pub services_per_identity: usize,
+    /// Agent connections open at once, handshakes included; more are refused before
+    /// any cryptography.
+    pub quic_max_connections: usize,
+    /// Connections one node may hold at once (a reconnecting agent briefly has two).
+    pub quic_max_connections_per_identity: usize,
+    /// Whether a new connection must first prove its source address with a QUIC Retry
+    /// (one more round trip), so that spoofed floods cost no handshake.
+    pub quic_retry: bool,
+    /// Datagrams one connection may send per second, sustained (twice that in a
+    /// burst); the rest are dropped unread, before they reach the balancer.
+    pub quic_max_datagrams_per_second: u32,
+    /// How long an established connection may go without a report before it is
+    /// closed, in milliseconds; at least five report intervals are always allowed.
+    pub quic_report_timeout_ms: u64,
+    /// Open xDS (ADS) streams in all; more are refused with `RESOURCE_EXHAUSTED`.
+    pub xds_max_streams: usize,
+    /// Concurrent HTTP/2 streams on one xDS connection.
+    pub xds_max_streams_per_connection: u32,
+    /// The largest xDS request accepted, in bytes.
+    pub xds_max_request_bytes: usize,
+    /// The most resource names one xDS request may subscribe to.
+    pub xds_max_resource_names: usize,
+    /// Open HTTP API connections; more wait in the kernel's backlog.
+    pub http_max_connections: usize,
+    /// How long an HTTP connection may take to send its first request, in
+    /// milliseconds: a client that trickles its headers is cut off.
+    pub http_request_timeout_ms: u64,
+    /// How long an HTTP connection may stay without a byte either way, in
+    /// milliseconds. Watch streams send a keep-alive every 15 s, so a watcher that
+    /// reads is never idle; one that stops reading is.
+    pub http_idle_timeout_ms: u64,
+    /// Open watch streams (`?watch=true`); more are refused with 503.
+    pub watch_max_streams: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let core = ballast_balance::Limits::default();
+        Limits {
+            max_services: core.max_services,
+            max_endpoints_per_service: core.max_endpoints_per_service,
+            services_per_identity: 1,
+            quic_max_connections: 65_536,
+            quic_max_connections_per_identity: 4,
+            quic_retry: true,
+            quic_max_datagrams_per_second: 50,
+            quic_report_timeout_ms: 30_000,
+            xds_max_streams: 10_000,
+            xds_max_streams_per_connection: 16,
+            xds_max_request_bytes: 4 * 1024 * 1024,
+            xds_max_resource_names: 20_000,
+            http_max_connections: 1024,
+            http_request_timeout_ms: 10_000,
+            http_idle_timeout_ms: 60_000,
+            watch_max_streams: 1024,
+        }
+    }
+}
+
+impl Limits {
+    /// Checks that every limit admits something.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        let positive: [(&str, u64); 15] = [
+            ("max_services", self.max_services as u64),
+            (
+                "max_endpoints_per_service",
+                self.max_endpoints_per_service as u64,
+            ),
+            ("services_per_identity", self.services_per_identity as u64),
+            ("quic_max_connections", self.quic_max_connections as u64),
+            (
+                "quic_max_connections_per_identity",
+                self.quic_max_connections_per_identity as u64,
+            ),
+            (
+                "quic_max_datagrams_per_second",
+                u64::from(self.quic_max_datagrams_per_second),
+            ),
+            ("quic_report_timeout_ms", self.quic_report_timeout_ms),
+            ("xds_max_streams", self.xds_max_streams as u64),
+            (
+                "xds_max_streams_per_connection",
+                u64::from(self.xds_max_streams_per_connection),
+            ),
+            ("xds_max_request_bytes", self.xds_max_request_bytes as u64),
+            ("xds_max_resource_names", self.xds_max_resource_names as u64),
+            ("http_max_connections", self.http_max_connections as u64),
+            ("http_request_timeout_ms", self.http_request_timeout_ms),
+            ("http_idle_timeout_ms", self.http_idle_timeout_ms),
+            ("watch_max_streams", self.watch_max_streams as u64),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(InvalidSetting::new(
+                    format!("limits.{name}"),
+                    "must be at least 1",
+                ));
+            }
+        }
+        if self.xds_max_request_bytes < 1024 {
+            return Err(InvalidSetting::new(
+                "limits.xds_max_request_bytes",
+                "must be at least 1024",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The core's share: what registrations may create. Empty services are kept for
+    /// `empty_service_ttl_ms`.
+    pub fn core(&self, empty_service_ttl_ms: u64) -> ballast_balance::Limits {
+        ballast_balance::Limits {
+            max_services: self.max_services,
+            max_endpoints_per_service: self.max_endpoints_per_service,
+            services_per_node: self.services_per_identity,
+            empty_service_ttl_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_zero_is_refused() {
+        assert_eq!(Limits::default().validate(), Ok(()));
+        let l = Limits {
+            watch_max_streams: 0,
+            ..Limits::default()
+        };
+        assert_eq!(
+            l.validate().map_err(|e| e.setting),
+            Err("limits.watch_max_streams".to_string())
+        );
+    }
+}

@@ -1,0 +1,298 @@
+//! The authorization policy: what each connection's hellos may claim.
+//!
+//! By default a node may serve the services its certificate names (URI subject
+//! alternative names `ballast://service/NAME`), at its connection's source address
+//! only. An optional policy file adds rules for identity patterns, for deployments
+//! whose certificates come from another CA or whose nodes sit behind NAT:
+//!
+//! ```toml
+//! # Whether the services a certificate names are granted (default true). Set it to
+//! # false when the CA that signs node certificates is not yours alone: then only the
+//! # rules below grant services.
+//! certificate_services = true
+//!
+//! [[rule]]
+//! nodes = ["batch-*"]               # glob patterns on the certificate's node identity
+//! services = ["batch", "batch-eu"]  # services they may serve (globs)
+//! networks = ["10.20.0.0/16"]       # advertised addresses may be in these networks
+//! hostnames = ["*.batch.example"]   # advertised host names they may use (globs)
+//! ```
+//!
+//! Every rule whose `nodes` match adds its grants; nothing in the policy takes away
+//! what another rule or the certificate grants.
+
+use ballast_shared::session::{Cidr, Grant};
+use serde::Deserialize;
+use std::path::Path;
+
+/// Why a policy file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// The file could not be read.
+    #[error("authorization policy {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Not valid TOML for the policy's schema; the message carries line and column.
+    #[error("authorization policy {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What and where.
+        message: String,
+    },
+    /// A rule's value is unusable.
+    #[error("authorization policy {path}: rule {rule}: {field}: {reason}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// The rule, counted from 1 in the order of the file.
+        rule: usize,
+        /// The key.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The policy file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    #[serde(default = "yes")]
+    certificate_services: bool,
+    #[serde(default)]
+    rule: Vec<RuleFile>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    nodes: Vec<String>,
+    #[serde(default)]
+    services: Vec<String>,
+    #[serde(default)]
+    networks: Vec<String>,
+    #[serde(default)]
+    hostnames: Vec<String>,
+}
+
+/// One rule: identities it applies to, and what it grants them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Rule {
+    nodes: Vec<String>,
+    grant: Grant,
+}
+
+/// What connections may claim, beyond the node their certificate names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Policy {
+    certificate_services: bool,
+    rules: Vec<Rule>,
+}
+
+impl Default for Policy {
+    /// No file: certificates' services, source addresses only.
+    fn default() -> Self {
+        Policy {
+            certificate_services: true,
+            rules: Vec::new(),
+        }
+    }
+}
+
+/// Whether `pattern` is usable as a glob of names: the name characters, `*` and `?`.
+fn is_name_glob(pattern: &str) -> bool {
+    !pattern.is_empty()
+        && pattern.len() <= 256
+        && pattern
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'*' | b'?'))
+}
+
+impl Policy {
+    /// Reads and checks a policy file.
+    pub(crate) fn load(path: &Path) -> Result<Policy, PolicyError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and checks policy text; `origin` names it in errors.
+    pub(crate) fn parse(text: &str, origin: &str) -> Result<Policy, PolicyError> {
+        let file: PolicyFile = toml::from_str(text).map_err(|e| PolicyError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        let mut rules = Vec::with_capacity(file.rule.len());
+        for (i, r) in file.rule.into_iter().enumerate() {
+            let invalid = |field: &'static str, reason: String| PolicyError::Invalid {
+                path: origin.to_string(),
+                rule: i + 1,
+                field,
+                reason,
+            };
+            if r.nodes.is_empty() {
+                return Err(invalid("nodes", "must name at least one pattern".into()));
+            }
+            for (field, patterns) in [
+                ("nodes", &r.nodes),
+                ("services", &r.services),
+                ("hostnames", &r.hostnames),
+            ] {
+                if let Some(bad) = patterns.iter().find(|p| !is_name_glob(p)) {
+                    return Err(invalid(
+                        field,
+                        format!(
+                            "{bad:?} is not a name pattern (letters, digits, '.', '_', '-', \
+                             and the wildcards '*' and '?')"
+                        ),
+                    ));
+                }
+            }
+            let networks = r
+                .networks
+                .iter()
+                .map(|n| n.parse::<Cidr>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| invalid("networks", e.to_string()))?;
+            if r.services.is_empty() && networks.is_empty() && r.hostnames.is_empty() {
+                return Err(invalid(
+                    "services",
+                    "the rule grants nothing: give services, networks or hostnames".into(),
+                ));
+            }
+            rules.push(Rule {
+                nodes: r.nodes,
+                grant: Grant {
+                    services: r.services,
+                    networks,
+                    hostnames: r.hostnames,
+                },
+            });
+        }
+        Ok(Policy {
+            certificate_services: file.certificate_services,
+            rules,
+        })
+    }
+
+    /// What a connection whose certificate names `identity` and `cert_services` may
+    /// claim: the certificate's services (unless the policy ignores them) and every
+    /// matching rule's grants.
+    pub(crate) fn grant(&self, identity: &str, cert_services: &[String]) -> Grant {
+        let mut grant = Grant::default();
+        if self.certificate_services {
+            grant.services.extend(cert_services.iter().cloned());
+        }
+        for rule in &self.rules {
+            if rule
+                .nodes
+                .iter()
+                .any(|p| ballast_shared::session::authz::glob_match(p, identity))
+            {
+                grant.services.extend(rule.grant.services.iter().cloned());
+                grant.networks.extend(rule.grant.networks.iter().copied());
+                grant.hostnames.extend(rule.grant.hostnames.iter().cloned());
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        grant.services.retain(|s| seen.insert(s.clone()));
+        grant
+    }
+
+    /// How many rules it has, for the start-up log.
+    pub(crate) fn rules(&self) -> usize {
+        self.rules.len()
+    }
+
+    /// Whether certificates' service names are granted.
+    pub(crate) fn certificate_services(&self) -> bool {
+        self.certificate_services
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn without_a_file_a_certificate_grants_its_own_services() {
+        let p = Policy::default();
+        let g = p.grant("web-1", &names(&["web"]));
+        assert_eq!(g.services, ["web"]);
+        assert!(g.networks.is_empty() && g.hostnames.is_empty());
+        assert_eq!(p.grant("web-1", &[]), Grant::default());
+    }
+
+    #[test]
+    fn matching_rules_add_their_grants() {
+        let p = Policy::parse(
+            r#"
+            [[rule]]
+            nodes = ["batch-*"]
+            services = ["batch"]
+            networks = ["10.20.0.0/16", "fd00::/8"]
+
+            [[rule]]
+            nodes = ["*-7"]
+            hostnames = ["*.example"]
+            "#,
+            "p.toml",
+        )
+        .expect("parses");
+        assert_eq!(p.rules(), 2);
+        let g = p.grant("batch-7", &names(&["etl"]));
+        assert_eq!(g.services, ["etl", "batch"]);
+        assert_eq!(g.networks.len(), 2);
+        assert_eq!(g.hostnames, ["*.example"]);
+        let g = p.grant("web-1", &[]);
+        assert_eq!(g, Grant::default());
+    }
+
+    #[test]
+    fn certificate_services_can_be_ignored() {
+        let p = Policy::parse(
+            "certificate_services = false\n[[rule]]\nnodes = [\"*\"]\nservices = [\"web\"]\n",
+            "p.toml",
+        )
+        .expect("parses");
+        assert!(!p.certificate_services());
+        assert_eq!(p.grant("x", &names(&["payments"])).services, ["web"]);
+    }
+
+    #[test]
+    fn bad_files_are_refused_with_where_and_why() {
+        let cases: [(&str, &str); 6] = [
+            ("[[rule]]\nnodes = [\"a\"]\nservices = [\"a/b\"]\n", "rule 1: services"),
+            ("[[rule]]\nnodes = []\nservices = [\"a\"]\n", "rule 1: nodes"),
+            (
+                "[[rule]]\nnodes = [\"a\"]\nservices = [\"a\"]\n[[rule]]\nnodes = [\"b\"]\nnetworks = [\"10.0.0.0/40\"]\n",
+                "rule 2: networks",
+            ),
+            ("[[rule]]\nnodes = [\"a\"]\n", "grants nothing"),
+            ("[[rule]]\nnodes = [\"a\"]\nservice = [\"x\"]\n", "line 3"),
+            ("certificate_services = \"yes\"\n", "line 1"),
+        ];
+        for (text, want) in cases {
+            let e = Policy::parse(text, "policy.toml").expect_err(text);
+            let msg = e.to_string();
+            assert!(msg.contains("policy.toml") && msg.contains(want), "{msg}");
+        }
+        let e = Policy::load(Path::new("/nonexistent/policy.toml")).expect_err("missing");
+        assert!(matches!(e, PolicyError::Read { .. }), "{e}");
+    }
+}

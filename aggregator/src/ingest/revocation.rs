@@ -1,0 +1,209 @@
+//! Certificate revocation: the list in force, its file watched for changes, and the
+//! verdict on a live connection's certificate when the list changes.
+//!
+//! The handshake's verifier ([`ClientVerifier`]) refuses revoked certificates from
+//! the moment a new list is set. Connections made before then are told through a
+//! generation counter: each connection task checks its own certificate again when it
+//! changes, and closes itself if the certificate is now revoked.
+
+use super::IngestError;
+use crate::metrics::Reason;
+use crate::state::State;
+use ballast_shared::tls::{self, CertificateDer, CertificateRevocationListDer, ClientVerifier};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tokio::sync::watch;
+
+/// What a certificate is worth now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Still good.
+    Valid,
+    /// On the revocation list in force.
+    Revoked,
+    /// Past its validity period.
+    Expired,
+}
+
+/// The revocation list in force and where it comes from.
+pub(super) struct Revocation {
+    verifier: Arc<ClientVerifier>,
+    path: Option<PathBuf>,
+    check_every: Duration,
+    generation: watch::Sender<u64>,
+}
+
+/// What identifies a version of the file without reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+}
+
+fn stamp(path: &Path) -> std::io::Result<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok(Stamp {
+        modified: m.modified().ok(),
+        len: m.len(),
+        inode: m.ino(),
+    })
+}
+
+fn read_crls(
+    path: &Path,
+) -> Result<(Vec<u8>, Vec<CertificateRevocationListDer<'static>>), IngestError> {
+    let err = |source| IngestError::Crl {
+        path: path.display().to_string(),
+        source,
+    };
+    let bytes = std::fs::read(path).map_err(|source| {
+        err(tls::TlsError::Read {
+            path: path.display().to_string(),
+            source,
+        })
+    })?;
+    let text = String::from_utf8_lossy(&bytes);
+    let crls = tls::crls_from_pem(&text, &path.display().to_string()).map_err(err)?;
+    Ok((bytes, crls))
+}
+
+impl Revocation {
+    /// The verifier for certificates from `client_ca`, with the list in `path` if one
+    /// is configured, checked for changes every `check_every`.
+    pub(super) fn load(
+        client_ca: &[CertificateDer<'static>],
+        path: Option<PathBuf>,
+        check_every: Duration,
+    ) -> Result<Self, IngestError> {
+        let crls = match &path {
+            Some(p) => {
+                let (_, crls) = read_crls(p)?;
+                tracing::info!(crl = %p.display(), lists = crls.len(), "certificate revocation list loaded");
+                crls
+            }
+            None => Vec::new(),
+        };
+        let verifier = ClientVerifier::new(client_ca, crls).map_err(|source| match &path {
+            Some(p) => IngestError::Crl {
+                path: p.display().to_string(),
+                source,
+            },
+            None => IngestError::Tls(source),
+        })?;
+        Ok(Revocation {
+            verifier: Arc::new(verifier),
+            path,
+            check_every,
+            generation: watch::channel(0).0,
+        })
+    }
+
+    /// The handshake's verifier.
+    pub(super) fn verifier(&self) -> Arc<ClientVerifier> {
+        self.verifier.clone()
+    }
+
+    /// A receiver that sees every change of the list from now on.
+    pub(super) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// What `chain` (leaf first) is worth under the list in force now.
+    pub(super) fn verdict(&self, chain: &[CertificateDer<'static>]) -> Verdict {
+        use quinn::rustls::{CertificateError as C, Error as E};
+        let now = ballast_shared::unix_ms() / 1000;
+        match self.verifier.check(chain, now) {
+            Ok(()) => Verdict::Valid,
+            Err(E::InvalidCertificate(C::Revoked)) => Verdict::Revoked,
+            Err(E::InvalidCertificate(
+                C::Expired
+                | C::ExpiredContext { .. }
+                | C::NotValidYet
+                | C::NotValidYetContext { .. },
+            )) => Verdict::Expired,
+            // Nothing else can have changed since the handshake: the CAs stay.
+            Err(e) => {
+                tracing::debug!(error = %e, "a live certificate checked again");
+                Verdict::Valid
+            }
+        }
+    }
+
+    /// Watches the list's file until the task ends: a changed file is read and put in
+    /// force, then every live connection checks its certificate again. A file that is
+    /// unusable, or gone, leaves the list in force as it was.
+    pub(super) async fn watch(self: Arc<Self>, state: Arc<State>) {
+        let Some(path) = self.path.clone() else {
+            return std::future::pending().await;
+        };
+        let mut last_stamp = stamp(&path).ok();
+        let mut last_bytes = std::fs::read(&path).unwrap_or_default();
+        let mut tick = tokio::time::interval(self.check_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut complained = false;
+        loop {
+            tick.tick().await;
+            let now = match stamp(&path) {
+                Ok(s) => s,
+                Err(e) => {
+                    if !complained {
+                        tracing::warn!(crl = %path.display(), error = %e,
+                            "cannot read the certificate revocation list; the list in force stays");
+                        count(&state, "error");
+                        complained = true;
+                    }
+                    continue;
+                }
+            };
+            if last_stamp.as_ref() == Some(&now) {
+                continue;
+            }
+            let p = path.clone();
+            let read = tokio::task::spawn_blocking(move || read_crls(&p)).await;
+            let (bytes, crls) = match read {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    // Written in several steps, perhaps: tried again at the next tick
+                    // whatever the stamp says.
+                    if !complained {
+                        tracing::error!(error = %e, "certificate revocation list refused; the list in force stays");
+                        count(&state, "error");
+                        complained = true;
+                    }
+                    last_stamp = None;
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            last_stamp = Some(now);
+            complained = false;
+            if bytes == last_bytes {
+                continue;
+            }
+            if let Err(e) = self.verifier.set_crls(crls) {
+                tracing::error!(crl = %path.display(), error = %e,
+                    "certificate revocation list refused; the list in force stays");
+                count(&state, "error");
+                last_bytes = bytes;
+                continue;
+            }
+            last_bytes = bytes;
+            tracing::info!(crl = %path.display(), "certificate revocation list reloaded; live connections are checked again");
+            count(&state, "applied");
+            self.generation.send_modify(|g| *g = g.wrapping_add(1));
+        }
+    }
+}
+
+fn count(state: &State, outcome: &str) {
+    state
+        .metrics
+        .crl_reloads
+        .get_or_create(&Reason {
+            reason: outcome.to_string(),
+        })
+        .inc();
+}

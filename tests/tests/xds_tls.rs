@@ -1,0 +1,163 @@
+//! Scenario: the xDS port carries TLS by default, and mutual TLS on request.
+//!
+//! 1. **Default (`tls`).** A real aggregator with `--xds` and no TLS flag serves ADS
+//!    over TLS with its server certificate. A client that speaks plaintext, or that
+//!    trusts another CA (an attacker's server would need a certificate from it), gets
+//!    no endpoint; a client that trusts the aggregator's CA gets the service's
+//!    ClusterLoadAssignment, and so does a proxyless `grpcio` client bootstrapped with
+//!    `channel_creds` of type `tls` and the CA file: its calls reach every backend.
+//! 2. **`--xds-tls mutual`.** A client without a certificate is refused; a `grpcio`
+//!    client with a certificate from the aggregator's CA
+//!    (`certificate_file`/`private_key_file` in its bootstrap) is served.
+//! 3. **`--xds-tls plaintext`**, asked for explicitly, serves plaintext clients.
+
+use ballast_tests::harness::ads::{xds_aggregator_opts, EdsWatch};
+use ballast_tests::harness::aggregator::{XdsTarget, XdsTls};
+use ballast_tests::harness::converge::{node_names, start_speeds};
+use ballast_tests::harness::grpc::{require_grpcio, Backends, XdsClient};
+use ballast_tests::*;
+use std::time::Duration;
+
+const SPEEDS: [f64; 3] = [0.6, 1.0, 1.5];
+
+/// Whether `target` gets the service's endpoints within a few seconds.
+fn served(target: XdsTarget, service: &str) -> Result<usize, String> {
+    let watch = EdsWatch::start(target, service);
+    let got = wait_for_result(Duration::from_secs(5), || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| watch.latest()))
+            .map_err(|_| "the client stopped".to_string())?;
+        let resp = r.ok_or("no response yet")?;
+        Ok(resp.endpoints()?.len())
+    });
+    drop(watch);
+    got
+}
+
+/// Polls `f` until it is `Ok` or `within` passes; its last error otherwise.
+fn wait_for_result<T>(
+    within: Duration,
+    mut f: impl FnMut() -> Result<T, String>,
+) -> Result<T, String> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+            Err(e) if e == "the client stopped" => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+fn fleet(pki: &Pki, agg: &Aggregator, service: &str, backends: &Backends) -> Vec<Agent> {
+    let nodes = node_names(service, SPEEDS.len());
+    start_speeds(pki, agg, service, &nodes, &SPEEDS, |_, o| {
+        o.address = Some(backends.address(&o.node));
+    })
+}
+
+#[test]
+fn the_xds_port_is_tls_by_default_and_checks_the_server() {
+    const SERVICE: &str = "xdstls";
+    require_grpcio();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let pki = Pki::new();
+    let agg = Aggregator::start(&pki, xds_aggregator_opts());
+    let nodes = node_names(SERVICE, SPEEDS.len());
+    let names: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let backends = Backends::start(&names, dir.path());
+    let _agents = fleet(&pki, &agg, SERVICE, &backends);
+    wait_for(Duration::from_secs(15), "the service", || {
+        agg.try_weights(SERVICE).map(|_| ())
+    });
+
+    let good = agg.xds();
+    assert!(
+        good.ca.is_some(),
+        "the harness's default is the shipped default: TLS"
+    );
+    assert_eq!(served(good.clone(), SERVICE), Ok(SPEEDS.len()));
+
+    let plaintext = XdsTarget {
+        ca: None,
+        ..good.clone()
+    };
+    assert!(
+        served(plaintext, SERVICE).is_err(),
+        "a plaintext client was served by the TLS port"
+    );
+    let other = Pki::new();
+    let wrong_ca = XdsTarget {
+        ca: Some(other.dir().join("ca.pem")),
+        ..good.clone()
+    };
+    assert!(
+        served(wrong_ca, SERVICE).is_err(),
+        "a client that trusts another CA accepted the server"
+    );
+
+    let mut client = XdsClient::start(&good, SERVICE, "tls-client", None, dir.path());
+    let round = client.round(200, Duration::from_secs(30));
+    assert!(
+        round.errors.is_empty() && round.counts.len() == SPEEDS.len(),
+        "grpcio over TLS: {round:?}\n{}",
+        client.stderr_tail()
+    );
+}
+
+#[test]
+fn mutual_tls_serves_only_clients_with_a_certificate_from_the_ca() {
+    const SERVICE: &str = "xdsmtls";
+    require_grpcio();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let pki = Pki::new();
+    let opts = AggregatorOpts {
+        xds_tls: XdsTls::Mutual,
+        ..xds_aggregator_opts()
+    };
+    let agg = Aggregator::start(&pki, opts);
+    let nodes = node_names(SERVICE, SPEEDS.len());
+    let names: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let backends = Backends::start(&names, dir.path());
+    let _agents = fleet(&pki, &agg, SERVICE, &backends);
+    wait_for(Duration::from_secs(15), "the service", || {
+        agg.try_weights(SERVICE).map(|_| ())
+    });
+
+    let anonymous = agg.xds();
+    assert!(
+        served(anonymous.clone(), SERVICE).is_err(),
+        "a client without a certificate was served under mutual TLS"
+    );
+    let client_dir = pki.node_tls_dir("proxy-1");
+    let known = XdsTarget {
+        client: Some((client_dir.join("node.pem"), client_dir.join("node.key"))),
+        ..anonymous
+    };
+    assert_eq!(served(known.clone(), SERVICE), Ok(SPEEDS.len()));
+    let mut client = XdsClient::start(&known, SERVICE, "mtls-client", None, dir.path());
+    let round = client.round(200, Duration::from_secs(30));
+    assert!(
+        round.errors.is_empty() && round.counts.len() == SPEEDS.len(),
+        "grpcio with a client certificate: {round:?}\n{}",
+        client.stderr_tail()
+    );
+}
+
+#[test]
+fn plaintext_is_served_when_asked_for() {
+    const SERVICE: &str = "xdsplain";
+    let pki = Pki::new();
+    let opts = AggregatorOpts {
+        xds_tls: XdsTls::Plaintext,
+        ..xds_aggregator_opts()
+    };
+    let agg = Aggregator::start(&pki, opts);
+    let _agents = start_fleet(&pki, &agg, SERVICE, 2, &[1.0]);
+    wait_for(Duration::from_secs(15), "the service", || {
+        agg.try_weights(SERVICE).map(|_| ())
+    });
+    let target = agg.xds();
+    assert!(target.ca.is_none());
+    assert_eq!(served(target, SERVICE), Ok(2));
+}
