@@ -14,7 +14,11 @@
 //! 3. **An xDS client cut off from the aggregator.** A proxyless `grpcio` client keeps
 //!    calling every backend with its last assignment while TCP to the xDS port is
 //!    dropped, and a drain made meanwhile reaches it after healing.
-//! 4. **SIGKILL, repeatedly.** The aggregator is killed 20 times at random moments of
+//! 4. **The aggregator cut off from etcd.** With etcd outside the namespace and every
+//!    TCP segment between them dropped, balancing goes on (new versions in the API),
+//!    `/healthz` names the store's error, and after healing etcd holds the version the
+//!    API serves. An `etcdctl watch` sees every write once, in increasing versions.
+//! 5. **SIGKILL, repeatedly.** The aggregator is killed 20 times at random moments of
 //!    its cycles under a reporting fleet. After each restart the store file is whole,
 //!    the restored weights are those of a version it held, and no endpoint that was
 //!    serving restarts from the cold-start weight.
@@ -351,4 +355,86 @@ fn repeated_sigkill_never_tears_the_store_or_resets_a_weight() {
         "the fleet to converge again",
         || converged(&agg, SERVICE, 8, 1.1).map(|_| ()),
     );
+}
+
+#[test]
+fn an_etcd_partition_stops_nothing_and_the_store_catches_up() {
+    const SERVICE: &str = "etcdcut";
+    let prefix = "/ballast-cut";
+    let ns = Netns::new();
+    let etcd = Etcd::start_also_on(ns.host_ip());
+    let pki = Pki::new();
+    let agg = Aggregator::start(
+        &pki,
+        lossy_opts(&ns).etcd(&etcd.endpoint_on(ns.host_ip()), prefix),
+    );
+    let watch = etcd.watch(prefix);
+    let nodes = node_names(SERVICE, 4);
+    let agents = start_speeds(
+        &pki,
+        &agg,
+        SERVICE,
+        &nodes,
+        &[0.6, 1.0, 1.2, 1.5],
+        |_, _| {},
+    );
+    let key = format!("{prefix}/services/{SERVICE}");
+    let stored_version = || -> Result<u64, String> {
+        let v = etcd.get(&key).ok_or("no key yet")?;
+        let doc: serde_json::Value = serde_json::from_str(&v).map_err(|e| e.to_string())?;
+        doc["version"]
+            .as_u64()
+            .ok_or_else(|| format!("no version in {v}"))
+    };
+    wait_for(
+        Duration::from_secs(20),
+        "a first write to etcd",
+        stored_version,
+    );
+
+    ns.set_rules(&Netns::drop_tcp_to(ns.host_ip(), etcd.client_port()));
+    let cut_at = agg.weights(SERVICE).version;
+    // A drain makes sure the weights change while etcd is away.
+    assert!(agents[0].drain().ok, "drain refused");
+    wait_for(
+        Duration::from_secs(30),
+        "new versions and a store error while etcd is cut off",
+        || {
+            let h: serde_json::Value = agg.get_json("/healthz");
+            let version = agg.weights(SERVICE).version;
+            if version > cut_at + 1 && h["store_error"].as_str().is_some() {
+                Ok(())
+            } else {
+                Err(format!("version {version} (cut at {cut_at}), healthz {h}"))
+            }
+        },
+    );
+    assert!(ns.dropped_packets() > 0, "the rule dropped nothing");
+    assert!(
+        stored_version().unwrap_or(0) <= cut_at,
+        "etcd got a write through the partition"
+    );
+
+    ns.clear_rules();
+    wait_for(Duration::from_secs(30), "the store to catch up", || {
+        let served = agg.weights(SERVICE).version;
+        let stored = stored_version()?;
+        if stored == served {
+            Ok(())
+        } else {
+            Err(format!("etcd has version {stored}, the API {served}"))
+        }
+    });
+    let versions: Vec<u64> = watch
+        .events()
+        .iter()
+        .filter(|e| e.key == key && e.kind == "PUT")
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(&e.value).ok())
+        .filter_map(|d| d["version"].as_u64())
+        .collect();
+    assert!(
+        versions.windows(2).all(|w| w[0] < w[1]),
+        "the watcher saw versions out of order or twice: {versions:?}"
+    );
+    assert!(!versions.is_empty(), "the watcher saw nothing");
 }

@@ -114,6 +114,8 @@ pub struct Etcd {
     tls: Option<EtcdTls>,
     /// root's password, once authentication is enabled.
     root_password: Option<String>,
+    /// A second address clients may reach it on (a network namespace's link).
+    also_on: Option<std::net::Ipv4Addr>,
     http: reqwest::blocking::Client,
     proc: Option<Proc>,
     // Last, so that the process is gone before its directory is removed.
@@ -134,7 +136,17 @@ impl Etcd {
         Self::start_with(true)
     }
 
+    /// Starts etcd like [`Etcd::start`], listening for clients on `ip` too (the
+    /// test's side of a network namespace's link): see [`Etcd::endpoint_on`].
+    pub fn start_also_on(ip: std::net::Ipv4Addr) -> Etcd {
+        Self::start_on(false, Some(ip))
+    }
+
     fn start_with(tls: bool) -> Etcd {
+        Self::start_on(tls, None)
+    }
+
+    fn start_on(tls: bool, also_on: Option<std::net::Ipv4Addr>) -> Etcd {
         require_etcd();
         let dir = tempfile::Builder::new()
             .prefix("ballast-etcd-")
@@ -153,6 +165,7 @@ impl Etcd {
             runs: 0,
             tls,
             root_password: None,
+            also_on,
             http,
             proc: None,
             dir,
@@ -174,7 +187,10 @@ impl Etcd {
 
     fn launch(&mut self) -> Result<(), String> {
         self.runs += 1;
-        let client = self.endpoint();
+        let client = match self.also_on {
+            Some(ip) => format!("{},{}", self.endpoint(), self.endpoint_on(ip)),
+            None => self.endpoint(),
+        };
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut cmd = etcd_command(ETCD_BIN);
         cmd.args(["--name", "ballast-test"])
@@ -231,6 +247,17 @@ impl Etcd {
 
     fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
+    }
+
+    /// The client URL on `ip`, for an etcd started with [`Etcd::start_also_on`].
+    pub fn endpoint_on(&self, ip: std::net::Ipv4Addr) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{ip}:{}", self.client_port)
+    }
+
+    /// The etcd client port.
+    pub fn client_port(&self) -> u16 {
+        self.client_port
     }
 
     /// The client URL, e.g. `http://127.0.0.1:23790`, or `https://` when secured.

@@ -169,6 +169,14 @@ impl Netns {
         )
     }
 
+    /// A ruleset that cuts the namespace off from a TCP server outside it at
+    /// `ip`:`port`, both ways.
+    pub fn drop_tcp_to(ip: Ipv4Addr, port: u16) -> String {
+        format!(
+            "table inet ballast_faults {{\n  chain output {{\n    type filter hook output priority 0; policy accept;\n    ip daddr {ip} tcp dport {port} counter drop\n  }}\n  chain input {{\n    type filter hook input priority 0; policy accept;\n    ip saddr {ip} tcp sport {port} counter drop\n  }}\n}}\n"
+        )
+    }
+
     /// A ruleset that drops every UDP datagram arriving for `ip`:`port`.
     pub fn drop_udp_to(ip: Ipv4Addr, port: u16) -> String {
         format!(
