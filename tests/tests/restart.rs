@@ -122,11 +122,29 @@ fn restart_scenario(how: Stop) {
     assert_eq!(restored.version, stored_version, "weight version");
 
     // During the grace period: cycles run, are skipped for "grace", and change nothing.
-    // Cycle numbers carry on from the stored ones, so count from there.
+    // Cycle numbers carry on from the stored ones, so count from there. The grace
+    // period is on the aggregator's clock (milliseconds since it started, which each
+    // cycle's history point carries), not on ours: however late the test got its first
+    // answer, it looks at exactly the cycles that ran in grace.
     let restored_cycles = agg.service(SERVICE).stats.cycles;
     let mut saw_grace_skip = false;
-    while started.elapsed() < Duration::from_millis(GRACE_MS - 500) {
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_millis(GRACE_MS) + Duration::from_secs(20),
+            "the grace period never ended"
+        );
+        // The weights first: if the detail read after them is still in grace, so
+        // were they.
+        let weights = api_weights(&agg);
         let d = agg.service(SERVICE);
+        let last_at = d
+            .history
+            .last()
+            .filter(|h| h.cycle > restored_cycles)
+            .map(|h| h.at);
+        if last_at.is_some_and(|at| at >= GRACE_MS) {
+            break;
+        }
         if d.stats.cycles > restored_cycles {
             let skip = d.stats.last_skip.as_ref().map(SkipReason::label);
             assert_eq!(
@@ -146,7 +164,7 @@ fn restart_scenario(how: Stop) {
             d.version, stored_version,
             "the weights changed version in grace"
         );
-        if let Err(e) = same_weights(&api_weights(&agg), &stored_weights) {
+        if let Err(e) = same_weights(&weights, &stored_weights) {
             panic!(
                 "weights changed {:?} into the grace period: {e}",
                 started.elapsed()
