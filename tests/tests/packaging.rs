@@ -32,6 +32,8 @@ const AGGREGATOR_FILES: &[&str] = &[
     "/usr/share/bash-completion/completions/ballast-aggregator",
     "/usr/share/fish/vendor_completions.d/ballast-aggregator.fish",
     "/usr/share/doc/ballast-aggregator/README.tls",
+    "/usr/share/ballast/prometheus/ballast-rules.yml",
+    "/usr/share/ballast/grafana/ballast.json",
 ];
 
 /// What an operator adds to the shipped agent.toml (README.tls): the three settings
