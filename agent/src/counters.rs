@@ -5,7 +5,7 @@
 //!
 //! [`Status`]: crate::status::Status
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Upper bounds of the sample-duration buckets, in seconds. A host or cgroup sample
@@ -24,6 +24,57 @@ pub(crate) enum AgentCheckReply {
     Mean,
 }
 
+/// A connection one of the agent's listeners closed without its normal answer, for
+/// [`Metrics::count_refusal`]: which listener, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The control socket was serving its maximum of connections.
+    ControlConnections,
+    /// The control socket's peer is neither root nor the agent's own user.
+    ControlPeer,
+    /// A control request was not in, or its answer not out, in time.
+    ControlTimeout,
+    /// The agent-check was serving its maximum of connections.
+    AgentCheckConnections,
+    /// An agent-check answer was not taken in time.
+    AgentCheckTimeout,
+    /// The metrics server was answering its maximum of connections, none of them idle.
+    MetricsConnections,
+    /// An idle metrics connection (no request yet) was closed to make room for a new
+    /// one.
+    MetricsEvicted,
+    /// A metrics request was not in, or its answer not out, in time.
+    MetricsTimeout,
+}
+
+impl Refused {
+    /// Every kind, in the order of the counters.
+    pub(crate) const ALL: [Refused; 8] = [
+        Refused::ControlConnections,
+        Refused::ControlPeer,
+        Refused::ControlTimeout,
+        Refused::AgentCheckConnections,
+        Refused::AgentCheckTimeout,
+        Refused::MetricsConnections,
+        Refused::MetricsEvicted,
+        Refused::MetricsTimeout,
+    ];
+
+    /// The metric's `listener` and `reason` labels.
+    pub(crate) fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Refused::ControlConnections => ("control", "connections"),
+            Refused::ControlPeer => ("control", "peer"),
+            Refused::ControlTimeout => ("control", "timeout"),
+            Refused::AgentCheckConnections => ("agentcheck", "connections"),
+            Refused::AgentCheckTimeout => ("agentcheck", "timeout"),
+            Refused::MetricsConnections => ("metrics", "connections"),
+            Refused::MetricsEvicted => ("metrics", "evicted"),
+            Refused::MetricsTimeout => ("metrics", "timeout"),
+        }
+    }
+}
+
 /// Counters that the status does not hold.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -33,8 +84,8 @@ pub struct Metrics {
     pub(crate) sample_sum_ns: AtomicU64,
     /// Agent-check answers, indexed by [`AgentCheckReply`].
     pub(crate) agentcheck: [AtomicU64; 3],
-    /// Connections the metrics server is serving now.
-    pub(crate) open: AtomicUsize,
+    /// Connections closed without their normal answer, indexed by [`Refused`].
+    pub(crate) refused: [AtomicU64; Refused::ALL.len()],
 }
 
 impl Metrics {
@@ -53,5 +104,15 @@ impl Metrics {
     /// Counts one agent-check answer.
     pub(crate) fn agentcheck_reply(&self, reply: AgentCheckReply) {
         self.agentcheck[reply as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one connection closed without its normal answer.
+    pub(crate) fn count_refusal(&self, why: Refused) {
+        self.refused[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many connections were closed for `why`.
+    pub(crate) fn refusals(&self, why: Refused) -> u64 {
+        self.refused[why as usize].load(Ordering::Relaxed)
     }
 }

@@ -41,7 +41,7 @@ fn run(flags: Flags) -> Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let code = rt.block_on(async move {
         let agent = Agent::start(cfg, client, SyntheticHandle::new()).await?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
@@ -51,7 +51,10 @@ fn run(flags: Flags) -> Result<ExitCode> {
         tracing::info!("stopping");
         agent.stop().await;
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    // A sample stuck in a source (a hung DNS lookup) must not hold up the exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }
 
 fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {

@@ -4,25 +4,36 @@
 //! HTTP/1.0 responder on a tokio listener with hand-formatted text rather than a
 //! metrics crate and an HTTP stack: one route, `GET /metrics`; requests are bounded
 //! in size, time and number, and anything else gets an error status. Counters and
-//! the last sample come from the agent's [`Status`]; the sample-duration histogram
-//! and the agent-check replies from its [`Metrics`] counters.
+//! the last sample come from the agent's [`Status`]; the sample-duration histogram,
+//! the agent-check replies and the refused connections from its [`Metrics`] counters.
+//!
+//! Idle connections cannot keep a scrape out: a connection has [`HEAD_TIMEOUT`] to
+//! send its request, and when all [`MAX_CONNECTIONS`] places are taken a new
+//! connection takes the place of the oldest one that has sent nothing yet. Only when
+//! every place is busy answering a request is the new connection closed.
 
-use crate::counters::{AgentCheckReply, Metrics, SAMPLE_BUCKETS};
+use crate::counters::{AgentCheckReply, Metrics, Refused, SAMPLE_BUCKETS};
 use crate::shared::{accept, Shared};
 use crate::status::Status;
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
 
 /// The longest request head accepted; a scraper sends a few hundred bytes.
 pub(crate) const MAX_REQUEST: usize = 4096;
-/// How long a client has to send its request and read the answer.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections served at once; more are closed at once, so a flood cannot grow the
-/// agent.
-pub(crate) const MAX_CONNECTIONS: usize = 8;
+/// How long a client has, from its connection, to send its request head. A scraper
+/// sends it at once; a connection that has not is idle, and is closed after this.
+pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a client has to take the answer.
+pub(crate) const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections open at once. Past it, a new connection closes the oldest idle one
+/// (no request yet); if none is idle, the new one is closed. Either way a flood
+/// cannot grow the agent.
+pub(crate) const MAX_CONNECTIONS: usize = 64;
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -37,6 +48,7 @@ pub(crate) fn render(
     metrics: &Metrics,
     status: &Status,
     safe_to_stop: bool,
+    now: Instant,
     now_unix_ms: u64,
 ) -> String {
     let mut out = String::with_capacity(4096);
@@ -109,6 +121,22 @@ pub(crate) fn render(
         let n = metrics.agentcheck[reply as usize].load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}{{reply=\"{label}\"}} {n}");
     }
+    let name = "ballast_agent_connections_refused_total";
+    family(
+        &mut out,
+        name,
+        "counter",
+        "Connections to the agent's listeners closed without their normal answer, by \
+         listener and reason.",
+    );
+    for why in Refused::ALL {
+        let (listener, reason) = why.labels();
+        let n = metrics.refusals(why);
+        let _ = writeln!(
+            out,
+            "{name}{{listener=\"{listener}\",reason=\"{reason}\"}} {n}"
+        );
+    }
 
     let flag = |b: bool| u8::from(b);
     let gauges: [(&str, &str, Option<f64>); 9] = [
@@ -150,9 +178,7 @@ pub(crate) fn render(
         (
             "ballast_agent_weight_age_seconds",
             "Seconds since the last weight arrived.",
-            status
-                .weight_unix_ms
-                .map(|at| now_unix_ms.saturating_sub(at) as f64 / 1000.0),
+            status.weight_age(now).map(|age| age.as_secs_f64()),
         ),
         (
             "ballast_agent_certificate_expiry_seconds",
@@ -237,15 +263,20 @@ async fn read_head(stream: &mut tokio::net::TcpStream) -> Result<Vec<u8>, Refusa
     }
 }
 
-async fn answer(stream: &mut tokio::net::TcpStream, shared: &Shared) {
-    let head = read_head(stream).await;
+/// Answers a request whose head was read (or failed to be).
+async fn answer(
+    stream: &mut tokio::net::TcpStream,
+    shared: &Shared,
+    head: Result<Vec<u8>, Refusal>,
+) {
     let head_only = head.as_ref().is_ok_and(|h| h.starts_with(b"HEAD "));
     let (status, body) = match head.and_then(|h| route(&h)) {
         Ok(()) => {
-            let now = ballast_shared::unix_ms();
+            let now = Instant::now();
             let st = shared.status();
             let safe = shared.stop_verdict(&st, now).safe;
-            ("200 OK", render(&shared.metrics, &st, safe, now))
+            let body = render(&shared.metrics, &st, safe, now, ballast_shared::unix_ms());
+            ("200 OK", body)
         }
         Err(r) => (r.status_line(), format!("{}\n", r.status_line())),
     };
@@ -261,19 +292,153 @@ async fn answer(stream: &mut tokio::net::TcpStream, shared: &Shared) {
     let _ = stream.shutdown().await;
 }
 
+/// The open connections, oldest first.
+#[derive(Debug, Default)]
+struct Table {
+    next_id: u64,
+    open: VecDeque<Entry>,
+}
+
+/// One open connection. `evict` is set while it is idle (no request head yet): the
+/// way to close it for a newcomer.
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    evict: Option<oneshot::Sender<()>>,
+}
+
+/// The places for connections, at most `max`.
+#[derive(Debug)]
+struct Slots {
+    table: Mutex<Table>,
+    max: usize,
+}
+
+/// A connection's place; given back when dropped.
+#[derive(Debug)]
+struct Slot {
+    slots: Arc<Slots>,
+    id: u64,
+}
+
+/// A place given to a new connection.
+#[derive(Debug)]
+struct Admitted {
+    slot: Slot,
+    /// Fires when a newer connection takes this one's place while it is idle.
+    evicted: oneshot::Receiver<()>,
+    /// Whether an idle connection was closed to make room.
+    closed_idle: bool,
+}
+
+impl Slots {
+    fn new(max: usize) -> Arc<Self> {
+        Arc::new(Slots {
+            table: Mutex::new(Table::default()),
+            max,
+        })
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for a new connection: a free one, or the oldest idle connection's (that
+    /// connection is told to close); `None` when every place is busy answering.
+    fn admit(self: &Arc<Self>) -> Option<Admitted> {
+        let mut t = self.table();
+        let mut closed_idle = false;
+        if t.open.len() >= self.max {
+            let oldest_idle = t.open.iter().position(|e| e.evict.is_some())?;
+            if let Some(tx) = t.open.remove(oldest_idle).and_then(|e| e.evict) {
+                let _ = tx.send(());
+            }
+            closed_idle = true;
+        }
+        let id = t.next_id;
+        t.next_id = t.next_id.wrapping_add(1);
+        let (tx, evicted) = oneshot::channel();
+        t.open.push_back(Entry {
+            id,
+            evict: Some(tx),
+        });
+        Some(Admitted {
+            slot: Slot {
+                slots: self.clone(),
+                id,
+            },
+            evicted,
+            closed_idle,
+        })
+    }
+
+    /// How many places are taken.
+    #[cfg(test)]
+    fn open(&self) -> usize {
+        self.table().open.len()
+    }
+}
+
+impl Slot {
+    /// The request head is in: the connection is no longer idle, and keeps its place
+    /// until it has been answered.
+    fn busy(&self) {
+        let mut t = self.slots.table();
+        if let Some(e) = t.open.iter_mut().find(|e| e.id == self.id) {
+            e.evict = None;
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut t = self.slots.table();
+        if let Some(i) = t.open.iter().position(|e| e.id == self.id) {
+            t.open.remove(i);
+        }
+    }
+}
+
+/// One connection: its head within [`HEAD_TIMEOUT`] (unless a newcomer takes its
+/// place first), then its answer within [`WRITE_TIMEOUT`].
+async fn connection(mut stream: tokio::net::TcpStream, shared: Arc<Shared>, admitted: Admitted) {
+    let Admitted { slot, evicted, .. } = admitted;
+    let head = tokio::select! {
+        // A head already in wins over an eviction that came with it.
+        biased;
+        head = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)) => match head {
+            Ok(head) => head,
+            Err(_) => {
+                shared.metrics.count_refusal(Refused::MetricsTimeout);
+                return;
+            }
+        },
+        // Counted when it was decided.
+        _ = evicted => return,
+    };
+    slot.busy();
+    if tokio::time::timeout(WRITE_TIMEOUT, answer(&mut stream, &shared, head))
+        .await
+        .is_err()
+    {
+        shared.metrics.count_refusal(Refused::MetricsTimeout);
+    }
+    drop(slot);
+}
+
 /// Serves `GET /metrics` until the task is dropped.
 pub(crate) async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+    let slots = Slots::new(MAX_CONNECTIONS);
     loop {
-        let mut stream = accept(&listener).await;
-        if shared.metrics.open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-            shared.metrics.open.fetch_sub(1, Ordering::SeqCst);
+        let stream = accept(&listener).await;
+        let Some(admitted) = slots.admit() else {
+            shared.metrics.count_refusal(Refused::MetricsConnections);
             continue; // dropped: closed at once
+        };
+        if admitted.closed_idle {
+            shared.metrics.count_refusal(Refused::MetricsEvicted);
         }
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(REQUEST_TIMEOUT, answer(&mut stream, &shared)).await;
-            shared.metrics.open.fetch_sub(1, Ordering::SeqCst);
-        });
+        tokio::spawn(connection(stream, shared.clone(), admitted));
     }
 }
 
@@ -317,7 +482,8 @@ mod tests {
             certificate_expires_unix_ms: Some(86_400_000),
             ..Status::default()
         };
-        let text = render(&m, &st, false, 0);
+        m.count_refusal(Refused::MetricsEvicted);
+        let text = render(&m, &st, false, Instant::now(), 0);
         for line in [
             "ballast_agent_sample_duration_seconds_bucket{le=\"0.0001\"} 1",
             "ballast_agent_sample_duration_seconds_bucket{le=\"0.003\"} 2",
@@ -333,6 +499,8 @@ mod tests {
             "ballast_agent_load 0.25",
             "ballast_agent_rejections_total 2",
             "ballast_agent_certificate_expiry_seconds 86400",
+            "ballast_agent_connections_refused_total{listener=\"metrics\",reason=\"evicted\"} 1",
+            "ballast_agent_connections_refused_total{listener=\"control\",reason=\"peer\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -343,5 +511,53 @@ mod tests {
             !text.lines().any(|l| l.starts_with("ballast_agent_weight ")),
             "no weight yet, so no sample:\n{text}"
         );
+    }
+
+    #[test]
+    fn the_weight_age_is_read_on_the_monotonic_clock() {
+        let now = Instant::now();
+        let st = Status {
+            weight: Some(1.0),
+            // A wall clock set back an hour since the weight arrived.
+            weight_unix_ms: Some(ballast_shared::unix_ms() + 3_600_000),
+            weight_at: now.checked_sub(Duration::from_secs(2)),
+            ..Status::default()
+        };
+        let text = render(
+            &Metrics::default(),
+            &st,
+            false,
+            now,
+            ballast_shared::unix_ms(),
+        );
+        assert!(
+            text.lines()
+                .any(|l| l == "ballast_agent_weight_age_seconds 2"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_newcomer_takes_the_place_of_the_oldest_idle_connection() {
+        let slots = Slots::new(2);
+        let mut a = slots.admit().expect("a place");
+        let b = slots.admit().expect("a place");
+        assert!(!a.closed_idle && !b.closed_idle);
+        // Full of idle connections: the next one closes the oldest, a.
+        let c = slots.admit().expect("an idle place");
+        assert!(c.closed_idle);
+        assert_eq!(a.evicted.try_recv(), Ok(()), "a is told to close");
+        assert_eq!(slots.open(), 2);
+        drop(a); // its task ends: nothing more to give back
+        assert_eq!(slots.open(), 2);
+        // Both remaining connections sent their request: none idle, so a newcomer is
+        // refused until one is answered.
+        b.slot.busy();
+        c.slot.busy();
+        assert!(slots.admit().is_none(), "every place is busy answering");
+        drop(b);
+        let d = slots.admit().expect("b's place");
+        assert!(!d.closed_idle);
+        assert_eq!(slots.open(), 2);
     }
 }

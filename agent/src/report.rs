@@ -11,7 +11,7 @@
 //! after a jittered exponential backoff, so a restarted aggregator is found again and
 //! a fleet of agents does not reconnect in lockstep.
 
-use crate::sample::Sampler;
+use crate::sample::{Sample, SampleError, Sampler};
 use crate::shared::Shared;
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{
@@ -21,12 +21,41 @@ use rand::{Rng, SeedableRng};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// How long a connection attempt may take. Short, because a dead aggregator first in
 /// the list delays failover by this much.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long one sample may take. Samples run on a blocking thread, so a slow one (a
+/// Prometheus scrape whose DNS lookup hangs, a stuck netlink socket) never stalls the
+/// agent-check, the control socket or QUIC; past this it counts as a failed sample.
+/// Longer than the Prometheus scrape's own budgets (a second to connect, a second for
+/// the response), so that its more precise error comes first when it applies.
+pub(crate) const SAMPLE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The sampler, shared with the blocking thread that runs it. Its lock is held by a
+/// sample in progress; a tick that finds it held skips its sample, so a stuck source
+/// ties up one thread, not one per tick.
+pub(crate) type SharedSampler = Arc<tokio::sync::Mutex<Sampler>>;
+
+/// Why a sample gave no measurement.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum MeasureError {
+    /// A source failed.
+    #[error(transparent)]
+    Sample(#[from] SampleError),
+    /// The sample did not finish in time; it goes on in the background.
+    #[error("timed out after {} s (a source is stuck; samples are skipped until it returns)", .0.as_secs_f64())]
+    TimedOut(Duration),
+    /// The previous sample, which timed out, has not returned yet.
+    #[error("skipped: the previous sample, which timed out, has not returned yet")]
+    Busy,
+    /// The sampling thread panicked or was cancelled.
+    #[error("the sampling thread failed: {0}")]
+    Thread(String),
+}
 
 /// Why a session with an aggregator ended.
 #[derive(Debug, thiserror::Error)]
@@ -96,10 +125,11 @@ impl Backoff {
 /// Runs until `shutdown` turns true.
 pub(crate) async fn run(
     shared: Arc<Shared>,
-    mut sampler: Sampler,
+    sampler: Sampler,
     client: quinn::ClientConfig,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let sampler: SharedSampler = Arc::new(tokio::sync::Mutex::new(sampler));
     let cfg = shared.config.clone();
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let mut rng = rand::rngs::SmallRng::from_entropy();
@@ -107,7 +137,7 @@ pub(crate) async fn run(
     while !*shutdown.borrow() {
         let target = &cfg.aggregators[next % cfg.aggregators.len()];
         next = next.wrapping_add(1);
-        let outcome = session(&shared, &mut sampler, &client, target, &mut shutdown).await;
+        let outcome = session(&shared, &sampler, &client, target, &mut shutdown).await;
         shared.update(|s| s.connected_to = None);
         match outcome {
             Ok(true) => backoff.reset(),
@@ -159,7 +189,7 @@ fn host_part(target: &str) -> &str {
 /// shutdown was asked for.
 async fn session(
     shared: &Shared,
-    sampler: &mut Sampler,
+    sampler: &SharedSampler,
     client: &quinn::ClientConfig,
     target: &str,
     shutdown: &mut watch::Receiver<bool>,
@@ -200,7 +230,21 @@ async fn session(
     loop {
         tokio::select! {
             _ = until(s.poll_timeout()) => match s.handle_timeout(now()) {
-                Ok(Some(ClientEvent::ReportDue)) => send_report(shared, sampler, &mut s, &conn),
+                Ok(Some(ClientEvent::ReportDue)) => {
+                    // The sample runs off this thread; only a stop cuts the wait short.
+                    let measured = tokio::select! {
+                        m = measure(shared, sampler, SAMPLE_TIMEOUT) => m,
+                        _ = shutdown.changed() => {
+                            s.close();
+                            conn.close(session::close::NORMAL.into(), b"agent stopping");
+                            endpoint.wait_idle().await;
+                            return Ok(false);
+                        }
+                    };
+                    if let Some(m) = measured {
+                        send_report(shared, m, &mut s, &conn);
+                    }
+                }
                 Ok(_) => {}
                 Err(ClientError::Silent { missed }) => {
                     tracing::info!(aggregator = %target, "no reply to {missed} reports: reconnecting");
@@ -355,24 +399,17 @@ pub(crate) fn assigned(shared: &Shared, a: Assignment) {
         st.weight = Some(a.weight);
         st.weight_cycle = Some(a.cycle);
         st.weight_unix_ms = Some(ballast_shared::unix_ms());
+        st.weight_at = Some(Instant::now());
         st.drain_acknowledged = a.draining;
         st.aggregator_load = Some(a.load);
         st.inflight_trusted = Some(a.inflight_trusted);
     });
 }
 
-/// Samples, and sends the session's next report. A failed sample sends nothing: a
-/// missing report is handled by the aggregator, while a made-up zero would look like
-/// idleness.
-fn send_report(
-    shared: &Shared,
-    sampler: &mut Sampler,
-    s: &mut ClientSession,
-    conn: &quinn::Connection,
-) {
-    let Some(m) = measure(shared, sampler) else {
-        return;
-    };
+/// Sends the session's next report, of measurement `m`. A failed sample sends
+/// nothing (see [`measure`]): a missing report is handled by the aggregator, while a
+/// made-up zero would look like idleness.
+fn send_report(shared: &Shared, m: Measurement, s: &mut ClientSession, conn: &quinn::Connection) {
     let ok = match s.report(m) {
         Ok(bytes) => conn.send_datagram(bytes.into()).is_ok(),
         Err(e) => {
@@ -389,12 +426,41 @@ fn send_report(
     });
 }
 
-/// Takes one sample and records it in the status; `None` when it failed.
-fn measure(shared: &Shared, sampler: &mut Sampler) -> Option<Measurement> {
-    let started = std::time::Instant::now();
-    let result = sampler.sample();
-    shared.metrics.observe_sample(started.elapsed());
-    let sample = match result {
+/// Takes one sample on a blocking thread, within `timeout`: the sample and the
+/// in-flight detail it leaves. A sample still running from an earlier tick (it timed
+/// out, its source is stuck) holds the sampler: this one is then skipped rather than
+/// queued behind it.
+pub(crate) async fn sample_off_thread(
+    sampler: &SharedSampler,
+    timeout: Duration,
+) -> Result<(Sample, Option<String>), MeasureError> {
+    let Ok(mut guard) = sampler.clone().try_lock_owned() else {
+        return Err(MeasureError::Busy);
+    };
+    let task = tokio::task::spawn_blocking(move || {
+        let sample = guard.sample()?;
+        Ok((sample, guard.inflight_detail()))
+    });
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(e)) => Err(MeasureError::Thread(e.to_string())),
+        Err(_) => Err(MeasureError::TimedOut(timeout)),
+    }
+}
+
+/// Takes one sample (see [`sample_off_thread`]) and records it in the status; `None`
+/// when it failed, timed out or was skipped, which counts as a failed sample.
+pub(crate) async fn measure(
+    shared: &Shared,
+    sampler: &SharedSampler,
+    timeout: Duration,
+) -> Option<Measurement> {
+    let started = Instant::now();
+    let result = sample_off_thread(sampler, timeout).await;
+    if !matches!(result, Err(MeasureError::Busy)) {
+        shared.metrics.observe_sample(started.elapsed());
+    }
+    let (sample, detail) = match result {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(error = %e, "sample failed");
@@ -406,17 +472,21 @@ fn measure(shared: &Shared, sampler: &mut Sampler) -> Option<Measurement> {
         }
     };
     let now_ms = ballast_shared::unix_ms();
+    let now = Instant::now();
     shared.update(|s| {
         s.last_load = Some(sample.load);
         s.last_cpu = Some(sample.cpu);
         s.last_inflight = Some(sample.inflight);
-        s.inflight_detail = sampler.inflight_detail();
+        s.inflight_detail = detail;
         s.last_report_unix_ms = Some(now_ms);
-        s.inflight_zero_since_unix_ms = if sample.inflight == 0 {
-            s.inflight_zero_since_unix_ms.or(Some(now_ms))
+        s.last_report_at = Some(now);
+        if sample.inflight == 0 {
+            s.inflight_zero_since_unix_ms = s.inflight_zero_since_unix_ms.or(Some(now_ms));
+            s.inflight_zero_since = s.inflight_zero_since.or(Some(now));
         } else {
-            None
-        };
+            s.inflight_zero_since_unix_ms = None;
+            s.inflight_zero_since = None;
+        }
     });
     Some(Measurement {
         cpu: sample.cpu,
@@ -452,5 +522,99 @@ mod tests {
         assert_eq!(host_part("agg.example:7400"), "agg.example");
         assert_eq!(host_part("[::1]:7400"), "::1");
         assert_eq!(host_part("127.0.0.1:7400"), "127.0.0.1");
+    }
+
+    /// An in-flight source that blocks, like a scrape whose DNS lookup hangs, until
+    /// the test sends it a count.
+    struct Stuck {
+        counts: std::sync::mpsc::Receiver<u32>,
+        calls: Arc<std::sync::atomic::AtomicU32>,
+    }
+
+    impl crate::sample::InflightSource for Stuck {
+        fn sample(&mut self) -> Result<u32, SampleError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            self.counts
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|_| SampleError::NotFound("no count".into()))
+        }
+        fn describe(&self) -> String {
+            "stuck".into()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stuck_sample_stalls_nothing_times_out_and_does_not_pile_up() {
+        let shared = Shared::new(crate::config::AgentConfig::default());
+        let (release, counts) = std::sync::mpsc::channel();
+        let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let source = Stuck {
+            counts,
+            calls: calls.clone(),
+        };
+        let sampler: SharedSampler = Arc::new(tokio::sync::Mutex::new(Sampler::new(
+            None,
+            Some(Box::new(source)),
+            10,
+        )));
+        // A task on the same (single) runtime thread keeps running meanwhile, as the
+        // agent-check and the control socket must.
+        let ticks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let ticker = tokio::spawn({
+            let ticks = ticks.clone();
+            async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    ticks.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        let timeout = Duration::from_millis(300);
+        let started = Instant::now();
+        assert!(measure(&shared, &sampler, timeout).await.is_none());
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "bounded by the timeout"
+        );
+        assert!(
+            ticks.load(Ordering::SeqCst) >= 10,
+            "the runtime ran other tasks during the sample: {} ticks",
+            ticks.load(Ordering::SeqCst)
+        );
+        let st = shared.status();
+        assert_eq!(st.sample_errors, 1);
+        let err = st.last_error.unwrap_or_default();
+        assert!(err.contains("timed out after 0.3 s"), "{err}");
+
+        // The next tick finds the stuck sample still running: skipped at once, and no
+        // second thread is spent on the stuck source.
+        let started = Instant::now();
+        assert!(measure(&shared, &sampler, timeout).await.is_none());
+        assert!(started.elapsed() < Duration::from_millis(200));
+        let st = shared.status();
+        assert_eq!(st.sample_errors, 2);
+        assert!(
+            st.last_error
+                .unwrap_or_default()
+                .contains("has not returned yet"),
+            "skipped"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        // Once the source returns, the ticks after it sample again.
+        release.send(4).expect("the stuck sample is listening");
+        release.send(2).expect("queued for the next sample");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let m = loop {
+            if let Some(m) = measure(&shared, &sampler, timeout).await {
+                break m;
+            }
+            assert!(Instant::now() < deadline, "never sampled again");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(m.inflight, 2);
+        assert_eq!(shared.status().last_inflight, Some(2));
+        assert!(shared.status().last_report_at.is_some());
+        ticker.abort();
     }
 }

@@ -13,7 +13,7 @@ use ballast_shared::session::Assignment;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// What the report loop, the control socket, the agent-check and the metrics server
@@ -81,6 +81,7 @@ impl Shared {
             // script that retries) does not start it again.
             if on != was {
                 s.inflight_zero_since_unix_ms = None;
+                s.inflight_zero_since = None;
             }
         });
         match self.config.drain_path() {
@@ -96,15 +97,12 @@ impl Shared {
         }
     }
 
-    /// Whether stopping the service is safe now, by the configured quiet period; a
-    /// sample older than three report intervals is too old to tell.
-    pub(crate) fn stop_verdict(
-        &self,
-        status: &Status,
-        now_unix_ms: u64,
-    ) -> crate::status::StopVerdict {
-        let max_age = u64::from(self.config.interval_ms) * 3;
-        status.stop_verdict(now_unix_ms, self.config.drain_quiet_ms, max_age)
+    /// Whether stopping the service is safe at `now` (monotonic), by the configured
+    /// quiet period; a sample older than three report intervals is too old to tell.
+    pub(crate) fn stop_verdict(&self, status: &Status, now: Instant) -> crate::status::StopVerdict {
+        let max_age = Duration::from_millis(u64::from(self.config.interval_ms) * 3);
+        let quiet = Duration::from_millis(self.config.drain_quiet_ms);
+        status.stop_verdict(now, quiet, max_age)
     }
 
     /// A copy of the status.
@@ -195,12 +193,18 @@ mod tests {
         assert_eq!(cfg.drain_path(), Some(file.as_path()));
         assert!(!drained_on_disk(&cfg).expect("readable"));
         let shared = Shared::new(cfg.clone());
-        shared.update(|s| s.inflight_zero_since_unix_ms = Some(1));
+        shared.update(|s| {
+            s.inflight_zero_since_unix_ms = Some(1);
+            s.inflight_zero_since = Some(Instant::now());
+        });
         shared.set_draining(true).expect("written");
         assert!(shared.status().draining);
         assert_eq!(
-            shared.status().inflight_zero_since_unix_ms,
-            None,
+            (
+                shared.status().inflight_zero_since_unix_ms,
+                shared.status().inflight_zero_since
+            ),
+            (None, None),
             "the quiet period restarts at the drain"
         );
         assert!(drained_on_disk(&cfg).expect("readable"), "{file:?}");

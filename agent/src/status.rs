@@ -2,6 +2,7 @@
 //! HAProxy agent-check.
 
 use serde::{Deserialize, Serialize};
+use std::time::{Duration, Instant};
 
 /// The agent's view of its link and its weight.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -36,21 +37,35 @@ pub struct Status {
     /// Whether the aggregator trusts this node's in-flight count, from its last reply.
     #[serde(default)]
     pub inflight_trusted: Option<bool>,
-    /// Milliseconds since the Unix epoch of the last report.
+    /// Milliseconds since the Unix epoch of the last report, for display; decisions
+    /// use [`Status::last_report_at`].
     pub last_report_unix_ms: Option<u64>,
+    /// When the last report's sample was taken, on the monotonic clock. Not serialized:
+    /// an `Instant` means nothing outside this process.
+    #[serde(skip)]
+    pub last_report_at: Option<Instant>,
     /// The weight last received, mean 1.0.
     pub weight: Option<f64>,
     /// The cycle it came from.
     pub weight_cycle: Option<u64>,
-    /// Milliseconds since the Unix epoch when it arrived.
+    /// Milliseconds since the Unix epoch when it arrived, for display; its freshness
+    /// is judged by [`Status::weight_at`].
     pub weight_unix_ms: Option<u64>,
+    /// When the weight arrived, on the monotonic clock, which a change of the wall
+    /// clock does not move. Not serialized.
+    #[serde(skip)]
+    pub weight_at: Option<Instant>,
     /// This node asked to drain.
     pub draining: bool,
     /// The aggregator has it as draining.
     pub drain_acknowledged: bool,
     /// Since when (milliseconds since the Unix epoch) every sample has counted 0 in
-    /// flight; reset by a drain, so that the quiet period starts after it.
+    /// flight; reset by a drain, so that the quiet period starts after it. For
+    /// display; the quiet period is timed by [`Status::inflight_zero_since`].
     pub inflight_zero_since_unix_ms: Option<u64>,
+    /// The same moment on the monotonic clock. Not serialized.
+    #[serde(skip)]
+    pub inflight_zero_since: Option<Instant>,
     /// Sessions established with an aggregator since the agent started.
     pub connections: u64,
     /// The last error, in words.
@@ -123,15 +138,19 @@ pub struct StopVerdict {
 
 impl Status {
     /// Safe to stop when the node is draining, the aggregator has acknowledged it
-    /// (every feed publishes weight 0), the last sample is at most `max_sample_age_ms`
-    /// old, and every sample since the drain for at least `quiet_ms` counted nothing
-    /// in flight: load balancers that poll within `quiet_ms` have seen the drain, and
-    /// the work they sent before it is done.
+    /// (every feed publishes weight 0), the last sample is at most `max_sample_age`
+    /// old, and every sample since the drain for at least `quiet` counted nothing in
+    /// flight: load balancers that poll within `quiet` have seen the drain, and the
+    /// work they sent before it is done.
+    ///
+    /// Every age is measured on the monotonic clock (`now` and the status's
+    /// `Instant`s), never from the `*_unix_ms` fields: a wall clock that jumps
+    /// forward must not make stopping look safe.
     pub(crate) fn stop_verdict(
         &self,
-        now_unix_ms: u64,
-        quiet_ms: u64,
-        max_sample_age_ms: u64,
+        now: Instant,
+        quiet: Duration,
+        max_sample_age: Duration,
     ) -> StopVerdict {
         let not_yet = |why: String| StopVerdict {
             safe: false,
@@ -147,40 +166,45 @@ impl Status {
             return not_yet("draining, waiting for the aggregator to acknowledge the drain".into());
         }
         let sample_age = self
-            .last_report_unix_ms
-            .map(|at| now_unix_ms.saturating_sub(at));
-        if sample_age.is_none_or(|age| age > max_sample_age_ms) {
+            .last_report_at
+            .map(|at| now.saturating_duration_since(at));
+        if sample_age.is_none_or(|age| age > max_sample_age) {
             return not_yet("draining, but no recent sample of the work in flight".into());
         }
-        let quiet = match (self.last_inflight, self.inflight_zero_since_unix_ms) {
-            (Some(0), Some(since)) => now_unix_ms.saturating_sub(since),
+        let quiet_for = match (self.last_inflight, self.inflight_zero_since) {
+            (Some(0), Some(since)) => now.saturating_duration_since(since),
             (Some(n), _) if n > 0 => return not_yet(format!("draining, {n} in flight")),
             _ => return not_yet("draining, waiting for a sample with nothing in flight".into()),
         };
-        let secs = |ms: u64| ms as f64 / 1000.0;
-        if quiet < quiet_ms {
+        if quiet_for < quiet {
             return not_yet(format!(
                 "draining, 0 in flight for {:.1} s of the {:.1} s required",
-                secs(quiet),
-                secs(quiet_ms)
+                quiet_for.as_secs_f64(),
+                quiet.as_secs_f64()
             ));
         }
         StopVerdict {
             safe: true,
             reason: format!(
                 "safe to stop: drained, acknowledged by the aggregator, 0 in flight for {:.1} s",
-                secs(quiet)
+                quiet_for.as_secs_f64()
             ),
         }
     }
 
-    /// The weight if it is younger than `max_age_ms`: an old weight says nothing about
-    /// the fleet now.
-    pub(crate) fn fresh_weight(&self, now_unix_ms: u64, max_age_ms: u64) -> Option<f64> {
-        match (self.weight, self.weight_unix_ms) {
-            (Some(w), Some(at)) if now_unix_ms.saturating_sub(at) <= max_age_ms => Some(w),
+    /// The weight if it is younger than `max_age` at `now`, on the monotonic clock: an
+    /// old weight says nothing about the fleet now, and a wall clock set back must not
+    /// make it look young.
+    pub(crate) fn fresh_weight(&self, now: Instant, max_age: Duration) -> Option<f64> {
+        match (self.weight, self.weight_at) {
+            (Some(w), Some(at)) if now.saturating_duration_since(at) <= max_age => Some(w),
             _ => None,
         }
+    }
+
+    /// How long ago the weight arrived, at `now`, on the monotonic clock.
+    pub(crate) fn weight_age(&self, now: Instant) -> Option<Duration> {
+        self.weight_at.map(|at| now.saturating_duration_since(at))
     }
 }
 
@@ -204,74 +228,148 @@ mod tests {
         assert!(w.contains("has expired"), "{w}");
     }
 
-    fn drained(now: u64) -> Status {
+    const QUIET: Duration = Duration::from_millis(5000);
+    const MAX_SAMPLE_AGE: Duration = Duration::from_millis(1500);
+
+    /// `now` minus `ms` milliseconds on the monotonic clock.
+    fn ago(now: Instant, ms: u64) -> Instant {
+        now.checked_sub(Duration::from_millis(ms))
+            .expect("the monotonic clock started long enough ago")
+    }
+
+    /// Drained, acknowledged, sampled 100 ms ago and quiet for 6 s, on both clocks.
+    fn drained(now: Instant, now_ms: u64) -> Status {
         Status {
             draining: true,
             drain_acknowledged: true,
             last_inflight: Some(0),
-            last_report_unix_ms: Some(now - 100),
-            inflight_zero_since_unix_ms: Some(now - 6000),
+            last_report_unix_ms: Some(now_ms - 100),
+            last_report_at: Some(ago(now, 100)),
+            inflight_zero_since_unix_ms: Some(now_ms - 6000),
+            inflight_zero_since: Some(ago(now, 6000)),
             ..Status::default()
         }
     }
 
     #[test]
     fn safe_to_stop_needs_drain_acknowledgement_fresh_sample_and_quiet() {
-        let now = 1_000_000;
-        let v = drained(now).stop_verdict(now, 5000, 1500);
+        let now = Instant::now();
+        let now_ms = 1_000_000;
+        let v = drained(now, now_ms).stop_verdict(now, QUIET, MAX_SAMPLE_AGE);
         assert!(v.safe, "{v:?}");
         assert_eq!(
             v.reason,
             "safe to stop: drained, acknowledged by the aggregator, 0 in flight for 6.0 s"
         );
+        let base = drained(now, now_ms);
         let cases: [(Status, &str); 6] = [
             (
                 Status {
                     draining: false,
-                    ..drained(now)
+                    ..base.clone()
                 },
                 "serving",
             ),
             (
                 Status {
                     drain_acknowledged: false,
-                    ..drained(now)
+                    ..base.clone()
                 },
                 "acknowledge",
             ),
             (
                 Status {
-                    last_report_unix_ms: Some(now - 5000),
-                    ..drained(now)
+                    last_report_at: Some(ago(now, 5000)),
+                    ..base.clone()
                 },
                 "no recent sample",
             ),
             (
                 Status {
                     last_inflight: Some(3),
-                    ..drained(now)
+                    ..base.clone()
                 },
                 "3 in flight",
             ),
             (
                 Status {
-                    inflight_zero_since_unix_ms: None,
-                    ..drained(now)
+                    inflight_zero_since: None,
+                    ..base.clone()
                 },
                 "waiting for a sample",
             ),
             (
                 Status {
-                    inflight_zero_since_unix_ms: Some(now - 1200),
-                    ..drained(now)
+                    inflight_zero_since: Some(ago(now, 1200)),
+                    ..base.clone()
                 },
                 "0 in flight for 1.2 s of the 5.0 s required",
             ),
         ];
         for (status, why) in cases {
-            let v = status.stop_verdict(now, 5000, 1500);
+            let v = status.stop_verdict(now, QUIET, MAX_SAMPLE_AGE);
             assert!(!v.safe, "{v:?}");
             assert!(v.reason.contains(why), "{:?} lacks {why:?}", v.reason);
         }
+    }
+
+    /// The wall clock jumps (NTP stepping it, an operator setting it): the `*_unix_ms`
+    /// fields then say anything, far in the past or in the future. No verdict moves.
+    #[test]
+    fn a_wall_clock_jump_changes_no_verdict() {
+        let now = Instant::now();
+        let wall = ballast_shared::unix_ms();
+        let hour = 3_600_000;
+        let jumps = [0, wall - hour, wall + hour, u64::MAX];
+
+        // Quiet for 1.2 s only: a clock stepped an hour forward since the drain would
+        // make the quiet period look an hour long. Still not safe.
+        for jump in jumps {
+            let s = Status {
+                inflight_zero_since: Some(ago(now, 1200)),
+                inflight_zero_since_unix_ms: Some(jump),
+                last_report_unix_ms: Some(jump),
+                ..drained(now, wall)
+            };
+            let v = s.stop_verdict(now, QUIET, MAX_SAMPLE_AGE);
+            assert!(!v.safe, "unix stamps {jump}: {v:?}");
+            assert!(v.reason.contains("1.2 s of the 5.0 s"), "{v:?}");
+        }
+        // Quiet for 6 s with a sample 100 ms ago: safe whatever the wall clock says.
+        for jump in jumps {
+            let s = Status {
+                inflight_zero_since_unix_ms: Some(jump),
+                last_report_unix_ms: Some(jump),
+                ..drained(now, wall)
+            };
+            assert!(s.stop_verdict(now, QUIET, MAX_SAMPLE_AGE).safe, "{jump}");
+        }
+        // A sample 5 s old is too old, even if its wall-clock stamp says now.
+        let s = Status {
+            last_report_at: Some(ago(now, 5000)),
+            last_report_unix_ms: Some(wall),
+            ..drained(now, wall)
+        };
+        assert!(!s.stop_verdict(now, QUIET, MAX_SAMPLE_AGE).safe);
+
+        // A weight 10 s old is stale however young its wall-clock stamp looks (a clock
+        // set back); one 100 ms old is fresh however old its stamp looks.
+        let max_age = Duration::from_millis(2500);
+        for jump in jumps {
+            let stale = Status {
+                weight: Some(1.5),
+                weight_at: Some(ago(now, 10_000)),
+                weight_unix_ms: Some(jump),
+                ..Status::default()
+            };
+            assert_eq!(stale.fresh_weight(now, max_age), None, "{jump}");
+            let fresh = Status {
+                weight_at: Some(ago(now, 100)),
+                ..stale
+            };
+            assert_eq!(fresh.fresh_weight(now, max_age), Some(1.5), "{jump}");
+            assert_eq!(fresh.weight_age(now), Some(Duration::from_millis(100)));
+        }
+        assert_eq!(Status::default().fresh_weight(now, max_age), None);
     }
 }

@@ -8,8 +8,10 @@
 //!   its log lines are JSON objects.
 //! - The agent, run with `--metrics` and `--log-json`, serves `GET /metrics` with its
 //!   sample-duration histogram, reports sent and failed, connection state, drain state
-//!   and last load; malformed, oversized, unknown and idle requests get an error or are
-//!   cut off, and it keeps serving; its log lines are JSON objects.
+//!   and last load; malformed, oversized and unknown requests get an error, and it
+//!   keeps serving; idle connections, even more of them than it has places for, never
+//!   keep a scrape out (the oldest idle one makes room; idle ones are closed after a
+//!   short deadline); its log lines are JSON objects.
 
 use ballast_tests::harness::api::{parse_metrics, sum_samples};
 use ballast_tests::harness::ports::free_tcp;
@@ -303,26 +305,58 @@ fn agent_serves_metrics_and_survives_bad_requests() {
         assert!(got.starts_with(want), "{request:?}: {got:?}");
         assert_eq!(scrape(addr).0, "HTTP/1.0 200 OK", "after {request:?}");
     }
-    // Connections that send nothing fill the few slots; more are closed at once, and
-    // once the idle ones time out the agent serves again.
-    let idle: Vec<TcpStream> = (0..8)
-        .map(|_| TcpStream::connect(addr).expect("idle connection"))
-        .collect();
-    std::thread::sleep(Duration::from_millis(300));
-    let refused = exchange(addr, b"GET /metrics HTTP/1.0\r\n\r\n");
-    assert!(
-        refused.as_deref().map_or(true, str::is_empty),
-        "a ninth connection is closed unanswered: {refused:?}"
-    );
+    // Idle connections (they send nothing) cannot keep a scrape out. More of them are
+    // held than the agent has places for, and each scrape is answered at its first
+    // try: a newcomer takes the place of the oldest idle connection. Every idle one is
+    // closed, to make room or after the short deadline for a request.
+    const IDLE: usize = 100;
+    let mut idle: Vec<TcpStream> = Vec::new();
+    for round in 0..2 {
+        idle.extend((0..IDLE).map(|_| TcpStream::connect(addr).expect("idle connection")));
+        let (status, body) = scrape(addr);
+        assert_eq!(status, "HTTP/1.0 200 OK", "round {round}: {body}");
+        assert!(
+            value(&body, "ballast_agent_reports_sent_total") >= 3.0,
+            "{body}"
+        );
+    }
     wait_for(
         Duration::from_secs(10),
-        "the idle connections to time out",
-        || match exchange(addr, b"GET /metrics HTTP/1.0\r\n\r\n") {
-            Ok(text) if text.starts_with("HTTP/1.0 200 OK") => Ok(()),
-            other => Err(format!("{other:?}")),
+        "the agent to close every idle connection",
+        || {
+            let open = idle
+                .iter()
+                .filter(|s| {
+                    let _ = s.set_nonblocking(true);
+                    let mut byte = [0u8; 1];
+                    let mut s: &TcpStream = s;
+                    matches!(s.read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                })
+                .count();
+            if open == 0 {
+                Ok(())
+            } else {
+                Err(format!("{open} still open"))
+            }
         },
     );
     drop(idle);
+    let (_, body) = scrape(addr);
+    let samples = parse_metrics(&body);
+    let closed = |reason: &str| {
+        sum_samples(
+            &samples,
+            "ballast_agent_connections_refused_total",
+            &[("listener", "metrics"), ("reason", reason)],
+        )
+    };
+    assert!(closed("evicted") >= 1.0, "{body}");
+    assert_eq!(
+        closed("evicted") + closed("timeout"),
+        2.0 * IDLE as f64,
+        "each idle connection was closed once, to make room or at its deadline:\n{body}"
+    );
+    assert_eq!(closed("connections"), 0.0, "{body}");
     assert!(
         agent.is_running(),
         "the agent died:\n{}",

@@ -409,6 +409,21 @@ impl Agent {
     }
 }
 
+/// The agent-check's answer on `addr`, as HAProxy reads it: connect, read until the
+/// agent closes (at most 256 bytes), each step within `timeout`.
+pub fn agent_check_reply(addr: std::net::SocketAddr, timeout: Duration) -> Result<String, String> {
+    use std::io::Read;
+    let s = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    s.take(256)
+        .read_to_string(&mut line)
+        .map_err(|e| format!("read {addr}: {e}"))?;
+    Ok(line)
+}
+
 /// Starts `n` agents of `service`, nodes `{service}-00`…, with speeds taken in turn
 /// from `speeds` and seeds 0, 1, …
 pub fn start_fleet(
