@@ -36,6 +36,43 @@ pub enum Command {
         #[arg(long, short, env = "BALLAST_CONFIG")]
         config: PathBuf,
     },
+    /// List the services of a running aggregator: endpoints, load spread, version.
+    Services(ClientArgs),
+    /// One service of a running aggregator: a summary and its recent cycles.
+    Service {
+        /// The service.
+        name: String,
+        /// Where the aggregator is, and the output format.
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// The endpoints of one service: address, zone, state, load, weight, report age.
+    Endpoints {
+        /// The service.
+        name: String,
+        /// Where the aggregator is, and the output format.
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Follow one service's weights: a line per new weight version, until interrupted.
+    Watch {
+        /// The service.
+        name: String,
+        /// Where the aggregator is, and the output format.
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// How the read-only commands reach a running aggregator, and what they print.
+#[derive(Args, Clone)]
+pub struct ClientArgs {
+    /// The aggregator's HTTP API.
+    #[arg(long, env = "BALLAST_URL", default_value = crate::client::DEFAULT_URL)]
+    pub url: String,
+    /// Print the API's JSON as it is (for `watch`, one object per line).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Config-directory subcommands.

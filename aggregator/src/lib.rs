@@ -5,6 +5,7 @@
 pub mod api;
 pub mod certs;
 pub mod cli;
+pub mod client;
 pub mod clock;
 pub mod config;
 pub mod daemon;

@@ -2,7 +2,8 @@
 //! library.
 
 use anyhow::{Context, Result};
-use ballast_aggregator::cli::{CertsCommand, Cli, Command, ConfigCommand, RunArgs};
+use ballast_aggregator::cli::{CertsCommand, Cli, ClientArgs, Command, ConfigCommand, RunArgs};
+use ballast_aggregator::client::{self, Client};
 use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_shared::config::init_logging;
@@ -39,6 +40,10 @@ fn main() -> ExitCode {
         Some(Command::Config(ConfigCommand::Restore { backup, to, exact })) => {
             config_restore(&backup, &to, exact)
         }
+        Some(Command::Services(args)) => services(&args),
+        Some(Command::Service { name, client }) => service(&name, &client),
+        Some(Command::Endpoints { name, client }) => endpoints(&name, &client),
+        Some(Command::Watch { name, client }) => watch(&name, &client),
     };
     match result {
         Ok(code) => code,
@@ -297,4 +302,62 @@ fn config_restore(backup: &std::path::Path, to: &std::path::Path, exact: bool) -
         println!("removed {}", to.join(f).display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn services(args: &ClientArgs) -> Result<ExitCode> {
+    let (list, raw) = Client::new(&args.url)?.services()?;
+    if args.json {
+        println!("{}", raw.trim_end());
+    } else {
+        print!("{}", client::services_table(&list));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn service(name: &str, args: &ClientArgs) -> Result<ExitCode> {
+    let (detail, raw) = Client::new(&args.url)?.service(name)?;
+    if args.json {
+        println!("{}", raw.trim_end());
+    } else {
+        print!("{}", client::service_summary(&detail));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn endpoints(name: &str, args: &ClientArgs) -> Result<ExitCode> {
+    let (list, raw) = Client::new(&args.url)?.endpoints(name)?;
+    if args.json {
+        println!("{}", raw.trim_end());
+    } else {
+        print!("{}", client::endpoints_table(&list));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints each new weight version until interrupted (the default SIGINT action ends
+/// the process) or until the stream fails.
+fn watch(name: &str, args: &ClientArgs) -> Result<ExitCode> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let mut failed = None;
+    Client::new(&args.url)?.watch(name, |set, raw| {
+        let line = if args.json {
+            raw.to_string()
+        } else {
+            client::watch_line(set)
+        };
+        // A closed stdout (the reader went away) ends the watch.
+        match writeln!(out, "{line}").and_then(|()| out.flush()) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        }
+    })?;
+    match failed {
+        Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
+        Some(e) => Err(anyhow::Error::new(e).context("writing to stdout")),
+        None => Ok(ExitCode::SUCCESS),
+    }
 }
