@@ -21,24 +21,7 @@ fuzz_target!(|data: &[u8]| {
     };
     assert_eq!(cfg.validate(), Ok(()));
     let p = &cfg.balance;
-    for v in [
-        p.missing_threshold,
-        p.cold_start_weight,
-        p.min_weight,
-        p.max_weight,
-        p.max_growth,
-        p.max_shrink,
-        p.thin_load,
-        p.jump_threshold,
-        p.error_penalty,
-        p.pid.kp,
-        p.pid.ki,
-        p.pid.kd,
-        p.pid.derivative_filter,
-        p.pid.integral_limit,
-    ] {
-        assert!(v.is_finite() && v >= 0.0, "{v} accepted in {p:?}");
-    }
+    ballast_fuzz::assert_params_sane(p, "aggregator.toml [balance]");
     for (pid, rr) in [
         (p.min_weight, p.max_weight),
         (p.max_weight, p.min_weight),

@@ -32,26 +32,8 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let p = &cfg.params;
-    assert_eq!(p.validate(), Ok(()));
+    ballast_fuzz::assert_params_sane(p, "service file [balance]");
     assert_eq!(locality::validate(&cfg.locality), Ok(()));
-    for v in [
-        p.missing_threshold,
-        p.cold_start_weight,
-        p.min_weight,
-        p.max_weight,
-        p.max_growth,
-        p.max_shrink,
-        p.thin_load,
-        p.jump_threshold,
-        p.error_penalty,
-        p.pid.kp,
-        p.pid.ki,
-        p.pid.kd,
-        p.pid.derivative_filter,
-        p.pid.integral_limit,
-    ] {
-        assert!(v.is_finite() && v >= 0.0, "{v} accepted in {p:?}");
-    }
     let w = mix(&p.strategies, |s| match s {
         Strategy::Pid => p.max_weight,
         Strategy::RoundRobin => p.min_weight,

@@ -32,28 +32,6 @@ fn scratch() -> &'static PathBuf {
     })
 }
 
-fn check(p: &Params, what: &str) {
-    assert_eq!(p.validate(), Ok(()), "{what}");
-    for v in [
-        p.missing_threshold,
-        p.cold_start_weight,
-        p.min_weight,
-        p.max_weight,
-        p.max_growth,
-        p.max_shrink,
-        p.thin_load,
-        p.jump_threshold,
-        p.error_penalty,
-        p.pid.kp,
-        p.pid.ki,
-        p.pid.kd,
-        p.pid.derivative_filter,
-        p.pid.integral_limit,
-    ] {
-        assert!(v.is_finite() && v >= 0.0, "{what}: {v} read back");
-    }
-}
-
 fuzz_target!(|bytes: &[u8]| {
     let path = scratch().join("services.json");
     std::fs::write(&path, bytes).expect("write the file");
@@ -67,7 +45,7 @@ fuzz_target!(|bytes: &[u8]| {
             !name.is_empty() && name.len() <= 64 && ballast_shared::wire::is_valid_name(name),
             "service {name:?} read back"
         );
-        check(&entry.config.params, name);
+        ballast_fuzz::assert_params_sane(&entry.config.params, name);
         assert_eq!(locality::validate(&entry.config.locality), Ok(()));
     }
     let json = serde_json::to_vec(&merged).expect("serialises");
@@ -76,7 +54,7 @@ fuzz_target!(|bytes: &[u8]| {
     let defaults = Params::default();
     let configs = ServiceConfigs::new(merged, &defaults, 3 * 24 * 3600 * 1000);
     for (name, entry) in &configs.merged().services {
-        check(&entry.config.params, name);
+        ballast_fuzz::assert_params_sane(&entry.config.params, name);
         assert_eq!(locality::validate(&entry.config.locality), Ok(()));
         assert_eq!(configs.params(name), Some(&entry.config.params));
     }

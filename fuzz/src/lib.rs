@@ -34,3 +34,27 @@ pub fn header<const N: usize>(data: &[u8]) -> ([u8; N], &[u8]) {
     h[..n].copy_from_slice(&data[..n]);
     (h, &data[n..])
 }
+
+/// Checks parameters the product accepted: they validate, and every number is finite
+/// and not negative. `what` names where they came from, for the failure message.
+pub fn assert_params_sane(p: &ballast_balance::Params, what: &str) {
+    assert_eq!(p.validate(), Ok(()), "{what}");
+    for v in [
+        p.missing_threshold,
+        p.cold_start_weight,
+        p.min_weight,
+        p.max_weight,
+        p.max_growth,
+        p.max_shrink,
+        p.thin_load,
+        p.jump_threshold,
+        p.error_penalty,
+        p.pid.kp,
+        p.pid.ki,
+        p.pid.kd,
+        p.pid.derivative_filter,
+        p.pid.integral_limit,
+    ] {
+        assert!(v.is_finite() && v >= 0.0, "{what}: {v} accepted in {p:?}");
+    }
+}

@@ -173,7 +173,7 @@ fn status_drain_and_undrain_through_the_daemon() {
     let name = node.node().to_string();
     // Let a few cycles run so that everyone is an established, serving endpoint.
     wait_for(Duration::from_secs(15), "all four serving", || {
-        let eps = agg.endpoints(SERVICE);
+        let eps = agg.try_endpoints(SERVICE)?;
         let serving = eps
             .iter()
             .filter(|e| e.state == EndpointState::Serving)

@@ -37,7 +37,7 @@ fn heterogeneous_fleet_converges_to_the_average() {
 
     // Every node registered under its certificate's name, none missing.
     let eps = wait_for(Duration::from_secs(10), "all endpoints fresh", || {
-        let eps = agg.endpoints(SERVICE);
+        let eps = agg.try_endpoints(SERVICE)?;
         let fresh = eps
             .iter()
             .filter(|e| e.state != EndpointState::Missing)

@@ -67,7 +67,8 @@ fn restart_scenario(how: Stop) {
 
     // Converge far enough that the weights are clearly not round robin.
     wait_for(Duration::from_secs(30), "weights that follow speed", || {
-        let d = agg.service(SERVICE);
+        // Not published until its first cycle: retried until it is.
+        let d = agg.try_service(SERVICE)?;
         let w = api_weights(&agg);
         let (lo, hi) = w
             .values()

@@ -142,7 +142,7 @@ fn proxyless_grpc_splits_calls_by_the_published_weights() {
 
     // Let the controllers converge: the weights then sit near the speeds' ratios.
     let weights = wait_for(Duration::from_secs(40), "weights to converge", || {
-        let w = agg.weights(SERVICE);
+        let w = agg.try_weights(SERVICE)?;
         let shares = weight_shares(&w);
         converged(&agg, SERVICE, 10, 1.08).map_err(|e| format!("{e}, shares {shares:?}"))?;
         let spread = shares.values().cloned().fold(0.0, f64::max)

@@ -112,6 +112,25 @@ impl Guarded {
         }
     }
 
+    /// `poll` as the stream answered it; a pending one becomes the timeout error once
+    /// the deadline has passed (its waker is registered either way).
+    fn guard<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => match self.expired(cx) {
+                Some(e) => Poll::Ready(Err(e)),
+                None => Poll::Pending,
+            },
+        }
+    }
+
+    /// Moves the deadline on after a write of `n` bytes.
+    fn wrote(&mut self, r: &io::Result<usize>) {
+        if matches!(r, Ok(n) if *n > 0) {
+            self.progressed(true);
+        }
+    }
+
     /// The timeout error if the deadline has passed; registers the waker otherwise.
     fn expired(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
         if self.deadline.as_mut().poll(cx).is_pending() {
@@ -137,18 +156,11 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
-        match Pin::new(&mut self.stream).poll_read(cx, buf) {
-            Poll::Ready(r) => {
-                if buf.filled().len() > before {
-                    self.progressed(false);
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => match self.expired(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
+        let poll = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if poll.is_ready() && buf.filled().len() > before {
+            self.progressed(false);
         }
+        self.guard(cx, poll)
     }
 }
 
@@ -158,28 +170,16 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match Pin::new(&mut self.stream).poll_write(cx, data) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    self.progressed(true);
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => match self.expired(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
+        let poll = Pin::new(&mut self.stream).poll_write(cx, data);
+        if let Poll::Ready(r) = &poll {
+            self.wrote(r);
         }
+        self.guard(cx, poll)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match Pin::new(&mut self.stream).poll_flush(cx) {
-            Poll::Ready(r) => Poll::Ready(r),
-            Poll::Pending => match self.expired(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
-        }
+        let poll = Pin::new(&mut self.stream).poll_flush(cx);
+        self.guard(cx, poll)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -192,18 +192,11 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match Pin::new(&mut self.stream).poll_write_vectored(cx, bufs) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    self.progressed(true);
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => match self.expired(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
+        let poll = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(r) = &poll {
+            self.wrote(r);
         }
+        self.guard(cx, poll)
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -486,6 +486,12 @@ impl Aggregator {
         self.get_json(&format!("/v1/services/{name}/endpoints"))
     }
 
+    /// `GET /v1/services/{name}/endpoints`, or why not (the service is not published
+    /// yet: a cycle after its first agent registers).
+    pub fn try_endpoints(&self, name: &str) -> Result<Vec<EndpointView>, String> {
+        self.try_get_json(&format!("/v1/services/{name}/endpoints"))
+    }
+
     /// `GET /v1/services/{name}/weights`.
     pub fn weights(&self, name: &str) -> WeightSet {
         self.get_json(&format!("/v1/services/{name}/weights"))
