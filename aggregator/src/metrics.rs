@@ -86,6 +86,12 @@ pub struct Metrics {
     /// Stored services skipped when read back because they are not valid snapshots,
     /// by defect (`unparseable`, `service`, `node`, `address`, `zone`, `weight`).
     pub store_corrupt: Family<Reason, Counter>,
+    /// Service values the routing store refused to write, by reason (`too_large`: over
+    /// etcd's request limit).
+    pub store_refused: Family<Reason, Counter>,
+    /// Services whose latest value is too large for the routing store, kept there at
+    /// their last value that fitted.
+    pub store_too_large: Gauge,
     /// xDS responses sent, by resource type.
     pub xds_pushes: Family<XdsResource, Counter>,
     /// xDS responses clients rejected (NACK), by resource type.
@@ -160,6 +166,8 @@ impl Metrics {
             store_pending: Gauge::default(),
             store_lag_seconds: Gauge::default(),
             store_corrupt: Family::default(),
+            store_refused: Family::default(),
+            store_too_large: Gauge::default(),
             xds_pushes: Family::default(),
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
@@ -236,6 +244,16 @@ impl Metrics {
             "store_corrupt",
             "Stored services skipped when read back as corrupt, by reason",
             m.store_corrupt.clone(),
+        );
+        registry.register(
+            "store_refused",
+            "Service values the routing store refused to write, by reason",
+            m.store_refused.clone(),
+        );
+        registry.register(
+            "store_too_large",
+            "Services too large for the routing store, kept there at their last value",
+            m.store_too_large.clone(),
         );
         registry.register(
             "xds_pushes",

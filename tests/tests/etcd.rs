@@ -714,3 +714,145 @@ fn an_aggregator_started_while_etcd_is_down_serves_its_local_copy() {
     let kept = stored_in(&etcd, prefix, KEPT).unwrap_or_else(|e| panic!("{e}"));
     assert!(kept.version >= stored.version, "{kept:?} vs {stored:?}");
 }
+
+/// A service value of `n` endpoints as the store writes it, with weights of full
+/// precision like the controllers'.
+fn snapshot_value(n: usize, version: u64) -> Vec<u8> {
+    use ballast_balance::{EndpointSnapshot, ServiceSnapshot, Strategy};
+    let endpoints = (0..n)
+        .map(|i| {
+            // Mean about 1, every one a long decimal, as converged weights are.
+            let weight = 0.75 + (i % 997) as f64 / 1994.0 + 1e-9 * (i % 7) as f64;
+            (
+                format!("n-{i:06}"),
+                EndpointSnapshot {
+                    address: format!("10.{}.{}.{}:8080", i >> 16, (i >> 8) & 255, i & 255),
+                    zone: String::new(),
+                    draining: false,
+                    weight,
+                    strategy_weights: [(Strategy::Pid, weight)].into_iter().collect(),
+                },
+            )
+        })
+        .collect();
+    serde_json::to_vec(&ServiceSnapshot {
+        version,
+        cycle: version,
+        endpoints,
+    })
+    .expect("encode a snapshot")
+}
+
+/// The fewest endpoints whose value is at least `bytes`.
+fn endpoints_for(bytes: usize) -> usize {
+    let per = snapshot_value(1000, 7).len() / 1000;
+    let mut n = bytes / per;
+    while snapshot_value(n, 7).len() < bytes {
+        n += n / 100 + 1;
+    }
+    n
+}
+
+#[test]
+fn a_service_near_etcds_request_limit_is_stored_and_one_over_it_holds_back_no_other() {
+    let prefix = "/ballast-large";
+    let mut etcd = Etcd::start();
+    // Values put by hand: one near etcd's 1.5 MiB request limit, and one over it, put
+    // through an etcd whose limit is raised for the purpose and then restarted with
+    // its default, as after a change of settings.
+    let near = endpoints_for(1_300_000);
+    let over = endpoints_for(2_000_000);
+    etcd.kill();
+    etcd.restart_with(&["--max-request-bytes", "4194304"]);
+    etcd.put_large(&key(prefix, "near"), &snapshot_value(near, 7));
+    etcd.put_large(&key(prefix, "over"), &snapshot_value(over, 7));
+    etcd.kill();
+    etcd.restart_with(&[]);
+    let over_before = etcd.get(&key(prefix, "over")).expect("the large value");
+    eprintln!(
+        "stored: near {near} endpoints, {} bytes; over {over} endpoints, {} bytes",
+        stored_in(&etcd, prefix, "near").map_or(0, |s| s.endpoints.len()),
+        over_before.len()
+    );
+
+    let pki = Pki::new();
+    let agg = start_aggregator(&pki, &etcd, prefix, AggregatorOpts::default());
+    // Both are restored whole and served.
+    for (service, n) in [("near", near), ("over", over)] {
+        let w = wait_for(
+            Duration::from_secs(20),
+            &format!("{service} restored"),
+            || try_served(&agg, service),
+        );
+        assert_eq!(w.endpoints.len(), n, "{service}: restored endpoints");
+    }
+    // An agent joins each, and one more serves a small service.
+    let mut agents = Vec::new();
+    for service in ["near", "over", "small"] {
+        pki.issue_nodes_for(service, &[&format!("{service}-agent")]);
+        agents.push(Agent::start(
+            &pki,
+            &agg,
+            AgentOpts::new(service, &format!("{service}-agent")),
+        ));
+    }
+    for a in &agents {
+        a.wait_weight(Duration::from_secs(15));
+    }
+
+    // The service near the limit is written with its new endpoint (1.3 MB in one
+    // request), and the small one beside it.
+    for (service, n) in [("near", near + 1), ("small", 1)] {
+        wait_for(
+            Duration::from_secs(20),
+            &format!("etcd to hold {service} with its agent"),
+            || {
+                let s = stored_in(&etcd, prefix, service)?;
+                if s.endpoints.len() == n && s.endpoints.contains_key(&format!("{service}-agent")) {
+                    Ok(())
+                } else {
+                    Err(format!("{} endpoints", s.endpoints.len()))
+                }
+            },
+        );
+    }
+    // The one over it is refused, counted and shown, and etcd keeps its last value;
+    // the aggregator still serves it with its new endpoint, and the store is healthy.
+    let health = wait_for(
+        Duration::from_secs(20),
+        "the refusal to be shown in /healthz",
+        || {
+            let h: serde_json::Value = agg.get_json("/healthz");
+            let size = h["store_writer"]["too_large"]["over"].as_u64().unwrap_or(0);
+            if size as usize > DEFAULT_ETCD_MAX_REQUEST_BYTES {
+                Ok(h)
+            } else {
+                Err(format!("{h}"))
+            }
+        },
+    );
+    assert_eq!(
+        health["store_writer"]["status"], "ok",
+        "one service too large is not a failing store: {health}"
+    );
+    assert!(agg.counter("ballast_store_refused_total", &[("reason", "too_large")]) >= 1.0);
+    assert_eq!(agg.counter("ballast_store_too_large", &[]), 1.0);
+    assert_eq!(
+        etcd.get(&key(prefix, "over")).as_deref(),
+        Some(over_before.as_str()),
+        "etcd keeps the last value that fitted"
+    );
+    let served_over = served(&agg, "over");
+    assert_eq!(served_over.endpoints.len(), over + 1);
+    assert!(served_over.endpoints.contains_key("over-agent"));
+    // The refusal is logged once, as an error naming the service.
+    let log = agg.log();
+    assert_eq!(
+        log.matches("service too large for etcd").count(),
+        1,
+        "logged once:\n{log}"
+    );
+}
+
+/// etcd's default `--max-request-bytes`.
+const DEFAULT_ETCD_MAX_REQUEST_BYTES: usize = 1536 * 1024;

@@ -25,7 +25,15 @@
 //!    intervals and it answers `ready up 100%`: HAProxy falls back to equal weights
 //!    (plain round robin), draining nothing.
 //!
-//! Needs Debian's `haproxy` package; the test fails, naming it, when it is missing.
+//! Two more tests take HAProxy's cap on a server's weight (256):
+//! - a fleet whose fastest node earns a weight above 2.56 × the mean: HAProxy holds it
+//!   at 256 while its agent asks for more, and the requests split by HAProxy's capped
+//!   weights, visibly short of the aggregator's;
+//! - the worked example of `docs/feeds.md`: each row's percentage, set on a real
+//!   HAProxy with the configured weights 100 and 25, gives the weights and the shares
+//!   of requests the table says.
+//!
+//! Needs Debian's `haproxy` package; the tests fail, naming it, when it is missing.
 
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::*;
@@ -60,12 +68,14 @@ const WEIGHT_SLACK: i64 = 2;
 const HAPROXY_MAX_WEIGHT: u32 = 256;
 
 /// The weight the aggregator tells HAProxy to use for `e`: its percentage of the
-/// configured weight 100, capped like HAProxy caps it; 0 while draining.
+/// configured weight 100; 0 while draining. Not capped: where HAProxy's cap of 256
+/// flattens a weight, HAProxy no longer follows the aggregator, and the test of the
+/// cap shows by how much.
 fn aggregator_haproxy_weight(e: &ballast_tests::harness::api::WeightEntry) -> u32 {
     if e.draining {
         0
     } else {
-        e.haproxy_percent.min(HAPROXY_MAX_WEIGHT)
+        e.haproxy_percent
     }
 }
 
@@ -616,4 +626,303 @@ fn haproxy_applies_the_agents_weights_and_drain() {
         );
     }
     eprintln!("scenario took {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// Speeds of a fleet whose fastest node earns three times the mean weight: 1 : 1 : 1 :
+/// 9 over a mean of 1 is 0.33, 0.33, 0.33 and 3.0, so its agent answers `ready up
+/// 300%`, above HAProxy's cap.
+const CAPPED_SPEEDS: [f64; 4] = [1.0, 1.0, 1.0, 9.0];
+
+#[test]
+fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
+    require_haproxy();
+    let pki = Pki::new();
+    let agg = Aggregator::start(
+        &pki,
+        AggregatorOpts::default()
+            .cycle_ms(500)
+            .report_interval_ms(500)
+            .grace_ms(1000),
+    );
+    let nodes = node_names(SERVICE, CAPPED_SPEEDS.len());
+    let backends: Vec<Backend> = nodes.iter().map(|n| Backend::start(n)).collect();
+    let checks: Vec<SocketAddr> = nodes
+        .iter()
+        .map(|_| SocketAddr::from(([127, 0, 0, 1], free_tcp())))
+        .collect();
+    let _agents = start_speeds(&pki, &agg, SERVICE, &nodes, &CAPPED_SPEEDS, |i, opts| {
+        opts.agent_check = Some(checks[i]);
+        opts.address = Some(backends[i].addr.to_string());
+    });
+    let servers: Vec<(&str, SocketAddr, SocketAddr)> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), backends[i].addr, checks[i]))
+        .collect();
+    let hap = Haproxy::start(0, &servers, &HaproxyOpts::default());
+    let fast = &nodes[CAPPED_SPEEDS.len() - 1];
+
+    // Converged, with the fast node's percentage well above the cap, and HAProxy
+    // holding it at 256 while the others follow their agents.
+    let (w, s) = wait_for(
+        Duration::from_secs(40),
+        "the fast node's weight above the cap, and HAProxy holding it at 256",
+        || {
+            converged(&agg, SERVICE, 8, 1.08)?;
+            let w = agg.weights(SERVICE);
+            let s = hap.show_servers_state();
+            let pct = w.weights.get(fast).map_or(0, |e| e.haproxy_percent);
+            let table = weights_table(&w, &s);
+            if pct < 280 {
+                return Err(format!(
+                    "{fast} at {pct} %, not yet well above 256:\n{table}"
+                ));
+            }
+            for (node, e) in &w.weights {
+                let st = s.get(node).ok_or_else(|| format!("{node}: no server"))?;
+                let want = e.haproxy_percent.min(HAPROXY_MAX_WEIGHT);
+                if !st.ready() || (i64::from(st.uweight) - i64::from(want)).abs() > WEIGHT_SLACK {
+                    return Err(format!(
+                        "{node}: HAProxy {} for {want}:\n{table}",
+                        st.uweight
+                    ));
+                }
+            }
+            if s[fast].uweight != HAPROXY_MAX_WEIGHT {
+                return Err(format!("{fast}: uweight {}:\n{table}", s[fast].uweight));
+            }
+            Ok((w, s))
+        },
+    );
+    eprintln!("capped:\n{}", weights_table(&w, &s));
+    let line = read_agent_check(checks[CAPPED_SPEEDS.len() - 1]);
+    let asked: u32 = line
+        .trim()
+        .strip_prefix("ready up ")
+        .and_then(|l| l.strip_suffix('%'))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{fast}'s agent-check line: {line:?}"));
+    assert!(
+        asked > HAPROXY_MAX_WEIGHT,
+        "{fast}'s agent asks HAProxy for {asked} %, not above the cap"
+    );
+
+    // The requests split by HAProxy's capped weights, not by the aggregator's.
+    warm_up(&hap, 500);
+    let r = round(&agg, &hap, REQUESTS);
+    let (table, _, worst_hap) = r.compare();
+    eprintln!(
+        "capped round: {} requests in {:.1} s\n{table}",
+        r.sent, r.seconds
+    );
+    assert_eq!(
+        r.sent, REQUESTS,
+        "only {} requests within {ROUND_LIMIT:?}",
+        r.sent
+    );
+    assert!(r.errors.is_empty(), "failed requests: {:?}", r.errors);
+    assert!(
+        worst_hap <= CAPPED_TOLERANCE,
+        "the split is off HAProxy's own (capped) weights by {worst_hap:.3}:\n{table}"
+    );
+    let total: u32 = r.counts.values().sum();
+    let got = f64::from(r.counts.get(fast).copied().unwrap_or(0)) / f64::from(total);
+    let uncapped = r.aggregator[fast];
+    let capped = r.haproxy[fast];
+    assert!(
+        uncapped - capped >= 0.02,
+        "the cap should cost {fast} a visible share: aggregator {uncapped:.3}, HAProxy \
+         {capped:.3}"
+    );
+    assert!(
+        uncapped - got >= (uncapped - capped) / 2.0,
+        "{fast} got {got:.3} of the requests: its uncapped share ({uncapped:.3}), not the \
+         capped one ({capped:.3})"
+    );
+}
+
+/// How far a backend's share may be from HAProxy's weights in the test of the cap: the
+/// weights hold still there (the fast node's is pinned at 256, the others move by a
+/// point or two of 33), and HAProxy's round robin follows the weights in force.
+const CAPPED_TOLERANCE: f64 = 0.02;
+
+/// A table of the aggregator's percentages beside HAProxy's weights.
+fn weights_table(w: &WeightSet, s: &BTreeMap<String, ServerState>) -> String {
+    w.weights
+        .iter()
+        .map(|(node, e)| {
+            format!(
+                "  {node}: weight {:.3} → {} % | HAProxy uweight {}\n",
+                e.weight,
+                e.haproxy_percent,
+                s.get(node).map_or(0, |st| st.uweight)
+            )
+        })
+        .collect()
+}
+
+/// Reads one agent-check line from `addr`, as HAProxy does.
+fn read_agent_check(addr: SocketAddr) -> String {
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+        .unwrap_or_else(|e| panic!("agent-check {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("read timeout");
+    let mut line = String::new();
+    s.take(256)
+        .read_to_string(&mut line)
+        .unwrap_or_else(|e| panic!("agent-check {addr}: {e}"));
+    line
+}
+
+/// One row of the worked example's first table in `docs/feeds.md`.
+#[derive(Debug)]
+struct ExampleRow {
+    endpoint: String,
+    weight: f64,
+    line: String,
+    haproxy_weight: u32,
+    haproxy_share: f64,
+}
+
+/// The worked example's first table, and the configured weight 25's weights from the
+/// paragraph under it.
+fn worked_example() -> (Vec<ExampleRow>, Vec<u32>) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/feeds.md");
+    let doc = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let section = doc
+        .split("## Worked example")
+        .nth(1)
+        .expect("docs/feeds.md has a worked example");
+    let rows: Vec<ExampleRow> = section
+        .lines()
+        .skip_while(|l| !l.starts_with("| Endpoint"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let c: Vec<&str> = l.split('|').map(str::trim).collect();
+            let num = |s: &str| -> f64 {
+                s.split_whitespace()
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("not a number: {s:?} in {l}"))
+            };
+            ExampleRow {
+                endpoint: c[1].to_string(),
+                weight: num(c[2]),
+                line: c[5].trim_matches('`').to_string(),
+                haproxy_weight: num(c[6]) as u32,
+                haproxy_share: num(c[7]),
+            }
+        })
+        .collect();
+    assert_eq!(rows.len(), 4, "the worked example's table: {rows:?}");
+    let with_25: Vec<u32> = section
+        .split("with `weight 25` the HAProxy\nweights would be ")
+        .nth(1)
+        .and_then(|t| t.split(" and").next())
+        .map(|t| {
+            t.split(", ")
+                .map(|n| n.trim().parse().unwrap_or_else(|_| panic!("{n:?}")))
+                .collect()
+        })
+        .expect("docs/feeds.md gives the weights under `weight 25`");
+    (rows, with_25)
+}
+
+/// Sends `n` sequential requests and counts them by backend.
+fn split(hap: &Haproxy, n: u32) -> BTreeMap<String, u32> {
+    let mut counts = BTreeMap::new();
+    let started = Instant::now();
+    for i in 0..n {
+        let name = request(hap.frontend()).unwrap_or_else(|e| panic!("request {i}: {e}"));
+        *counts.entry(name).or_default() += 1;
+        assert!(
+            started.elapsed() < ROUND_LIMIT,
+            "{i} requests took over {ROUND_LIMIT:?}"
+        );
+    }
+    counts
+}
+
+#[test]
+fn the_worked_example_of_the_cap_holds_on_a_real_haproxy() {
+    require_haproxy();
+    let (rows, with_25) = worked_example();
+    for (configured, expected) in [
+        (
+            100u32,
+            rows.iter().map(|r| r.haproxy_weight).collect::<Vec<_>>(),
+        ),
+        (25, with_25),
+    ] {
+        let backends: Vec<Backend> = rows.iter().map(|r| Backend::start(&r.endpoint)).collect();
+        // No agent listens: HAProxy does not count an unreachable agent against a
+        // server, so the weights stay as the runtime API sets them.
+        let servers: Vec<(&str, SocketAddr, SocketAddr)> = rows
+            .iter()
+            .zip(&backends)
+            .map(|(r, b)| {
+                (
+                    r.endpoint.as_str(),
+                    b.addr,
+                    SocketAddr::from(([127, 0, 0, 1], free_tcp())),
+                )
+            })
+            .collect();
+        let hap = Haproxy::start(
+            0,
+            &servers,
+            &HaproxyOpts {
+                weight: configured,
+                ..HaproxyOpts::default()
+            },
+        );
+        for r in &rows {
+            // The line the agent sends for this weight, as the table has it.
+            let line = ballast_balance::load::haproxy_agent_reply(Some(r.weight), false);
+            assert_eq!(line.trim(), r.line, "{}: the agent-check line", r.endpoint);
+            let pct = line.trim().trim_start_matches("ready up ");
+            hap.command(&format!("set weight be/{} {pct}", r.endpoint));
+        }
+        let s = wait_for(
+            Duration::from_secs(10),
+            "the servers up with their weights",
+            || {
+                let s = hap.show_servers_state();
+                if s.values().all(ServerState::ready) {
+                    Ok(s)
+                } else {
+                    Err(format!("{s:?}"))
+                }
+            },
+        );
+        let got: Vec<u32> = rows.iter().map(|r| s[&r.endpoint].uweight).collect();
+        assert_eq!(
+            got, expected,
+            "HAProxy's weights with `weight {configured}`, against docs/feeds.md"
+        );
+        // Ten rotations of the round robin: the split is exact but for a partial one.
+        let rotation: u32 = got.iter().sum();
+        let n = rotation * 10;
+        let counts = split(&hap, n);
+        for (r, w) in rows.iter().zip(&got) {
+            let share = f64::from(counts.get(&r.endpoint).copied().unwrap_or(0)) / f64::from(n);
+            let want = f64::from(*w) / f64::from(rotation);
+            assert!(
+                (share - want).abs() <= 0.01,
+                "{} with `weight {configured}`: {share:.3} of {n} requests, weights say \
+                 {want:.3}: {counts:?}",
+                r.endpoint
+            );
+            if configured == 100 {
+                assert!(
+                    (share - r.haproxy_share).abs() <= 0.01,
+                    "{}: {share:.3} of the requests, docs/feeds.md says {}",
+                    r.endpoint,
+                    r.haproxy_share
+                );
+            }
+        }
+        eprintln!("weight {configured}: HAProxy weights {got:?}, {n} requests {counts:?}");
+    }
 }

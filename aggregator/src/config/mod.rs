@@ -33,6 +33,9 @@ impl Default for StoreConfig {
     }
 }
 
+/// etcd's default `--max-request-bytes`: 1.5 MiB.
+pub const ETCD_MAX_REQUEST_BYTES: usize = 1536 * 1024;
+
 /// The etcd routing store: one key per service, `<prefix>/services/<service>`, holding
 /// its snapshot as JSON.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,6 +52,11 @@ pub struct EtcdConfig {
     /// routing store's background writer, so a dead etcd delays no cycle: each attempt
     /// fails after at most this long, and the writer retries.
     pub request_timeout_ms: u64,
+    /// etcd's `--max-request-bytes` (1.5 MiB unless raised). A service whose value
+    /// would make a larger request is not written: etcd keeps its last value that
+    /// fitted, the other services are written as usual, and the refusal is counted
+    /// (`ballast_store_refused_total{reason="too_large"}`) and shown in `/healthz`.
+    pub max_request_bytes: usize,
     /// The CA certificate(s), PEM, that etcd's server certificate must chain to.
     /// Required with `https://` endpoints; only those.
     pub ca_file: Option<PathBuf>,
@@ -76,6 +84,7 @@ impl Default for EtcdConfig {
             prefix: "/ballast".to_string(),
             connect_timeout_ms: 2000,
             request_timeout_ms: 2000,
+            max_request_bytes: ETCD_MAX_REQUEST_BYTES,
             ca_file: None,
             cert_file: None,
             key_file: None,
@@ -179,6 +188,12 @@ impl EtcdConfig {
                     "must be between 100 and 60000",
                 ));
             }
+        }
+        if !(64 * 1024..=1 << 30).contains(&self.max_request_bytes) {
+            return Err(InvalidSetting::new(
+                "store.etcd.max_request_bytes",
+                "must be between 65536 and 1073741824, as etcd's --max-request-bytes",
+            ));
         }
         if self.uses_tls() {
             if self.ca_file.is_none() {

@@ -58,6 +58,12 @@ pub(crate) const MAX_TXN_OPS: usize = 128;
 /// (`--max-request-bytes`), so a batch of big snapshots is split well below that. A
 /// single service larger than this still goes alone.
 pub(crate) const MAX_TXN_BYTES: usize = 1 << 20;
+// etcd's default `--max-request-bytes`: a put larger than the member's limit is
+// refused by etcd; `max_request_bytes` tells the store an etcd's raised one.
+use crate::config::ETCD_MAX_REQUEST_BYTES as DEFAULT_MAX_REQUEST_BYTES;
+/// What a request carries beside the key and value of its one put: the transaction's
+/// framing, well within this.
+const REQUEST_OVERHEAD: usize = 1024;
 /// The largest response `load` accepts: every service of a big fleet in one range read
 /// is well over tonic's default of 4 MiB.
 const MAX_RESPONSE_BYTES: usize = 256 << 20;
@@ -283,7 +289,7 @@ struct Outage {
 
 /// What etcd holds and what is still to be written: the bookkeeping of batching,
 /// skipping unchanged values and catching up, with no I/O, so it can be tested alone.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Ledger {
     /// The value etcd holds for each service as far as this store knows: what it last
     /// wrote or loaded.
@@ -293,12 +299,60 @@ struct Ledger {
     pending: BTreeMap<String, Vec<u8>>,
     /// Set from a failed write until the next good one.
     outage: Option<Outage>,
+    /// The most bytes a service's name and value may take together: a larger put would
+    /// be refused by etcd, and, retried in every write, would hold back the services
+    /// after it.
+    max_entry_bytes: usize,
+    /// Services whose latest value is over `max_entry_bytes`, with its size: not
+    /// written, so etcd keeps their last value that fitted.
+    too_large: BTreeMap<String, usize>,
+    /// Values refused for their size since the last [`Ledger::take_refused`].
+    refused: u64,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger::new(DEFAULT_MAX_REQUEST_BYTES - REQUEST_OVERHEAD)
+    }
 }
 
 impl Ledger {
+    fn new(max_entry_bytes: usize) -> Self {
+        Ledger {
+            written: HashMap::new(),
+            pending: BTreeMap::new(),
+            outage: None,
+            max_entry_bytes,
+            too_large: BTreeMap::new(),
+            refused: 0,
+        }
+    }
+
     /// Takes a service's new value. A value equal to what etcd holds needs no write, and
-    /// replaces any older pending one (the service changed back).
+    /// replaces any older pending one (the service changed back). A value too large for
+    /// etcd is not written: the service keeps the last value etcd took, the others are
+    /// written as usual, and the refusal is counted; the first one of a run is logged.
     fn absorb(&mut self, service: &str, value: Vec<u8>) {
+        let size = service.len() + value.len();
+        if size > self.max_entry_bytes {
+            self.pending.remove(service);
+            self.refused += 1;
+            if self.too_large.insert(service.to_string(), size).is_none() {
+                tracing::error!(
+                    service,
+                    bytes = size,
+                    limit = self.max_entry_bytes,
+                    "service too large for etcd: its weights are not written there (etcd \
+                     keeps the last ones that fitted) until it shrinks; raise etcd's \
+                     --max-request-bytes and the store's max_request_bytes, or split the \
+                     service"
+                );
+            }
+            return;
+        }
+        if self.too_large.remove(service).is_some() {
+            tracing::info!(service, bytes = size, "service fits in etcd again");
+        }
         if self.written.get(service) == Some(&value) {
             self.pending.remove(service);
         } else {
@@ -333,6 +387,11 @@ impl Ledger {
         let written = &self.written;
         self.pending
             .retain(|service, value| written.get(service) != Some(value));
+    }
+
+    /// How many values were refused for their size since the last call.
+    fn take_refused(&mut self) -> u64 {
+        std::mem::take(&mut self.refused)
     }
 
     /// Records a failed write; the first failure of an outage dates it.
@@ -476,7 +535,10 @@ impl EtcdStore {
             connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
             request_timeout: Duration::from_millis(cfg.request_timeout_ms),
             client: tokio::sync::Mutex::new(None),
-            ledger: Mutex::new(Ledger::default()),
+            ledger: Mutex::new(Ledger::new(
+                cfg.max_request_bytes
+                    .saturating_sub(REQUEST_OVERHEAD + services_prefix(&cfg.prefix).len()),
+            )),
             writer: tokio::sync::Mutex::new(()),
             copy: LocalCopy {
                 file: FileStore::with_origin(copy, format!("etcd prefix {}", cfg.prefix)),
@@ -755,6 +817,14 @@ impl RoutingStore for EtcdStore {
         }
         counts
     }
+
+    fn too_large(&self) -> BTreeMap<String, usize> {
+        self.ledger().too_large.clone()
+    }
+
+    fn take_refused(&self) -> u64 {
+        self.ledger().take_refused()
+    }
 }
 
 #[cfg(test)]
@@ -797,6 +867,32 @@ mod tests {
         let sizes: Vec<usize> = txn_chunks(&big).iter().map(|c| c.len()).collect();
         assert_eq!(sizes, [1, 1, 1, 1]);
         assert!(txn_chunks(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_value_too_large_for_etcd_is_held_back_and_the_others_are_written() {
+        let v = |s: &str| s.as_bytes().to_vec();
+        let mut l = Ledger::new(10);
+        l.absorb("a", v("1"));
+        l.absorb("big", v("0123456789"));
+        l.absorb("z", v("2"));
+        // The big one is not in the batch: etcd would refuse it, and every write
+        // would fail on it and hold back the services after it.
+        let batch = l.batch();
+        let names: Vec<&str> = batch.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(names, ["a", "z"]);
+        assert_eq!(l.too_large.get("big"), Some(&13));
+        assert_eq!(l.take_refused(), 1);
+        assert_eq!(l.take_refused(), 0);
+        l.committed(&batch);
+        // Still too large: refused again, and still listed.
+        l.absorb("big", v("01234567890"));
+        assert_eq!(l.take_refused(), 1);
+        assert!(l.batch().is_empty());
+        // It shrinks: written, and no longer listed.
+        l.absorb("big", v("0123"));
+        assert!(l.too_large.is_empty());
+        assert_eq!(l.batch(), [("big".to_string(), v("0123"))]);
     }
 
     #[test]

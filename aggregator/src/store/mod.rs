@@ -109,6 +109,17 @@ pub trait RoutingStore: Send + Sync {
     fn take_skipped(&self) -> BTreeMap<Defect, u64> {
         BTreeMap::new()
     }
+    /// Services whose latest value is too large for the store to take, with its size
+    /// in bytes: they keep their last stored value while the others are written. The
+    /// writer shows them in `/healthz` and `ballast_store_too_large`.
+    fn too_large(&self) -> BTreeMap<String, usize> {
+        BTreeMap::new()
+    }
+    /// How many values were refused for their size since the last call; the writer
+    /// counts them in `ballast_store_refused_total{reason="too_large"}`.
+    fn take_refused(&self) -> u64 {
+        0
+    }
 }
 
 /// The routing store `cfg` configures: etcd when `[store.etcd]` is set, else the file.

@@ -82,6 +82,9 @@ pub struct StoreHealth {
     /// How long writes have been failing (or the one in flight stalled), in seconds;
     /// `None` while the store is ok.
     pub failing_seconds: Option<f64>,
+    /// Services whose latest value is too large for the store, with its size in
+    /// bytes: the store keeps their last value that fitted, and writes the others.
+    pub too_large: BTreeMap<String, usize>,
 }
 
 /// How long the routing store may fail before `/healthz` fails: long enough to ride
@@ -115,6 +118,7 @@ struct Progress {
     written_version: Option<u64>,
     pending: usize,
     oldest_pending: Option<Instant>,
+    too_large: BTreeMap<String, usize>,
 }
 
 impl StoreStatus {
@@ -161,6 +165,7 @@ impl StoreStatus {
                 .oldest_pending
                 .map(|t| now.saturating_duration_since(t).as_secs_f64()),
             failing_seconds: failing_for.map(|d| d.as_secs_f64()),
+            too_large: p.too_large.clone(),
         }
     }
 }
@@ -327,8 +332,25 @@ pub fn writer(state: Arc<State>) -> impl Future<Output = ()> + Send + 'static {
 }
 
 /// Counts the stored services the store skipped as corrupt in
-/// `ballast_store_corrupt_total`.
+/// `ballast_store_corrupt_total`, and the values it refused as too large in
+/// `ballast_store_refused_total`, and shows the services too large now.
 fn count_skipped(state: &State) {
+    let refused = state.store.take_refused();
+    if refused > 0 {
+        state
+            .metrics
+            .store_refused
+            .get_or_create(&crate::metrics::Reason {
+                reason: "too_large".to_string(),
+            })
+            .inc_by(refused);
+    }
+    let too_large = state.store.too_large();
+    state
+        .metrics
+        .store_too_large
+        .set(i64::try_from(too_large.len()).unwrap_or(i64::MAX));
+    state.store_status.lock().too_large = too_large;
     for (defect, n) in state.store.take_skipped() {
         state
             .metrics

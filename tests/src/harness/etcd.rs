@@ -116,6 +116,8 @@ pub struct Etcd {
     root_password: Option<String>,
     /// A second address clients may reach it on (a network namespace's link).
     also_on: Option<std::net::Ipv4Addr>,
+    /// Flags added to every launch from the next one on: see [`Etcd::restart_with`].
+    extra_args: Vec<String>,
     http: reqwest::blocking::Client,
     proc: Option<Proc>,
     // Last, so that the process is gone before its directory is removed.
@@ -166,6 +168,7 @@ impl Etcd {
             tls,
             root_password: None,
             also_on,
+            extra_args: Vec::new(),
             http,
             proc: None,
             dir,
@@ -202,7 +205,8 @@ impl Etcd {
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("ballast-test={peer}")])
             .args(["--listen-metrics-urls", &self.metrics_url()])
-            .args(["--logger", "zap", "--log-outputs", "stderr"]);
+            .args(["--logger", "zap", "--log-outputs", "stderr"])
+            .args(&self.extra_args);
         if let Some(tls) = &self.tls {
             cmd.arg("--cert-file")
                 .arg(&tls.server_cert)
@@ -365,6 +369,31 @@ impl Etcd {
             }
         }
         panic!("etcd could not bind its old ports again:\n{last}");
+    }
+
+    /// Starts etcd again, after [`Etcd::kill`], with `args` added to its flags (and
+    /// those of any earlier call dropped): `--max-request-bytes 4194304`, say.
+    pub fn restart_with(&mut self, args: &[&str]) {
+        self.extra_args = args.iter().map(|a| a.to_string()).collect();
+        self.restart();
+    }
+
+    /// Puts `value` at `key` with `etcdctl put`, the value read from its standard input
+    /// (a value of megabytes does not fit in an argument); panics if etcd refuses it.
+    pub fn put_large(&self, key: &str, value: &[u8]) {
+        let file = self.dir.path().join("put-large.value");
+        std::fs::write(&file, value).expect("write the value to put");
+        let mut cmd = self.ctl_command();
+        cmd.args(["--command-timeout", "10s", "put", key])
+            .stdin(std::fs::File::open(&file).expect("open the value to put"));
+        let out = run_bounded(cmd, Duration::from_secs(30));
+        assert!(
+            out.status.success(),
+            "etcdctl put {key} ({} bytes): {}: {}",
+            value.len(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// `etcdctl ARGS` against this etcd, bounded in time; its stdout, or why it failed.
