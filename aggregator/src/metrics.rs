@@ -71,6 +71,10 @@ pub struct Metrics {
     pub cycles_skipped: Family<ServiceReason, Counter>,
     /// Endpoints forgotten after a silence longer than `expire_ms`, by service.
     pub endpoints_expired: Family<ServiceLabel, Counter>,
+    /// Endpoints forgotten because their node moved: it said hello to another service
+    /// and stopped reporting here, or another node took its address after it stopped
+    /// reporting; by service.
+    pub endpoints_moved: Family<ServiceLabel, Counter>,
     /// Wall time of one cycle over all services, in seconds.
     pub cycle_duration: Histogram,
     /// Routing-store writes, by outcome.
@@ -156,6 +160,7 @@ impl Metrics {
             cycles: Family::default(),
             cycles_skipped: Family::default(),
             endpoints_expired: Family::default(),
+            endpoints_moved: Family::default(),
             cycle_duration: Histogram::new(
                 [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0].into_iter(),
             ),
@@ -214,6 +219,11 @@ impl Metrics {
             "endpoints_expired",
             "Endpoints forgotten after a silence longer than expire_ms, by service",
             m.endpoints_expired.clone(),
+        );
+        registry.register(
+            "endpoints_moved",
+            "Endpoints forgotten because their node moved to another service or address",
+            m.endpoints_moved.clone(),
         );
         registry.register(
             "cycle_duration_seconds",

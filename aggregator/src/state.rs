@@ -220,6 +220,14 @@ impl State {
                     .get_or_create(&label)
                     .inc_by(r.expired.len() as u64);
             }
+            if !r.moved.is_empty() {
+                tracing::info!(%service, nodes = ?r.moved,
+                    "endpoints forgotten: their nodes moved to another service or address");
+                self.metrics
+                    .endpoints_moved
+                    .get_or_create(&label)
+                    .inc_by(r.moved.len() as u64);
+            }
             let held_before = previous
                 .service(&service)
                 .map_or(0, |s| s.stats.expiry_held);

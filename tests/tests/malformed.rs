@@ -20,11 +20,15 @@ const MAX_BAD_DATAGRAMS: usize = 16;
 /// QUIC application close code for protocol faults.
 const CLOSE_PROTOCOL: u32 = 2;
 
+/// A hello for `node`, at an address of its own: two live endpoints of a service may
+/// not share one.
 fn hello(node: &str) -> Hello {
+    static NEXT_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(9000);
+    let port = NEXT_PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Hello {
         node: node.to_string(),
         service: RAW_SERVICE.to_string(),
-        address: "127.0.0.1:9999".to_string(),
+        address: format!("127.0.0.1:{port}"),
         zone: String::new(),
         version: "test".to_string(),
     }

@@ -67,6 +67,15 @@ pub enum BalanceError {
         /// The limit.
         limit: usize,
     },
+    /// Another node of the service, still reporting, has the address: two endpoints
+    /// must not share one, or load balancers would send one node's share to another.
+    #[error("address {address} is in use by node {holder:?}, which is still alive")]
+    AddressInUse {
+        /// The address.
+        address: String,
+        /// The node that holds it.
+        holder: String,
+    },
     /// A report for an endpoint that never registered (or has expired).
     #[error("endpoint {node:?} of service {service:?} is not registered")]
     UnknownEndpoint {
@@ -200,17 +209,8 @@ impl Balancer {
             if !stale {
                 continue;
             }
-            svc.endpoints.remove(node);
-            // A service that held only this node, and has no config of its own, goes
-            // with it: a node hopping from service to service must not leave a trail
-            // of empty services behind.
-            let configured = self.overrides.contains_key(name)
-                || self.allowed.as_ref().is_some_and(|a| a.contains(name));
-            if svc.endpoints.is_empty() && !configured {
-                self.services.remove(name);
-                self.next_cycle.remove(name);
-                self.empty_since.remove(name);
-            }
+            svc.forget_moved_node(node);
+            self.forget_if_empty(name);
         }
         if elsewhere(self).len() < limit {
             Ok(())
@@ -324,8 +324,50 @@ impl Balancer {
                 limit,
             });
         }
+        svc.take_address(now, node, address)?;
         svc.register(now, node, address, zone);
+        self.note_move(now, service, node);
         Ok(())
+    }
+
+    /// A node that says hello to `service` has left its other services if it stopped
+    /// reporting there: forget it at once where it is already stale, and mark it
+    /// where it is not yet, so that it is forgotten when it goes stale instead of being
+    /// waited for as missing (which could freeze the service it left). A node that
+    /// serves several services at once keeps reporting to each, and a report clears
+    /// the mark.
+    fn note_move(&mut self, now: Millis, service: &str, node: &str) {
+        let others: Vec<String> = self
+            .services
+            .values()
+            .filter(|s| s.name != service && s.endpoints.contains_key(node))
+            .map(|s| s.name.clone())
+            .collect();
+        for name in others {
+            let Some(svc) = self.services.get_mut(&name) else {
+                continue;
+            };
+            if svc.moved_away(now, node) {
+                self.forget_if_empty(&name);
+            }
+        }
+    }
+
+    /// Removes service `name` if it has no endpoint left and no config of its own: a
+    /// node hopping from service to service must not leave a trail of empty services.
+    fn forget_if_empty(&mut self, name: &str) {
+        let configured = self.overrides.contains_key(name)
+            || self.allowed.as_ref().is_some_and(|a| a.contains(name));
+        if !configured
+            && self
+                .services
+                .get(name)
+                .is_some_and(|s| s.endpoints.is_empty())
+        {
+            self.services.remove(name);
+            self.next_cycle.remove(name);
+            self.empty_since.remove(name);
+        }
     }
 
     /// Records a report and returns the node's current assignment.

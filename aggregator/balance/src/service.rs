@@ -70,6 +70,10 @@ pub struct Endpoint {
     pub established: bool,
     /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
     pub inflight: InflightTracker,
+    /// When its node said hello to another service while registered here. A report
+    /// here clears it; once it is stale here, the node has moved and is forgotten
+    /// rather than waited for as missing.
+    pub moved_at: Option<Millis>,
     /// Its node, address and zone as shared strings, so that a publication shares
     /// them instead of copying three strings per endpoint per cycle.
     names: Names,
@@ -107,6 +111,7 @@ impl Endpoint {
             last_update: None,
             established: false,
             inflight: InflightTracker::default(),
+            moved_at: None,
             names: Names {
                 node: Arc::from(node),
                 address: Arc::from(address),
@@ -119,6 +124,12 @@ impl Endpoint {
     pub fn is_fresh(&self, now: Millis, params: &Params) -> bool {
         self.last_report
             .is_some_and(|t| now.saturating_sub(t) <= params.stale_ms)
+    }
+
+    /// Whether it showed a sign of life here (a hello or a report) within `stale_ms`:
+    /// an endpoint that said hello and has not reported yet is alive, not stale.
+    pub fn is_alive(&self, now: Millis, params: &Params) -> bool {
+        now.saturating_sub(self.last_seen) <= params.stale_ms
     }
 
     /// Its state as operators see it.
@@ -275,6 +286,10 @@ pub struct CycleResult {
     /// Endpoints past `expire_ms` that were kept because too much of the service is
     /// silent at once.
     pub expiry_held: usize,
+    /// Endpoints forgotten since the last cycle because their node moved: it said
+    /// hello to another service and stopped reporting here, or another node took its
+    /// address after it stopped reporting.
+    pub moved: Vec<String>,
 }
 
 /// One cycle's figures, kept for the dashboard and the API.
@@ -358,6 +373,9 @@ pub struct Service {
     /// The weights a feed-forward step replaced, until the first update after it shows
     /// whether it helped.
     feed_forward_undo: Option<FeedForwardUndo>,
+    /// Endpoints forgotten since the last cycle because their node moved, for its
+    /// result.
+    moved: Vec<String>,
 }
 
 /// What a feed-forward step replaced.
@@ -388,6 +406,7 @@ impl Service {
             settle_through: 0,
             last_step: 0.0,
             feed_forward_undo: None,
+            moved: Vec::new(),
         }
     }
 
@@ -417,8 +436,68 @@ impl Service {
             ep.names.zone = Arc::from(zone);
         }
         ep.last_seen = now;
+        ep.moved_at = None;
         // A new session restarts its sequence numbers.
         ep.last_seq = None;
+    }
+
+    /// Makes room for `node` at `address`: another endpoint there that has shown no
+    /// sign of life for `stale_ms` was replaced (a host renamed, a node moved) and is
+    /// forgotten; one still alive keeps it, and the registration is refused.
+    pub fn take_address(
+        &mut self,
+        now: Millis,
+        node: &str,
+        address: &str,
+    ) -> Result<(), crate::BalanceError> {
+        let holder = self
+            .endpoints
+            .values()
+            .find(|e| e.node != node && e.address == address)
+            .map(|e| (e.node.clone(), e.is_alive(now, &self.params)));
+        match holder {
+            Some((holder, true)) => Err(crate::BalanceError::AddressInUse {
+                address: address.to_string(),
+                holder,
+            }),
+            Some((holder, false)) => {
+                self.endpoints.remove(&holder);
+                self.moved.push(holder);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets `node`, which moved: its registration elsewhere needed the room. The
+    /// next cycle's result names it among [`CycleResult::moved`].
+    pub(crate) fn forget_moved_node(&mut self, node: &str) {
+        if self.endpoints.remove(node).is_some() {
+            self.moved.push(node.to_string());
+        }
+    }
+
+    /// `node` said hello to another service. Returns true if it has shown no sign of
+    /// life here for `stale_ms` and is forgotten now; otherwise it is marked, and
+    /// forgotten once it has not, unless it reports or says hello here again.
+    pub fn moved_away(&mut self, now: Millis, node: &str) -> bool {
+        let params = &self.params;
+        let Some(ep) = self.endpoints.get_mut(node) else {
+            return false;
+        };
+        // A drained endpoint freezes nothing by its silence and expires on its own
+        // clock: the operator drained it, it did not go missing.
+        if ep.draining {
+            return false;
+        }
+        if ep.is_alive(now, params) {
+            ep.moved_at = Some(now);
+            false
+        } else {
+            self.endpoints.remove(node);
+            self.moved.push(node.to_string());
+            true
+        }
     }
 
     /// Records a report. Returns false if it is older than one already seen (a
@@ -436,6 +515,7 @@ impl Service {
         }
         ep.last_report = Some(now);
         ep.last_seen = now;
+        ep.moved_at = None;
         ep.observation = obs;
         ep.inflight.observe(obs.inflight);
         // Until the next cycle judges the count against the fleet, the load is what the
@@ -472,6 +552,7 @@ impl Service {
         self.stats.cycles += 1;
         let cycle = self.stats.cycles;
         let (expired, expiry_held) = self.expire(now);
+        let moved = self.forget_moved(now);
 
         let params = self.params.clone();
         self.assess_loads(now);
@@ -581,6 +662,7 @@ impl Service {
             missing_share,
             expired,
             expiry_held,
+            moved,
         }
     }
 
@@ -634,6 +716,25 @@ impl Service {
     /// Forgets the endpoints silent for longer than `expire_ms` while the rest of the
     /// service is heard (see [`Service::cycle`]). Returns those forgotten and how
     /// many were held instead.
+    /// Forgets the endpoints whose node said hello to another service and has gone
+    /// stale here since; returns them with those forgotten since the last cycle for
+    /// the same reason (by a hello elsewhere, or by another node taking the address).
+    fn forget_moved(&mut self, now: Millis) -> Vec<String> {
+        let params = &self.params;
+        let gone: Vec<String> = self
+            .endpoints
+            .values()
+            .filter(|e| e.moved_at.is_some() && !e.draining && !e.is_alive(now, params))
+            .map(|e| e.node.clone())
+            .collect();
+        for node in &gone {
+            self.endpoints.remove(node);
+        }
+        let mut moved = std::mem::take(&mut self.moved);
+        moved.extend(gone);
+        moved
+    }
+
     fn expire(&mut self, now: Millis) -> (Vec<String>, usize) {
         let params = &self.params;
         let limit = params.expire_ms;

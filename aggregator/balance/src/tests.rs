@@ -647,11 +647,11 @@ fn registrations_stop_at_the_limits_and_known_endpoints_still_come_back() {
         ..Limits::default()
     });
     for i in 0..3 {
-        b.register(0, "a", &format!("n{i}"), "10.0.0.1:80", "")
+        b.register(0, "a", &format!("n{i}"), &format!("10.0.0.{i}:80"), "")
             .expect("within the limit");
     }
     assert_eq!(
-        b.register(0, "a", "n3", "10.0.0.1:80", ""),
+        b.register(0, "a", "n3", "10.0.0.3:80", ""),
         Err(BalanceError::Limit {
             what: "endpoints in this service",
             limit: 3
@@ -669,6 +669,110 @@ fn registrations_stop_at_the_limits_and_known_endpoints_still_come_back() {
         })
     ));
     assert_eq!(b.services().count(), 2);
+}
+
+/// With the default limits (a node may serve any number of services), a node that
+/// moves to another service is forgotten by the one it left once its reports there
+/// stop, instead of being waited for as missing: a quarter of the service missing
+/// would skip every cycle, and fail-static would hold it so.
+#[test]
+fn a_node_that_moves_to_another_service_does_not_freeze_the_one_it_left() {
+    let mut b = fleet(4, params());
+    for c in 0..3u64 {
+        report_all(&mut b, c * 1000, &[0.5; 4], &[]);
+        b.cycle(c * 1000);
+    }
+    // n3 says hello to "other" while its last report to "web" is still fresh.
+    b.register(3000, "other", "n3", "10.0.0.3:81", "")
+        .expect("registers elsewhere");
+    assert!(b.service(SVC).expect("svc").endpoints.contains_key("n3"));
+    let mut moved = Vec::new();
+    for c in 3..12u64 {
+        let now = c * 1000;
+        report_all(&mut b, now, &[0.5; 3], &[]);
+        b.observe(now, "other", "n3", obs(0.5)).expect("observes");
+        for r in b.cycle(now) {
+            if r.service == SVC {
+                assert_ne!(
+                    r.skipped.map(|s| s.label()),
+                    Some("missing"),
+                    "at {now}: {r:?}"
+                );
+                moved.extend(r.moved);
+            }
+        }
+    }
+    assert_eq!(moved, ["n3"], "forgotten once, as moved");
+    let web = b.service(SVC).expect("svc");
+    assert!(!web.endpoints.contains_key("n3"));
+    assert_eq!(web.stats.missing_share, 0.0);
+    assert!(b
+        .service("other")
+        .expect("other")
+        .endpoints
+        .contains_key("n3"));
+}
+
+/// A node that serves two services at once reports to both: a hello to one does not
+/// take it from the other.
+#[test]
+fn a_node_serving_two_services_stays_in_both() {
+    let mut b = fleet(4, params());
+    b.register(0, "other", "n3", "10.0.0.3:81", "")
+        .expect("registers in a second service");
+    for c in 0..12u64 {
+        let now = c * 1000;
+        report_all(&mut b, now, &[0.5; 4], &[]);
+        b.observe(now, "other", "n3", obs(0.5)).expect("observes");
+        if c == 5 {
+            // Its agent for "other" reconnects: a new hello.
+            b.register(now, "other", "n3", "10.0.0.3:81", "")
+                .expect("hello again");
+        }
+        for r in b.cycle(now) {
+            assert!(r.moved.is_empty(), "{r:?}");
+        }
+    }
+    assert!(b.service(SVC).expect("svc").endpoints.contains_key("n3"));
+    assert!(b
+        .service("other")
+        .expect("other")
+        .endpoints
+        .contains_key("n3"));
+}
+
+/// Two endpoints never share an address: a second node claiming the address of one
+/// still reporting is refused; once the first is stale it was replaced (a host
+/// renamed), and the newcomer takes the address while the old one is forgotten.
+#[test]
+fn two_nodes_never_share_an_address() {
+    let mut b = fleet(3, params());
+    report_all(&mut b, 0, &[0.5; 3], &[]);
+    assert_eq!(
+        b.register(1000, SVC, "renamed", "10.0.0.0:80", ""),
+        Err(BalanceError::AddressInUse {
+            address: "10.0.0.0:80".to_string(),
+            holder: "n0".to_string(),
+        })
+    );
+    assert!(!b
+        .service(SVC)
+        .expect("svc")
+        .endpoints
+        .contains_key("renamed"));
+    // n0 goes silent past stale_ms: the claim succeeds and n0 is forgotten.
+    let later = params().stale_ms + 1000;
+    report_all(&mut b, later, &[0.5; 3], &[0]);
+    b.register(later, SVC, "renamed", "10.0.0.0:80", "")
+        .expect("takes the address of a stale node");
+    let svc = b.service(SVC).expect("svc");
+    assert!(!svc.endpoints.contains_key("n0"));
+    assert_eq!(svc.endpoints["renamed"].address, "10.0.0.0:80");
+    let moved: Vec<String> = b.cycle(later).into_iter().flat_map(|r| r.moved).collect();
+    assert_eq!(moved, ["n0"]);
+    // A node changing its own address is no conflict.
+    b.register(later, SVC, "n1", "10.0.0.9:80", "")
+        .expect("a node moves to a new address");
 }
 
 #[test]

@@ -449,6 +449,7 @@ enum Answer {
 fn refusal(e: BalanceError) -> Answer {
     let reason = match e {
         BalanceError::Limit { .. } => RejectReason::LimitReached,
+        BalanceError::AddressInUse { .. } => RejectReason::AddressNotAllowed,
         BalanceError::UnknownService(_) | BalanceError::UnknownEndpoint { .. } => {
             RejectReason::UnknownService
         }
@@ -507,15 +508,19 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
                         accepted: a.accepted,
                     }
                 }
-                Err(BalanceError::UnknownEndpoint { .. }) => {
-                    let _ = register(&mut balancer);
-                    Answer::Reregistered
-                }
+                // Forgotten while connected (a long stall, or another node took its
+                // address): registered again if it still may be, else refused.
+                Err(BalanceError::UnknownEndpoint { .. }) => match register(&mut balancer) {
+                    Ok(()) => Answer::Reregistered,
+                    Err(e) => refusal(e),
+                },
                 // Reports never create anything, so no limit can refuse one; an
                 // unknown service is one removed since the hello.
-                Err(e @ (BalanceError::UnknownService(_) | BalanceError::Limit { .. })) => {
-                    refusal(e)
-                }
+                Err(
+                    e @ (BalanceError::UnknownService(_)
+                    | BalanceError::Limit { .. }
+                    | BalanceError::AddressInUse { .. }),
+                ) => refusal(e),
             }
         }
     }
