@@ -614,7 +614,7 @@ fn status_error(status: u16, body: &[u8]) -> ClientError {
 }
 
 /// Percent-encodes a path segment (everything but unreserved characters).
-fn encode_segment(s: &str) -> String {
+pub(crate) fn encode_segment(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {

@@ -17,3 +17,4 @@ pub mod metrics;
 pub mod state;
 pub mod store;
 pub mod supervise;
+pub mod ui;

@@ -95,6 +95,7 @@ pub(crate) const RESPONSIVE_RISE: f64 = 1.5;
 
 /// How the in-flight term was derived, for the API and the agents' status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Derivation {
     /// No in-flight count is measured, or the metric ignores it.
@@ -108,6 +109,7 @@ pub enum Derivation {
 
 /// What the cycle made of an endpoint's in-flight count.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct InflightEstimate {
     /// How the term was derived.
     pub derivation: Derivation,

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 /// change of the endpoint's weight in one cycle, and its error is the endpoint's load
 /// relative to the fleet average, so the gains are dimensionless and per cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct PidGains {
     /// Proportional gain.
@@ -38,6 +39,7 @@ impl Default for PidGains {
 
 /// A way of computing weights that a service may enable, alone or gated with others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
     /// One PID controller per endpoint, with the fleet's average load as setpoint.
@@ -58,6 +60,7 @@ impl Strategy {
 
 /// One strategy and its gate: the share of the effective weight it contributes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Gate {
     /// The strategy.
@@ -68,6 +71,7 @@ pub struct Gate {
 
 /// Which signal the balancer steers by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum LoadMetric {
     /// `max(cpu, in-flight)`: Robinhood's choice, immune to the dead spiral. The
@@ -84,6 +88,7 @@ pub enum LoadMetric {
 /// Everything that shapes a service's cycle. The defaults are the global config; a
 /// service may override any of them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct Params {
     /// How often the cycle runs, in milliseconds.

@@ -26,12 +26,14 @@ pub type LocalitySplit = BTreeMap<String, BTreeMap<String, u32>>;
 
 /// Every service as of one publication.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Published {
     /// [`FORMAT`] when it was written.
     pub format: u32,
     /// Increases with every publication, whether or not weights moved.
     pub version: u64,
     /// When it was published, on the publisher's clock.
+    #[cfg_attr(feature = "openapi", schema(value_type = u64))]
     pub at: Millis,
     /// Services by name.
     pub services: BTreeMap<String, Arc<PublishedService>>,
@@ -50,6 +52,7 @@ impl Default for Published {
 
 /// One service as its last cycle left it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PublishedService {
     /// The service's name.
     pub name: String,
@@ -61,8 +64,10 @@ pub struct PublishedService {
     /// cycle numbers go on from there after a restart.
     pub weights_cycle: u64,
     /// When its last cycle ran, on the publisher's clock.
+    #[cfg_attr(feature = "openapi", schema(value_type = u64))]
     pub at: Millis,
     /// The locality split in force; empty when traffic spreads evenly over zones.
+    #[cfg_attr(feature = "openapi", schema(value_type = BTreeMap<String, BTreeMap<String, u32>>))]
     pub locality: LocalitySplit,
     /// The parameters in force.
     pub params: Params,
@@ -76,6 +81,7 @@ pub struct PublishedService {
 
 /// One endpoint as published.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PublishedEndpoint {
     /// `host:port`.
     pub address: Arc<str>,

@@ -21,6 +21,7 @@ pub const MATERIAL_CHANGE: f64 = 0.01;
 
 /// An endpoint's state as operators see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum EndpointState {
     /// Reporting and balanced.
@@ -189,6 +190,7 @@ pub(crate) const MAX_JUMP_SKIPS: u32 = 3;
 
 /// Why a cycle changed no weights.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "reason", rename_all = "snake_case")]
 pub enum SkipReason {
     /// Just after start: reports are still arriving.
@@ -294,10 +296,12 @@ pub struct CycleResult {
 
 /// One cycle's figures, kept for the dashboard and the API.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HistoryPoint {
     /// Cycle number.
     pub cycle: u64,
     /// When it ran.
+    #[cfg_attr(feature = "openapi", schema(value_type = u64))]
     pub at: Millis,
     /// The load spread.
     pub spread: Spread,
@@ -307,6 +311,7 @@ pub struct HistoryPoint {
 
 /// Counters and last results of a service, for the API.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ServiceStats {
     /// Cycles run.
     pub cycles: u64,

@@ -13,6 +13,7 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 /// Load spread over the fresh, serving endpoints of a service.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Spread {
     /// Mean load.
     pub avg: f64,

@@ -1,9 +1,11 @@
 //! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
 
 pub(crate) mod listener;
+pub(crate) mod openapi;
 pub mod views;
 
 use crate::state::State;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State as AxState};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -12,21 +14,20 @@ use axum::{Json, Router};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-/// The OpenAPI document of this API.
-pub(crate) const OPENAPI: &str = include_str!("openapi.json");
-
 /// The router over shared state.
 pub fn router(state: Arc<State>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
+        .route("/v1/openapi.json", get(openapi_v1))
         .route("/v1/services", get(services))
         .route("/v1/services/{name}", get(service))
         .route("/v1/services/{name}/endpoints", get(endpoints))
         .route("/v1/services/{name}/weights", get(weights))
         .route("/v1/config", get(config))
         .route("/v1/published", get(published))
+        .merge(crate::ui::router(&state))
         .fallback(not_found)
         .with_state(state)
 }
@@ -44,6 +45,20 @@ impl ApiError {
             message: format!("unknown service {name:?}"),
         }
     }
+
+    /// A request the API cannot read: a query or path that does not parse. axum's own
+    /// answer would be plain text; every error of the API has the same JSON shape.
+    fn bad_request(rejection: impl std::fmt::Display) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: rejection.to_string(),
+        }
+    }
+}
+
+/// The service name of a `{name}` path, or the API's 400.
+fn service_name(path: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    path.map(|Path(name)| name).map_err(ApiError::bad_request)
 }
 
 impl IntoResponse for ApiError {
@@ -69,7 +84,23 @@ async fn not_found() -> ApiError {
 /// [`crate::store::writer::FAILING_UNHEALTHY_AFTER`]. A store error shorter than that
 /// shows under `store_writer` and leaves the status ok: the aggregator keeps serving
 /// the weights it has.
-async fn healthz(AxState(state): AxState<Arc<State>>) -> (StatusCode, Json<serde_json::Value>) {
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    operation_id = "health",
+    tag = "operations",
+    summary = "Whether the aggregator balances, and the routing store's health",
+    description = "200 and `ok` while the cycle loop runs and the routing store keeps up; \
+        503 and `failing`, with the reasons, when the cycle loop has not run for three \
+        cycle lengths or the store has been failing for more than 300 s. A shorter store \
+        failure shows under `store_writer` (`error`, or `stalled` when a write has been in \
+        flight for more than 10 s) and leaves the status ok.",
+    responses(
+        (status = 200, description = "Balancing", body = views::Health),
+        (status = 503, description = "Failing: the cycle loop is late or the store has failed for too long", body = views::Health),
+    )
+)]
+async fn healthz(AxState(state): AxState<Arc<State>>) -> (StatusCode, Json<views::Health>) {
     let store = state
         .store_status
         .health(state.store.describe(), std::time::Instant::now());
@@ -88,30 +119,76 @@ async fn healthz(AxState(state): AxState<Arc<State>>) -> (StatusCode, Json<serde
         ));
     }
     let (code, status) = if failing.is_empty() {
-        (StatusCode::OK, "ok")
+        (StatusCode::OK, views::HealthStatus::Ok)
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "failing")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            views::HealthStatus::Failing,
+        )
     };
     (
         code,
-        Json(serde_json::json!({
-            "status": status,
-            "failing": failing,
-            "store": store.name,
-            "store_error": store.error,
-            "store_writer": store,
-        })),
+        Json(views::Health {
+            status,
+            failing,
+            store: store.name.clone(),
+            store_error: store.error.clone(),
+            store_writer: store,
+        }),
     )
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/config",
+    operation_id = "get_config",
+    tag = "config",
+    summary = "The per-service config directory as merged",
+    description = "Services in force, tombstones of deleted files until they expire, and \
+        the files refused now. Without a config directory every field is null or empty.",
+    responses((status = 200, description = "The config directory's status", body = views::ConfigView))
+)]
 async fn config(AxState(state): AxState<Arc<State>>) -> Json<views::ConfigView> {
     Json(views::ConfigView::of(state.config_dir().as_ref()))
 }
 
-async fn openapi() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    operation_id = "get_openapi",
+    tag = "document",
+    summary = "This document: the API in OpenAPI 3.1",
+    responses((status = 200, description = "The OpenAPI document", body = Object))
+)]
+async fn openapi_v1() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        openapi::document(),
+    )
 }
 
+/// The document at its first address, for the clients that know that one.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    operation_id = "get_openapi_unversioned",
+    tag = "document",
+    summary = "This document again, at its first address",
+    description = "The same document as `/v1/openapi.json`, kept for existing clients.",
+    responses((status = 200, description = "The OpenAPI document", body = Object))
+)]
+async fn openapi() -> impl IntoResponse {
+    openapi_v1().await
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/services",
+    operation_id = "list_services",
+    tag = "services",
+    summary = "Every service with its balance figures",
+    responses((status = 200, description = "One line per service", body = Vec<views::ServiceSummary>))
+)]
 async fn services(AxState(state): AxState<Arc<State>>) -> Json<Vec<views::ServiceSummary>> {
     let published = state.published();
     Json(
@@ -136,23 +213,62 @@ fn published_service(
         .ok_or_else(|| ApiError::unknown_service(name))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/services/{name}",
+    operation_id = "get_service",
+    tag = "services",
+    summary = "Cycle statistics of one service",
+    description = "Endpoints by state, counters, the last cycle's spread (avg, max/avg, \
+        p95/avg), the missing share, skipped cycles and why, the parameters in force and \
+        the recent history.",
+    params(("name" = String, Path, description = "The service")),
+    responses(
+        (status = 200, description = "The service", body = views::ServiceDetail),
+        (status = 400, description = "A name that is not UTF-8 once percent-decoded", body = views::ErrorBody),
+        (status = 404, description = "No such service", body = views::ErrorBody),
+    )
+)]
 async fn service(
     AxState(state): AxState<Arc<State>>,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Json<views::ServiceDetail>, ApiError> {
+    let name = service_name(name)?;
     let svc = published_service(&state, &name)?;
     Ok(Json(views::ServiceDetail::of(&svc)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/services/{name}/endpoints",
+    operation_id = "list_endpoints",
+    tag = "services",
+    summary = "Endpoints of one service with load, weight, state and report age",
+    params(("name" = String, Path, description = "The service")),
+    responses(
+        (status = 200, description = "Every endpoint of the service", body = Vec<views::EndpointView>),
+        (status = 400, description = "A name that is not UTF-8 once percent-decoded", body = views::ErrorBody),
+        (status = 404, description = "No such service", body = views::ErrorBody),
+    )
+)]
 async fn endpoints(
     AxState(state): AxState<Arc<State>>,
-    Path(name): Path<String>,
+    name: Result<Path<String>, PathRejection>,
 ) -> Result<Json<Vec<views::EndpointView>>, ApiError> {
+    let name = service_name(name)?;
     let svc = published_service(&state, &name)?;
     Ok(Json(views::EndpointView::all(&svc)))
 }
 
 /// The whole last publication: what every feed serves, with its version.
+#[utoipa::path(
+    get,
+    path = "/v1/published",
+    operation_id = "get_published",
+    tag = "services",
+    summary = "The whole last publication: what every feed serves, with its version",
+    responses((status = 200, description = "The last publication", body = ballast_balance::Published))
+)]
 async fn published(AxState(state): AxState<Arc<State>>) -> Json<ballast_balance::Published> {
     Json(state.published().as_ref().clone())
 }
@@ -165,11 +281,37 @@ pub(crate) struct WatchQuery {
     pub watch: bool,
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/services/{name}/weights",
+    operation_id = "get_weights",
+    tag = "services",
+    summary = "The published weight set of one service, or a stream of them",
+    description = "The weights with their version and each sink's integer. With \
+        `watch=true`, a server-sent event stream instead: the current set at once, then \
+        one `weights` event per material change, whose id is the weight version. The \
+        stream ends when the service expires; its number is limited (503 past it).",
+    params(
+        ("name" = String, Path, description = "The service"),
+        ("watch" = Option<bool>, Query, description = "Stream every new weight set as server-sent events"),
+    ),
+    responses(
+        (status = 200, description = "The weight set, or with `watch=true` a stream of them", content(
+            (views::WeightSet = "application/json"),
+            (openapi::WeightEvent = "text/event-stream"),
+        )),
+        (status = 400, description = "A `watch` that is not `true` or `false`, or a name that is not UTF-8 once percent-decoded", body = views::ErrorBody),
+        (status = 404, description = "No such service", body = views::ErrorBody),
+        (status = 503, description = "As many watch streams are open as the limit allows", body = views::ErrorBody),
+    )
+)]
 async fn weights(
     AxState(state): AxState<Arc<State>>,
-    Path(name): Path<String>,
-    Query(q): Query<WatchQuery>,
+    name: Result<Path<String>, PathRejection>,
+    query: Result<Query<WatchQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let name = service_name(name)?;
+    let Query(q) = query.map_err(ApiError::bad_request)?;
     if !q.watch {
         let current = views::WeightSet::of(&*published_service(&state, &name)?);
         return Ok(Json(current).into_response());
@@ -194,6 +336,14 @@ async fn weights(
     Ok(crate::feed::watch::stream(state.clone(), name, changes, current).into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "metrics",
+    tag = "operations",
+    summary = "Prometheus metrics, in the OpenMetrics text format",
+    responses((status = 200, description = "Every metric family", body = String, content_type = "application/openmetrics-text"))
+)]
 async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
     let text = state.metrics.encode();
     let mut out = text.strip_suffix("# EOF\n").unwrap_or(&text).to_string();

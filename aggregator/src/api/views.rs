@@ -4,10 +4,11 @@ use ballast_balance::service::{HistoryPoint, ServiceStats};
 use ballast_balance::{EndpointState, PublishedService, SkipReason};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use utoipa::ToSchema;
 
 /// The body of every error the API answers: the same two fields whatever went wrong,
 /// so that a client needs one shape to read them.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     /// What went wrong, for people.
     pub error: String,
@@ -15,8 +16,34 @@ pub struct ErrorBody {
     pub status: u16,
 }
 
+/// `GET /healthz`: whether the daemon balances, and how its routing store is doing.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Health {
+    /// `ok` while the cycle loop runs and the store keeps up; `failing` (with status 503)
+    /// when the loop is late or the store has been failing for too long.
+    pub status: HealthStatus,
+    /// Why it is failing, one sentence per cause; empty while it is ok.
+    pub failing: Vec<String>,
+    /// The routing store, as it names itself.
+    pub store: String,
+    /// The store's last write error; `null` once a write succeeds.
+    pub store_error: Option<String>,
+    /// The routing store's background writer.
+    pub store_writer: crate::store::StoreHealth,
+}
+
+/// The verdict of `GET /healthz`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthStatus {
+    /// Balancing.
+    Ok,
+    /// Not balancing, or not storing what it balances.
+    Failing,
+}
+
 /// One line per service in `GET /v1/services`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ServiceSummary {
     /// Service name.
     pub name: String,
@@ -71,7 +98,7 @@ impl ServiceSummary {
 }
 
 /// `GET /v1/services/{name}`: cycle statistics.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ServiceDetail {
     /// Service name.
     pub name: String,
@@ -124,7 +151,7 @@ fn state_name(s: EndpointState) -> &'static str {
 }
 
 /// One endpoint in `GET /v1/services/{name}/endpoints`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct EndpointView {
     /// Node identity.
     pub node: String,
@@ -177,7 +204,7 @@ impl EndpointView {
 pub use crate::feed::watch::{WeightEntry, WeightSet};
 
 /// `GET /v1/config`: the per-service config directory as merged.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ConfigView {
     /// The directory; `None` when the aggregator runs without one.
     pub dir: Option<String>,
@@ -194,7 +221,7 @@ pub struct ConfigView {
 }
 
 /// One service's config in force.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ServiceConfigView {
     /// The service.
     pub name: String,
@@ -212,7 +239,8 @@ pub struct ServiceConfigView {
     pub file_refused: bool,
     /// The parameters in force.
     pub params: ballast_balance::Params,
-    /// The locality split in force.
+    /// The locality split in force: client zone → destination zone → relative share.
+    #[schema(value_type = BTreeMap<String, BTreeMap<String, u32>>)]
     pub locality: crate::config::locality::LocalitySplit,
 }
 

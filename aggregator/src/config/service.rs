@@ -29,7 +29,9 @@ pub(crate) const MAX_FILE_BYTES: u64 = 256 * 1024;
 
 /// Why a service file was refused. The message names the file and, where the parser
 /// or the check can tell, the line.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[error("{file}: {message}")]
 pub struct FileError {
     /// The file's name within the config directory.

@@ -89,7 +89,7 @@ pub fn stream(
 }
 
 /// `GET /v1/services/{name}/weights`: the published weight set with its version.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WeightSet {
     /// Service name.
     pub service: String,
@@ -102,7 +102,7 @@ pub struct WeightSet {
 }
 
 /// One endpoint's published weight, with each sink's integer.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WeightEntry {
     /// `host:port`.
     pub address: String,

@@ -18,10 +18,19 @@
 //! only then is a zone's share of the calls its configured share whatever the number
 //! of endpoints in it. Locality-first pickers (gRPC's `weighted_target` under
 //! ROUND_ROBIN, gRFC A27) give the same shares.
+//!
+//! Envoy picks a locality by its weight only when the Cluster enables
+//! `locality_weighted_lb_config`, and then it does so for every assignment of that
+//! cluster. The default assignment's equal locality weights must not be read that
+//! way (every zone would get the same share, whatever its endpoints), so the Cluster
+//! comes in two versions as well: clients whose zone has a split assignment get the
+//! Cluster with locality-weighted load balancing, every other client the plain one
+//! ([`ServiceResources::for_zone`]). gRPC ignores the setting.
 
 use super::LbPolicy;
 use crate::config::locality::LocalitySplit;
 use ballast_balance::{Published, PublishedService};
+use cluster::common_lb_config::{LocalityConfigSpecifier, LocalityWeightedLbConfig};
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
 use envoy_types::pb::envoy::config::core::v3::{
     address, config_source, socket_address, Address, AggregatedConfigSource, ApiVersion,
@@ -206,8 +215,13 @@ pub(crate) fn route_configuration(service: &str) -> RouteConfiguration {
 /// to its weight (the error falls as one over the square root of its entries).
 pub(crate) const RING_SIZE: u64 = 4096;
 
-/// Cluster `service`: EDS over ADS, with `policy`.
-pub fn cluster(service: &str, policy: LbPolicy) -> Cluster {
+/// Cluster `service`: EDS over ADS, with `policy`; with `locality_weighted`, Envoy's
+/// locality-weighted load balancing (`common_lb_config.locality_weighted_lb_config`):
+/// Envoy then picks a locality by its `load_balancing_weight` first, and an endpoint
+/// inside it by the policy and the endpoint weights. That is what a split assignment
+/// needs, and what the default one (all locality weights 1) must not get. gRPC
+/// ignores `common_lb_config`.
+pub fn cluster(service: &str, policy: LbPolicy, locality_weighted: bool) -> Cluster {
     let (lb_policy, lb_config) = match policy {
         LbPolicy::RingHash => (
             cluster::LbPolicy::RingHash,
@@ -233,6 +247,12 @@ pub fn cluster(service: &str, policy: LbPolicy) -> Cluster {
         }),
         lb_policy: lb_policy as i32,
         lb_config,
+        common_lb_config: locality_weighted.then(|| cluster::CommonLbConfig {
+            locality_config_specifier: Some(LocalityConfigSpecifier::LocalityWeightedLbConfig(
+                LocalityWeightedLbConfig {},
+            )),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -500,6 +520,9 @@ pub struct ServiceResources {
     /// Client zone → its ClusterLoadAssignment. A configured zone none of whose
     /// destinations has a serving endpoint has no entry: it gets the default.
     zonal: BTreeMap<String, Resource>,
+    /// The Cluster with locality-weighted load balancing, which the zones in `zonal`
+    /// get; `None` when `zonal` is empty.
+    weighted_cluster: Option<Resource>,
     /// The configured client zones that have no entry in `zonal`.
     fallen_back: BTreeSet<String>,
 }
@@ -535,6 +558,8 @@ impl ServiceResources {
                 }
             }
         }
+        let weighted_cluster =
+            (!zonal.is_empty()).then(|| Resource::new(service, &cluster(service, policy, true)));
         ServiceResources {
             version,
             key,
@@ -542,10 +567,11 @@ impl ServiceResources {
             resources: [
                 Resource::new(service, &listener(service)),
                 Resource::new(service, &route_configuration(service)),
-                Resource::new(service, &cluster(service, policy)),
+                Resource::new(service, &cluster(service, policy, false)),
                 Resource::new(service, &default_assignment(service, &eps)),
             ],
             zonal,
+            weighted_cluster,
             fallen_back,
         }
     }
@@ -558,18 +584,25 @@ impl ServiceResources {
     }
 
     /// The resource of type `t` as every client gets it (the default assignment for
-    /// EDS).
+    /// EDS, the Cluster without locality-weighted load balancing for CDS).
     pub fn get(&self, t: ResourceType) -> &Resource {
         &self.resources[t as usize]
     }
 
-    /// The resource of type `t` for a client in `client_zone`: its zone's assignment
-    /// for EDS if it has one, else what every client gets.
+    /// The resource of type `t` for a client in `client_zone`. If its zone has an
+    /// assignment of its own: that assignment for EDS, and the Cluster with
+    /// locality-weighted load balancing for CDS (Envoy then honours the assignment's
+    /// locality weights). Otherwise, and for the other types, what every client gets.
     pub(crate) fn for_zone(&self, t: ResourceType, client_zone: &str) -> &Resource {
-        match t {
-            ResourceType::Endpoints => self.zonal.get(client_zone).unwrap_or(self.get(t)),
-            _ => self.get(t),
-        }
+        let own = || match t {
+            ResourceType::Endpoints => self.zonal.get(client_zone),
+            ResourceType::Cluster => self
+                .weighted_cluster
+                .as_ref()
+                .filter(|_| self.zonal.contains_key(client_zone)),
+            _ => None,
+        };
+        own().unwrap_or(self.get(t))
     }
 
     /// The client zones that have an assignment of their own.
@@ -680,6 +713,8 @@ impl Snapshot {
                             .iter()
                             .zip(&rb.resources)
                             .all(|(x, y)| x.digest == y.digest)
+                        && ra.weighted_cluster.as_ref().map(|r| r.digest)
+                            == rb.weighted_cluster.as_ref().map(|r| r.digest)
                         && ra.zonal.len() == rb.zonal.len()
                         && ra
                             .zonal
