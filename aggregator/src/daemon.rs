@@ -294,7 +294,6 @@ mod tests {
     use ballast_balance::{Observation, ServiceSnapshot};
     use ballast_shared::pki::Ca;
     use std::collections::BTreeMap;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A routing store whose writes panic, as a bug in a store would.
     struct PanickingStore;
@@ -322,15 +321,7 @@ mod tests {
         }
     }
 
-    async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .expect("write");
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.expect("read");
-        out
-    }
+    use crate::test_http::raw_get as get;
 
     #[tokio::test]
     async fn a_task_that_panics_is_reported_so_that_the_process_can_exit() {

@@ -17,4 +17,6 @@ pub mod metrics;
 pub mod state;
 pub mod store;
 pub mod supervise;
+#[cfg(test)]
+mod test_http;
 pub mod ui;

@@ -159,10 +159,7 @@ fn sample_and_check_need_no_daemon() {
 #[test]
 fn status_drain_and_undrain_through_the_daemon() {
     let pki = Pki::new();
-    let opts = AggregatorOpts::default()
-        .cycle_ms(500)
-        .report_interval_ms(500)
-        .grace_ms(500);
+    let opts = AggregatorOpts::default().grace_ms(500);
     let (cycle_ms, interval_ms) = (opts.cycle_ms, u64::from(opts.report_interval_ms));
     let agg = Aggregator::start(&pki, opts);
     let agents = start_fleet(&pki, &agg, SERVICE, 4, &[1.0]);

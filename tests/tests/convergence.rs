@@ -23,13 +23,7 @@ fn heterogeneous_fleet_converges_to_the_average() {
     let pki = Pki::new();
     // A grace period long enough for the whole fleet to report before the first
     // update, so that the first update sees round-robin imbalance.
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts::default()
-            .cycle_ms(500)
-            .report_interval_ms(500)
-            .grace_ms(2000),
-    );
+    let agg = Aggregator::start(&pki, AggregatorOpts::default().grace_ms(2000));
     let agents = start_fleet(&pki, &agg, SERVICE, NODES, &SPEEDS);
     for a in &agents {
         a.wait_weight(Duration::from_secs(15));

@@ -41,13 +41,7 @@ fn estimate(agg: &Aggregator, node: &str) -> Result<(serde_json::Value, f64), St
 #[test]
 fn a_count_the_weight_cannot_move_is_set_aside() {
     let pki = Pki::new();
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts::default()
-            .cycle_ms(500)
-            .report_interval_ms(500)
-            .grace_ms(1000),
-    );
+    let agg = Aggregator::start(&pki, AggregatorOpts::default());
     // One spinning process stands for the busy nodes' CPU, a sleeping one for the idle
     // node's. Both are killed when dropped.
     let logs = tempfile::tempdir().expect("log directory");

@@ -19,10 +19,7 @@ const SERVICE: &str = "fo";
 const MOVE_WITHIN: Duration = Duration::from_secs(30);
 
 fn opts() -> AggregatorOpts {
-    AggregatorOpts::default()
-        .cycle_ms(500)
-        .report_interval_ms(500)
-        .grace_ms(500)
+    AggregatorOpts::default().grace_ms(500)
 }
 
 /// Ok when every agent is connected to `agg` with a weight, and `agg` balances them.

@@ -407,37 +407,61 @@ fn wait_weights_match(
     })
 }
 
+/// An aggregator (500 ms cycles), a real HTTP backend per speed, for each a real agent
+/// that registers the backend's address, runs the synthetic source at that speed and
+/// answers the agent-check on its own port, and HAProxy balancing over the backends.
+struct Fleet {
+    pki: Pki,
+    agg: Aggregator,
+    nodes: Vec<String>,
+    backends: Vec<Backend>,
+    agents: Vec<Agent>,
+    hap: Haproxy,
+}
+
+impl Fleet {
+    fn start(speeds: &[f64]) -> Fleet {
+        let pki = Pki::new();
+        let agg = Aggregator::start(&pki, AggregatorOpts::default());
+        let nodes = node_names(SERVICE, speeds.len());
+        let backends: Vec<Backend> = nodes.iter().map(|n| Backend::start(n)).collect();
+        let checks: Vec<SocketAddr> = nodes
+            .iter()
+            .map(|_| SocketAddr::from(([127, 0, 0, 1], free_tcp())))
+            .collect();
+        let agents = start_speeds(&pki, &agg, SERVICE, &nodes, speeds, |i, opts| {
+            opts.agent_check = Some(checks[i]);
+            opts.address = Some(backends[i].addr.to_string());
+        });
+        let servers: Vec<(&str, SocketAddr, SocketAddr)> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), backends[i].addr, checks[i]))
+            .collect();
+        let hap = Haproxy::start(0, &servers, &HaproxyOpts::default());
+        Fleet {
+            pki,
+            agg,
+            nodes,
+            backends,
+            agents,
+            hap,
+        }
+    }
+}
+
 #[test]
 fn haproxy_applies_the_agents_weights_and_drain() {
     require_haproxy();
     let started = Instant::now();
-    let pki = Pki::new();
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts::default()
-            .cycle_ms(500)
-            .report_interval_ms(500)
-            .grace_ms(1000),
-    );
-
-    // Backends, and an agent for each that registers the backend's address and
-    // answers the agent-check on its own port.
-    let nodes = node_names(SERVICE, SPEEDS.len());
-    let backends: Vec<Backend> = nodes.iter().map(|n| Backend::start(n)).collect();
-    let checks: Vec<SocketAddr> = nodes
-        .iter()
-        .map(|_| SocketAddr::from(([127, 0, 0, 1], free_tcp())))
-        .collect();
-    let agents = start_speeds(&pki, &agg, SERVICE, &nodes, &SPEEDS, |i, opts| {
-        opts.agent_check = Some(checks[i]);
-        opts.address = Some(backends[i].addr.to_string());
-    });
-    let servers: Vec<(&str, SocketAddr, SocketAddr)> = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (n.as_str(), backends[i].addr, checks[i]))
-        .collect();
-    let hap = Haproxy::start(0, &servers, &HaproxyOpts::default());
+    let Fleet {
+        pki: _pki,
+        agg,
+        nodes,
+        backends,
+        agents,
+        hap,
+    } = Fleet::start(&SPEEDS);
 
     // The controllers converge: the weights then sit near the speeds' ratios.
     wait_for(Duration::from_secs(30), "weights to converge", || {
@@ -636,30 +660,8 @@ const CAPPED_SPEEDS: [f64; 4] = [1.0, 1.0, 1.0, 9.0];
 #[test]
 fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
     require_haproxy();
-    let pki = Pki::new();
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts::default()
-            .cycle_ms(500)
-            .report_interval_ms(500)
-            .grace_ms(1000),
-    );
-    let nodes = node_names(SERVICE, CAPPED_SPEEDS.len());
-    let backends: Vec<Backend> = nodes.iter().map(|n| Backend::start(n)).collect();
-    let checks: Vec<SocketAddr> = nodes
-        .iter()
-        .map(|_| SocketAddr::from(([127, 0, 0, 1], free_tcp())))
-        .collect();
-    let _agents = start_speeds(&pki, &agg, SERVICE, &nodes, &CAPPED_SPEEDS, |i, opts| {
-        opts.agent_check = Some(checks[i]);
-        opts.address = Some(backends[i].addr.to_string());
-    });
-    let servers: Vec<(&str, SocketAddr, SocketAddr)> = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (n.as_str(), backends[i].addr, checks[i]))
-        .collect();
-    let hap = Haproxy::start(0, &servers, &HaproxyOpts::default());
+    let fleet = Fleet::start(&CAPPED_SPEEDS);
+    let (agg, nodes, hap) = (&fleet.agg, &fleet.nodes, &fleet.hap);
     let fast = &nodes[CAPPED_SPEEDS.len() - 1];
 
     // Converged, with the fast node's percentage well above the cap, and HAProxy
@@ -668,7 +670,7 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
         Duration::from_secs(40),
         "the fast node's weight above the cap, and HAProxy holding it at 256",
         || {
-            converged(&agg, SERVICE, 8, 1.08)?;
+            converged(agg, SERVICE, 8, 1.08)?;
             let w = agg.weights(SERVICE);
             let s = hap.show_servers_state();
             let pct = w.weights.get(fast).map_or(0, |e| e.haproxy_percent);
@@ -695,7 +697,11 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
         },
     );
     eprintln!("capped:\n{}", weights_table(&w, &s));
-    let line = read_agent_check(checks[CAPPED_SPEEDS.len() - 1]);
+    let check = fleet.agents[CAPPED_SPEEDS.len() - 1]
+        .opts()
+        .agent_check
+        .expect("an agent-check port");
+    let line = read_agent_check(check);
     let asked: u32 = line
         .trim()
         .strip_prefix("ready up ")
@@ -708,8 +714,8 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
     );
 
     // The requests split by HAProxy's capped weights, not by the aggregator's.
-    warm_up(&hap, 500);
-    let r = round(&agg, &hap, REQUESTS);
+    warm_up(hap, 500);
+    let r = round(agg, hap, REQUESTS);
     let (table, _, worst_hap) = r.compare();
     eprintln!(
         "capped round: {} requests in {:.1} s\n{table}",

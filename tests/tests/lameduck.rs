@@ -131,12 +131,13 @@ fn all_feeds_drained(
 fn drain_stop_restart_undrain_loses_no_request() {
     require_haproxy();
     let pki = Pki::new();
-    let mut opts = AggregatorOpts::default()
-        .cycle_ms(500)
-        .report_interval_ms(500)
-        .grace_ms(1000);
-    opts.xds = true;
-    let agg = Aggregator::start(&pki, opts);
+    let agg = Aggregator::start(
+        &pki,
+        AggregatorOpts {
+            xds: true,
+            ..AggregatorOpts::default()
+        },
+    );
     let nodes: Vec<String> = (0..NODES).map(|i| format!("{SERVICE}-{i}")).collect();
     pki.issue_nodes(&nodes.iter().map(String::as_str).collect::<Vec<_>>());
     let mut backends: Vec<Option<Backend>> = nodes

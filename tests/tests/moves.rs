@@ -33,13 +33,7 @@ fn nodes_of(agg: &Aggregator, service: &str) -> Result<Vec<String>, String> {
 #[test]
 fn a_node_that_moves_leaves_its_service_balancing_and_no_two_nodes_share_an_address() {
     let pki = Pki::new();
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts::default()
-            .cycle_ms(500)
-            .report_interval_ms(500)
-            .grace_ms(1000),
-    );
+    let agg = Aggregator::start(&pki, AggregatorOpts::default());
     let mut web = start_fleet(&pki, &agg, "web", 4, &[0.6, 1.0, 1.5]);
     wait_for(WAIT, "web to be balanced", || {
         fleet_served(&agg, "web", &web)

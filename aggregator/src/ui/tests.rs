@@ -5,7 +5,6 @@ use crate::clock::Clock;
 use crate::store::file::FileStore;
 use ballast_balance::{Balancer, Observation, Params};
 use std::net::SocketAddr;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Names no agent could send over the wire (its hello is validated), which the
 /// balancer's maps still accept: the pages must escape them all the same.
@@ -56,12 +55,7 @@ fn fill(state: &State, service: &str, nodes: usize, cycles: u64) {
 
 /// A raw HTTP/1.0 GET: status code, head and body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
+    let out = crate::test_http::raw_get(addr, path).await;
     let (head, body) = out.split_once("\r\n\r\n").expect("a head");
     let code = head
         .split(' ')
