@@ -66,6 +66,15 @@ fn bounded(m: &Metrics) -> bool {
         .is_some_and(|w| f64::from(w.final_inflight) <= SCORE_CAPACITY && w.steady_ratio < 1.5)
 }
 
+/// The headline targets the shipped gains missed, by name.
+pub(crate) fn missed(s: &SimSummary) -> Vec<String> {
+    checks(s)
+        .into_iter()
+        .filter(|c| matches!(c.cols[0], Some((_, _, false))))
+        .map(|c| c.target)
+        .collect()
+}
+
 fn mark(ok: bool) -> &'static str {
     if ok {
         "met"

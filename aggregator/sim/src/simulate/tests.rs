@@ -1,5 +1,6 @@
-//! Quick-mode checks of the simulator: deterministic, and able to tell a balanced
-//! fleet from an unbalanced one. They run the small fleets of `Scenario::quick`.
+//! Checks of the simulator: deterministic, able to tell a balanced fleet from an
+//! unbalanced one (quick mode, the small fleets of `Scenario::quick`), and the
+//! documented run reproduced whole.
 
 use super::*;
 use std::sync::OnceLock;
@@ -208,6 +209,57 @@ fn unknown_scenarios_are_refused() {
         }
         other => panic!("expected UnknownScenario, got {other:?}"),
     }
+}
+
+/// The documented run, reproduced: `docs/balance.md` and its charts are exactly what
+/// seed 1 gives, so every figure of the headline table and of each scenario is
+/// asserted to the digit, and the shipped gains meet every headline target (settling,
+/// overshoot, the cold join, the loss scenarios, the degraded and pooled nodes).
+#[test]
+fn the_documented_run_is_reproduced_exactly_and_meets_every_target() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = SimOptions {
+        seed: 1,
+        out_dir: dir.path().to_path_buf(),
+        quick: false,
+        scenarios: None,
+    };
+    let s = run(&opts).expect("run");
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
+    let regenerate =
+        "regenerate it with `cargo run --release -p ballast-sim -- simulate --out docs`";
+    let got = std::fs::read_to_string(dir.path().join("balance.md")).expect("markdown");
+    let want = std::fs::read_to_string(docs.join("balance.md")).expect("docs/balance.md");
+    if let Some((i, (g, w))) = got
+        .lines()
+        .zip(want.lines())
+        .enumerate()
+        .find(|(_, (g, w))| g != w)
+    {
+        panic!(
+            "docs/balance.md differs from the run at line {}:\n  run:  {g}\n  docs: {w}\n\
+             If the change is meant, {regenerate}.",
+            i + 1
+        );
+    }
+    assert_eq!(
+        got.lines().count(),
+        want.lines().count(),
+        "docs/balance.md and the run differ in length; {regenerate}"
+    );
+    for path in &s.written {
+        let Some(name) = path.strip_prefix(dir.path()).ok() else {
+            continue;
+        };
+        let doc = std::fs::read(docs.join(name)).unwrap_or_default();
+        assert!(
+            std::fs::read(path).expect("written") == doc,
+            "docs/{} differs from the run; {regenerate}",
+            name.display()
+        );
+    }
+    let missed = headline::missed(&s);
+    assert!(missed.is_empty(), "headline targets missed: {missed:?}");
 }
 
 #[test]
