@@ -140,5 +140,12 @@ fn simulate(out: PathBuf, seed: u64, quick: bool, scenario: Vec<String>) -> Resu
     for path in &summary.written {
         println!("wrote {}", path.display());
     }
-    Ok(ExitCode::SUCCESS)
+    let missed = ballast_sim::simulate::headline::missed(&summary);
+    if missed.is_empty() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    for target in &missed {
+        eprintln!("target missed: {target}");
+    }
+    Ok(ExitCode::FAILURE)
 }
