@@ -3,8 +3,8 @@
 //! A real aggregator (500 ms cycles) and twelve real agents over QUIC with mTLS. The
 //! agents use the synthetic closed-loop source with speeds 0.6 / 1.0 / 1.5 in turn, so
 //! at equal weights the slow nodes run at 1.5× the average. The PID controllers must
-//! bring max/avg to 1.05 or below within a bounded number of cycles, keep it there,
-//! and end with weights proportional to speed.
+//! bring max/avg to 1.05 or below within six cycles of the first update, keep it within
+//! 1.06 for the next six, and end with weights proportional to speed (within 3 %).
 
 use ballast_tests::*;
 use std::collections::BTreeMap;
@@ -13,10 +13,21 @@ use std::time::Duration;
 const SERVICE: &str = "conv";
 const NODES: usize = 12;
 const SPEEDS: [f64; 3] = [0.6, 1.0, 1.5];
-/// Cycles allowed from the first update to max/avg ≤ 1.05 (the demo needs about 20).
-const MAX_CYCLES_TO_CONVERGE: u64 = 60;
-/// Cycles after convergence that must all stay within 8 % (the noise is 2 %).
+// The bounds below are the figures measured on this test, eleven runs in a row on a
+// shared two-core machine, plus a margin from their spread:
+// - converged 3 cycles after the first update in every run (the feed-forward step,
+//   two settling cycles): allowed 6, for a report that misses a cycle under load;
+// - steady max/avg at most 1.028 to 1.039 over the window (the synthetic load carries
+//   2 % noise): allowed 1.06, twice the spread above the worst;
+// - mean weight by speed off the speed ratio by 0.6 % to 1.4 %: allowed 3 %.
+/// Cycles allowed from the first update to max/avg ≤ 1.05.
+const MAX_CYCLES_TO_CONVERGE: u64 = 6;
+/// Cycles after convergence that must all stay within [`STEADY_MAX_OVER_AVG`].
 const STEADY_CYCLES: u64 = 6;
+/// The most max/avg may be in the steady window.
+const STEADY_MAX_OVER_AVG: f64 = 1.06;
+/// How far a speed's mean weight may be from the speed ratio.
+const WEIGHT_ERROR: f64 = 0.03;
 
 #[test]
 fn heterogeneous_fleet_converges_to_the_average() {
@@ -48,11 +59,11 @@ fn heterogeneous_fleet_converges_to_the_average() {
     assert_eq!(nodes, expected);
 
     // Converge: the first update sees equal weights; then max/avg must fall to 1.05
-    // within the cycle budget and stay within 8 % for the following cycles. A dip below
+    // within the cycle budget and stay within 6 % for the following cycles. A dip below
     // 1.05 that swings back out is not convergence: the window must hold.
     let (first, converged, d) = wait_for(
         Duration::from_secs(60),
-        "max/avg ≤ 1.05, then ≤ 1.08 for the next cycles",
+        "max/avg ≤ 1.05, then ≤ 1.06 for the next cycles",
         || -> Result<(HistoryPoint, HistoryPoint, ServiceDetail), String> {
             let d = agg.service(SERVICE);
             let Some(first) = d.updates().next().copied() else {
@@ -70,7 +81,7 @@ fn heterogeneous_fleet_converges_to_the_average() {
                     .collect();
                 let holds = window
                     .iter()
-                    .all(|h| !h.skipped && h.spread.max_over_avg <= 1.08);
+                    .all(|h| !h.skipped && h.spread.max_over_avg <= STEADY_MAX_OVER_AVG);
                 if window.len() as u64 == STEADY_CYCLES && holds {
                     return Ok((first, *c, d.clone()));
                 }
@@ -145,16 +156,29 @@ fn heterogeneous_fleet_converges_to_the_average() {
             .push(w);
     }
     let mut means = Vec::new();
+    let mut worst_weight = 0.0f64;
     for (speed10, ws) in &by_speed {
         let speed = f64::from(*speed10) / 10.0;
         let mean = ws.iter().sum::<f64>() / ws.len() as f64;
         let ideal = speed / mean_speed;
+        worst_weight = worst_weight.max((mean / ideal - 1.0).abs());
         assert!(
-            (mean / ideal - 1.0).abs() <= 0.12,
+            (mean / ideal - 1.0).abs() <= WEIGHT_ERROR,
             "speed {speed} nodes have mean weight {mean:.3}, ideal {ideal:.3} (weights {ws:?})"
         );
         means.push(mean);
     }
+    let steady_worst = d
+        .history
+        .iter()
+        .filter(|h| h.cycle > converged.cycle && h.cycle <= converged.cycle + STEADY_CYCLES)
+        .map(|h| h.spread.max_over_avg)
+        .fold(0.0f64, f64::max);
+    eprintln!(
+        "figures: converged {took} cycles after the first update, steady max/avg at most \
+         {steady_worst:.3}, mean weight by speed off the speed ratio by at most {:.1} %",
+        worst_weight * 100.0
+    );
     assert!(
         means.windows(2).all(|w| w[0] < w[1]),
         "faster nodes must weigh more: {means:?}"
@@ -204,7 +228,7 @@ fn heterogeneous_fleet_converges_to_the_average() {
     assert!(accepted >= (NODES as f64) * 10.0, "accepted {accepted}");
     let gauge = agg.counter("ballast_service_max_over_avg", &[("service", SERVICE)]);
     assert!(
-        (1.0..=1.08).contains(&gauge),
+        (1.0..=STEADY_MAX_OVER_AVG).contains(&gauge),
         "ballast_service_max_over_avg = {gauge}"
     );
 }
