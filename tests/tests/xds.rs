@@ -17,7 +17,7 @@
 //! Needs `python3` with `grpcio` (`pip install grpcio`); the test fails, naming the
 //! package, when it is missing.
 
-use ballast_tests::harness::grpc::{require_grpcio, Backends, Round, XdsClient};
+use ballast_tests::harness::grpc::{require_grpcio, weight_shares, Backends, Round, XdsClient};
 use ballast_tests::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,28 +31,6 @@ const CALLS: u32 = 3000;
 /// with 4096 entries places each share to about 1 %, 3000 calls sample it to about
 /// 1 %, and weights drift a little during a round.
 const TOLERANCE: f64 = 0.05;
-
-/// Each node's share of the weight, `envoy / Σ envoy` over the endpoints not
-/// draining (a draining endpoint's share is 0).
-fn weight_shares(w: &WeightSet) -> BTreeMap<String, f64> {
-    let total: f64 = w
-        .weights
-        .values()
-        .filter(|e| !e.draining)
-        .map(|e| f64::from(e.envoy))
-        .sum();
-    w.weights
-        .iter()
-        .map(|(node, e)| {
-            let share = if e.draining || total == 0.0 {
-                0.0
-            } else {
-                f64::from(e.envoy) / total
-            };
-            (node.clone(), share)
-        })
-        .collect()
-}
 
 /// Runs a round of `calls` calls while sampling the published weights every 100 ms;
 /// returns the round and the weights' shares averaged over it.

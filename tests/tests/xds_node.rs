@@ -36,7 +36,7 @@
 //! Needs `node` and the modules of `tests/xds-node` (`npm ci` there; `tests/run` does
 //! it), and `python3` with `grpcio`; the tests fail, naming the command, otherwise.
 
-use ballast_tests::harness::grpc::{require_grpcio, Backends, XdsClient};
+use ballast_tests::harness::grpc::{require_grpcio, weight_shares, Backends, XdsClient};
 use ballast_tests::harness::node::{require_node, Creds, NodeRound, NodeXdsClient};
 use ballast_tests::*;
 use std::collections::BTreeMap;
@@ -126,28 +126,6 @@ const CALLS: u32 = 3000;
 /// How far a backend's share of the calls may be from its weight's share: the same
 /// bound as `xds.rs` (ring of 4096 entries ≈ 1 %, 3000 calls ≈ 1 %, weight drift).
 const TOLERANCE: f64 = 0.05;
-
-/// Each node's share of the weight, `envoy / Σ envoy` over the endpoints not
-/// draining (a draining endpoint's share is 0).
-fn weight_shares(w: &WeightSet) -> BTreeMap<String, f64> {
-    let total: f64 = w
-        .weights
-        .values()
-        .filter(|e| !e.draining)
-        .map(|e| f64::from(e.envoy))
-        .sum();
-    w.weights
-        .iter()
-        .map(|(node, e)| {
-            let share = if e.draining || total == 0.0 {
-                0.0
-            } else {
-                f64::from(e.envoy) / total
-            };
-            (node.clone(), share)
-        })
-        .collect()
-}
 
 /// A round of `calls` calls while the published weights are sampled every 100 ms:
 /// the round, and the weights' shares averaged over it.

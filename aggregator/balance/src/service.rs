@@ -8,7 +8,7 @@ use super::pid::Pid;
 use super::stats::Spread;
 use super::{Millis, Observation};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 /// How many cycles of history a service keeps for the dashboard.
@@ -381,6 +381,16 @@ pub struct Service {
     /// Endpoints forgotten since the last cycle because their node moved, for its
     /// result.
     moved: Vec<String>,
+    /// Which node registered each address, so that a hello's address is checked
+    /// without a walk over every endpoint. An entry may be stale (the node left, or
+    /// moved address): a lookup checks it against the endpoint, and the map is rebuilt
+    /// when it grows past twice the endpoints.
+    addresses: HashMap<String, String>,
+    /// Whether any endpoint has ever been established here (a controller update or a
+    /// restore): until one has, no newcomer is cold, and a registration need not walk
+    /// the endpoints to find that out (a new service of 100,000 registering at once
+    /// would otherwise walk them 100,000 times).
+    any_established: bool,
 }
 
 /// What a feed-forward step replaced.
@@ -412,6 +422,8 @@ impl Service {
             last_step: 0.0,
             feed_forward_undo: None,
             moved: Vec::new(),
+            addresses: HashMap::new(),
+            any_established: false,
         }
     }
 
@@ -420,10 +432,11 @@ impl Service {
     /// weight, relative to the mean; the first endpoints of a new service start
     /// equal, since there is nobody to take the traffic from.
     pub fn register(&mut self, now: Millis, node: &str, address: &str, zone: &str) {
-        let fleet_established = self
-            .endpoints
-            .values()
-            .any(|e| e.established && !e.draining);
+        let fleet_established = self.any_established
+            && self
+                .endpoints
+                .values()
+                .any(|e| e.established && !e.draining);
         let start = if fleet_established {
             self.params.cold_start_weight
         } else {
@@ -444,6 +457,7 @@ impl Service {
         ep.moved_at = None;
         // A new session restarts its sequence numbers.
         ep.last_seq = None;
+        self.index_address(address, node);
     }
 
     /// Makes room for `node` at `address`: another endpoint there that has shown no
@@ -456,9 +470,11 @@ impl Service {
         address: &str,
     ) -> Result<(), crate::BalanceError> {
         let holder = self
-            .endpoints
-            .values()
-            .find(|e| e.node != node && e.address == address)
+            .addresses
+            .get(address)
+            .filter(|n| n.as_str() != node)
+            .and_then(|n| self.endpoints.get(n))
+            .filter(|e| e.address == address)
             .map(|e| (e.node.clone(), e.is_alive(now, &self.params)));
         match holder {
             Some((holder, true)) => Err(crate::BalanceError::AddressInUse {
@@ -472,6 +488,26 @@ impl Service {
             }
             None => Ok(()),
         }
+    }
+
+    /// Records that `node` registered `address`; rebuilds the map from the endpoints
+    /// when stale entries have made it twice their number.
+    fn index_address(&mut self, address: &str, node: &str) {
+        if self.addresses.get(address).map(String::as_str) != Some(node) {
+            self.addresses.insert(address.to_string(), node.to_string());
+        }
+        if self.addresses.len() > 2 * self.endpoints.len() + 16 {
+            self.reindex_addresses();
+        }
+    }
+
+    /// The address map, from the endpoints as they are.
+    fn reindex_addresses(&mut self) {
+        self.addresses = self
+            .endpoints
+            .values()
+            .map(|e| (e.address.clone(), e.node.clone()))
+            .collect();
     }
 
     /// Forgets `node`, which moved: its registration elsewhere needed the room. The
@@ -879,6 +915,7 @@ impl Service {
                 ep.pid.integral = 0.0;
             }
         }
+        self.any_established |= !fresh.is_empty();
         // Held endpoints (missing, or without a new report) keep their weights: the
         // updated ones share what is left of a mean weight of 1. When that cannot be
         // done within the bounds, normalisation wins and everyone is rescaled.
@@ -1085,6 +1122,8 @@ impl Service {
             }
             self.endpoints.insert(node.clone(), ep);
         }
+        self.reindex_addresses();
+        self.any_established |= !snapshot.endpoints.is_empty();
         self.published_cycle = snapshot.cycle;
         self.published = self
             .endpoints

@@ -3,6 +3,7 @@
 //! their standard input and output (the scripts are in `tests/xds/`).
 
 use super::aggregator::XdsTarget;
+use super::api::WeightSet;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
@@ -256,4 +257,26 @@ pub fn write_bootstrap(xds: &XdsTarget, node_id: &str, zone: Option<&str>, dir: 
     });
     std::fs::write(&path, doc.to_string()).expect("write the xDS bootstrap");
     path
+}
+
+/// Each node's share of the weight an xDS client is given, `envoy / Σ envoy` over the endpoints not
+/// draining (a draining endpoint's share is 0).
+pub fn weight_shares(w: &WeightSet) -> BTreeMap<String, f64> {
+    let total: f64 = w
+        .weights
+        .values()
+        .filter(|e| !e.draining)
+        .map(|e| f64::from(e.envoy))
+        .sum();
+    w.weights
+        .iter()
+        .map(|(node, e)| {
+            let share = if e.draining || total == 0.0 {
+                0.0
+            } else {
+                f64::from(e.envoy) / total
+            };
+            (node.clone(), share)
+        })
+        .collect()
 }
