@@ -24,7 +24,7 @@ pub mod publish;
 pub mod service;
 pub mod stats;
 
-pub use params::{Gate, LoadMetric, Params, PidGains, Strategy};
+pub use params::{Gate, LoadMetric, Params, PidGains, Strategy, StrategyWeights};
 pub use publish::{Published, PublishedEndpoint, PublishedService};
 pub use service::{
     CycleResult, Endpoint, EndpointSnapshot, EndpointState, Service, ServiceSnapshot, SkipReason,
@@ -383,9 +383,8 @@ impl Balancer {
             node: node.to_string(),
         };
         let svc = self.services.get_mut(service).ok_or_else(unknown)?;
-        let accepted = svc.observe(now, node, obs).ok_or_else(unknown)?;
         let cycle = svc.weights_cycle;
-        let ep = svc.endpoints.get(node).ok_or_else(unknown)?;
+        let (accepted, ep) = svc.observe_endpoint(now, node, obs).ok_or_else(unknown)?;
         Ok(Assignment {
             weight: ep.weight,
             cycle,

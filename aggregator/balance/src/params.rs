@@ -58,6 +58,59 @@ impl Strategy {
     }
 }
 
+/// One endpoint's weight under each strategy, kept apart as the routing store keeps
+/// them. A plain pair rather than a map: every cycle reads and writes it for every
+/// endpoint, and a publication copies it. It serialises as the map it stands for,
+/// `{"pid": .., "round_robin": ..}`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StrategyWeights {
+    /// The PID controller's weight.
+    pub pid: f64,
+    /// Round robin's weight: always 1, the mean.
+    pub round_robin: f64,
+}
+
+impl StrategyWeights {
+    /// `pid` for the controller, and round robin's 1.
+    pub fn new(pid: f64) -> Self {
+        StrategyWeights {
+            pid,
+            round_robin: 1.0,
+        }
+    }
+
+    /// The weight under `strategy`.
+    pub fn get(&self, strategy: Strategy) -> f64 {
+        match strategy {
+            Strategy::Pid => self.pid,
+            Strategy::RoundRobin => self.round_robin,
+        }
+    }
+
+    /// Sets the weight under `strategy`.
+    pub fn set(&mut self, strategy: Strategy, weight: f64) {
+        match strategy {
+            Strategy::Pid => self.pid = weight,
+            Strategy::RoundRobin => self.round_robin = weight,
+        }
+    }
+
+    /// Each strategy with its weight, in the order of [`Strategy`].
+    pub fn iter(&self) -> impl Iterator<Item = (Strategy, f64)> {
+        [
+            (Strategy::Pid, self.pid),
+            (Strategy::RoundRobin, self.round_robin),
+        ]
+        .into_iter()
+    }
+
+    /// As the routing store keeps them: a map by strategy.
+    pub fn to_map(&self) -> std::collections::BTreeMap<Strategy, f64> {
+        self.iter().collect()
+    }
+}
+
 /// One strategy and its gate: the share of the effective weight it contributes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

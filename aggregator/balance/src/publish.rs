@@ -12,7 +12,7 @@
 
 use crate::inflight::InflightEstimate;
 use crate::service::{EndpointSnapshot, HistoryPoint, ServiceSnapshot, ServiceStats};
-use crate::{Balancer, EndpointState, Millis, Params, Service, Strategy};
+use crate::{Balancer, EndpointState, Millis, Params, Service, StrategyWeights};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -112,7 +112,7 @@ pub struct PublishedEndpoint {
     /// since it was registered or restored.
     pub report_age_ms: Option<u64>,
     /// Each strategy's own weight as of this version, which the routing store keeps.
-    pub strategy_weights: Arc<BTreeMap<Strategy, f64>>,
+    pub strategy_weights: StrategyWeights,
 }
 
 impl PublishedService {
@@ -172,7 +172,7 @@ impl PublishedService {
                             zone: e.zone.to_string(),
                             draining: e.draining,
                             weight: e.weight,
-                            strategy_weights: e.strategy_weights.as_ref().clone(),
+                            strategy_weights: e.strategy_weights.to_map(),
                         },
                     )
                 })

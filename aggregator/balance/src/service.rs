@@ -3,7 +3,7 @@
 use super::inflight::{self, InflightTracker};
 use super::mixture::mix;
 use super::normalize::normalize_bounded;
-use super::params::{LoadMetric, Params, Strategy};
+use super::params::{LoadMetric, Params, Strategy, StrategyWeights};
 use super::pid::Pid;
 use super::stats::Spread;
 use super::{Millis, Observation};
@@ -59,7 +59,7 @@ pub struct Endpoint {
     /// Ramping up from the cold-start weight.
     pub warming: bool,
     /// Each strategy's weight, kept apart as the routing store keeps them.
-    pub strategy_weights: BTreeMap<Strategy, f64>,
+    pub strategy_weights: StrategyWeights,
     /// The published weight: the gated mixture, 0 when draining.
     pub weight: f64,
     /// The PID controller's memory.
@@ -78,6 +78,14 @@ pub struct Endpoint {
     /// Its node, address and zone as shared strings, so that a publication shares
     /// them instead of copying three strings per endpoint per cycle.
     names: Names,
+    /// Its weight and drain state as of the service's current version; `None` if it
+    /// registered since (a feed then shows its live state). Kept on the endpoint, not
+    /// in a map beside it, so that the cycle's material-change test is one pass that
+    /// allocates nothing.
+    version_state: Option<(f64, bool)>,
+    /// Its strategy weights as of the current version, so that what the store keeps of
+    /// a version mixes back to that version's weights on a restore.
+    version_strategies: StrategyWeights,
 }
 
 /// An endpoint's identity as a publication carries it.
@@ -106,7 +114,7 @@ impl Endpoint {
             load: 0.0,
             draining: false,
             warming: true,
-            strategy_weights: [(Strategy::Pid, weight), (Strategy::RoundRobin, 1.0)].into(),
+            strategy_weights: StrategyWeights::new(weight),
             weight,
             pid: Pid::default(),
             last_update: None,
@@ -118,6 +126,8 @@ impl Endpoint {
                 address: Arc::from(address),
                 zone: Arc::from(zone),
             },
+            version_state: None,
+            version_strategies: StrategyWeights::new(weight),
         }
     }
 
@@ -152,7 +162,7 @@ impl Endpoint {
     }
 
     fn strategy_weight(&self, s: Strategy) -> f64 {
-        self.strategy_weights.get(&s).copied().unwrap_or(1.0)
+        self.strategy_weights.get(s)
     }
 
     fn start_cold(&mut self, params: &Params) {
@@ -161,7 +171,7 @@ impl Endpoint {
         self.inflight.reset();
         self.last_update = None;
         self.strategy_weights
-            .insert(Strategy::Pid, params.cold_start_weight);
+            .set(Strategy::Pid, params.cold_start_weight);
     }
 }
 
@@ -361,10 +371,9 @@ pub struct Service {
     pub weights_cycle: u64,
     /// Recent cycles, newest last.
     pub history: VecDeque<HistoryPoint>,
-    published: BTreeMap<String, (f64, bool)>,
-    /// Each endpoint's strategy weights as of the current version, so that what the
-    /// store keeps of a version mixes back to that version's weights on a restore.
-    published_strategies: BTreeMap<String, Arc<BTreeMap<Strategy, f64>>>,
+    /// How many endpoints the current version lists (each of them has its
+    /// `version_state`): fewer with a state now means some were forgotten since.
+    published_count: usize,
     published_cycle: u64,
     /// The last cycle's average load, and how many cycles in a row before it were
     /// skipped for a jump.
@@ -413,8 +422,7 @@ impl Service {
             version: 0,
             weights_cycle: 0,
             history: VecDeque::new(),
-            published: BTreeMap::new(),
-            published_strategies: BTreeMap::new(),
+            published_count: 0,
             published_cycle: 0,
             last_avg: None,
             feed_forward_from: 0,
@@ -544,11 +552,23 @@ impl Service {
     /// Records a report. Returns false if it is older than one already seen (a
     /// reordered datagram), in which case nothing changes.
     pub fn observe(&mut self, now: Millis, node: &str, obs: Observation) -> Option<bool> {
+        self.observe_endpoint(now, node, obs)
+            .map(|(accepted, _)| accepted)
+    }
+
+    /// [`Service::observe`], with the endpoint as the report left it: one lookup per
+    /// report, not two.
+    pub(crate) fn observe_endpoint(
+        &mut self,
+        now: Millis,
+        node: &str,
+        obs: Observation,
+    ) -> Option<(bool, &Endpoint)> {
         let params = &self.params;
         let ep = self.endpoints.get_mut(node)?;
         if let (Some(last), Some(seq)) = (ep.last_seq, obs.seq) {
             if seq <= last {
-                return Some(false);
+                return Some((false, ep));
             }
         }
         if obs.seq.is_some() {
@@ -569,7 +589,7 @@ impl Service {
             ep.draining = false;
             ep.start_cold(params);
         }
-        Some(true)
+        Some((true, ep))
     }
 
     /// Runs one cycle at `now`. `grace_until` is when the aggregator's start-up grace
@@ -592,8 +612,25 @@ impl Service {
     pub fn cycle(&mut self, now: Millis, grace_until: Millis) -> CycleResult {
         self.stats.cycles += 1;
         let cycle = self.stats.cycles;
-        let (expired, expiry_held) = self.expire(now);
-        let moved = self.forget_moved(now);
+        // One walk says whether anything expires or moved away; most cycles nothing
+        // does, and each of the two would otherwise walk every endpoint.
+        let (any_past, any_gone) = {
+            let params = &self.params;
+            self.endpoints
+                .values()
+                .fold((false, false), |(past, gone), e| {
+                    (
+                        past || now.saturating_sub(e.last_seen) > params.expire_ms,
+                        gone || (e.moved_at.is_some() && !e.draining && !e.is_alive(now, params)),
+                    )
+                })
+        };
+        let (expired, expiry_held) = if any_past {
+            self.expire(now)
+        } else {
+            (Vec::new(), 0)
+        };
+        let moved = self.forget_moved(now, any_gone);
 
         let params = self.params.clone();
         self.assess_loads(now);
@@ -601,27 +638,24 @@ impl Service {
         // the drain is silent on purpose and carries no traffic, so its silence hides
         // no load, and maintenance on a few nodes must not freeze the rest. So is one
         // that has not reported yet (see above).
-        let known = self
-            .endpoints
-            .values()
-            .filter(|e| !e.draining && e.last_report.is_some())
-            .count();
-        let missing = self
-            .endpoints
-            .values()
-            .filter(|e| !e.draining && e.last_report.is_some() && !e.is_fresh(now, &params))
-            .count();
+        let mut known = 0usize;
+        let mut missing = 0usize;
+        let mut loads: Vec<f64> = Vec::with_capacity(self.endpoints.len());
+        for e in self.endpoints.values().filter(|e| !e.draining) {
+            let fresh = e.is_fresh(now, &params);
+            if e.last_report.is_some() {
+                known += 1;
+                missing += usize::from(!fresh);
+            }
+            if fresh {
+                loads.push(e.load);
+            }
+        }
         let missing_share = if known == 0 {
             0.0
         } else {
             missing as f64 / known as f64
         };
-        let loads: Vec<f64> = self
-            .endpoints
-            .values()
-            .filter(|e| e.is_fresh(now, &params) && !e.draining)
-            .map(|e| e.load)
-            .collect();
         let spread = Spread::of(&loads);
         let level = fleet_level(&loads);
 
@@ -760,14 +794,18 @@ impl Service {
     /// Forgets the endpoints whose node said hello to another service and has gone
     /// stale here since; returns them with those forgotten since the last cycle for
     /// the same reason (by a hello elsewhere, or by another node taking the address).
-    fn forget_moved(&mut self, now: Millis) -> Vec<String> {
+    /// `any_gone` says whether any endpoint may qualify; without one the walk is skipped.
+    fn forget_moved(&mut self, now: Millis, any_gone: bool) -> Vec<String> {
         let params = &self.params;
-        let gone: Vec<String> = self
-            .endpoints
-            .values()
-            .filter(|e| e.moved_at.is_some() && !e.draining && !e.is_alive(now, params))
-            .map(|e| e.node.clone())
-            .collect();
+        let gone: Vec<String> = if any_gone {
+            self.endpoints
+                .values()
+                .filter(|e| e.moved_at.is_some() && !e.draining && !e.is_alive(now, params))
+                .map(|e| e.node.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
         for node in &gone {
             self.endpoints.remove(node);
         }
@@ -780,9 +818,6 @@ impl Service {
         let params = &self.params;
         let limit = params.expire_ms;
         let past = |e: &Endpoint| now.saturating_sub(e.last_seen) > limit;
-        if !self.endpoints.values().any(past) {
-            return (Vec::new(), 0);
-        }
         let active = self.endpoints.values().filter(|e| !e.draining).count();
         let fresh = self
             .endpoints
@@ -888,7 +923,7 @@ impl Service {
                 let factor = (base_avg / load(ep).max(f64::MIN_POSITIVE))
                     .clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
                 let w = ep.strategy_weight(Strategy::Pid) * factor;
-                ep.strategy_weights.insert(Strategy::Pid, w);
+                ep.strategy_weights.set(Strategy::Pid, w);
                 ep.pid.reset();
                 ep.last_update = Some(now);
                 ep.established = true;
@@ -905,7 +940,7 @@ impl Service {
                 .unwrap_or(1.0);
             let delta = ep.pid.update(&params.pid, error, dt, (lo, hi));
             let w = ep.strategy_weight(Strategy::Pid) * (1.0 + delta);
-            ep.strategy_weights.insert(Strategy::Pid, w);
+            ep.strategy_weights.set(Strategy::Pid, w);
             ep.last_update = Some(now);
             ep.established = true;
             // The ramp ends once the newcomer carries its share; its integral, built up
@@ -936,7 +971,7 @@ impl Service {
             .collect();
         normalize_bounded(&mut ws, target, params.min_weight, params.max_weight);
         for (ep, w) in group.iter_mut().zip(ws) {
-            ep.strategy_weights.insert(Strategy::Pid, w);
+            ep.strategy_weights.set(Strategy::Pid, w);
         }
     }
 }
@@ -1008,7 +1043,7 @@ impl Service {
         }
         for (node, w) in &undo.weights {
             if let Some(ep) = self.endpoints.get_mut(node) {
-                ep.strategy_weights.insert(Strategy::Pid, *w);
+                ep.strategy_weights.set(Strategy::Pid, *w);
                 ep.pid.reset();
             }
         }
@@ -1028,60 +1063,52 @@ impl Service {
         }
     }
 
+    /// Whether the weights moved materially since the current version (or the set of
+    /// endpoints changed); if so, they become the next version's. One pass over the
+    /// endpoints, allocating nothing: it runs every cycle.
     fn material_change(&mut self) -> bool {
-        let now: BTreeMap<String, (f64, bool)> = self
-            .endpoints
-            .values()
-            .map(|e| (e.node.clone(), (e.weight, e.draining)))
-            .collect();
-        let same_set = now.len() == self.published.len()
-            && now.keys().zip(self.published.keys()).all(|(a, b)| a == b);
-        let moved = !same_set
-            || now
-                .iter()
-                .any(|(node, &(w, d))| match self.published.get(node) {
-                    Some(&(pw, pd)) => pd != d || (w - pw).abs() >= MATERIAL_CHANGE,
-                    None => true,
-                });
+        let mut listed = 0usize;
+        let mut moved = false;
+        for e in self.endpoints.values() {
+            match e.version_state {
+                Some((pw, pd)) => {
+                    listed += 1;
+                    if pd != e.draining || (e.weight - pw).abs() >= MATERIAL_CHANGE {
+                        moved = true;
+                        break;
+                    }
+                }
+                None => {
+                    moved = true;
+                    break;
+                }
+            }
+        }
+        let moved = moved || listed != self.published_count;
         if moved {
-            self.published = now;
-            self.published_strategies = self
-                .endpoints
-                .values()
-                .map(|e| (e.node.clone(), Arc::new(e.strategy_weights.clone())))
-                .collect();
+            self.mark_published();
             self.published_cycle = self.weights_cycle;
         }
         moved
     }
 
+    /// Makes every endpoint's live weights those of the current version.
+    fn mark_published(&mut self) {
+        for e in self.endpoints.values_mut() {
+            e.version_state = Some((e.weight, e.draining));
+            e.version_strategies = e.strategy_weights;
+        }
+        self.published_count = self.endpoints.len();
+    }
+
     /// Every endpoint with its weight, drain state and strategy weights as of the
-    /// current version (its live ones if it registered since), in node order. One
-    /// merge of sorted maps rather than a lookup per endpoint: a publication walks
-    /// every endpoint every cycle.
+    /// current version (its live ones if it registered since), in node order.
     pub(crate) fn published_endpoints(
         &self,
-    ) -> impl Iterator<Item = (&Endpoint, (f64, bool), Arc<BTreeMap<Strategy, f64>>)> + '_ {
-        let mut published = self.published.iter().peekable();
-        let mut strategies = self.published_strategies.iter().peekable();
-        self.endpoints.values().map(move |ep| {
-            while published
-                .next_if(|(n, _)| n.as_str() < ep.node.as_str())
-                .is_some()
-            {}
-            while strategies
-                .next_if(|(n, _)| n.as_str() < ep.node.as_str())
-                .is_some()
-            {}
-            let state = match published.peek() {
-                Some((n, &w)) if **n == ep.node => w,
-                _ => (ep.weight, ep.draining),
-            };
-            let weights = match strategies.peek() {
-                Some((n, w)) if **n == ep.node => Arc::clone(w),
-                _ => Arc::new(ep.strategy_weights.clone()),
-            };
-            (ep, state, weights)
+    ) -> impl Iterator<Item = (&Endpoint, (f64, bool), StrategyWeights)> + '_ {
+        self.endpoints.values().map(|ep| match ep.version_state {
+            Some(state) => (ep, state, ep.version_strategies),
+            None => (ep, (ep.weight, ep.draining), ep.strategy_weights),
         })
     }
 
@@ -1090,10 +1117,7 @@ impl Service {
     /// version always names one set.
     /// An endpoint registered since the last version shows its live state.
     pub fn published(&self, ep: &Endpoint) -> (f64, bool) {
-        self.published
-            .get(&ep.node)
-            .copied()
-            .unwrap_or((ep.weight, ep.draining))
+        ep.version_state.unwrap_or((ep.weight, ep.draining))
     }
 
     /// The cycle the current version's weights came from.
@@ -1118,23 +1142,14 @@ impl Service {
             ep.draining = s.draining;
             ep.weight = s.weight;
             for (k, v) in &s.strategy_weights {
-                ep.strategy_weights.insert(*k, *v);
+                ep.strategy_weights.set(*k, *v);
             }
             self.endpoints.insert(node.clone(), ep);
         }
         self.reindex_addresses();
         self.any_established |= !snapshot.endpoints.is_empty();
         self.published_cycle = snapshot.cycle;
-        self.published = self
-            .endpoints
-            .values()
-            .map(|e| (e.node.clone(), (e.weight, e.draining)))
-            .collect();
-        self.published_strategies = self
-            .endpoints
-            .values()
-            .map(|e| (e.node.clone(), Arc::new(e.strategy_weights.clone())))
-            .collect();
+        self.mark_published();
     }
 }
 

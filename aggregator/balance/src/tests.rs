@@ -220,7 +220,9 @@ fn draining_gives_zero_and_undrain_restarts_cold() {
     // The average is over serving endpoints only.
     assert!((svc.stats.spread.avg - 0.5).abs() < 1e-9);
     b.observe(2000, SVC, "n2", obs(0.0)).expect("observes");
-    let w = b.service(SVC).expect("svc").endpoints["n2"].strategy_weights[&Strategy::Pid];
+    let w = b.service(SVC).expect("svc").endpoints["n2"]
+        .strategy_weights
+        .pid;
     assert_eq!(w, params().cold_start_weight);
 }
 
@@ -256,7 +258,7 @@ fn undrained_endpoint_ramps_up_from_the_cold_start_weight() {
         if c == 10 {
             let ep = &b.service(SVC).expect("svc").endpoints["n3"];
             assert!(!ep.draining);
-            assert_eq!(ep.strategy_weights[&Strategy::Pid], cold, "restarts cold");
+            assert_eq!(ep.strategy_weights.pid, cold, "restarts cold");
         }
         b.cycle(now);
         let svc = b.service(SVC).expect("svc");
@@ -898,7 +900,7 @@ fn mixture_with_round_robin_gates_the_weights() {
     run_plant(&mut b, &[0.5, 1.5], 0.6, 0, 30);
     let svc = b.service(SVC).expect("svc");
     for e in svc.endpoints.values() {
-        let pid = e.strategy_weights[&Strategy::Pid];
+        let pid = e.strategy_weights.pid;
         assert!((e.weight - (0.3 * pid + 0.7)).abs() < 1e-9);
     }
 }
