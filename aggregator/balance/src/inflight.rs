@@ -190,6 +190,15 @@ pub(crate) struct Input {
     pub warming: bool,
 }
 
+/// What [`assess`] reads of one endpoint's tracker, once.
+#[derive(Debug, Clone, Copy)]
+struct Count {
+    /// The smoothed count.
+    smoothed: f64,
+    /// The largest of the last cycles' weights.
+    peak_weight: f64,
+}
+
 /// What [`assess`] returns per endpoint.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Assessed {
@@ -228,27 +237,35 @@ pub(crate) fn assess(
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
-    for (input, tracker) in items.iter_mut() {
-        tracker.weights.rotate_right(1);
-        tracker.weights[0] = input.weight;
-    }
-    let per_weight = |_: &Input, t: &InflightTracker| {
-        let w = t.weights.iter().copied().fold(0.0, f64::max);
-        t.smoothed() / w.max(params.min_weight)
-    };
-    let per_cpu = |i: &Input, t: &InflightTracker| t.smoothed() / i.cpu.max(MIN_CPU);
-    let typical = |f: &dyn Fn(&Input, &InflightTracker) -> f64, floor: f64| {
+    // One walk over the trackers takes in this cycle's weight and reads what the
+    // fleet-wide figures need, so that those figures are taken from a dense array
+    // rather than from every endpoint again (a service may have 100,000).
+    let counts: Vec<Count> = items
+        .iter_mut()
+        .map(|(input, tracker)| {
+            tracker.weights.rotate_right(1);
+            tracker.weights[0] = input.weight;
+            Count {
+                smoothed: tracker.smoothed(),
+                peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
+            }
+        })
+        .collect();
+    let per_weight = |c: &Count| c.smoothed / c.peak_weight.max(params.min_weight);
+    let per_cpu = |i: &Input, c: &Count| c.smoothed / i.cpu.max(MIN_CPU);
+    let typical = |f: &dyn Fn(&Input, &Count) -> f64, floor: f64| {
         typical_of(
             items
                 .iter()
-                .filter(|(i, _)| i.capacity == 0)
-                .map(|(i, t)| f(i, t))
+                .zip(&counts)
+                .filter(|((i, _), _)| i.capacity == 0)
+                .map(|((i, _), c)| f(i, c))
                 .collect(),
         )
         .unwrap_or(0.0)
         .max(floor)
     };
-    let typical_weight = typical(&per_weight, MIN_TYPICAL);
+    let typical_weight = typical(&|_, c| per_weight(c), MIN_TYPICAL);
     let typical_cpu = typical(&per_cpu, MIN_TYPICAL);
     // With in-flight as the only signal the CPU says nothing.
     let use_cpu = params.metric == LoadMetric::Max;
@@ -261,8 +278,9 @@ pub(crate) fn assess(
     let idle_cpu = IDLE_CPU * avg_base;
     items
         .iter_mut()
-        .map(|(input, tracker)| {
-            let smoothed = tracker.smoothed();
+        .zip(&counts)
+        .map(|((input, tracker), count)| {
+            let smoothed = count.smoothed;
             let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
                 (Derivation::None, 0.0, 0.0)
             } else if input.capacity > 0 {
@@ -271,8 +289,8 @@ pub(crate) fn assess(
             } else if input.warming {
                 (Derivation::FleetRelative, 0.0, 0.0)
             } else {
-                let by_weight = per_weight(input, tracker) / typical_weight;
-                let by_cpu = per_cpu(input, tracker) / typical_cpu;
+                let by_weight = per_weight(count) / typical_weight;
+                let by_cpu = per_cpu(input, count) / typical_cpu;
                 let ratio = if use_cpu {
                     by_weight.min(by_cpu)
                 } else {

@@ -640,8 +640,13 @@ impl Service {
         // that has not reported yet (see above).
         let mut known = 0usize;
         let mut missing = 0usize;
+        let mut distrusted = 0usize;
         let mut loads: Vec<f64> = Vec::with_capacity(self.endpoints.len());
-        for e in self.endpoints.values().filter(|e| !e.draining) {
+        for e in self.endpoints.values() {
+            distrusted += usize::from(e.inflight.distrusted());
+            if e.draining {
+                continue;
+            }
             let fresh = e.is_fresh(now, &params);
             if e.last_report.is_some() {
                 known += 1;
@@ -651,6 +656,7 @@ impl Service {
                 loads.push(e.load);
             }
         }
+        self.stats.inflight_distrusted = distrusted;
         let missing_share = if known == 0 {
             0.0
         } else {
@@ -771,11 +777,6 @@ impl Service {
             newly += u64::from(a.newly_distrusted);
         }
         self.stats.inflight_distrusts += newly;
-        self.stats.inflight_distrusted = self
-            .endpoints
-            .values()
-            .filter(|e| e.inflight.distrusted())
-            .count();
     }
 
     /// The last level, if `avg` (this cycle's [`fleet_level`]) jumped away from it and

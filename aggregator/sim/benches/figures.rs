@@ -8,7 +8,7 @@
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use ballast_balance::{Balancer, Observation, Params, Published};
+use ballast_balance::{Balancer, Limits, Observation, Params, Published};
 use ballast_shared::pki::Ca;
 use ballast_shared::wire::{self, Hello, Message, NodeState, Reply, Report};
 use std::collections::{BTreeMap, BTreeSet};
@@ -105,15 +105,21 @@ fn core(quick: bool) {
             ..Params::default()
         };
         let mut b = Balancer::new(params, 0);
+        // The shipped limit is 50,000 endpoints a service; the largest size goes past it.
+        b.set_limits(Limits {
+            max_endpoints_per_service: usize::MAX,
+            ..Limits::default()
+        });
         let nodes: Vec<String> = (0..n).map(|i| format!("node-{i}")).collect();
         for (i, node) in nodes.iter().enumerate() {
-            let _ = b.register(
+            b.register(
                 0,
                 "svc",
                 node,
-                &format!("10.0.{}.{}:80", i / 250, i % 250),
+                &format!("10.{}.{}.{}:80", i / 65_536, (i / 256) % 256, i % 256),
                 "",
-            );
+            )
+            .expect("register");
         }
         let rounds = 5u64;
         let mut observe_ns = 0u128;
