@@ -849,26 +849,19 @@ impl Service {
     }
 
     fn update_pid(&mut self, now: Millis, avg: f64) {
-        let before: Vec<f64> = self
-            .endpoints
-            .values()
-            .map(|e| e.strategy_weight(Strategy::Pid))
-            .collect();
-        self.step_pid(now, avg);
-        self.last_step = self
-            .endpoints
-            .values()
-            .zip(before)
-            .map(|(e, w)| (e.strategy_weight(Strategy::Pid) / w.max(f64::MIN_POSITIVE) - 1.0).abs())
-            .fold(0.0, f64::max);
+        self.last_step = self.step_pid(now, avg);
     }
 
-    fn step_pid(&mut self, now: Millis, avg: f64) {
+    /// One controller step; returns the largest relative change of a controller weight.
+    fn step_pid(&mut self, now: Millis, avg: f64) -> f64 {
         let params = &self.params;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
         let mut fresh: Vec<&mut Endpoint> = Vec::new();
         let mut held: Vec<&mut Endpoint> = Vec::new();
+        // Their controller weights before the step, to tell how far it moved them.
+        let mut fresh_before: Vec<f64> = Vec::new();
+        let mut held_before: Vec<f64> = Vec::new();
         let mut serving = 0usize;
         for ep in self.endpoints.values_mut() {
             if ep.draining {
@@ -884,8 +877,10 @@ impl Service {
                 (None, _) => false,
             };
             if ep.is_fresh(now, params) && has_news {
+                fresh_before.push(ep.strategy_weight(Strategy::Pid));
                 fresh.push(ep);
             } else {
+                held_before.push(ep.strategy_weight(Strategy::Pid));
                 held.push(ep);
             }
         }
@@ -960,10 +955,13 @@ impl Service {
         let n = fresh.len() as f64;
         let feasible =
             !fresh.is_empty() && target >= n * params.min_weight && target <= n * params.max_weight;
-        let mut group: Vec<&mut Endpoint> = if feasible {
-            fresh
+        let (mut group, before): (Vec<&mut Endpoint>, Vec<f64>) = if feasible {
+            (fresh, fresh_before)
         } else {
-            fresh.into_iter().chain(held).collect()
+            (
+                fresh.into_iter().chain(held).collect(),
+                fresh_before.into_iter().chain(held_before).collect(),
+            )
         };
         let target = if feasible { target } else { serving as f64 };
         let mut ws: Vec<f64> = group
@@ -971,9 +969,14 @@ impl Service {
             .map(|e| e.strategy_weight(Strategy::Pid))
             .collect();
         normalize_bounded(&mut ws, target, params.min_weight, params.max_weight);
-        for (ep, w) in group.iter_mut().zip(ws) {
+        // Endpoints outside the group (draining, or held while the others could make
+        // room) kept their weights.
+        let mut step: f64 = 0.0;
+        for ((ep, w), b) in group.iter_mut().zip(ws).zip(before) {
             ep.strategy_weights.set(Strategy::Pid, w);
+            step = step.max((w / b.max(f64::MIN_POSITIVE) - 1.0).abs());
         }
+        step
     }
 }
 
