@@ -714,8 +714,7 @@ impl Service {
         }
         // Drains and returns take effect even in a skipped cycle: they are operator
         // actions, not inferences from possibly missing data.
-        self.publish_mixture();
-        let changed = self.material_change();
+        let changed = self.publish_mixture();
         if changed {
             self.version += 1;
         }
@@ -1056,36 +1055,26 @@ impl Service {
         true
     }
 
-    fn publish_mixture(&mut self) {
-        let gates = self.params.strategies.clone();
+    /// Sets every endpoint's published weight from its strategies' (0 when draining),
+    /// and says whether the weights moved materially since the current version or the
+    /// set of endpoints changed; if so, they become the next version's. One pass over
+    /// the endpoints that allocates nothing, and a second only for a new version.
+    fn publish_mixture(&mut self) -> bool {
+        let gates = &self.params.strategies;
+        let mut listed = 0usize;
+        let mut moved = false;
         for ep in self.endpoints.values_mut() {
             ep.weight = if ep.draining {
                 0.0
             } else {
-                mix(&gates, |s| ep.strategy_weight(s))
+                mix(gates, |s| ep.strategy_weight(s))
             };
-        }
-    }
-
-    /// Whether the weights moved materially since the current version (or the set of
-    /// endpoints changed); if so, they become the next version's. One pass over the
-    /// endpoints, allocating nothing: it runs every cycle.
-    fn material_change(&mut self) -> bool {
-        let mut listed = 0usize;
-        let mut moved = false;
-        for e in self.endpoints.values() {
-            match e.version_state {
+            match ep.version_state {
                 Some((pw, pd)) => {
                     listed += 1;
-                    if pd != e.draining || (e.weight - pw).abs() >= MATERIAL_CHANGE {
-                        moved = true;
-                        break;
-                    }
+                    moved |= pd != ep.draining || (ep.weight - pw).abs() >= MATERIAL_CHANGE;
                 }
-                None => {
-                    moved = true;
-                    break;
-                }
+                None => moved = true,
             }
         }
         let moved = moved || listed != self.published_count;
