@@ -1,6 +1,7 @@
 //! The figures in `docs/performance.md` and `docs/protocol.md`: encoded sizes, the
-//! balancing core's cost, the aggregator's CPU per report over real QUIC, and the
-//! agent's footprint. Counts and ratios, not timed assertions.
+//! aggregator's CPU per report over real QUIC, and the agent's footprint. Counts and
+//! ratios, not timed assertions. The balancing core's cycle has a bench of its own
+//! (`cargo bench -p ballast-balance --bench cycle`).
 //!
 //! Run: `cargo build --release --bins && cargo bench -p ballast-sim --bench figures`
 //! (add `-- quick` for a shorter run).
@@ -8,19 +9,21 @@
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use ballast_balance::{Balancer, Limits, Observation, Params, Published};
+mod common;
+
+use common::{cpu_seconds, release_dir, status_mib};
+
 use ballast_shared::pki::Ca;
 use ballast_shared::wire::{self, Hello, Message, NodeState, Reply, Report};
-use std::collections::{BTreeMap, BTreeSet};
+
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn main() {
     let quick = std::env::args().any(|a| a == "quick");
     sizes();
-    core(quick);
     let release = release_dir();
     let agg = release.join("ballast-aggregator");
     let agent = release.join("ballast-agent");
@@ -36,14 +39,6 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(end_to_end(&agg, &agent, quick));
-}
-
-fn release_dir() -> PathBuf {
-    // target/release/deps/figures-HASH -> target/release
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().and_then(Path::parent).map(Path::to_path_buf))
-        .unwrap_or_else(|| PathBuf::from("target/release"))
 }
 
 fn sizes() {
@@ -89,102 +84,6 @@ fn sizes() {
     println!("| reply | {} |", len(Message::Reply(reply)));
     println!("| hello | {} |", len(Message::Hello(hello)));
     println!();
-}
-
-fn core(quick: bool) {
-    println!("## Balancing core (one thread, no I/O)\n");
-    println!("| endpoints | observe, ns/report | cycle, ms | publish, ms |\n|---|---|---|---|");
-    let sizes: &[usize] = if quick {
-        &[1_000, 10_000]
-    } else {
-        &[1_000, 10_000, 100_000]
-    };
-    for &n in sizes {
-        let params = Params {
-            grace_ms: 0,
-            ..Params::default()
-        };
-        let mut b = Balancer::new(params, 0);
-        // The shipped limit is 50,000 endpoints a service; the largest size goes past it.
-        b.set_limits(Limits {
-            max_endpoints_per_service: usize::MAX,
-            ..Limits::default()
-        });
-        let nodes: Vec<String> = (0..n).map(|i| format!("node-{i}")).collect();
-        for (i, node) in nodes.iter().enumerate() {
-            b.register(
-                0,
-                "svc",
-                node,
-                &format!("10.{}.{}.{}:80", i / 65_536, (i / 256) % 256, i % 256),
-                "",
-            )
-            .expect("register");
-        }
-        let rounds = 5u64;
-        let mut observe_ns = 0u128;
-        let mut cycle_ns = 0u128;
-        let mut publish_ns = 0u128;
-        let mut published = Published::default();
-        let ran: BTreeSet<String> = ["svc".to_string()].into();
-        for r in 0..rounds {
-            let now = r * 1000;
-            let t = Instant::now();
-            for (i, node) in nodes.iter().enumerate() {
-                let obs = Observation {
-                    seq: Some(r as u32 + 1),
-                    cpu: 0.3 + (i % 7) as f64 * 0.05,
-                    ..Observation::default()
-                };
-                let _ = b.observe(now, "svc", node, obs);
-            }
-            observe_ns += t.elapsed().as_nanos();
-            let t = Instant::now();
-            let _ = b.cycle(now);
-            cycle_ns += t.elapsed().as_nanos();
-            // What the daemon adds to each cycle: the value every reader takes.
-            let t = Instant::now();
-            published = published.next(&b, &ran, &BTreeMap::new(), now);
-            publish_ns += t.elapsed().as_nanos();
-        }
-        println!(
-            "| {n} | {:.0} | {:.2} | {:.2} |",
-            observe_ns as f64 / (rounds as f64 * n as f64),
-            cycle_ns as f64 / rounds as f64 / 1e6,
-            publish_ns as f64 / rounds as f64 / 1e6
-        );
-    }
-    println!();
-}
-
-/// CPU seconds a process has used, summed over its threads from the scheduler's
-/// nanosecond account (`/proc/PID/task/*/schedstat`): the 10 ms ticks of
-/// `/proc/PID/stat` are too coarse for an agent that uses about a millisecond per
-/// second. (Threads that have exited are not counted; none do in these runs.)
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0.0;
-    };
-    let ns: f64 = tasks
-        .filter_map(Result::ok)
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| {
-            s.split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<f64>().ok())
-        })
-        .sum();
-    ns / 1e9
-}
-
-fn rss_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn http_get(addr: &str, path: &str) -> String {
@@ -298,8 +197,8 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
     println!("| RSS MiB | peak RSS MiB | CPU s per hour | % of one core | binary MiB |\n|---|---|---|---|---|");
     println!(
         "| {:.1} | {:.1} | {:.2} | {:.3} | {:.1} |",
-        rss_kib(pid, "VmRSS:") as f64 / 1024.0,
-        rss_kib(pid, "VmHWM:") as f64 / 1024.0,
+        status_mib(pid, "VmRSS:"),
+        status_mib(pid, "VmHWM:"),
         per_hour,
         per_hour / 36.0,
         size as f64 / 1_048_576.0
@@ -369,7 +268,7 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
         } else {
             f64::NAN
         },
-        rss_kib(agg_pid, "VmRSS:") as f64 / 1024.0
+        status_mib(agg_pid, "VmRSS:")
     );
     println!();
 
