@@ -19,10 +19,14 @@ fn agent_runs_without_a_control_socket() {
     let agg = Aggregator::start(&pki, AggregatorOpts::default().grace_ms(500));
     let dir = tempfile::tempdir().expect("tempdir");
     let mut procs = Vec::new();
-    for (node, by_env) in [("quiet-flag", false), ("quiet-env", true)] {
+    // Each its own address: two live nodes never share one.
+    for (node, address, by_env) in [
+        ("quiet-flag", "127.0.0.1:8080", false),
+        ("quiet-env", "127.0.0.1:8081", true),
+    ] {
         let mut cmd = command(AGENT_BIN);
         cmd.args(["run", "--service", SERVICE, "--node", node])
-            .args(["--address", "127.0.0.1:8080", "--cpu", "none"])
+            .args(["--address", address, "--cpu", "none"])
             .args(["--inflight", "synthetic", "--interval-ms", "500"])
             .arg("--aggregator")
             .arg(agg.quic_addr().to_string())
