@@ -156,6 +156,17 @@ impl Endpoint {
         }
     }
 
+    /// Whether it has shown no sign of life for longer than `expire_ms`.
+    fn past_expiry(&self, now: Millis, params: &Params) -> bool {
+        now.saturating_sub(self.last_seen) > params.expire_ms
+    }
+
+    /// Whether its node said hello to another service and it has gone stale here since
+    /// (a drained one excepted: it expires on its own clock).
+    fn moved_and_stale(&self, now: Millis, params: &Params) -> bool {
+        self.moved_at.is_some() && !self.draining && !self.is_alive(now, params)
+    }
+
     /// Milliseconds since its last report.
     pub fn report_age(&self, now: Millis) -> Option<u64> {
         self.last_report.map(|t| now.saturating_sub(t))
@@ -620,8 +631,8 @@ impl Service {
                 .values()
                 .fold((false, false), |(past, gone), e| {
                     (
-                        past || now.saturating_sub(e.last_seen) > params.expire_ms,
-                        gone || (e.moved_at.is_some() && !e.draining && !e.is_alive(now, params)),
+                        past || e.past_expiry(now, params),
+                        gone || e.moved_and_stale(now, params),
                     )
                 })
         };
@@ -698,7 +709,7 @@ impl Service {
         match skipped {
             None => {
                 if !self.undo_feed_forward(spread.max_over_avg) {
-                    self.update_pid(now, spread.avg);
+                    self.last_step = self.step_pid(now, spread.avg);
                 }
                 self.stats.updates += 1;
                 self.weights_cycle = cycle;
@@ -788,9 +799,6 @@ impl Service {
             .then_some(from)
     }
 
-    /// Forgets the endpoints silent for longer than `expire_ms` while the rest of the
-    /// service is heard (see [`Service::cycle`]). Returns those forgotten and how
-    /// many were held instead.
     /// Forgets the endpoints whose node said hello to another service and has gone
     /// stale here since; returns them with those forgotten since the last cycle for
     /// the same reason (by a hello elsewhere, or by another node taking the address).
@@ -800,7 +808,7 @@ impl Service {
         let gone: Vec<String> = if any_gone {
             self.endpoints
                 .values()
-                .filter(|e| e.moved_at.is_some() && !e.draining && !e.is_alive(now, params))
+                .filter(|e| e.moved_and_stale(now, params))
                 .map(|e| e.node.clone())
                 .collect()
         } else {
@@ -814,10 +822,12 @@ impl Service {
         moved
     }
 
+    /// Forgets the endpoints silent for longer than `expire_ms` while the rest of the
+    /// service is heard (see [`Service::cycle`]). Returns those forgotten and how
+    /// many were held instead.
     fn expire(&mut self, now: Millis) -> (Vec<String>, usize) {
         let params = &self.params;
-        let limit = params.expire_ms;
-        let past = |e: &Endpoint| now.saturating_sub(e.last_seen) > limit;
+        let past = |e: &Endpoint| e.past_expiry(now, params);
         let active = self.endpoints.values().filter(|e| !e.draining).count();
         let fresh = self
             .endpoints
@@ -845,10 +855,6 @@ impl Service {
             self.endpoints.remove(node);
         }
         (gone, held)
-    }
-
-    fn update_pid(&mut self, now: Millis, avg: f64) {
-        self.last_step = self.step_pid(now, avg);
     }
 
     /// One controller step; returns the largest relative change of a controller weight.
