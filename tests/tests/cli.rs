@@ -168,19 +168,26 @@ fn status_drain_and_undrain_through_the_daemon() {
     }
     let node = &agents[0];
     let name = node.node().to_string();
-    // Let a few cycles run so that everyone is an established, serving endpoint.
-    wait_for(Duration::from_secs(15), "all four serving", || {
-        let eps = agg.try_endpoints(SERVICE)?;
-        let serving = eps
-            .iter()
-            .filter(|e| e.state == EndpointState::Serving)
-            .count();
-        if serving == 4 {
-            Ok(())
-        } else {
-            Err(format!("{eps:?}"))
-        }
-    });
+    // Let cycles run until everyone is an established, serving endpoint whose reported
+    // load the publication carries: a node registered but not yet published with a
+    // report is served too, at load 0.
+    wait_for(
+        Duration::from_secs(15),
+        "all four serving and reported",
+        || {
+            let eps = agg.try_endpoints(SERVICE)?;
+            let ready = eps
+                .iter()
+                .filter(|e| e.state == EndpointState::Serving && e.report_age_ms.is_some())
+                .filter(|e| e.load > 0.1)
+                .count();
+            if ready == 4 {
+                Ok(())
+            } else {
+                Err(format!("{eps:?}"))
+            }
+        },
+    );
 
     // status --json: connected, with a weight.
     let st = node.cli_json("status");
@@ -198,10 +205,27 @@ fn status_drain_and_undrain_through_the_daemon() {
     // The reply also says how the aggregator sees the node: the load it steers by and
     // whether it trusts the in-flight count (these agents' synthetic counts follow
     // their weights, so it does).
-    let out = node.cli(&["status", "--json"]);
-    assert!(out.status.success(), "{out:?}");
-    let raw: serde_json::Value = serde_json::from_str(stdout(&out).trim())
-        .unwrap_or_else(|e| panic!("status --json printed no JSON: {e}: {}", stdout(&out)));
+    // The agent hears that view in the reply to its next report after the publication.
+    let raw = wait_for(
+        Duration::from_secs(15),
+        "the aggregator's view in the agent's status",
+        || {
+            let out = node.cli(&["status", "--json"]);
+            if !out.status.success() {
+                return Err(format!("{out:?}"));
+            }
+            let raw: serde_json::Value = serde_json::from_str(stdout(&out).trim())
+                .map_err(|e| format!("status --json printed no JSON: {e}: {}", stdout(&out)))?;
+            if raw["status"]["aggregator_load"]
+                .as_f64()
+                .is_some_and(|l| l > 0.0)
+            {
+                Ok(raw)
+            } else {
+                Err(raw.to_string())
+            }
+        },
+    );
     let status = &raw["status"];
     assert_eq!(
         status["inflight_trusted"],
