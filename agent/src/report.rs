@@ -142,6 +142,16 @@ pub(crate) async fn run(
         match outcome {
             Ok(true) => backoff.reset(),
             Ok(false) => {}
+            Err(SessionError::Session(ClientError::Rejected(r)))
+                if r.reason == ballast_shared::wire::RejectReason::NotOwner =>
+            {
+                // A cluster replica that does not serve this node's service: the next
+                // aggregator in the list may. Routine, so no error and no rejection
+                // in the status; the backoff still grows, so that a cluster with no
+                // owner yet is not hammered.
+                tracing::info!(aggregator = %target, detail = %r.detail,
+                    "this aggregator serves another part of the cluster: trying the next");
+            }
             Err(e) => {
                 let rejection = rejection_of(&e, target);
                 match &rejection {
@@ -258,6 +268,13 @@ async fn session(
                     Ok(b) => b,
                     Err(e) => return match e {
                         quinn::ConnectionError::LocallyClosed => Ok(false),
+                        quinn::ConnectionError::ApplicationClosed(ref c)
+                            if c.error_code.into_inner() == u64::from(session::close::MOVED) =>
+                        {
+                            tracing::info!(aggregator = %target,
+                                "the service moved to another replica of the cluster: trying the next aggregator");
+                            Ok(true)
+                        }
                         // Closed over this node's certificate: a refusal to report.
                         quinn::ConnectionError::ApplicationClosed(ref c)
                             if close_reason(c.error_code.into_inner()).is_some() =>

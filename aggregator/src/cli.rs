@@ -199,6 +199,13 @@ pub struct RunArgs {
     /// File holding the etcd user's password (one line).
     #[arg(long, env = "BALLAST_ETCD_PASSWORD_FILE")]
     pub etcd_password_file: Option<PathBuf>,
+    /// Run as one replica of the named cluster: replicas on the same etcd share the
+    /// services, each served by one of them at a time. Needs --etcd or [store.etcd].
+    #[arg(long, env = "BALLAST_CLUSTER")]
+    pub cluster: Option<String>,
+    /// This replica's name in its cluster (default: host name and QUIC port).
+    #[arg(long, env = "BALLAST_REPLICA")]
+    pub replica: Option<String>,
     /// Balancing cycle in milliseconds.
     #[arg(long, env = "BALLAST_CYCLE_MS")]
     pub cycle_ms: Option<u64>,

@@ -79,8 +79,71 @@ impl Daemon {
         identity: Identity,
         client_ca: &[CertificateDer<'static>],
     ) -> Result<Daemon, DaemonError> {
-        let store = crate::store::open(&cfg.store)?;
-        Self::start_with_store(cfg, identity, client_ca, store).await
+        match &cfg.cluster {
+            Some(cluster) => Self::start_replica(cfg, cluster, identity, client_ca).await,
+            None => {
+                let store = crate::store::open(&cfg.store)?;
+                Self::start_with_store(cfg, identity, client_ca, store, None).await
+            }
+        }
+    }
+
+    /// Starts one replica of a cluster: its etcd store fenced by its ownership, and
+    /// the task that holds its lease and buckets.
+    #[cfg(feature = "etcd")]
+    async fn start_replica(
+        cfg: &Config,
+        cluster: &crate::config::ClusterConfig,
+        identity: Identity,
+        client_ca: &[CertificateDer<'static>],
+    ) -> Result<Daemon, DaemonError> {
+        let replica = cluster
+            .replica
+            .clone()
+            .unwrap_or_else(|| default_replica_name(cfg.quic.port()));
+        let ownership = Arc::new(crate::cluster::Ownership::new(&replica, cluster.buckets));
+        let store = crate::store::open_fenced(
+            &cfg.store,
+            crate::store::etcd::Fence {
+                ownership: ownership.clone(),
+                cluster: cluster.name.clone(),
+            },
+        )?;
+        let dyn_store: Arc<dyn RoutingStore> = store.clone();
+        let mut daemon =
+            Self::start_with_store(cfg, identity, client_ca, dyn_store, Some(ownership.clone()))
+                .await?;
+        let advertise = cluster
+            .advertise
+            .clone()
+            .unwrap_or_else(|| daemon.quic_addr.to_string());
+        let member = crate::cluster::etcd::Replica::new(
+            daemon.state.clone(),
+            store,
+            ownership,
+            cluster,
+            advertise,
+        );
+        tracing::info!(%replica, cluster = %cluster.name, buckets = cluster.buckets,
+            "serving as a cluster replica");
+        daemon
+            .tasks
+            .push(daemon.supervisor.spawn("cluster membership", member.run()));
+        Ok(daemon)
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    async fn start_replica(
+        _cfg: &Config,
+        _cluster: &crate::config::ClusterConfig,
+        _identity: Identity,
+        _client_ca: &[CertificateDer<'static>],
+    ) -> Result<Daemon, DaemonError> {
+        Err(DaemonError::Store(StoreError::Backend(
+            "a cluster is configured, but this ballast-aggregator was built without the \
+             etcd feature (build with `--features ballast-aggregator/etcd`)"
+                .into(),
+        )))
     }
 
     /// Starts everything with the given routing store (any [`RoutingStore`], so that
@@ -91,6 +154,7 @@ impl Daemon {
         identity: Identity,
         client_ca: &[CertificateDer<'static>],
         store: Arc<dyn RoutingStore>,
+        ownership: Option<Arc<crate::cluster::Ownership>>,
     ) -> Result<Daemon, DaemonError> {
         let clock = Clock::start();
         let restored = store.load().await?;
@@ -100,14 +164,25 @@ impl Daemon {
                 .core(cfg.service_config.tombstone_ttl_s.saturating_mul(1000)),
         );
         balancer.restrict_services(cfg.services.as_ref().map(|s| s.iter().cloned().collect()));
-        if !restored.is_empty() {
-            tracing::info!(services = restored.len(), store = %store.describe(), "weights restored from the routing store");
+        // A replica of a cluster restores a service when it takes the service's
+        // bucket over, not at start: until then another replica may own it.
+        if ownership.is_none() {
+            if !restored.is_empty() {
+                tracing::info!(services = restored.len(), store = %store.describe(), "weights restored from the routing store");
+            }
+            balancer.restore(clock.now(), &restored);
         }
-        balancer.restore(clock.now(), &restored);
-        let state = Arc::new(
-            State::new(balancer, store, clock, cfg.report_interval_ms)
-                .with_limits(cfg.limits.clone()),
-        );
+        let mut state = State::new(balancer, store, clock, cfg.report_interval_ms)
+            .with_limits(cfg.limits.clone());
+        if let Some(ownership) = ownership {
+            state = state.with_ownership(ownership);
+        }
+        let state = Arc::new(state);
+        if state.ownership.is_some() {
+            // Until it owns anything, a replica serves every stored service as stored:
+            // its feeds are whole from the start.
+            state.follow(&restored);
+        }
         state.health.set_cycle_ms(cfg.balance.cycle_ms);
         let (supervisor, ends) = crate::supervise::supervisor();
         // Before anything can publish: the writer takes what is current now (the
@@ -244,6 +319,29 @@ impl Daemon {
     }
 }
 
+/// A replica's name when none is configured: the host's name and the QUIC port, which
+/// tell replicas on one host apart.
+#[cfg(feature = "etcd")]
+fn default_replica_name(port: u16) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "replica".to_string());
+    let host: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(56)
+        .collect();
+    format!("{host}-{port}")
+}
+
 /// The xDS port's TLS, from the aggregator's own certificate, key and CA, as
 /// `xds_tls` asks; `None` for plaintext.
 fn xds_tls(cfg: &Config) -> Result<Option<tonic::transport::ServerTlsConfig>, DaemonError> {
@@ -333,7 +431,7 @@ mod tests {
         let client_ca = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
         let cfg = loopback_config();
         let mut daemon =
-            Daemon::start_with_store(&cfg, identity, &client_ca, Arc::new(PanickingStore))
+            Daemon::start_with_store(&cfg, identity, &client_ca, Arc::new(PanickingStore), None)
                 .await
                 .expect("starts");
         // A publication with something to store makes the writer call the store.

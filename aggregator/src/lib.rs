@@ -7,6 +7,7 @@ pub mod certs;
 pub mod cli;
 pub mod client;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod feed;

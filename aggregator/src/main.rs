@@ -107,6 +107,15 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = &args.etcd_password_file {
         etcd_table(&mut cfg, "--etcd-password-file")?.password_file = Some(v.clone());
     }
+    if let Some(name) = &args.cluster {
+        cfg.cluster.get_or_insert_with(Default::default).name = name.clone();
+    }
+    if let Some(replica) = &args.replica {
+        cfg.cluster
+            .as_mut()
+            .context("--replica needs --cluster or a [cluster] table")?
+            .replica = Some(replica.clone());
+    }
     if let Some(v) = args.cycle_ms {
         cfg.balance.cycle_ms = v;
     }

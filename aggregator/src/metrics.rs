@@ -112,6 +112,13 @@ pub struct Metrics {
     pub watch_streams: Gauge,
     /// Config-directory reloads, by outcome (`applied`, `unchanged`, `error`).
     pub config_reloads: Family<Reason, Counter>,
+    /// As a cluster replica: the buckets of services this replica owns now.
+    pub cluster_buckets_owned: Gauge,
+    /// As a cluster replica: buckets taken over, their services restored from etcd.
+    pub cluster_takeovers: Counter,
+    /// As a cluster replica: lease sessions that ended (etcd unreachable, the lease
+    /// lapsed), each giving up every bucket the replica held.
+    pub cluster_sessions_lost: Counter,
     /// Service files refused (parse or validation), by file.
     pub config_rejected: Family<FileLabel, Counter>,
 }
@@ -182,6 +189,9 @@ impl Metrics {
             watch_streams: Gauge::default(),
             config_reloads: Family::default(),
             config_rejected: Family::default(),
+            cluster_buckets_owned: Gauge::default(),
+            cluster_takeovers: Counter::default(),
+            cluster_sessions_lost: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -210,6 +220,21 @@ impl Metrics {
             m.crl_reloads.clone(),
         );
         registry.register("cycles", "Balancing cycles run", m.cycles.clone());
+        registry.register(
+            "cluster_buckets_owned",
+            "Buckets of services this cluster replica owns",
+            m.cluster_buckets_owned.clone(),
+        );
+        registry.register(
+            "cluster_takeovers",
+            "Buckets this cluster replica took over, restored from etcd",
+            m.cluster_takeovers.clone(),
+        );
+        registry.register(
+            "cluster_sessions_lost",
+            "Cluster lease sessions that ended, giving up every bucket held",
+            m.cluster_sessions_lost.clone(),
+        );
         registry.register(
             "cycles_skipped",
             "Balancing cycles that changed no weight, by reason",

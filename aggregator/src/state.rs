@@ -5,7 +5,7 @@ use crate::clock::Clock;
 use crate::config::locality::Localities;
 use crate::metrics::Metrics;
 use crate::store::RoutingStore;
-use ballast_balance::{Balancer, Millis, Published};
+use ballast_balance::{Balancer, Millis, Published, PublishedService, ServiceSnapshot};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -37,6 +37,15 @@ pub struct State {
     pub health: Health,
     /// How much peers may make the daemon hold.
     pub limits: crate::config::limits::Limits,
+    /// Which services this replica owns, when it is one of a cluster; `None` for a
+    /// lone aggregator, which owns every service.
+    pub ownership: Option<Arc<crate::cluster::Ownership>>,
+    /// As a cluster replica, the services it serves but does not balance: as their
+    /// owners last stored them in etcd, or as this replica last published them before
+    /// it lost them. Every publication carries them beside the balancer's own, so that
+    /// every replica's feeds serve every service, and a lost service keeps its last
+    /// weights rather than vanishing from the load balancers.
+    followed: Mutex<BTreeMap<String, Arc<PublishedService>>>,
 }
 
 /// The cycle loop's liveness, for `/healthz`: a loop that stopped (a panic, a deadlock
@@ -103,7 +112,15 @@ impl State {
             config_dir: Mutex::new(None),
             health,
             limits: crate::config::limits::Limits::default(),
+            ownership: None,
+            followed: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// As one replica of a cluster, serving only the services `ownership` gives it.
+    pub fn with_ownership(mut self, ownership: Arc<crate::cluster::Ownership>) -> Self {
+        self.ownership = Some(ownership);
+        self
     }
 
     /// With these limits instead of the defaults; the core's are set on the balancer.
@@ -165,9 +182,113 @@ impl State {
     fn publish(&self, balancer: &Balancer, ran: &BTreeSet<String>, now: Millis) -> Arc<Published> {
         let localities = self.localities();
         let previous = self.published();
-        let next = Arc::new(previous.next(balancer, ran, &localities.services, now));
+        let mut next = previous.next(balancer, ran, &localities.services, now);
+        for (name, service) in self.followed().iter() {
+            if balancer.service(name).is_none() {
+                next.services.insert(name.clone(), Arc::clone(service));
+            }
+        }
+        let next = Arc::new(next);
         self.published.send_replace(next.clone());
         next
+    }
+
+    fn followed(&self) -> MutexGuard<'_, BTreeMap<String, Arc<PublishedService>>> {
+        self.followed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes over the services of `stored` that the balancer does not hold, as a
+    /// replica that just won them does: restored with their stored weights and cycle
+    /// numbers, served as they were until their agents arrive, and published. Returns
+    /// how many were restored.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn take_over(&self, stored: &BTreeMap<String, ServiceSnapshot>) -> usize {
+        let now = self.clock.now();
+        let mut b = self.balancer();
+        let fresh: BTreeMap<String, ServiceSnapshot> = stored
+            .iter()
+            .filter(|(name, _)| b.service(name).is_none())
+            .map(|(name, snap)| (name.clone(), snap.clone()))
+            .collect();
+        b.restore(now, &fresh);
+        {
+            let mut followed = self.followed();
+            for name in fresh.keys() {
+                followed.remove(name);
+            }
+        }
+        self.publish(&b, &BTreeSet::new(), now);
+        fresh.len()
+    }
+
+    /// Lets go of the services `gone` picks, as a replica that lost them to another
+    /// does: the balancer forgets them, and they are served as last published until
+    /// their new owner's weights arrive ([`State::follow`]). Returns their names.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn hand_over(&self, gone: impl Fn(&str) -> bool) -> Vec<String> {
+        let now = self.clock.now();
+        let mut b = self.balancer();
+        let names: Vec<String> = b
+            .services()
+            .filter(|s| gone(&s.name))
+            .map(|s| s.name.clone())
+            .collect();
+        if names.is_empty() {
+            return names;
+        }
+        let last = self.published();
+        {
+            let mut followed = self.followed();
+            for name in &names {
+                b.remove_service(name);
+                if let Some(p) = last.services.get(name) {
+                    followed.insert(name.clone(), Arc::clone(p));
+                }
+            }
+        }
+        self.publish(&b, &BTreeSet::new(), now);
+        names
+    }
+
+    /// Serves `stored` services, as their owners wrote them, where this replica does
+    /// not balance them itself; publishes if any changed. Returns how many it took.
+    pub(crate) fn follow(&self, stored: &BTreeMap<String, ServiceSnapshot>) -> usize {
+        let now = self.clock.now();
+        let b = self.balancer();
+        let localities = self.localities();
+        let mut taken = 0;
+        {
+            let mut followed = self.followed();
+            for (name, snap) in stored {
+                if b.service(name).is_some() {
+                    continue;
+                }
+                let same = followed
+                    .get(name)
+                    .is_some_and(|p| p.version == snap.version && p.weights_cycle == snap.cycle);
+                if same {
+                    continue;
+                }
+                let mut svc = ballast_balance::service::Service::new(name, b.params(name).clone());
+                svc.restore(now, snap);
+                let locality = localities.services.get(name).cloned().unwrap_or_default();
+                followed.insert(
+                    name.clone(),
+                    Arc::new(PublishedService::of(&svc, now, locality)),
+                );
+                taken += 1;
+            }
+        }
+        if taken > 0 {
+            self.publish(&b, &BTreeSet::new(), now);
+        }
+        taken
+    }
+
+    /// Whether this replica balances `service` itself (always, for a lone
+    /// aggregator): the routing store writes only those.
+    pub fn balances(&self, service: &str) -> bool {
+        self.ownership.as_ref().is_none_or(|o| o.owns(service))
     }
 
     /// Runs one cycle of every service, counts it, publishes, and returns the

@@ -131,6 +131,10 @@ pub enum RejectReason {
     /// Registering would pass one of the aggregator's limits (services in all,
     /// endpoints in a service).
     LimitReached,
+    /// The aggregator is one replica of a cluster, and another replica serves this
+    /// service (the detail names it when known): the agent should try its next
+    /// aggregator.
+    NotOwner,
 }
 
 impl fmt::Display for RejectReason {
@@ -143,6 +147,7 @@ impl fmt::Display for RejectReason {
             RejectReason::ServiceNotAllowed => "service_not_allowed",
             RejectReason::AddressNotAllowed => "address_not_allowed",
             RejectReason::LimitReached => "limit_reached",
+            RejectReason::NotOwner => "not_owner",
         })
     }
 }

@@ -452,6 +452,15 @@ impl Balancer {
         }
     }
 
+    /// Lets go of a service whole, as when another aggregator replica takes it over:
+    /// its endpoints, its cycle schedule and its emptiness clock. Its own parameters
+    /// stay, since they come from configuration. Returns whether it was held.
+    pub fn remove_service(&mut self, name: &str) -> bool {
+        self.next_cycle.remove(name);
+        self.empty_since.remove(name);
+        self.services.remove(name).is_some()
+    }
+
     /// When the start-up grace period ends.
     pub fn grace_until(&self) -> Millis {
         self.grace_until

@@ -95,6 +95,80 @@ impl Default for EtcdConfig {
     }
 }
 
+/// Replicas sharing services through etcd (`[cluster]`, `--cluster`): each service is
+/// served and written by one replica at a time, the owner of its bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// The cluster's name: replicas with the same etcd prefix and name share the work.
+    pub name: String,
+    /// This replica's name in the cluster, unique among its replicas; by default the
+    /// host name and the QUIC port.
+    pub replica: Option<String>,
+    /// The QUIC address agents are pointed to when another replica refuses them; by
+    /// default the bound QUIC address.
+    pub advertise: Option<String>,
+    /// The time to live of the replica's etcd lease, in seconds: a replica that dies
+    /// gives up its services this long after its last renewal (etcd grants at least
+    /// 1.5 election timeouts: 2 s with etcd's defaults).
+    pub lease_ttl_s: u32,
+    /// How many buckets service names hash into: the units ownership moves in. Every
+    /// replica of a cluster must use the same number.
+    pub buckets: u32,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            name: String::new(),
+            replica: None,
+            advertise: None,
+            lease_ttl_s: 3,
+            buckets: 64,
+        }
+    }
+}
+
+impl ClusterConfig {
+    fn validate(&self) -> Result<(), InvalidSetting> {
+        let name_ok = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        };
+        if !name_ok(&self.name) {
+            return Err(InvalidSetting::new(
+                "cluster.name",
+                "must be 1-64 letters, digits, '-', '_' or '.'",
+            ));
+        }
+        if let Some(r) = &self.replica {
+            if !name_ok(r) {
+                return Err(InvalidSetting::new(
+                    "cluster.replica",
+                    "must be 1-64 letters, digits, '-', '_' or '.'",
+                ));
+            }
+        }
+        if !(1..=60).contains(&self.lease_ttl_s) {
+            return Err(InvalidSetting::new(
+                "cluster.lease_ttl_s",
+                "must be between 1 and 60",
+            ));
+        }
+        if !(1..=128).contains(&self.buckets) {
+            // A write's fences are one compare per bucket it touches, and etcd takes
+            // at most 128 compares in a transaction.
+            return Err(InvalidSetting::new(
+                "cluster.buckets",
+                "must be between 1 and 128",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The load-balancing policy the xDS Clusters carry (`xds_lb_policy`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -427,6 +501,9 @@ pub struct Config {
     pub authorization: AuthorizationConfig,
     /// Bounds on what peers can make the aggregator hold.
     pub limits: limits::Limits,
+    /// Replicas sharing services through etcd; none by default (one aggregator serves
+    /// everything).
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl Default for Config {
@@ -445,6 +522,7 @@ impl Default for Config {
             service_config: ServiceConfigSettings::default(),
             authorization: AuthorizationConfig::default(),
             limits: limits::Limits::default(),
+            cluster: None,
         }
     }
 }
@@ -490,6 +568,16 @@ impl Config {
         }
         if let Some(etcd) = &self.store.etcd {
             etcd.validate()?;
+        }
+        if let Some(cluster) = &self.cluster {
+            cluster.validate()?;
+            if self.store.etcd.is_none() {
+                return Err(InvalidSetting::new(
+                    "cluster",
+                    "a cluster shares its services through etcd: it needs [store.etcd] \
+                     (or --etcd)",
+                ));
+            }
         }
         self.service_config.validate()?;
         self.limits.validate()?;

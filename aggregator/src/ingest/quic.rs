@@ -192,9 +192,15 @@ async fn handle(
             Err(e) => return Err(fault(conn, state, &session, &e)),
         }
     };
-    let refused = match unconfigured(state, ingest, &hello.service) {
-        Some(detail) => Some((RejectReason::UnknownService, detail)),
-        None => match balance(state, &hello, Ask::Register) {
+    let not_owner = state
+        .ownership
+        .as_ref()
+        .filter(|o| !o.owns(&hello.service))
+        .map(|o| (RejectReason::NotOwner, o.refusal(&hello.service)));
+    let refused = match (not_owner, unconfigured(state, ingest, &hello.service)) {
+        (Some(refusal), _) => Some(refusal),
+        (None, Some(detail)) => Some((RejectReason::UnknownService, detail)),
+        (None, None) => match balance(state, &hello, Ask::Register) {
             Answer::Refused(reason, detail) => Some((reason, detail)),
             _ => None,
         },
@@ -233,6 +239,9 @@ async fn handle(
         std::time::Instant::now(),
     );
     let mut watching = true;
+    // A cluster replica that loses the service closes the connection, so that the
+    // agent goes on to the replica that took it over.
+    let mut losses = state.ownership.as_ref().map(|o| o.watch_losses());
     loop {
         let bytes = tokio::select! {
             read = conn.read_datagram() => match read {
@@ -255,6 +264,16 @@ async fn handle(
                     Some(end) => return Err(end),
                     None => continue,
                 }
+            }
+            Some(()) = lost(&mut losses) => {
+                if state.ownership.as_ref().is_some_and(|o| !o.owns(&hello.service)) {
+                    tracing::info!(node = %hello.node, service = %hello.service,
+                        "connection closed: the service moved to another replica");
+                    state.metrics.reject_connection("moved");
+                    conn.close(close::MOVED.into(), b"service moved to another replica");
+                    return Ok(());
+                }
+                continue;
             }
             _ = &mut expired => {
                 let left = expires_in(not_after_unix_s);
@@ -305,6 +324,21 @@ async fn handle(
                 }
             }
         }
+    }
+}
+
+/// Resolves when the replica has lost a bucket since the last call; never for a lone
+/// aggregator, or once the ownership is gone with the daemon.
+async fn lost(losses: &mut Option<tokio::sync::watch::Receiver<u64>>) -> Option<()> {
+    match losses {
+        Some(rx) => match rx.changed().await {
+            Ok(()) => Some(()),
+            Err(_) => {
+                *losses = None;
+                std::future::pending().await
+            }
+        },
+        None => std::future::pending().await,
     }
 }
 

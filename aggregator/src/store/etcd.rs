@@ -40,15 +40,17 @@
 use super::file::FileStore;
 use super::validate::{self, Corrupt, Defect, SkipCounts};
 use super::{RoutingStore, StoreError, StoreFuture};
+use crate::cluster::Ownership;
 use crate::config::EtcdConfig;
 use ballast_balance::ServiceSnapshot;
 use etcd_client::{
-    Certificate, Client, ConnectOptions, GetOptions, Identity, KvClient, TlsOptions, Txn, TxnOp,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, KvClient,
+    TlsOptions, Txn, TxnOp,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// etcd's default `--max-txn-ops`: a larger batch is split into transactions of this
@@ -86,7 +88,7 @@ pub(crate) fn service_from_key<'k>(prefix: &str, key: &'k str) -> Option<&'k str
 }
 
 /// A key and value read from etcd as a service and its snapshot, or what is wrong.
-fn decode_entry(
+pub(crate) fn decode_entry(
     prefix: &str,
     key: &str,
     value: &[u8],
@@ -511,13 +513,32 @@ pub(crate) struct EtcdStore {
     /// Services etcd held newer than the aggregator when it was read after a fallback.
     newer: Mutex<BTreeMap<String, ServiceSnapshot>>,
     skipped: SkipCounts,
+    /// As one replica of a cluster: which services this replica may write, and the
+    /// owner keys its writes are fenced by.
+    fence: Option<Fence>,
+    /// Values left unwritten since the last call because their service is not this
+    /// replica's (any more).
+    fenced: std::sync::atomic::AtomicU64,
+}
+
+/// What fences a cluster replica's writes: its ownership of each bucket, and the
+/// cluster whose owner keys prove it.
+pub(crate) struct Fence {
+    /// The buckets this replica holds, with their fencing revisions.
+    pub(crate) ownership: Arc<Ownership>,
+    /// The cluster's name.
+    pub(crate) cluster: String,
 }
 
 impl EtcdStore {
     /// A store on the etcd members `cfg.endpoints` under `cfg.prefix`, with its local
     /// copy at `copy`. Nothing is contacted yet, so this succeeds while etcd is down;
     /// the TLS and password files are read and checked now.
-    pub(crate) fn open(cfg: &EtcdConfig, copy: PathBuf) -> Result<EtcdStore, StoreError> {
+    pub(crate) fn open(
+        cfg: &EtcdConfig,
+        copy: PathBuf,
+        fence: Option<Fence>,
+    ) -> Result<EtcdStore, StoreError> {
         cfg.validate().map_err(|e| StoreError::Setup {
             setting: e.setting,
             reason: e.reason,
@@ -548,7 +569,19 @@ impl EtcdStore {
             fallback: Mutex::new(None),
             newer: Mutex::new(BTreeMap::new()),
             skipped: SkipCounts::default(),
+            fence,
+            fenced: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// The key prefix.
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// How long one request may take.
+    pub(crate) fn request_timeout(&self) -> Duration {
+        self.request_timeout
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
@@ -567,6 +600,16 @@ impl EtcdStore {
     /// A KV client, connecting first if need be. Connecting authenticates the user,
     /// so a wrong password shows here.
     async fn kv(&self) -> Result<KvClient, String> {
+        Ok(self
+            .client()
+            .await?
+            .kv_client()
+            .max_decoding_message_size(MAX_RESPONSE_BYTES))
+    }
+
+    /// The client, connecting first if need be: shared with the cluster's task, so
+    /// that one connection carries the store's writes and the replica's lease.
+    pub(crate) async fn client(&self) -> Result<Client, String> {
         let mut slot = self.client.lock().await;
         let client = match slot.as_ref() {
             Some(client) => client.clone(),
@@ -582,19 +625,18 @@ impl EtcdStore {
                 slot.insert(client).clone()
             }
         };
-        Ok(client
-            .kv_client()
-            .max_decoding_message_size(MAX_RESPONSE_BYTES))
+        Ok(client)
     }
 
     /// Writes every pending service, in as few transactions as etcd accepts (one for
     /// any ordinary cycle). Returns how many services were written.
     async fn flush(&self) -> Result<usize, StoreError> {
         let _writer = self.writer.lock().await;
-        let batch = self.ledger().batch();
+        let batch = self.owned(self.ledger().batch());
         for chunk in txn_chunks(&batch) {
             match self.txn(chunk).await {
-                Ok(()) => self.ledger().committed(chunk),
+                Ok(true) => self.ledger().committed(chunk),
+                Ok(false) => self.fenced_out(chunk),
                 Err(error) => return Err(self.failed(error)),
             }
         }
@@ -608,8 +650,62 @@ impl EtcdStore {
         Ok(batch.len())
     }
 
-    /// Puts `chunk` in one transaction.
-    async fn txn(&self, chunk: &[(String, Vec<u8>)]) -> Result<(), String> {
+    /// The part of `batch` this store may write: all of it, except in a cluster,
+    /// where a service another replica owns is left out, and dropped from the pending
+    /// writes, since its owner writes it now.
+    fn owned(&self, batch: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+        let Some(fence) = &self.fence else {
+            return batch;
+        };
+        let (ours, theirs): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .partition(|(service, _)| fence.ownership.owns(service));
+        if !theirs.is_empty() {
+            self.fenced_out(&theirs);
+        }
+        ours
+    }
+
+    /// Drops what another replica now writes, and counts it.
+    fn fenced_out(&self, values: &[(String, Vec<u8>)]) {
+        let mut ledger = self.ledger();
+        for (service, _) in values {
+            ledger.pending.remove(service);
+        }
+        drop(ledger);
+        self.fenced
+            .fetch_add(values.len() as u64, Ordering::Relaxed);
+        tracing::info!(
+            services = ?values.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
+            "weights not written: these services belong to another replica now"
+        );
+    }
+
+    /// The fencing compares of `chunk`: in a cluster, that this replica's owner key
+    /// of each bucket the chunk touches is still the one it created.
+    fn fences(&self, chunk: &[(String, Vec<u8>)]) -> Vec<Compare> {
+        let Some(fence) = &self.fence else {
+            return Vec::new();
+        };
+        let buckets: std::collections::BTreeSet<u32> = chunk
+            .iter()
+            .map(|(service, _)| fence.ownership.bucket(service))
+            .collect();
+        buckets
+            .into_iter()
+            .map(|b| {
+                let key = crate::cluster::owner_key(&self.prefix, &fence.cluster, b);
+                // A bucket let go of since `owned` looked compares against -1, which no
+                // key's create revision matches, present or absent.
+                let rev = fence.ownership.fence(b).unwrap_or(-1);
+                Compare::create_revision(key, CompareOp::Equal, rev)
+            })
+            .collect()
+    }
+
+    /// Puts `chunk` in one transaction. `Ok(false)`: a fence failed (in a cluster,
+    /// another replica owns one of its buckets now) and nothing was written.
+    async fn txn(&self, chunk: &[(String, Vec<u8>)]) -> Result<bool, String> {
         let mut kv = self.kv().await?;
         let ops: Vec<TxnOp> = chunk
             .iter()
@@ -617,11 +713,12 @@ impl EtcdStore {
                 TxnOp::put(service_key(&self.prefix, service), value.clone(), None)
             })
             .collect();
-        tokio::time::timeout(self.request_timeout, kv.txn(Txn::new().and_then(ops)))
+        let txn = Txn::new().when(self.fences(chunk)).and_then(ops);
+        let resp = tokio::time::timeout(self.request_timeout, kv.txn(txn))
             .await
             .map_err(|_| format!("write timed out after {:?}", self.request_timeout))?
             .map_err(|e| describe(&e))?;
-        Ok(())
+        Ok(resp.succeeded())
     }
 
     /// Records a failed call in the outage and says what to report.
@@ -663,7 +760,7 @@ impl EtcdStore {
     /// Every valid service in etcd. A key that is not one is skipped, logged with the
     /// key, and counted; the rest loads. What etcd holds needs no rewrite until it
     /// changes, so the ledger learns it.
-    async fn read_valid(&self) -> Result<BTreeMap<String, ServiceSnapshot>, String> {
+    pub(crate) async fn read_valid(&self) -> Result<BTreeMap<String, ServiceSnapshot>, String> {
         let entries = self.read_all().await?;
         let mut services = BTreeMap::new();
         let mut values = Vec::with_capacity(entries.len());
@@ -824,6 +921,10 @@ impl RoutingStore for EtcdStore {
 
     fn take_refused(&self) -> u64 {
         self.ledger().take_refused()
+    }
+
+    fn take_fenced(&self) -> u64 {
+        self.fenced.swap(0, Ordering::Relaxed)
     }
 }
 
@@ -994,7 +1095,7 @@ mod tests {
     #[tokio::test]
     async fn an_unreachable_etcd_fails_writes_within_the_timeout_and_keeps_them_pending() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = EtcdStore::open(&closed_port_config(), dir.path().join("copy.json"))
+        let store = EtcdStore::open(&closed_port_config(), dir.path().join("copy.json"), None)
             .expect("opens without contacting etcd");
         assert!(store.describe().starts_with("etcd http://127.0.0.1:"));
         let changed: BTreeMap<_, _> = [("web".to_string(), snapshot())].into();
@@ -1023,7 +1124,7 @@ mod tests {
             .replace([("web".to_string(), versioned(7))].into())
             .await
             .expect("a copy from an earlier run");
-        let store = EtcdStore::open(&cfg, path.clone()).expect("opens");
+        let store = EtcdStore::open(&cfg, path.clone(), None).expect("opens");
         assert_eq!(store.fallback(), None);
         let started = Instant::now();
         let served = store.load().await.expect("the copy, not an error");
@@ -1058,7 +1159,7 @@ mod tests {
             prefix: "/other".into(),
             ..cfg
         };
-        let store = EtcdStore::open(&other, path).expect("opens");
+        let store = EtcdStore::open(&other, path, None).expect("opens");
         assert!(store.load().await.expect("starts").is_empty());
         assert!(store.fallback().is_some());
     }
@@ -1178,8 +1279,8 @@ mod tests {
             ..EtcdConfig::default()
         };
         let copy = dir.path().join("copy.json");
-        assert!(EtcdStore::open(&tls, copy.clone()).is_ok());
-        let setting_of = |cfg: EtcdConfig| match EtcdStore::open(&cfg, copy.clone()) {
+        assert!(EtcdStore::open(&tls, copy.clone(), None).is_ok());
+        let setting_of = |cfg: EtcdConfig| match EtcdStore::open(&cfg, copy.clone(), None) {
             Err(StoreError::Setup { setting, reason }) => format!("{setting}: {reason}"),
             Err(e) => panic!("not a setup error: {e}"),
             Ok(_) => "opened".into(),
@@ -1222,8 +1323,8 @@ mod tests {
         // current-thread one): nothing may need a second runtime, block the one
         // thread, or panic when dropped there.
         let dir = tempfile::tempdir().expect("tempdir");
-        let store =
-            EtcdStore::open(&closed_port_config(), dir.path().join("copy.json")).expect("opens");
+        let store = EtcdStore::open(&closed_port_config(), dir.path().join("copy.json"), None)
+            .expect("opens");
         assert!(store.load().await.is_ok(), "falls back to the (empty) copy");
         assert!(store.put(&BTreeMap::new()).await.is_err());
         drop(store);

@@ -120,6 +120,12 @@ pub trait RoutingStore: Send + Sync {
     fn take_refused(&self) -> u64 {
         0
     }
+    /// How many values were left unwritten since the last call because another
+    /// cluster replica owns their service now; the writer counts them in
+    /// `ballast_store_refused_total{reason="not_owner"}`.
+    fn take_fenced(&self) -> u64 {
+        0
+    }
 }
 
 /// The routing store `cfg` configures: etcd when `[store.etcd]` is set, else the file.
@@ -139,6 +145,25 @@ fn open_etcd(
     Ok(Arc::new(etcd::EtcdStore::open(
         cfg,
         cfg.local_copy_path(store_path),
+        None,
+    )?))
+}
+
+/// The etcd store of one replica of a cluster: its writes fenced by the owner keys
+/// of `fence`.
+#[cfg(feature = "etcd")]
+pub(crate) fn open_fenced(
+    cfg: &StoreConfig,
+    fence: etcd::Fence,
+) -> Result<Arc<etcd::EtcdStore>, StoreError> {
+    let etcd = cfg.etcd.as_ref().ok_or_else(|| StoreError::Setup {
+        setting: "cluster".into(),
+        reason: "a cluster needs the etcd routing store ([store.etcd] or --etcd)".into(),
+    })?;
+    Ok(Arc::new(etcd::EtcdStore::open(
+        etcd,
+        etcd.local_copy_path(&cfg.path),
+        Some(fence),
     )?))
 }
 

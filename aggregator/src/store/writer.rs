@@ -201,12 +201,20 @@ impl Tracker {
     /// The services of `published` that differ from what was written, noting since
     /// when each has waited. Services gone from the publication are forgotten (the
     /// store keeps them, as it always has).
-    fn differing(&mut self, published: &Published, now: Instant) -> Vec<Arc<PublishedService>> {
+    /// Only services `balances` names are this store's to write: a cluster replica
+    /// publishes the services of other replicas too, and writes only its own.
+    fn differing(
+        &mut self,
+        published: &Published,
+        now: Instant,
+        balances: &dyn Fn(&str) -> bool,
+    ) -> Vec<Arc<PublishedService>> {
         self.written
-            .retain(|name, _| published.services.contains_key(name));
+            .retain(|name, _| published.services.contains_key(name) && balances(name));
         let due: Vec<Arc<PublishedService>> = published
             .services
             .values()
+            .filter(|s| balances(&s.name))
             .filter(|s| self.written.get(&s.name).is_none_or(|w| differs(w, s)))
             .cloned()
             .collect();
@@ -335,15 +343,19 @@ pub fn writer(state: Arc<State>) -> impl Future<Output = ()> + Send + 'static {
 /// `ballast_store_corrupt_total`, and the values it refused as too large in
 /// `ballast_store_refused_total`, and shows the services too large now.
 fn count_skipped(state: &State) {
-    let refused = state.store.take_refused();
-    if refused > 0 {
-        state
-            .metrics
-            .store_refused
-            .get_or_create(&crate::metrics::Reason {
-                reason: "too_large".to_string(),
-            })
-            .inc_by(refused);
+    for (reason, n) in [
+        ("too_large", state.store.take_refused()),
+        ("not_owner", state.store.take_fenced()),
+    ] {
+        if n > 0 {
+            state
+                .metrics
+                .store_refused
+                .get_or_create(&crate::metrics::Reason {
+                    reason: reason.to_string(),
+                })
+                .inc_by(n);
+        }
     }
     let too_large = state.store.too_large();
     state
@@ -376,6 +388,11 @@ fn restore_newer(state: &State, tracker: &mut Tracker) {
     {
         let mut balancer = state.balancer();
         for (name, stored) in newer {
+            // A cluster replica takes other replicas' services from etcd as it follows
+            // them, never into its balancer.
+            if !state.balances(&name) {
+                continue;
+            }
             let live = balancer.service(&name).map(|s| {
                 let untouched = s
                     .endpoints
@@ -419,7 +436,7 @@ async fn run(
     loop {
         let latest = publications.borrow_and_update().clone();
         let now = Instant::now();
-        let due = tracker.differing(&latest, now);
+        let due = tracker.differing(&latest, now, &|name| state.balances(name));
         report(&state, &tracker, now);
         // After a fallback the store must be read and reconciled even with nothing due.
         if due.is_empty() && !unconfirmed {
@@ -527,7 +544,7 @@ async fn following<F: Future>(
                 Ok(()) => {
                     let latest = publications.borrow_and_update().clone();
                     let now = Instant::now();
-                    tracker.differing(&latest, now);
+                    tracker.differing(&latest, now, &|name| state.balances(name));
                     report(state, tracker, now);
                 }
                 Err(_) => *open = false,
@@ -1040,27 +1057,27 @@ mod tests {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let p1 = add_node(&state, "a");
-        let due = tracker.differing(&p1, at(0));
+        let due = tracker.differing(&p1, at(0), &|_| true);
         assert_eq!((due.len(), tracker.oldest()), (1, Some(at(0))));
         tracker.started(&due);
         // The same publication seen again while in flight is no newer change.
-        tracker.differing(&p1, at(1));
+        tracker.differing(&p1, at(1), &|_| true);
         let p2 = add_node(&state, "b");
-        tracker.differing(&p2, at(2));
+        tracker.differing(&p2, at(2), &|_| true);
         assert_eq!(tracker.oldest(), Some(at(0)));
         tracker.committed();
         assert_eq!((tracker.pending(), tracker.oldest()), (1, Some(at(2))));
         // A failed write leaves the wait as it was.
-        let due = tracker.differing(&p2, at(3));
+        let due = tracker.differing(&p2, at(3), &|_| true);
         tracker.started(&due);
         let p3 = add_node(&state, "c");
-        tracker.differing(&p3, at(4));
+        tracker.differing(&p3, at(4), &|_| true);
         tracker.failed();
         assert_eq!(tracker.oldest(), Some(at(2)));
-        let due = tracker.differing(&p3, at(5));
+        let due = tracker.differing(&p3, at(5), &|_| true);
         tracker.started(&due);
         tracker.committed();
-        assert!(tracker.differing(&p3, at(6)).is_empty());
+        assert!(tracker.differing(&p3, at(6), &|_| true).is_empty());
         assert_eq!((tracker.pending(), tracker.oldest()), (0, None));
     }
 

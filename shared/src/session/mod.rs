@@ -56,6 +56,9 @@ pub mod close {
     pub const REVOKED: u32 = 3;
     /// The peer's certificate expired while it was connected.
     pub const EXPIRED: u32 = 4;
+    /// The aggregator is a cluster replica that no longer serves the node's service:
+    /// another replica took it over, and the agent should try its next aggregator.
+    pub const MOVED: u32 = 5;
 }
 
 /// The shortest report interval either side uses, in milliseconds: shorter would make

@@ -87,6 +87,8 @@ pub struct AggregatorOpts {
     /// Run inside this network namespace, on its address instead of 127.0.0.1, so
     /// that a test can drop packets on their way to it (see [`Netns`]).
     pub netns: Option<Arc<Netns>>,
+    /// `--cluster NAME --replica REPLICA`: one replica of a cluster (needs `etcd`).
+    pub cluster: Option<(String, String)>,
 }
 
 impl Default for AggregatorOpts {
@@ -102,6 +104,7 @@ impl Default for AggregatorOpts {
             config_dir: None,
             log_json: false,
             netns: None,
+            cluster: None,
         }
     }
 }
@@ -140,6 +143,12 @@ impl AggregatorOpts {
     /// With the etcd routing store at `endpoints` (comma-separated) under `prefix`.
     pub fn etcd(mut self, endpoints: &str, prefix: &str) -> Self {
         self.etcd = Some((endpoints.to_string(), prefix.to_string()));
+        self
+    }
+
+    /// As replica `replica` of cluster `name` (with [`AggregatorOpts::etcd`]).
+    pub fn cluster(mut self, name: &str, replica: &str) -> Self {
+        self.cluster = Some((name.to_string(), replica.to_string()));
         self
     }
 }
@@ -258,6 +267,9 @@ impl Aggregator {
         }
         if let Some((endpoints, prefix)) = &self.opts.etcd {
             cmd.args(["--etcd", endpoints, "--etcd-prefix", prefix]);
+        }
+        if let Some((name, replica)) = &self.opts.cluster {
+            cmd.args(["--cluster", name, "--replica", replica]);
         }
         if let Some(dir) = &self.opts.config_dir {
             cmd.arg("--config-dir").arg(dir);

@@ -1,0 +1,499 @@
+//! The replica's side of the cluster in etcd: one lease, renewed here, under which
+//! the replica's member key and every owner key it holds live; and the loop that
+//! claims the buckets rendezvous hashing gives it, resigns those it no longer should
+//! hold, and takes over a bucket's services from what their last owner stored.
+//!
+//! **No two writers.** Every write of a service's weights is a transaction that
+//! compares its bucket's owner key with the create revision this replica got when it
+//! claimed it ([`crate::store::etcd`]). The key is bound to the replica's lease, so it
+//! vanishes when the lease lapses, and a new owner's key has a higher create revision:
+//! a replica that lost its lease cannot write, whatever it believes. It also stops
+//! believing early: when no renewal has been acknowledged for the lease's time to live
+//! less a margin, it gives up every bucket before etcd can hand them on.
+//!
+//! **Takeover.** A bucket is claimed with a transaction that creates its owner key only
+//! if it is absent. The services stored for it are then read and restored with their
+//! weights and cycle numbers, and only then does the replica take the bucket's agents
+//! and write: weights carry on, with no cold start.
+//!
+//! A claim is not queued behind the holder, as an etcd election campaign would be: a
+//! replica claims only buckets whose owner key is absent, and the reconciling loop
+//! runs on every change under the cluster's prefix (an etcd watch) and twice a second,
+//! so a bucket whose owner died is claimed as soon as etcd deletes the key.
+
+use super::{cluster_prefix, member_key, owner_key, preferred, Ownership};
+use crate::config::ClusterConfig;
+use crate::state::State;
+use crate::store::etcd::EtcdStore;
+use crate::store::etcd::{decode_entry, services_prefix};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp, WatchOptions, WatchResponse, WatchStream,
+};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long before the lease's end, as last renewed, the replica stops writing.
+const LEASE_MARGIN: Duration = Duration::from_millis(500);
+/// How often the loop reconciles when etcd reports no change.
+const RECONCILE_EVERY: Duration = Duration::from_millis(500);
+/// How long after a failed session the replica tries again.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// One replica's membership of a cluster.
+pub(crate) struct Replica {
+    state: Arc<State>,
+    store: Arc<EtcdStore>,
+    ownership: Arc<Ownership>,
+    cluster: String,
+    advertise: String,
+    lease_ttl_s: u32,
+}
+
+/// What one reading of the cluster's keys says.
+#[derive(Debug, Default)]
+struct View {
+    /// Live replicas and the QUIC address each takes agents at.
+    members: BTreeMap<String, String>,
+    /// Each held bucket's owner, its key's create revision and lease.
+    owners: BTreeMap<u32, (String, i64, i64)>,
+}
+
+impl Replica {
+    /// The replica `ownership` describes, on `store`'s etcd, taking agents at
+    /// `advertise`.
+    pub(crate) fn new(
+        state: Arc<State>,
+        store: Arc<EtcdStore>,
+        ownership: Arc<Ownership>,
+        cfg: &ClusterConfig,
+        advertise: String,
+    ) -> Self {
+        Replica {
+            state,
+            store,
+            ownership,
+            cluster: cfg.name.clone(),
+            advertise,
+            lease_ttl_s: cfg.lease_ttl_s,
+        }
+    }
+
+    /// Runs until the daemon stops: a session per lease, another after any failure.
+    pub(crate) async fn run(self) {
+        let mut failing = false;
+        loop {
+            let started = Instant::now();
+            let (error, held_lease) = self.session().await;
+            let held = self.ownership.lose_all();
+            let gone = self.let_go(&held);
+            self.state.metrics.cluster_buckets_owned.set(0);
+            if held_lease {
+                tracing::warn!(error = %error, buckets = held.len(), services = gone,
+                    "cluster session ended: this replica balances none of its services, \
+                     and serves them as last published, until it holds a lease again");
+                self.state.metrics.cluster_sessions_lost.inc();
+                failing = false;
+            } else if !failing {
+                // Logged once for a run of failures: etcd may be down for a while.
+                tracing::warn!(error = %error, "cannot join the cluster; retrying every second");
+                failing = true;
+            }
+            let wait = RETRY_AFTER.saturating_sub(started.elapsed().min(RETRY_AFTER));
+            tokio::time::sleep(wait.max(Duration::from_millis(100))).await;
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        self.store.request_timeout()
+    }
+
+    /// Bounds a call to etcd by the store's request timeout.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, String> {
+        tokio::time::timeout(self.timeout(), call)
+            .await
+            .map_err(|_| format!("{what} timed out after {:?}", self.timeout()))?
+            .map_err(|e| format!("{what}: {e}"))
+    }
+
+    /// One lease's life: granted, kept, and used to hold buckets, until something
+    /// fails. Returns why it ended, and whether a lease was held.
+    async fn session(&self) -> (String, bool) {
+        let mut client = match self.store.client().await {
+            Ok(c) => c,
+            Err(e) => return (e, false),
+        };
+        let lease = match self
+            .bounded(
+                "lease grant",
+                client.lease_grant(i64::from(self.lease_ttl_s), None),
+            )
+            .await
+        {
+            Ok(l) => l,
+            Err(e) => return (e, false),
+        };
+        let id = lease.id();
+        let outcome = self.with_lease(&mut client, id, lease.ttl()).await;
+        // Best effort: a revoked lease frees the buckets at once instead of after its
+        // time to live.
+        let _ = tokio::time::timeout(Duration::from_millis(500), client.lease_revoke(id)).await;
+        (outcome, true)
+    }
+
+    /// Holds lease `id` until it lapses or cannot be renewed in time. Losing etcd for
+    /// less than that (a member restarting, a leader election) costs nothing: the
+    /// renewals and watches are made again, and the buckets are kept.
+    async fn with_lease(&self, client: &mut Client, id: i64, ttl_s: i64) -> String {
+        let ttl = Duration::from_secs(u64::try_from(ttl_s.max(1)).unwrap_or(1));
+        let prefix = self.store.prefix().to_string();
+        let me = self.ownership.replica().to_string();
+        if let Err(e) = self
+            .bounded(
+                "member key",
+                client.put(
+                    member_key(&prefix, &self.cluster, &me),
+                    self.advertise.clone(),
+                    Some(PutOptions::new().with_lease(id)),
+                ),
+            )
+            .await
+        {
+            return e;
+        }
+        tracing::info!(replica = %me, cluster = %self.cluster, lease = id, ttl_s,
+            "cluster member: holding a lease");
+        let mut valid_until = Instant::now() + ttl.saturating_sub(LEASE_MARGIN);
+        let mut keeper = None;
+        let mut members: Option<WatchStream> = None;
+        let mut services: Option<WatchStream> = None;
+        let mut renew = tokio::time::interval(ttl / 3);
+        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = tokio::time::interval(RECONCILE_EVERY);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if members.is_none() || services.is_none() {
+                match self.watches(client, &prefix).await {
+                    Ok((m, s)) => {
+                        (members, services) = (Some(m), Some(s));
+                        // Watched first, then read: no write falls between the two.
+                        match self.store.read_valid().await {
+                            Ok(stored) => self.follow(stored),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "reading the stored services failed")
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cluster watch failed; retrying"),
+                }
+            }
+            tokio::select! {
+                _ = renew.tick() => match self.renew(client, id, &mut keeper).await {
+                    Ok(Some(until)) => valid_until = until,
+                    Ok(None) => return "the lease expired".into(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "lease renewal failed");
+                        keeper = None;
+                    }
+                },
+                m = next(&mut services) => match m {
+                    Ok(Some(resp)) => self.follow_events(&prefix, &resp),
+                    Ok(None) | Err(_) => services = None,
+                },
+                m = next(&mut members) => match m {
+                    Ok(Some(_)) => {
+                        if let Err(e) = self.reconcile(client, id).await {
+                            tracing::warn!(error = %e, "cluster reconcile failed");
+                        }
+                    }
+                    Ok(None) | Err(_) => members = None,
+                },
+                _ = poll.tick() => {
+                    if let Err(e) = self.reconcile(client, id).await {
+                        tracing::warn!(error = %e, "cluster reconcile failed");
+                    }
+                }
+            }
+            if Instant::now() >= valid_until {
+                return format!(
+                    "the lease was not renewed in time (no acknowledgement for {ttl:?} less \
+                     {LEASE_MARGIN:?})"
+                );
+            }
+        }
+    }
+
+    /// Watches of the cluster's keys and of every stored service.
+    async fn watches(
+        &self,
+        client: &mut Client,
+        prefix: &str,
+    ) -> Result<(WatchStream, WatchStream), String> {
+        let members = self
+            .bounded(
+                "watch",
+                client.watch(
+                    cluster_prefix(prefix, &self.cluster),
+                    Some(WatchOptions::new().with_prefix()),
+                ),
+            )
+            .await?;
+        let services = self
+            .bounded(
+                "watch",
+                client.watch(
+                    services_prefix(prefix),
+                    Some(WatchOptions::new().with_prefix()),
+                ),
+            )
+            .await?;
+        Ok((members, services))
+    }
+
+    /// Renews lease `id` once, opening the keep-alive stream first if need be: when
+    /// the lease is valid until now, less the margin (`Some`), or `None` when etcd
+    /// says it has expired.
+    async fn renew(
+        &self,
+        client: &mut Client,
+        id: i64,
+        keeper: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    ) -> Result<Option<Instant>, String> {
+        let sent = Instant::now();
+        let (k, acks) = match keeper {
+            Some(k) => k,
+            None => keeper.insert(
+                self.bounded("lease keep-alive", client.lease_keep_alive(id))
+                    .await?,
+            ),
+        };
+        let ack = tokio::time::timeout(self.timeout(), async {
+            k.keep_alive().await?;
+            acks.message().await
+        })
+        .await
+        .map_err(|_| format!("lease renewal timed out after {:?}", self.timeout()))?
+        .map_err(|e| format!("lease renewal: {e}"))?;
+        match ack {
+            Some(r) if r.ttl() > 0 => {
+                let left = Duration::from_secs(u64::try_from(r.ttl()).unwrap_or(0));
+                Ok(Some(sent + left.saturating_sub(LEASE_MARGIN)))
+            }
+            Some(_) => Ok(None),
+            None => Err("the keep-alive stream ended".into()),
+        }
+    }
+
+    /// Follows the services a watch response shows written.
+    fn follow_events(&self, prefix: &str, resp: &WatchResponse) {
+        let mut stored = BTreeMap::new();
+        for event in resp.events() {
+            if event.event_type() != EventType::Put {
+                continue;
+            }
+            let Some(kv) = event.kv() else { continue };
+            let key = String::from_utf8_lossy(kv.key());
+            match decode_entry(prefix, &key, kv.value()) {
+                Ok((service, snapshot)) => {
+                    stored.insert(service, snapshot);
+                }
+                Err(corrupt) => tracing::warn!(%key, error = %corrupt,
+                    "a stored service that is not a valid snapshot is not followed"),
+            }
+        }
+        self.follow(stored);
+    }
+
+    /// Reads the cluster's members and owners.
+    async fn view(&self, client: &mut Client) -> Result<View, String> {
+        let prefix = cluster_prefix(self.store.prefix(), &self.cluster);
+        let resp = self
+            .bounded(
+                "cluster read",
+                client.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let mut view = View::default();
+        for kv in resp.kvs() {
+            let (Ok(key), Ok(value)) = (kv.key_str(), kv.value_str()) else {
+                continue;
+            };
+            let Some(rest) = key.strip_prefix(&prefix) else {
+                continue;
+            };
+            if let Some(member) = rest.strip_prefix("members/") {
+                view.members.insert(member.to_string(), value.to_string());
+            } else if let Some(bucket) = rest.strip_prefix("owners/") {
+                if let Ok(b) = bucket.parse::<u32>() {
+                    view.owners
+                        .insert(b, (value.to_string(), kv.create_revision(), kv.lease()));
+                }
+            }
+        }
+        Ok(view)
+    }
+
+    /// Brings what this replica holds in line with what it should: claims the absent
+    /// buckets rendezvous hashing gives it, resigns those it should no longer hold,
+    /// and notes those another holds.
+    async fn reconcile(&self, client: &mut Client, lease: i64) -> Result<(), String> {
+        let view = self.view(client).await?;
+        let me = self.ownership.replica().to_string();
+        let prefix = self.store.prefix().to_string();
+        let mut lost = Vec::new();
+        let mut claimed = Vec::new();
+        for b in 0..self.ownership.buckets() {
+            let want = preferred(view.members.keys().map(String::as_str), b) == Some(&me);
+            let key = owner_key(&prefix, &self.cluster, b);
+            match view.owners.get(&b) {
+                Some((owner, rev, key_lease)) if *owner == me && *key_lease == lease => {
+                    if want {
+                        // Held: taken over already, or claimed by a pass whose
+                        // takeover failed, and taken over now.
+                        if self.ownership.fence(b) != Some(*rev) {
+                            claimed.push((b, *rev));
+                        }
+                    } else {
+                        // Another member ranks first now: give it the bucket. Writes
+                        // stop first, then the key goes.
+                        if self.ownership.lost(b) {
+                            lost.push(b);
+                        }
+                        let txn = Txn::new()
+                            .when(vec![Compare::create_revision(
+                                key.clone(),
+                                CompareOp::Equal,
+                                *rev,
+                            )])
+                            .and_then(vec![TxnOp::delete(key, None)]);
+                        self.bounded("resign", client.txn(txn)).await?;
+                        tracing::info!(
+                            bucket = b,
+                            "bucket handed to the replica that ranks first for it"
+                        );
+                    }
+                }
+                Some((owner, rev, _)) if *owner == me => {
+                    // Ours from an earlier lease, which is ending: free it now.
+                    if self.ownership.lost(b) {
+                        lost.push(b);
+                    }
+                    let txn = Txn::new()
+                        .when(vec![Compare::create_revision(
+                            key.clone(),
+                            CompareOp::Equal,
+                            *rev,
+                        )])
+                        .and_then(vec![TxnOp::delete(key, None)]);
+                    self.bounded("release", client.txn(txn)).await?;
+                }
+                Some((owner, _, _)) => {
+                    if self.ownership.lost(b) {
+                        lost.push(b);
+                    }
+                    self.ownership.set_owner_address(
+                        b,
+                        view.members.get(owner).map(|a| Arc::from(a.as_str())),
+                    );
+                }
+                None => {
+                    if self.ownership.lost(b) {
+                        lost.push(b);
+                    }
+                    self.ownership.set_owner_address(b, None);
+                    if want {
+                        let txn = Txn::new()
+                            .when(vec![Compare::create_revision(
+                                key.clone(),
+                                CompareOp::Equal,
+                                0,
+                            )])
+                            .and_then(vec![TxnOp::put(
+                                key,
+                                me.clone(),
+                                Some(PutOptions::new().with_lease(lease)),
+                            )]);
+                        let resp = self.bounded("claim", client.txn(txn)).await?;
+                        if resp.succeeded() {
+                            let rev = resp.header().map_or(0, |h| h.revision());
+                            if rev > 0 {
+                                claimed.push((b, rev));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if !lost.is_empty() {
+            let gone = self.let_go(&lost);
+            tracing::info!(buckets = ?lost, services = gone, "buckets given up");
+        }
+        if !claimed.is_empty() {
+            self.take_over(&claimed).await?;
+        }
+        self.state
+            .metrics
+            .cluster_buckets_owned
+            .set(i64::try_from(self.ownership.owned()).unwrap_or(i64::MAX));
+        Ok(())
+    }
+
+    /// Restores the services stored for `claimed` buckets, then takes their agents
+    /// and writes: in that order, so that no agent registers into a service the
+    /// restore would then replace.
+    async fn take_over(&self, claimed: &[(u32, i64)]) -> Result<(), String> {
+        let buckets: BTreeSet<u32> = claimed.iter().map(|(b, _)| *b).collect();
+        let stored = self.store.read_valid().await?;
+        let mine: BTreeMap<_, _> = stored
+            .into_iter()
+            .filter(|(name, _)| buckets.contains(&self.ownership.bucket(name)))
+            .collect();
+        let restored = self.state.take_over(&mine);
+        for (b, rev) in claimed {
+            self.ownership.gained(*b, *rev);
+            self.ownership
+                .set_owner_address(*b, Some(Arc::from(self.advertise.as_str())));
+        }
+        self.state
+            .metrics
+            .cluster_takeovers
+            .inc_by(claimed.len() as u64);
+        tracing::info!(buckets = ?buckets, services = restored,
+            "buckets taken over: their services restored from etcd with their weights");
+        Ok(())
+    }
+
+    /// Serves the services of `stored` that this replica does not own as their owners
+    /// wrote them.
+    fn follow(&self, mut stored: BTreeMap<String, ballast_balance::ServiceSnapshot>) {
+        stored.retain(|name, _| !self.ownership.owns(name));
+        self.state.follow(&stored);
+    }
+
+    /// Lets go of the services of `buckets`; their agents are closed by ingest, which
+    /// watches the losses. Returns how many services went.
+    fn let_go(&self, buckets: &[u32]) -> usize {
+        if buckets.is_empty() {
+            return 0;
+        }
+        let set: BTreeSet<u32> = buckets.iter().copied().collect();
+        self.state
+            .hand_over(|service| set.contains(&self.ownership.bucket(service)))
+            .len()
+    }
+}
+
+/// The next message of `watch`; never, while there is no watch.
+async fn next(
+    watch: &mut Option<WatchStream>,
+) -> Result<Option<WatchResponse>, etcd_client::Error> {
+    match watch {
+        Some(w) => w.message().await,
+        None => std::future::pending().await,
+    }
+}

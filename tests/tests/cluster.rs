@@ -1,0 +1,442 @@
+//! Aggregator replicas sharing services through a real etcd, with the shipped cluster
+//! defaults (64 buckets, a 3 s lease): each service has one owner, which balances and
+//! writes it; every replica serves every service; a killed owner's services go on at
+//! another replica with their weights; an etcd outage freezes the weights rather than
+//! emptying anything, and ownership comes back with etcd; a new replica takes only the
+//! buckets rendezvous hashing gives it.
+
+use ballast_aggregator::cluster::{bucket_of, owner_key, preferred};
+use ballast_balance::ServiceSnapshot;
+use ballast_tests::*;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const PREFIX: &str = "/ballast-cluster";
+const CLUSTER: &str = "lab";
+/// The shipped defaults of `[cluster]`.
+const BUCKETS: u32 = 64;
+const LEASE_TTL: Duration = Duration::from_secs(3);
+const SERVICES: [&str; 3] = ["alpha", "beta", "gamma"];
+const PER_SERVICE: usize = 4;
+
+fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
+    Aggregator::start(
+        pki,
+        AggregatorOpts::default()
+            .etcd(&etcd.endpoint(), PREFIX)
+            .cluster(CLUSTER, name),
+    )
+}
+
+/// The replica holding `service`'s bucket, as etcd says.
+fn owner(etcd: &Etcd, service: &str) -> Option<String> {
+    etcd.get(&owner_key(PREFIX, CLUSTER, bucket_of(service, BUCKETS)))
+}
+
+/// `service` as its owner last stored it.
+fn stored(etcd: &Etcd, service: &str) -> Option<ServiceSnapshot> {
+    let value = etcd.get(&format!("{PREFIX}/services/{service}"))?;
+    Some(serde_json::from_str(&value).unwrap_or_else(|e| panic!("{service}: {e}: {value}")))
+}
+
+/// Every bucket's owner.
+fn owners(etcd: &Etcd) -> BTreeMap<String, String> {
+    let out = etcd
+        .try_ctl(&[
+            "get",
+            "--prefix",
+            &format!("{PREFIX}/cluster/{CLUSTER}/owners/"),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lines: Vec<&str> = out.lines().collect();
+    lines
+        .chunks(2)
+        .filter_map(|kv| Some((kv.first()?.to_string(), kv.get(1)?.to_string())))
+        .collect()
+}
+
+fn weights(s: &ServiceSnapshot) -> BTreeMap<String, f64> {
+    s.endpoints
+        .iter()
+        .map(|(n, e)| (n.clone(), e.weight))
+        .collect()
+}
+
+fn largest_change(a: &ServiceSnapshot, b: &ServiceSnapshot) -> f64 {
+    let (wa, wb) = (weights(a), weights(b));
+    wa.iter()
+        .map(|(n, w)| (w - wb.get(n).copied().unwrap_or(0.0)).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The values `service`'s key took, in order, as a watch from revision 1 saw them.
+fn history(watch: &Watch, service: &str) -> Vec<ServiceSnapshot> {
+    let key = format!("{PREFIX}/services/{service}");
+    watch
+        .events()
+        .into_iter()
+        .filter(|e| e.kind == "PUT" && e.key == key)
+        .map(|e| serde_json::from_str(&e.value).unwrap_or_else(|err| panic!("{err}: {e:?}")))
+        .collect()
+}
+
+/// Twelve agents in three services, each told of every replica, starting at a
+/// different one so that most first meet a replica that refuses them.
+fn fleet(pki: &Pki, replicas: &[Aggregator]) -> Vec<Agent> {
+    let addrs: Vec<String> = replicas.iter().map(|a| a.quic_addr().to_string()).collect();
+    let mut agents = Vec::new();
+    for service in SERVICES {
+        let nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("{service}-{i}")).collect();
+        pki.issue_nodes_for(
+            service,
+            &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        for (i, node) in nodes.iter().enumerate() {
+            let mut opts = AgentOpts::new(service, node).speed(1.0 + i as f64);
+            let mut list = addrs.clone();
+            list.rotate_left(i % addrs.len());
+            opts.aggregators = Some(list);
+            agents.push(Agent::start(pki, &replicas[0], opts));
+        }
+    }
+    agents
+}
+
+/// Whether `s`'s weights are within 10 % of its agents' speeds (1 to 4, over their
+/// mean): converged, as a balanced fleet of these speeds is.
+fn converged_to_speeds(s: &ServiceSnapshot) -> Result<(), String> {
+    let w = weights(s);
+    let mean_speed = (1..=PER_SERVICE).sum::<usize>() as f64 / PER_SERVICE as f64;
+    let near = w.len() == PER_SERVICE
+        && w.iter().all(|(node, w)| {
+            let i: f64 = node
+                .rsplit('-')
+                .next()
+                .and_then(|i| i.parse().ok())
+                .unwrap_or(-9.0);
+            let want = (1.0 + i) / mean_speed;
+            (w - want).abs() <= 0.1 * want
+        });
+    near.then_some(()).ok_or(format!("{w:?}"))
+}
+
+/// Waits until every service is owned, stored with its whole fleet, and converged.
+fn wait_balanced(etcd: &Etcd, timeout: Duration) {
+    wait_for(timeout, "every service owned, stored and converged", || {
+        for service in SERVICES {
+            owner(etcd, service).ok_or(format!("{service} has no owner"))?;
+            let s = stored(etcd, service).ok_or(format!("{service} not stored"))?;
+            converged_to_speeds(&s).map_err(|e| format!("{service}: {e}"))?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_freezes_them() {
+    require_etcd();
+    let mut etcd = Etcd::start();
+    let pki = Pki::new();
+    let names = ["r0", "r1", "r2"];
+    let mut replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
+    let watch = etcd.watch(&format!("{PREFIX}/services/"));
+    let agents = fleet(&pki, &replicas);
+    wait_balanced(&etcd, Duration::from_secs(90));
+
+    // Every replica serves every service, owned or not, as its owner stored it.
+    for service in SERVICES {
+        let s = stored(&etcd, service).expect("stored");
+        for (i, r) in replicas.iter().enumerate() {
+            wait_for(
+                Duration::from_secs(10),
+                &format!("{service} served by {}", names[i]),
+                || {
+                    let w = r.try_weights(service)?;
+                    if w.weights.len() == PER_SERVICE && w.version >= s.version {
+                        Ok(())
+                    } else {
+                        Err(format!("{w:?}"))
+                    }
+                },
+            );
+        }
+    }
+
+    // A few more writes of the service to be failed over give a normal cycle's change.
+    let service = "alpha";
+    let first = owner(&etcd, service).expect("owner");
+    let before_count = history(&watch, service).len();
+    wait_for(
+        Duration::from_secs(30),
+        "three more writes of alpha",
+        || {
+            let n = history(&watch, service).len();
+            (n >= before_count + 3)
+                .then_some(())
+                .ok_or(format!("{n} writes"))
+        },
+    );
+    let before = history(&watch, service);
+    let normal = before
+        .windows(2)
+        .rev()
+        .take(5)
+        .map(|w| largest_change(&w[0], &w[1]))
+        .fold(0.0, f64::max);
+
+    // SIGKILL the owner.
+    let victim = names
+        .iter()
+        .position(|n| *n == first)
+        .expect("the owner is a replica");
+    let last = stored(&etcd, service).expect("stored");
+    replicas[victim].kill();
+    let killed = Instant::now();
+    let next = wait_for(
+        Duration::from_secs(20),
+        "a new owner of alpha",
+        || match owner(&etcd, service) {
+            Some(o) if o != first => Ok(o),
+            o => Err(format!("{o:?}")),
+        },
+    );
+    let took = killed.elapsed();
+    // The lease lapses at most its time to live after the last renewal, which was
+    // within a third of it before the kill; etcd sweeps expired leases every 500 ms,
+    // and the new owner claims on the deletion's watch event. The goal is the time to
+    // live and two cycles (4 s); 1 s more for a loaded 2-core machine.
+    let bound = LEASE_TTL + Duration::from_millis(2 * 500 + 1000);
+    assert!(
+        took <= bound,
+        "alpha went to {next} {took:?} after its owner {first} died (bound {bound:?})"
+    );
+    eprintln!("failover: {first} killed, {next} owns alpha after {took:?}");
+
+    // The new owner goes on from the stored weights: same cycle count onwards, a higher
+    // version, and weights within a normal cycle's change of the last ones written.
+    let resumed = wait_for(
+        Duration::from_secs(20),
+        "alpha written by its new owner",
+        || {
+            let s = stored(&etcd, service).ok_or("not stored")?;
+            (s.version > last.version)
+                .then_some(s.clone())
+                .ok_or(format!("version {} cycle {}", s.version, s.cycle))
+        },
+    );
+    assert!(resumed.cycle > last.cycle, "{resumed:?} after {last:?}");
+    let jump = largest_change(&last, &resumed);
+    let allowed = (3.0 * normal).max(0.1);
+    assert!(
+        jump <= allowed,
+        "weights moved by {jump:.3} across the failover (a normal cycle: {normal:.3}): \
+         {:?} then {:?}",
+        weights(&last),
+        weights(&resumed)
+    );
+    // No weight reset: still converged.
+    if let Err(w) = converged_to_speeds(&resumed) {
+        panic!("weights reset across the failover: {w}");
+    }
+
+    eprintln!(
+        "failover: weights moved by at most {jump:.3} (a normal cycle's change: {normal:.3}); \
+         cycle {} to {}, version {} to {}",
+        last.cycle, resumed.cycle, last.version, resumed.version
+    );
+
+    // Its agents find the new owner.
+    let new_addr = replicas[names.iter().position(|n| *n == next).expect("replica")]
+        .quic_addr()
+        .to_string();
+    for a in agents.iter().filter(|a| a.node().starts_with("alpha")) {
+        wait_for(
+            Duration::from_secs(30),
+            &format!("{} at the new owner", a.node()),
+            || {
+                let s = a.status();
+                (s.connected_to.as_deref() == Some(new_addr.as_str()))
+                    .then_some(())
+                    .ok_or(format!("{:?}", s.connected_to))
+            },
+        );
+    }
+    eprintln!(
+        "failover: alpha's agents at the new owner {:?} after the kill",
+        killed.elapsed()
+    );
+
+    // One writer at a time: every service's stored versions only ever grow.
+    for service in SERVICES {
+        let h = history(&watch, service);
+        for pair in h.windows(2) {
+            assert!(
+                pair[1].version > pair[0].version && pair[1].cycle >= pair[0].cycle,
+                "{service} went from version {} cycle {} to version {} cycle {}",
+                pair[0].version,
+                pair[0].cycle,
+                pair[1].version,
+                pair[1].cycle
+            );
+        }
+    }
+
+    // etcd goes away: the replicas stop balancing and give up their buckets once
+    // their lease cannot be renewed, and keep serving every service as last published.
+    let alive: Vec<usize> = (0..names.len()).filter(|i| *i != victim).collect();
+    etcd.kill();
+    let cut = Instant::now();
+    for i in &alive {
+        let r = &replicas[*i];
+        wait_for(
+            LEASE_TTL + Duration::from_secs(5),
+            &format!("{} owning nothing without etcd", names[*i]),
+            || {
+                let owned = r.counter("ballast_cluster_buckets_owned", &[]);
+                (owned == 0.0)
+                    .then_some(())
+                    .ok_or(format!("{owned} buckets"))
+            },
+        );
+    }
+    eprintln!(
+        "etcd outage: every replica gave up its buckets {:?} after etcd died",
+        cut.elapsed()
+    );
+    // Frozen, not emptied: every replica serves every service, and nothing moves for
+    // four cycles (no replica balances anything now).
+    let served = |i: usize| -> BTreeMap<&str, BTreeMap<String, f64>> {
+        SERVICES
+            .iter()
+            .map(|s| {
+                let w = replicas[i].weights(s);
+                (
+                    *s,
+                    w.weights
+                        .iter()
+                        .map(|(n, e)| (n.clone(), e.weight))
+                        .collect(),
+                )
+            })
+            .collect()
+    };
+    let frozen: Vec<_> = alive.iter().map(|i| served(*i)).collect();
+    for (k, i) in alive.iter().enumerate() {
+        for (service, w) in &frozen[k] {
+            assert_eq!(
+                w.len(),
+                PER_SERVICE,
+                "{} emptied {service} without etcd: {w:?}",
+                names[*i]
+            );
+        }
+    }
+    let watching = Instant::now();
+    while watching.elapsed() < Duration::from_secs(2) {
+        for (k, i) in alive.iter().enumerate() {
+            assert_eq!(
+                served(*i),
+                frozen[k],
+                "{} moved weights without etcd",
+                names[*i]
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // etcd is back: ownership and publication recover.
+    etcd.restart();
+    let cycles: BTreeMap<&str, u64> = SERVICES
+        .iter()
+        .map(|s| (*s, stored(&etcd, s).expect("stored").cycle))
+        .collect();
+    let back = Instant::now();
+    wait_for(
+        Duration::from_secs(60),
+        "every service owned and written again",
+        || {
+            for service in SERVICES {
+                owner(&etcd, service).ok_or(format!("{service} has no owner"))?;
+                let s = stored(&etcd, service).ok_or("not stored")?;
+                if s.cycle <= cycles[service] {
+                    return Err(format!("{service} still at cycle {}", s.cycle));
+                }
+            }
+            Ok(())
+        },
+    );
+    eprintln!(
+        "etcd outage: every service owned and written again {:?} after etcd came back",
+        back.elapsed()
+    );
+}
+
+#[test]
+fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
+    require_etcd();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let mut replicas: Vec<Aggregator> = ["r0", "r1", "r2"]
+        .iter()
+        .map(|r| replica(&pki, &etcd, r))
+        .collect();
+    let expected = |members: &[&str]| -> BTreeMap<String, String> {
+        (0..BUCKETS)
+            .map(|b| {
+                (
+                    owner_key(PREFIX, CLUSTER, b),
+                    preferred(members.iter().copied(), b)
+                        .expect("a member")
+                        .to_string(),
+                )
+            })
+            .collect()
+    };
+    let three = expected(&["r0", "r1", "r2"]);
+    wait_for(
+        Duration::from_secs(30),
+        "every bucket owned by three",
+        || {
+            let now = owners(&etcd);
+            (now == three)
+                .then_some(())
+                .ok_or(format!("{} owned", now.len()))
+        },
+    );
+    replicas.push(replica(&pki, &etcd, "r3"));
+    let four = expected(&["r0", "r1", "r2", "r3"]);
+    wait_for(
+        Duration::from_secs(30),
+        "every bucket owned by four",
+        || {
+            let now = owners(&etcd);
+            (now == four).then_some(()).ok_or(format!(
+                "{} differ",
+                now.iter().filter(|(k, v)| four.get(*k) != Some(v)).count()
+            ))
+        },
+    );
+    let moved: Vec<&String> = three.keys().filter(|k| three[*k] != four[*k]).collect();
+    assert!(
+        moved.iter().all(|k| four[*k] == "r3"),
+        "a bucket moved between old replicas"
+    );
+    assert!(
+        (8..=24).contains(&moved.len()),
+        "{} of {BUCKETS} buckets moved to the fourth replica",
+        moved.len()
+    );
+    for (i, r) in replicas.iter().enumerate() {
+        let held = four.values().filter(|v| **v == format!("r{i}")).count();
+        wait_for(
+            Duration::from_secs(10),
+            &format!("r{i}'s gauge at {held}"),
+            || {
+                let owned = r.counter("ballast_cluster_buckets_owned", &[]);
+                (owned == held as f64)
+                    .then_some(())
+                    .ok_or(format!("{owned}"))
+            },
+        );
+    }
+}
