@@ -632,7 +632,9 @@ impl EtcdStore {
     /// any ordinary cycle). Returns how many services were written.
     async fn flush(&self) -> Result<usize, StoreError> {
         let _writer = self.writer.lock().await;
-        let batch = self.owned(self.ledger().batch());
+        // The ledger's guard must be gone before `owned`, which takes it again.
+        let batch = self.ledger().batch();
+        let batch = self.owned(batch);
         for chunk in txn_chunks(&batch) {
             match self.txn(chunk).await {
                 Ok(true) => self.ledger().committed(chunk),
@@ -1162,6 +1164,55 @@ mod tests {
         let store = EtcdStore::open(&other, path, None).expect("opens");
         assert!(store.load().await.expect("starts").is_empty());
         assert!(store.fallback().is_some());
+    }
+
+    #[test]
+    fn a_cluster_replica_writes_only_its_own_services_each_fenced_by_its_bucket() {
+        let dir = tempfile::tempdir().expect("dir");
+        let ownership = Arc::new(Ownership::new("r1", 8));
+        let (api, web) = (ownership.bucket("api"), ownership.bucket("web"));
+        assert_ne!(api, web, "the test needs the two in different buckets");
+        ownership.gained(api, 41);
+        let store = EtcdStore::open(
+            &closed_port_config(),
+            dir.path().join("copy.json"),
+            Some(Fence {
+                ownership: ownership.clone(),
+                cluster: "c".into(),
+            }),
+        )
+        .expect("opens");
+        let value = |v: u64| serde_json::to_vec(&versioned(v)).expect("json");
+        {
+            let mut ledger = store.ledger();
+            ledger.absorb("api", value(1));
+            ledger.absorb("web", value(1));
+        }
+        // "web" belongs to another replica: dropped from the writes and counted.
+        let batch = store.ledger().batch();
+        let batch = store.owned(batch);
+        assert_eq!(
+            batch.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
+            ["api"]
+        );
+        assert!(!store.ledger().pending.contains_key("web"));
+        assert_eq!(store.take_fenced(), 1);
+        // The write of "api" compares its bucket's owner key with the revision the
+        // claim created it at; a bucket let go of meanwhile compares with -1, which
+        // no key matches.
+        let compares = format!("{:?}", store.fences(&batch));
+        let key = crate::cluster::owner_key("/t", "c", api);
+        assert!(
+            compares.contains(&format!("{:?}", key.as_bytes())) && compares.contains("41"),
+            "{compares}"
+        );
+        ownership.lost(api);
+        let compares = format!("{:?}", store.fences(&batch));
+        assert!(compares.contains("-1"), "{compares}");
+        // A lone aggregator's writes carry no fence.
+        let lone = EtcdStore::open(&closed_port_config(), dir.path().join("c2.json"), None)
+            .expect("opens");
+        assert!(lone.fences(&batch).is_empty());
     }
 
     #[test]

@@ -364,6 +364,22 @@ impl Aggregator {
         panic!("ballast-aggregator could not bind its old ports again: {last}");
     }
 
+    /// Freezes the process (SIGSTOP); [`Aggregator::resume`] lets it go on.
+    pub fn pause(&self) {
+        self.proc
+            .as_ref()
+            .expect("the aggregator is running")
+            .pause();
+    }
+
+    /// Lets a paused process go on (SIGCONT).
+    pub fn resume(&self) {
+        self.proc
+            .as_ref()
+            .expect("the aggregator is running")
+            .resume();
+    }
+
     /// Whether the process is running.
     pub fn is_running(&mut self) -> bool {
         self.proc.as_mut().is_some_and(Proc::is_running)

@@ -125,6 +125,16 @@ impl Proc {
         self.child.id()
     }
 
+    /// Freezes it (SIGSTOP), as a long pause of the machine or the process would.
+    pub fn pause(&self) {
+        signal(self.pid(), libc::SIGSTOP);
+    }
+
+    /// Lets it run again (SIGCONT) after [`Proc::pause`].
+    pub fn resume(&self) {
+        signal(self.pid(), libc::SIGCONT);
+    }
+
     /// The exit status, if it has exited.
     pub fn exit_status(&mut self) -> Option<ExitStatus> {
         if self.exited.is_none() {
