@@ -217,7 +217,10 @@ impl State {
                 followed.remove(name);
             }
         }
-        self.publish(&b, &BTreeSet::new(), now);
+        // Published afresh, not from the previous publication's copy (the followed
+        // one, which may lag what was just restored).
+        let ran: BTreeSet<String> = fresh.keys().cloned().collect();
+        self.publish(&b, &ran, now);
         fresh.len()
     }
 
@@ -263,10 +266,13 @@ impl State {
                 if b.service(name).is_some() {
                     continue;
                 }
-                let same = followed
-                    .get(name)
-                    .is_some_and(|p| p.version == snap.version && p.weights_cycle == snap.cycle);
-                if same {
+                // Versions only grow; an older value (a watch event from before a read)
+                // never replaces a newer one.
+                let known = followed.get(name).is_some_and(|p| {
+                    p.version > snap.version
+                        || (p.version == snap.version && p.weights_cycle >= snap.cycle)
+                });
+                if known {
                     continue;
                 }
                 let mut svc = ballast_balance::service::Service::new(name, b.params(name).clone());

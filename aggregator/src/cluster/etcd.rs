@@ -85,12 +85,9 @@ impl Replica {
         let mut failing = false;
         loop {
             let started = Instant::now();
-            let (error, held_lease) = self.session().await;
-            let held = self.ownership.lose_all();
-            let gone = self.let_go(&held);
-            self.state.metrics.cluster_buckets_owned.set(0);
+            let (error, held_lease, (held, gone)) = self.session().await;
             if held_lease {
-                tracing::warn!(error = %error, buckets = held.len(), services = gone,
+                tracing::warn!(error = %error, buckets = held, services = gone,
                     "cluster session ended: this replica balances none of its services, \
                      and serves them as last published, until it holds a lease again");
                 self.state.metrics.cluster_sessions_lost.inc();
@@ -123,10 +120,10 @@ impl Replica {
 
     /// One lease's life: granted, kept, and used to hold buckets, until something
     /// fails. Returns why it ended, and whether a lease was held.
-    async fn session(&self) -> (String, bool) {
+    async fn session(&self) -> (String, bool, (usize, usize)) {
         let mut client = match self.store.client().await {
             Ok(c) => c,
-            Err(e) => return (e, false),
+            Err(e) => return (e, false, self.give_up_all()),
         };
         let lease = match self
             .bounded(
@@ -136,14 +133,33 @@ impl Replica {
             .await
         {
             Ok(l) => l,
-            Err(e) => return (e, false),
+            Err(e) => return (e, false, self.give_up_all()),
         };
         let id = lease.id();
         let outcome = self.with_lease(&mut client, id, lease.ttl()).await;
-        // Best effort: a revoked lease frees the buckets at once instead of after its
-        // time to live.
+        // Writes and agents stop first; then, best effort, the revoked lease frees the
+        // buckets at once instead of after its time to live.
+        let given_up = self.give_up_all();
         let _ = tokio::time::timeout(Duration::from_millis(500), client.lease_revoke(id)).await;
-        (outcome, true)
+        (outcome, true, given_up)
+    }
+
+    /// Gives up every bucket, and lets go of every service: how many of each.
+    fn give_up_all(&self) -> (usize, usize) {
+        let held = self.ownership.lose_all();
+        let gone = self.sweep();
+        self.state.metrics.cluster_buckets_owned.set(0);
+        (held.len(), gone)
+    }
+
+    /// Lets go of every service this replica balances but does not own now (lost
+    /// buckets, and anything a race with ingest left behind), and of their pending
+    /// writes. Idempotent: it runs after every reconciling pass, failed or not.
+    fn sweep(&self) -> usize {
+        self.store.drop_unowned_pending();
+        self.state
+            .hand_over(|service| !self.ownership.owns(service))
+            .len()
     }
 
     /// Holds lease `id` until it lapses or cannot be renewed in time. Losing etcd for
@@ -153,22 +169,13 @@ impl Replica {
         let ttl = Duration::from_secs(u64::try_from(ttl_s.max(1)).unwrap_or(1));
         let prefix = self.store.prefix().to_string();
         let me = self.ownership.replica().to_string();
-        if let Err(e) = self
-            .bounded(
-                "member key",
-                client.put(
-                    member_key(&prefix, &self.cluster, &me),
-                    self.advertise.clone(),
-                    Some(PutOptions::new().with_lease(id)),
-                ),
-            )
-            .await
-        {
+        if let Err(e) = self.join(client, id, &prefix, &me).await {
             return e;
         }
         tracing::info!(replica = %me, cluster = %self.cluster, lease = id, ttl_s,
             "cluster member: holding a lease");
         let mut valid_until = Instant::now() + ttl.saturating_sub(LEASE_MARGIN);
+        self.ownership.valid_until(valid_until);
         let mut keeper = None;
         let mut members: Option<WatchStream> = None;
         let mut services: Option<WatchStream> = None;
@@ -194,7 +201,10 @@ impl Replica {
             }
             tokio::select! {
                 _ = renew.tick() => match self.renew(client, id, &mut keeper).await {
-                    Ok(Some(until)) => valid_until = until,
+                    Ok(Some(until)) => {
+                        valid_until = until;
+                        self.ownership.valid_until(until);
+                    }
                     Ok(None) => return "the lease expired".into(),
                     Err(e) => {
                         tracing::warn!(error = %e, "lease renewal failed");
@@ -202,10 +212,14 @@ impl Replica {
                     }
                 },
                 m = next(&mut services) => match m {
+                    // A watch etcd cancelled (compacted past it) is made again, and
+                    // the services read again.
+                    Ok(Some(resp)) if resp.canceled() => services = None,
                     Ok(Some(resp)) => self.follow_events(&prefix, &resp),
                     Ok(None) | Err(_) => services = None,
                 },
                 m = next(&mut members) => match m {
+                    Ok(Some(resp)) if resp.canceled() => members = None,
                     Ok(Some(_)) => {
                         if let Err(e) = self.reconcile(client, id).await {
                             tracing::warn!(error = %e, "cluster reconcile failed");
@@ -226,6 +240,66 @@ impl Replica {
                 );
             }
         }
+    }
+
+    /// Checks that this replica hashes services as the cluster does, and puts its
+    /// member key under lease `id`, refusing a name another live process holds.
+    async fn join(
+        &self,
+        client: &mut Client,
+        id: i64,
+        prefix: &str,
+        me: &str,
+    ) -> Result<(), String> {
+        let config = format!("{}config", cluster_prefix(prefix, &self.cluster));
+        let buckets = self.ownership.buckets().to_string();
+        let txn = Txn::new()
+            .when(vec![Compare::create_revision(
+                config.clone(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then(vec![TxnOp::put(config.clone(), buckets.clone(), None)])
+            .or_else(vec![TxnOp::get(config, None)]);
+        let resp = self.bounded("cluster settings", client.txn(txn)).await?;
+        if !resp.succeeded() {
+            let theirs = resp.op_responses().into_iter().find_map(|r| match r {
+                etcd_client::TxnOpResponse::Get(g) => g
+                    .kvs()
+                    .first()
+                    .and_then(|kv| kv.value_str().ok().map(str::to_string)),
+                _ => None,
+            });
+            if theirs.as_deref() != Some(buckets.as_str()) {
+                return Err(format!(
+                    "this replica has buckets = {buckets}, and cluster {} has {}: every \
+                     replica must hash services the same way, or two would own one",
+                    self.cluster,
+                    theirs.unwrap_or_else(|| "an unreadable setting".into())
+                ));
+            }
+        }
+        let key = member_key(prefix, &self.cluster, me);
+        let txn = Txn::new()
+            .when(vec![Compare::create_revision(
+                key.clone(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then(vec![TxnOp::put(
+                key,
+                self.advertise.clone(),
+                Some(PutOptions::new().with_lease(id)),
+            )]);
+        let resp = self.bounded("member key", client.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Err(format!(
+                "the replica name {me:?} is held by another live member of cluster {} (or \
+                 by this replica's previous run, until its lease lapses)",
+                self.cluster
+            ));
+        }
+        Ok(())
     }
 
     /// Watches of the cluster's keys and of every stored service.
@@ -338,10 +412,22 @@ impl Replica {
         Ok(view)
     }
 
-    /// Brings what this replica holds in line with what it should: claims the absent
-    /// buckets rendezvous hashing gives it, resigns those it should no longer hold,
-    /// and notes those another holds.
+    /// Brings what this replica holds in line with what it should (see
+    /// [`Replica::reconcile_pass`]), then lets go of whatever it balances but does not
+    /// own, however the pass ended.
     async fn reconcile(&self, client: &mut Client, lease: i64) -> Result<(), String> {
+        let outcome = self.reconcile_pass(client, lease).await;
+        self.sweep();
+        self.state
+            .metrics
+            .cluster_buckets_owned
+            .set(i64::try_from(self.ownership.owned()).unwrap_or(i64::MAX));
+        outcome
+    }
+
+    /// Claims the absent buckets rendezvous hashing gives this replica, resigns those
+    /// it should no longer hold, and notes those another holds.
+    async fn reconcile_pass(&self, client: &mut Client, lease: i64) -> Result<(), String> {
         let view = self.view(client).await?;
         let me = self.ownership.replica().to_string();
         let prefix = self.store.prefix().to_string();
@@ -430,16 +516,27 @@ impl Replica {
             }
         }
         if !lost.is_empty() {
-            let gone = self.let_go(&lost);
+            let gone = self.sweep();
             tracing::info!(buckets = ?lost, services = gone, "buckets given up");
         }
         if !claimed.is_empty() {
-            self.take_over(&claimed).await?;
+            if let Err(e) = self.take_over(&claimed).await {
+                // Not held half-taken: given back, for this or another replica to
+                // claim again.
+                for (b, rev) in &claimed {
+                    let key = owner_key(&prefix, &self.cluster, *b);
+                    let txn = Txn::new()
+                        .when(vec![Compare::create_revision(
+                            key.clone(),
+                            CompareOp::Equal,
+                            *rev,
+                        )])
+                        .and_then(vec![TxnOp::delete(key, None)]);
+                    let _ = self.bounded("release", client.txn(txn)).await;
+                }
+                return Err(format!("taking buckets over: {e}"));
+            }
         }
-        self.state
-            .metrics
-            .cluster_buckets_owned
-            .set(i64::try_from(self.ownership.owned()).unwrap_or(i64::MAX));
         Ok(())
     }
 
@@ -473,18 +570,6 @@ impl Replica {
     fn follow(&self, mut stored: BTreeMap<String, ballast_balance::ServiceSnapshot>) {
         stored.retain(|name, _| !self.ownership.owns(name));
         self.state.follow(&stored);
-    }
-
-    /// Lets go of the services of `buckets`; their agents are closed by ingest, which
-    /// watches the losses. Returns how many services went.
-    fn let_go(&self, buckets: &[u32]) -> usize {
-        if buckets.is_empty() {
-            return 0;
-        }
-        let set: BTreeSet<u32> = buckets.iter().copied().collect();
-        self.state
-            .hand_over(|service| set.contains(&self.ownership.bucket(service)))
-            .len()
     }
 }
 

@@ -18,6 +18,7 @@ pub mod etcd;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 /// FNV-1a over `bytes`: stable across replicas, platforms and releases, unlike the
 /// standard library's hasher, since every replica must put a service in the same
@@ -88,6 +89,13 @@ pub struct Ownership {
     lost: tokio::sync::watch::Sender<u64>,
     /// Buckets taken over since start.
     takeovers: AtomicU64,
+    /// What [`Ownership::valid_until`] counts from.
+    base: Instant,
+    /// Until when, in milliseconds from `base`, the lease is known to be valid (its
+    /// last acknowledged renewal, less a margin). Past it every fence reads as gone,
+    /// whatever the cluster task is doing, so that nothing is written or accepted
+    /// once etcd may have handed the buckets on.
+    valid_until_ms: AtomicU64,
 }
 
 impl Ownership {
@@ -100,7 +108,23 @@ impl Ownership {
             owners: RwLock::new(vec![None; n]),
             lost: tokio::sync::watch::channel(0).0,
             takeovers: AtomicU64::new(0),
+            base: Instant::now(),
+            valid_until_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Records that the lease is known valid until `until`.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn valid_until(&self, until: Instant) {
+        let ms = until.saturating_duration_since(self.base).as_millis();
+        self.valid_until_ms
+            .store(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    /// Whether the lease may have lapsed: past the last known validity.
+    fn expired(&self) -> bool {
+        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        now >= self.valid_until_ms.load(Ordering::Acquire)
     }
 
     /// This replica's name.
@@ -122,10 +146,11 @@ impl Ownership {
         self.fences.get(usize::try_from(bucket).ok()?)
     }
 
-    /// The fencing revision under which this replica owns `bucket`, if it does.
+    /// The fencing revision under which this replica owns `bucket`, if it does (and
+    /// its lease is not past its known validity).
     pub fn fence(&self, bucket: u32) -> Option<i64> {
         let rev = self.slot(bucket)?.load(Ordering::Acquire);
-        (rev > 0).then_some(rev)
+        (rev > 0 && !self.expired()).then_some(rev)
     }
 
     /// Whether this replica owns `service` now.
@@ -135,9 +160,8 @@ impl Ownership {
 
     /// How many buckets this replica owns now.
     pub fn owned(&self) -> usize {
-        self.fences
-            .iter()
-            .filter(|f| f.load(Ordering::Acquire) > 0)
+        (0..self.buckets())
+            .filter(|b| self.fence(*b).is_some())
             .count()
     }
 
@@ -173,7 +197,7 @@ impl Ownership {
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn lose_all(&self) -> Vec<u32> {
         let held: Vec<u32> = (0..self.buckets())
-            .filter(|b| self.fence(*b).is_some())
+            .filter(|b| self.slot(*b).is_some_and(|s| s.load(Ordering::Acquire) > 0))
             .collect();
         for b in &held {
             self.lost(*b);
@@ -268,11 +292,16 @@ mod tests {
         let o = Ownership::new("r1", 8);
         let b = o.bucket("api");
         assert!(!o.owns("api"));
+        o.valid_until(Instant::now() + std::time::Duration::from_secs(60));
         let losses = o.watch_losses();
         assert!(o.gained(b, 42));
         assert!(!o.gained(b, 42), "the same claim is not a new takeover");
         assert_eq!(o.fence(b), Some(42));
         assert!(o.owns("api") && o.owned() == 1 && o.takeovers() == 1);
+        // Past the lease's known validity nothing is owned, whatever was claimed.
+        o.valid_until(Instant::now());
+        assert!(!o.owns("api") && o.fence(b).is_none());
+        o.valid_until(Instant::now() + std::time::Duration::from_secs(60));
         assert_eq!(o.lose_all(), vec![b]);
         assert!(!o.owns("api"));
         assert!(losses.has_changed().unwrap_or(false));

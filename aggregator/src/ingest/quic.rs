@@ -192,6 +192,8 @@ async fn handle(
             Err(e) => return Err(fault(conn, state, &session, &e)),
         }
     };
+    // Subscribed before ownership is checked, so that a loss after the check is seen.
+    let mut losses = state.ownership.as_ref().map(|o| o.watch_losses());
     let not_owner = state
         .ownership
         .as_ref()
@@ -241,7 +243,6 @@ async fn handle(
     let mut watching = true;
     // A cluster replica that loses the service closes the connection, so that the
     // agent goes on to the replica that took it over.
-    let mut losses = state.ownership.as_ref().map(|o| o.watch_losses());
     loop {
         let bytes = tokio::select! {
             read = conn.read_datagram() => match read {
@@ -499,6 +500,19 @@ fn refusal(e: BalanceError) -> Answer {
 fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
     let now = state.clock.now();
     let mut balancer = state.balancer();
+    // Checked under the balancer's lock: a cluster replica lets go of a service (under
+    // the same lock) only after it stopped owning it, so a registration that passes
+    // here is swept with the service, and none can bring a lost service back.
+    let not_owner = || {
+        (!state.balances(&hello.service)).then(|| {
+            let detail = state
+                .ownership
+                .as_ref()
+                .map(|o| o.refusal(&hello.service))
+                .unwrap_or_default();
+            Answer::Refused(RejectReason::NotOwner, detail)
+        })
+    };
     let register = |b: &mut ballast_balance::Balancer| {
         b.register(
             now,
@@ -509,9 +523,12 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
         )
     };
     match ask {
-        Ask::Register => match register(&mut balancer) {
-            Ok(()) => Answer::Registered,
-            Err(e) => refusal(e),
+        Ask::Register => match not_owner() {
+            Some(refused) => refused,
+            None => match register(&mut balancer) {
+                Ok(()) => Answer::Registered,
+                Err(e) => refusal(e),
+            },
         },
         Ask::Report(report) => {
             match balancer.observe(now, &hello.service, &hello.node, observation(report)) {
@@ -544,9 +561,12 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
                 }
                 // Forgotten while connected (a long stall, or another node took its
                 // address): registered again if it still may be, else refused.
-                Err(BalanceError::UnknownEndpoint { .. }) => match register(&mut balancer) {
-                    Ok(()) => Answer::Reregistered,
-                    Err(e) => refusal(e),
+                Err(BalanceError::UnknownEndpoint { .. }) => match not_owner() {
+                    Some(refused) => refused,
+                    None => match register(&mut balancer) {
+                        Ok(()) => Answer::Reregistered,
+                        Err(e) => refusal(e),
+                    },
                 },
                 // Reports never create anything, so no limit can refuse one; an
                 // unknown service is one removed since the hello.

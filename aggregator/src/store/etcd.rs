@@ -119,14 +119,19 @@ fn newer_in_store(
         .collect()
 }
 
+/// Services and their encoded values, as one write carries them.
+type Batch = Vec<(String, Vec<u8>)>;
+/// The fencing revision of each bucket a write touches, as taken when it was made.
+type Fences = BTreeMap<u32, i64>;
+
 /// Splits a batch into transactions etcd accepts: at most [`MAX_TXN_OPS`] puts and,
 /// unless one value alone is larger, at most [`MAX_TXN_BYTES`] of values each.
-fn txn_chunks(batch: &[(String, Vec<u8>)]) -> Vec<&[(String, Vec<u8>)]> {
+fn txn_chunks(batch: &[(String, Vec<u8>)], max_ops: usize) -> Vec<&[(String, Vec<u8>)]> {
     let mut chunks = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (i, (service, value)) in batch.iter().enumerate() {
         let size = service.len() + value.len();
-        if i > start && (i - start == MAX_TXN_OPS || bytes + size > MAX_TXN_BYTES) {
+        if i > start && (i - start == max_ops || bytes + size > MAX_TXN_BYTES) {
             chunks.push(&batch[start..i]);
             (start, bytes) = (i, 0);
         }
@@ -310,6 +315,11 @@ struct Ledger {
     too_large: BTreeMap<String, usize>,
     /// Values refused for their size since the last [`Ledger::take_refused`].
     refused: u64,
+    /// The mod revision of each service's key as this store last wrote or read it: a
+    /// write is made only if the key is still at that revision (or still absent, for
+    /// a service not in it), so that a write which timed out but reaches etcd later
+    /// cannot land over a newer one.
+    revisions: HashMap<String, i64>,
 }
 
 impl Default for Ledger {
@@ -327,6 +337,7 @@ impl Ledger {
             max_entry_bytes,
             too_large: BTreeMap::new(),
             refused: 0,
+            revisions: HashMap::new(),
         }
     }
 
@@ -379,6 +390,14 @@ impl Ledger {
                 self.pending.remove(service);
             }
             self.written.insert(service.clone(), value.clone());
+        }
+    }
+
+    /// Records that `batch` is in etcd, put by a transaction at `revision`.
+    fn committed_at(&mut self, batch: &[(String, Vec<u8>)], revision: i64) {
+        self.committed(batch);
+        for (service, _) in batch {
+            self.revisions.insert(service.clone(), revision);
         }
     }
 
@@ -634,11 +653,34 @@ impl EtcdStore {
         let _writer = self.writer.lock().await;
         // The ledger's guard must be gone before `owned`, which takes it again.
         let batch = self.ledger().batch();
-        let batch = self.owned(batch);
-        for chunk in txn_chunks(&batch) {
-            match self.txn(chunk).await {
-                Ok(true) => self.ledger().committed(chunk),
-                Ok(false) => self.fenced_out(chunk),
+        let (batch, fences) = self.owned(batch);
+        // A transaction compares each key's revision, and in a cluster each bucket's
+        // owner key: at most 64 of each, within etcd's 128 compares.
+        let max_ops = match self.fence {
+            Some(_) => MAX_TXN_OPS / 2,
+            None => MAX_TXN_OPS,
+        };
+        for chunk in txn_chunks(&batch, max_ops) {
+            let mut outcome = self.txn(chunk, &fences).await;
+            if let Ok(None) = outcome {
+                // A key moved since this store last saw it (a write that timed out
+                // landed after all, or the store was written by another): learn where
+                // the keys are now and try once more.
+                if let Err(error) = self.refresh(chunk).await {
+                    return Err(self.failed(error));
+                }
+                outcome = self.txn(chunk, &fences).await;
+            }
+            match outcome {
+                Ok(Some(revision)) => self.ledger().committed_at(chunk, revision),
+                Ok(None) if self.fence.is_some() => self.fenced_out(chunk, &fences),
+                Ok(None) => {
+                    return Err(self.failed(
+                        "a write was refused twice because the service's key changed \
+                         under it: another writer shares this prefix"
+                            .into(),
+                    ))
+                }
                 Err(error) => return Err(self.failed(error)),
             }
         }
@@ -652,24 +694,67 @@ impl EtcdStore {
         Ok(batch.len())
     }
 
-    /// The part of `batch` this store may write: all of it, except in a cluster,
-    /// where a service another replica owns is left out, and dropped from the pending
-    /// writes, since its owner writes it now.
-    fn owned(&self, batch: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+    /// The part of `batch` this store may write, with the fencing revision of each
+    /// bucket it touches as of now: all of it, except in a cluster, where a service
+    /// another replica owns is left out, and dropped from the pending writes, since
+    /// its owner writes it now. The revisions are taken once, here, so that a bucket
+    /// lost and claimed again during the write cannot carry values of the earlier
+    /// ownership.
+    fn owned(&self, batch: Batch) -> (Batch, Fences) {
         let Some(fence) = &self.fence else {
-            return batch;
+            return (batch, BTreeMap::new());
         };
-        let (ours, theirs): (Vec<_>, Vec<_>) = batch
-            .into_iter()
-            .partition(|(service, _)| fence.ownership.owns(service));
+        let mut fences = BTreeMap::new();
+        let (ours, theirs): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(service, _)| {
+            let b = fence.ownership.bucket(service);
+            match fence.ownership.fence(b) {
+                Some(rev) => {
+                    fences.insert(b, rev);
+                    true
+                }
+                None => false,
+            }
+        });
         if !theirs.is_empty() {
-            self.fenced_out(&theirs);
+            self.drop_pending(&theirs);
         }
-        ours
+        (ours, fences)
+    }
+
+    /// In a cluster, forgets the pending values of every service this replica does not
+    /// own now: a bucket given up must not be written later from what was pending, if
+    /// it comes back, since its new owner wrote it meanwhile.
+    pub(crate) fn drop_unowned_pending(&self) {
+        let Some(fence) = &self.fence else {
+            return;
+        };
+        self.ledger()
+            .pending
+            .retain(|service, _| fence.ownership.owns(service));
+    }
+
+    /// After a fence failed: the services of buckets still held under the same claim
+    /// stay pending (another bucket of the chunk failed it); the others are dropped.
+    fn fenced_out(&self, chunk: &[(String, Vec<u8>)], fences: &BTreeMap<u32, i64>) {
+        let Some(fence) = &self.fence else {
+            return;
+        };
+        let gone: Vec<(String, Vec<u8>)> = chunk
+            .iter()
+            .filter(|(service, _)| {
+                let b = fence.ownership.bucket(service);
+                fence.ownership.fence(b) != fences.get(&b).copied()
+            })
+            .cloned()
+            .collect();
+        self.drop_pending(&gone);
     }
 
     /// Drops what another replica now writes, and counts it.
-    fn fenced_out(&self, values: &[(String, Vec<u8>)]) {
+    fn drop_pending(&self, values: &[(String, Vec<u8>)]) {
+        if values.is_empty() {
+            return;
+        }
         let mut ledger = self.ledger();
         for (service, _) in values {
             ledger.pending.remove(service);
@@ -683,31 +768,46 @@ impl EtcdStore {
         );
     }
 
-    /// The fencing compares of `chunk`: in a cluster, that this replica's owner key
-    /// of each bucket the chunk touches is still the one it created.
-    fn fences(&self, chunk: &[(String, Vec<u8>)]) -> Vec<Compare> {
-        let Some(fence) = &self.fence else {
-            return Vec::new();
+    /// The compares of `chunk`: each key still at the revision this store last saw
+    /// (or still absent), and in a cluster each touched bucket's owner key still the
+    /// one this replica's claim created, at the revision `fences` took.
+    fn compares(&self, chunk: &[(String, Vec<u8>)], fences: &BTreeMap<u32, i64>) -> Vec<Compare> {
+        let mut compares: Vec<Compare> = {
+            let ledger = self.ledger();
+            chunk
+                .iter()
+                .map(|(service, _)| {
+                    let key = service_key(&self.prefix, service);
+                    match ledger.revisions.get(service) {
+                        Some(rev) => Compare::mod_revision(key, CompareOp::Equal, *rev),
+                        None => Compare::create_revision(key, CompareOp::Equal, 0),
+                    }
+                })
+                .collect()
         };
-        let buckets: std::collections::BTreeSet<u32> = chunk
-            .iter()
-            .map(|(service, _)| fence.ownership.bucket(service))
-            .collect();
-        buckets
-            .into_iter()
-            .map(|b| {
+        if let Some(fence) = &self.fence {
+            let buckets: std::collections::BTreeSet<u32> = chunk
+                .iter()
+                .map(|(service, _)| fence.ownership.bucket(service))
+                .collect();
+            for b in buckets {
                 let key = crate::cluster::owner_key(&self.prefix, &fence.cluster, b);
-                // A bucket let go of since `owned` looked compares against -1, which no
+                // A bucket `owned` did not see held compares against -1, which no
                 // key's create revision matches, present or absent.
-                let rev = fence.ownership.fence(b).unwrap_or(-1);
-                Compare::create_revision(key, CompareOp::Equal, rev)
-            })
-            .collect()
+                let rev = fences.get(&b).copied().unwrap_or(-1);
+                compares.push(Compare::create_revision(key, CompareOp::Equal, rev));
+            }
+        }
+        compares
     }
 
-    /// Puts `chunk` in one transaction. `Ok(false)`: a fence failed (in a cluster,
-    /// another replica owns one of its buckets now) and nothing was written.
-    async fn txn(&self, chunk: &[(String, Vec<u8>)]) -> Result<bool, String> {
+    /// Puts `chunk` in one transaction: `Some` with the revision it made, or `None`
+    /// when a compare failed and nothing was written.
+    async fn txn(
+        &self,
+        chunk: &[(String, Vec<u8>)],
+        fences: &BTreeMap<u32, i64>,
+    ) -> Result<Option<i64>, String> {
         let mut kv = self.kv().await?;
         let ops: Vec<TxnOp> = chunk
             .iter()
@@ -715,12 +815,38 @@ impl EtcdStore {
                 TxnOp::put(service_key(&self.prefix, service), value.clone(), None)
             })
             .collect();
-        let txn = Txn::new().when(self.fences(chunk)).and_then(ops);
+        let txn = Txn::new().when(self.compares(chunk, fences)).and_then(ops);
         let resp = tokio::time::timeout(self.request_timeout, kv.txn(txn))
             .await
             .map_err(|_| format!("write timed out after {:?}", self.request_timeout))?
             .map_err(|e| describe(&e))?;
-        Ok(resp.succeeded())
+        Ok(resp
+            .succeeded()
+            .then(|| resp.header().map_or(0, |h| h.revision())))
+    }
+
+    /// Learns the revision each key of `chunk` is at now.
+    async fn refresh(&self, chunk: &[(String, Vec<u8>)]) -> Result<(), String> {
+        let mut kv = self.kv().await?;
+        for (service, _) in chunk {
+            let resp = tokio::time::timeout(
+                self.request_timeout,
+                kv.get(service_key(&self.prefix, service), None),
+            )
+            .await
+            .map_err(|_| format!("read timed out after {:?}", self.request_timeout))?
+            .map_err(|e| describe(&e))?;
+            let mut ledger = self.ledger();
+            match resp.kvs().first() {
+                Some(kv) => {
+                    ledger.revisions.insert(service.clone(), kv.mod_revision());
+                }
+                None => {
+                    ledger.revisions.remove(service);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Records a failed call in the outage and says what to report.
@@ -738,8 +864,8 @@ impl EtcdStore {
         format!("etcd {}: {detail}", self.members())
     }
 
-    /// Every key and value under the services prefix.
-    async fn read_all(&self) -> Result<Vec<(String, Vec<u8>)>, String> {
+    /// Every key under the services prefix, with its value and mod revision.
+    async fn read_all(&self) -> Result<Vec<(String, Vec<u8>, i64)>, String> {
         let mut kv = self.kv().await?;
         let range = services_prefix(&self.prefix);
         let mut resp = tokio::time::timeout(
@@ -753,8 +879,9 @@ impl EtcdStore {
             .take_kvs()
             .into_iter()
             .map(|kv| {
+                let revision = kv.mod_revision();
                 let (key, value) = kv.into_key_value();
-                (String::from_utf8_lossy(&key).into_owned(), value)
+                (String::from_utf8_lossy(&key).into_owned(), value, revision)
             })
             .collect())
     }
@@ -766,7 +893,11 @@ impl EtcdStore {
         let entries = self.read_all().await?;
         let mut services = BTreeMap::new();
         let mut values = Vec::with_capacity(entries.len());
-        for (key, value) in entries {
+        let mut revisions = HashMap::with_capacity(entries.len());
+        for (key, value, revision) in entries {
+            if let Some(service) = service_from_key(&self.prefix, &key) {
+                revisions.insert(service.to_string(), revision);
+            }
             match decode_entry(&self.prefix, &key, &value) {
                 Ok((service, snapshot)) => {
                     services.insert(service.clone(), snapshot);
@@ -779,7 +910,11 @@ impl EtcdStore {
                 }
             }
         }
-        self.ledger().loaded(values);
+        {
+            let mut ledger = self.ledger();
+            ledger.loaded(values);
+            ledger.revisions = revisions;
+        }
         Ok(services)
     }
 
@@ -956,10 +1091,13 @@ mod tests {
         let small: Vec<(String, Vec<u8>)> = (0..300)
             .map(|i| (format!("s{i}"), vec![b'x'; 100]))
             .collect();
-        let sizes: Vec<usize> = txn_chunks(&small).iter().map(|c| c.len()).collect();
+        let sizes: Vec<usize> = txn_chunks(&small, MAX_TXN_OPS)
+            .iter()
+            .map(|c| c.len())
+            .collect();
         assert_eq!(sizes, [MAX_TXN_OPS, MAX_TXN_OPS, 300 - 2 * MAX_TXN_OPS]);
         assert_eq!(
-            txn_chunks(&small[..5]).len(),
+            txn_chunks(&small[..5], MAX_TXN_OPS).len(),
             1,
             "a cycle's batch is one txn"
         );
@@ -967,9 +1105,12 @@ mod tests {
             .map(|i| (format!("b{i}"), vec![b'x'; MAX_TXN_BYTES / 2 + 1]))
             .chain([("huge".to_string(), vec![b'x'; 2 * MAX_TXN_BYTES])])
             .collect();
-        let sizes: Vec<usize> = txn_chunks(&big).iter().map(|c| c.len()).collect();
+        let sizes: Vec<usize> = txn_chunks(&big, MAX_TXN_OPS)
+            .iter()
+            .map(|c| c.len())
+            .collect();
         assert_eq!(sizes, [1, 1, 1, 1]);
-        assert!(txn_chunks(&[]).is_empty());
+        assert!(txn_chunks(&[], MAX_TXN_OPS).is_empty());
     }
 
     #[test]
@@ -1170,6 +1311,7 @@ mod tests {
     fn a_cluster_replica_writes_only_its_own_services_each_fenced_by_its_bucket() {
         let dir = tempfile::tempdir().expect("dir");
         let ownership = Arc::new(Ownership::new("r1", 8));
+        ownership.valid_until(Instant::now() + Duration::from_secs(60));
         let (api, web) = (ownership.bucket("api"), ownership.bucket("web"));
         assert_ne!(api, web, "the test needs the two in different buckets");
         ownership.gained(api, 41);
@@ -1187,32 +1329,46 @@ mod tests {
             let mut ledger = store.ledger();
             ledger.absorb("api", value(1));
             ledger.absorb("web", value(1));
+            ledger.revisions.insert("api".into(), 7);
         }
         // "web" belongs to another replica: dropped from the writes and counted.
         let batch = store.ledger().batch();
-        let batch = store.owned(batch);
+        let (batch, fences) = store.owned(batch);
         assert_eq!(
             batch.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
             ["api"]
         );
+        assert_eq!(fences, [(api, 41)].into());
         assert!(!store.ledger().pending.contains_key("web"));
         assert_eq!(store.take_fenced(), 1);
-        // The write of "api" compares its bucket's owner key with the revision the
-        // claim created it at; a bucket let go of meanwhile compares with -1, which
-        // no key matches.
-        let compares = format!("{:?}", store.fences(&batch));
+        // The write of "api" compares its key with the revision last seen, and its
+        // bucket's owner key with the revision the claim created it at, as taken
+        // when the batch was made: a bucket lost meanwhile fails the write.
+        let compares = format!("{:?}", store.compares(&batch, &fences));
         let key = crate::cluster::owner_key("/t", "c", api);
         assert!(
-            compares.contains(&format!("{:?}", key.as_bytes())) && compares.contains("41"),
+            compares.contains(&format!("{:?}", key.as_bytes()))
+                && compares.contains("41")
+                && compares.contains("7"),
             "{compares}"
         );
-        ownership.lost(api);
-        let compares = format!("{:?}", store.fences(&batch));
+        let compares = format!("{:?}", store.compares(&batch, &BTreeMap::new()));
         assert!(compares.contains("-1"), "{compares}");
-        // A lone aggregator's writes carry no fence.
+        // A fence that failed drops only the services whose bucket changed hands.
+        store.ledger().absorb("api", value(2));
+        store.fenced_out(&batch, &fences);
+        assert!(store.ledger().pending.contains_key("api"), "still ours");
+        ownership.lost(api);
+        store.fenced_out(&batch, &fences);
+        assert!(!store.ledger().pending.contains_key("api"));
+        // A lone aggregator's writes compare only the keys' revisions.
         let lone = EtcdStore::open(&closed_port_config(), dir.path().join("c2.json"), None)
             .expect("opens");
-        assert!(lone.fences(&batch).is_empty());
+        let compares = format!("{:?}", lone.compares(&batch, &BTreeMap::new()));
+        assert!(
+            !compares.contains("-1") && !compares.contains("owners"),
+            "{compares}"
+        );
     }
 
     #[test]
