@@ -33,6 +33,18 @@ fn owner(etcd: &Etcd, service: &str) -> Option<String> {
     etcd.get(&owner_key(PREFIX, CLUSTER, bucket_of(service, BUCKETS)))
 }
 
+/// Waits until a replica other than `first` owns `service`, and names it.
+fn new_owner(etcd: &Etcd, service: &str, first: &str) -> String {
+    wait_for(
+        Duration::from_secs(20),
+        &format!("another owner of {service} than {first}"),
+        || match owner(etcd, service) {
+            Some(o) if o != first => Ok(o),
+            o => Err(format!("{o:?}")),
+        },
+    )
+}
+
 /// `service` as its owner last stored it.
 fn stored(etcd: &Etcd, service: &str) -> Option<ServiceSnapshot> {
     let value = etcd.get(&format!("{PREFIX}/services/{service}"))?;
@@ -192,14 +204,7 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
     let last = stored(&etcd, service).expect("stored");
     replicas[victim].kill();
     let killed = Instant::now();
-    let next = wait_for(
-        Duration::from_secs(20),
-        "a new owner of alpha",
-        || match owner(&etcd, service) {
-            Some(o) if o != first => Ok(o),
-            o => Err(format!("{o:?}")),
-        },
-    );
+    let next = new_owner(&etcd, service, &first);
     let took = killed.elapsed();
     // The lease lapses at most its time to live after the last renewal, which was
     // within a third of it before the kill; etcd sweeps expired leases every 500 ms,
@@ -388,14 +393,7 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
 
     // Frozen for longer than its lease: to the others it is dead.
     replicas[victim].pause();
-    let next = wait_for(
-        Duration::from_secs(20),
-        "another owner of beta",
-        || match owner(&etcd, service) {
-            Some(o) if o != first => Ok(o),
-            o => Err(format!("{o:?}")),
-        },
-    );
+    let next = new_owner(&etcd, service, &first);
     let taken = wait_for(
         Duration::from_secs(30),
         "beta written by its successor",

@@ -450,13 +450,7 @@ impl Replica {
                         if self.ownership.lost(b) {
                             lost.push(b);
                         }
-                        let txn = Txn::new()
-                            .when(vec![Compare::create_revision(
-                                key.clone(),
-                                CompareOp::Equal,
-                                *rev,
-                            )])
-                            .and_then(vec![TxnOp::delete(key, None)]);
+                        let txn = release(key, *rev);
                         self.bounded("resign", client.txn(txn)).await?;
                         tracing::info!(
                             bucket = b,
@@ -469,13 +463,7 @@ impl Replica {
                     if self.ownership.lost(b) {
                         lost.push(b);
                     }
-                    let txn = Txn::new()
-                        .when(vec![Compare::create_revision(
-                            key.clone(),
-                            CompareOp::Equal,
-                            *rev,
-                        )])
-                        .and_then(vec![TxnOp::delete(key, None)]);
+                    let txn = release(key, *rev);
                     self.bounded("release", client.txn(txn)).await?;
                 }
                 Some((owner, _, _)) => {
@@ -525,13 +513,7 @@ impl Replica {
                 // claim again.
                 for (b, rev) in &claimed {
                     let key = owner_key(&prefix, &self.cluster, *b);
-                    let txn = Txn::new()
-                        .when(vec![Compare::create_revision(
-                            key.clone(),
-                            CompareOp::Equal,
-                            *rev,
-                        )])
-                        .and_then(vec![TxnOp::delete(key, None)]);
+                    let txn = release(key, *rev);
                     let _ = self.bounded("release", client.txn(txn)).await;
                 }
                 return Err(format!("taking buckets over: {e}"));
@@ -571,6 +553,18 @@ impl Replica {
         stored.retain(|name, _| !self.ownership.owns(name));
         self.state.follow(&stored);
     }
+}
+
+/// Deletes owner key `key` if it is still the claim created at `rev`: a replica
+/// never deletes another's claim.
+fn release(key: String, rev: i64) -> Txn {
+    Txn::new()
+        .when(vec![Compare::create_revision(
+            key.clone(),
+            CompareOp::Equal,
+            rev,
+        )])
+        .and_then(vec![TxnOp::delete(key, None)])
 }
 
 /// The next message of `watch`; never, while there is no watch.
