@@ -60,7 +60,16 @@ pub struct Daemon {
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
     ends: crate::supervise::Ends,
+    /// As a cluster replica: the signal that hands the buckets on, and the task that
+    /// does it.
+    cluster: Option<(
+        tokio::sync::watch::Sender<bool>,
+        tokio::task::JoinHandle<()>,
+    )>,
 }
+
+/// How long shutdown waits for a cluster replica to give its buckets up.
+const CLUSTER_HANDOVER: Duration = Duration::from_secs(2);
 
 /// How long shutdown waits for the routing store to take the last publication, so that
 /// a restart resumes from the weights and version the feeds last served.
@@ -117,18 +126,19 @@ impl Daemon {
             .advertise
             .clone()
             .unwrap_or_else(|| daemon.quic_addr.to_string());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
         let member = crate::cluster::etcd::Replica::new(
             daemon.state.clone(),
             store,
             ownership,
             cluster,
             advertise,
+            stopped,
         );
         tracing::info!(%replica, cluster = %cluster.name, buckets = cluster.buckets,
             "serving as a cluster replica");
-        daemon
-            .tasks
-            .push(daemon.supervisor.spawn("cluster membership", member.run()));
+        let task = daemon.supervisor.spawn("cluster membership", member.run());
+        daemon.cluster = Some((stop, task));
         Ok(daemon)
     }
 
@@ -278,6 +288,7 @@ impl Daemon {
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
             ends,
+            cluster: None,
         })
     }
 
@@ -292,6 +303,14 @@ impl Daemon {
     /// Stops serving: agents see the connection close and will reconnect elsewhere.
     pub async fn shutdown(self) {
         self.supervisor.stop();
+        // A cluster replica hands its buckets on first (writes and agents stop, the
+        // lease is revoked), so that the others take them now, not a lease later.
+        if let Some((stop, task)) = self.cluster {
+            let _ = stop.send(true);
+            if tokio::time::timeout(CLUSTER_HANDOVER, task).await.is_err() {
+                tracing::warn!("the cluster's buckets were not handed on in time; they move when the lease lapses");
+            }
+        }
         self.endpoint
             .close(crate::ingest::quic::close::NORMAL.into(), b"shutting down");
         for t in &self.tasks {

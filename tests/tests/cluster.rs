@@ -523,4 +523,24 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
             },
         );
     }
+
+    // A replica stopped cleanly (SIGTERM) hands its buckets on at once: its lease is
+    // revoked, so the others claim them without waiting for it to lapse.
+    let stopping = Instant::now();
+    let (status, killed) = replicas[3].stop();
+    assert!(
+        status.success() && !killed,
+        "r3 did not stop cleanly: {status}"
+    );
+    wait_for(LEASE_TTL, "r3's buckets back with the other three", || {
+        let now = owners(&etcd);
+        (now == three).then_some(()).ok_or(format!(
+            "{} differ",
+            now.iter().filter(|(k, v)| three.get(*k) != Some(v)).count()
+        ))
+    });
+    eprintln!(
+        "clean stop: r3's buckets owned by the others {:?} after SIGTERM",
+        stopping.elapsed()
+    );
 }

@@ -49,6 +49,8 @@ pub(crate) struct Replica {
     cluster: String,
     advertise: String,
     lease_ttl_s: u32,
+    /// Turns true when the daemon shuts down: the replica hands its buckets on at once.
+    stop: tokio::sync::watch::Receiver<bool>,
 }
 
 /// What one reading of the cluster's keys says.
@@ -69,6 +71,7 @@ impl Replica {
         ownership: Arc<Ownership>,
         cfg: &ClusterConfig,
         advertise: String,
+        stop: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
         Replica {
             state,
@@ -77,6 +80,7 @@ impl Replica {
             cluster: cfg.name.clone(),
             advertise,
             lease_ttl_s: cfg.lease_ttl_s,
+            stop,
         }
     }
 
@@ -86,6 +90,14 @@ impl Replica {
         loop {
             let started = Instant::now();
             let (error, held_lease, (held, gone)) = self.session().await;
+            if *self.stop.borrow() {
+                tracing::info!(
+                    buckets = held,
+                    services = gone,
+                    "cluster replica stopping: its buckets are handed on"
+                );
+                return;
+            }
             if held_lease {
                 tracing::warn!(error = %error, buckets = held, services = gone,
                     "cluster session ended: this replica balances none of its services, \
@@ -183,7 +195,13 @@ impl Replica {
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut poll = tokio::time::interval(RECONCILE_EVERY);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut stop = self.stop.clone();
         loop {
+            if *stop.borrow_and_update() {
+                // The caller gives every bucket up and revokes the lease: the other
+                // replicas claim the buckets at once, not a TTL later.
+                return "shutting down".into();
+            }
             if members.is_none() || services.is_none() {
                 match self.watches(client, &prefix).await {
                     Ok((m, s)) => {
@@ -232,6 +250,7 @@ impl Replica {
                         tracing::warn!(error = %e, "cluster reconcile failed");
                     }
                 }
+                _ = stop.changed() => continue,
             }
             if Instant::now() >= valid_until {
                 return format!(
