@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{cpu_seconds, release_dir, status_mib};
+use common::{cpu_seconds, release_binary, status_mib};
 
 use ballast_shared::pki::Ca;
 use ballast_shared::wire::{self, Hello, Message, NodeState, Reply, Report};
@@ -24,16 +24,8 @@ use std::time::Duration;
 fn main() {
     let quick = std::env::args().any(|a| a == "quick");
     sizes();
-    let release = release_dir();
-    let agg = release.join("ballast-aggregator");
-    let agent = release.join("ballast-agent");
-    if !agg.exists() || !agent.exists() {
-        eprintln!(
-            "release binaries missing in {}: run `cargo build --release --bins` first",
-            release.display()
-        );
-        std::process::exit(1);
-    }
+    let agg = release_binary("ballast-aggregator");
+    let agent = release_binary("ballast-agent");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{cpu_seconds, release_dir, status_mib};
+use common::{cpu_seconds, release_binary, status_mib};
 
 use ballast_shared::pki::Ca;
 use ballast_shared::session::driver::{now, until};
@@ -60,14 +60,7 @@ fn main() {
         .find_map(|a| a.strip_prefix("max="))
         .map(|v| v.parse::<usize>().expect("max=N takes a number"))
         .unwrap_or(10_000);
-    let agg = release_dir().join("ballast-aggregator");
-    if !agg.exists() {
-        eprintln!(
-            "{} is missing: run `cargo build --release --bins` first",
-            agg.display()
-        );
-        std::process::exit(1);
-    }
+    let agg = release_binary("ballast-aggregator");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

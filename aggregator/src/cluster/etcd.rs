@@ -299,17 +299,7 @@ impl Replica {
             }
         }
         let key = member_key(prefix, &self.cluster, me);
-        let txn = Txn::new()
-            .when(vec![Compare::create_revision(
-                key.clone(),
-                CompareOp::Equal,
-                0,
-            )])
-            .and_then(vec![TxnOp::put(
-                key,
-                self.advertise.clone(),
-                Some(PutOptions::new().with_lease(id)),
-            )]);
+        let txn = create(key, self.advertise.clone(), id);
         let resp = self.bounded("member key", client.txn(txn)).await?;
         if !resp.succeeded() {
             return Err(format!(
@@ -500,17 +490,7 @@ impl Replica {
                     }
                     self.ownership.set_owner_address(b, None);
                     if want {
-                        let txn = Txn::new()
-                            .when(vec![Compare::create_revision(
-                                key.clone(),
-                                CompareOp::Equal,
-                                0,
-                            )])
-                            .and_then(vec![TxnOp::put(
-                                key,
-                                me.clone(),
-                                Some(PutOptions::new().with_lease(lease)),
-                            )]);
+                        let txn = create(key, me.clone(), lease);
                         let resp = self.bounded("claim", client.txn(txn)).await?;
                         if resp.succeeded() {
                             let rev = resp.header().map_or(0, |h| h.revision());
@@ -572,6 +552,22 @@ impl Replica {
         stored.retain(|name, _| !self.ownership.owns(name));
         self.state.follow(&stored);
     }
+}
+
+/// Creates `key` with `value` under `lease` if it is absent: a claim of a bucket, or
+/// of a replica's name.
+fn create(key: String, value: String, lease: i64) -> Txn {
+    Txn::new()
+        .when(vec![Compare::create_revision(
+            key.clone(),
+            CompareOp::Equal,
+            0,
+        )])
+        .and_then(vec![TxnOp::put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        )])
 }
 
 /// Deletes owner key `key` if it is still the claim created at `rev`: a replica

@@ -12,6 +12,19 @@ pub(crate) fn release_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("target/release"))
 }
 
+/// The release binary `name`, or an exit with what to build first.
+pub(crate) fn release_binary(name: &str) -> PathBuf {
+    let path = release_dir().join(name);
+    if !path.exists() {
+        eprintln!(
+            "{} is missing: run `cargo build --release --bins` first",
+            path.display()
+        );
+        std::process::exit(1);
+    }
+    path
+}
+
 /// CPU seconds a process has used, summed over its threads from the scheduler's
 /// nanosecond account (`/proc/PID/task/*/schedstat`): the 10 ms ticks of
 /// `/proc/PID/stat` are too coarse for an agent that uses about a millisecond per
