@@ -1,6 +1,7 @@
 //! Scenario: an operator at the agent's CLI.
 //!
-//! - `sample --json` measures once without a daemon and prints finite figures;
+//! - `sample --json` measures once without a daemon and prints finite figures, the
+//!   host's CPU at least the core this test keeps busy meanwhile;
 //! - `check` validates flags and TLS files;
 //! - `status` talks to the running daemon over its control socket;
 //! - `drain` gets the node weight 0 within two cycles, the daemon learns the drain was
@@ -26,11 +27,29 @@ fn finite(v: &serde_json::Value, key: &str) -> f64 {
 
 #[test]
 fn sample_and_check_need_no_daemon() {
-    // Host CPU only.
+    // Host CPU only, while a thread of this test keeps one core busy: the sample must
+    // see at least half of that core, so that a sampler stuck at 0 fails.
+    let cores = std::fs::read_to_string("/proc/stat")
+        .expect("/proc/stat")
+        .lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .count();
+    assert!(cores > 0, "/proc/stat lists no CPU");
+    let spinning = std::sync::atomic::AtomicBool::new(true);
     let mut cmd = command(AGENT_BIN);
     cmd.args(["sample", "--json", "--window", "0.2", "--cpu", "host"]);
     let started = Instant::now();
-    let out = run_bounded(cmd, Duration::from_secs(20));
+    let out = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut x = 0u64;
+            while spinning.load(std::sync::atomic::Ordering::Relaxed) {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+            }
+        });
+        let out = run_bounded(cmd, Duration::from_secs(20));
+        spinning.store(false, std::sync::atomic::Ordering::Relaxed);
+        out
+    });
     assert!(out.status.success(), "sample failed: {out:?}");
     assert!(
         started.elapsed() >= Duration::from_millis(200),
@@ -40,7 +59,10 @@ fn sample_and_check_need_no_daemon() {
         .unwrap_or_else(|e| panic!("sample --json printed no JSON: {e}: {}", stdout(&out)));
     let cpu = finite(&v, "cpu");
     let load = finite(&v, "load");
-    assert!(cpu >= 0.0 && load >= cpu - 1e-9, "{v}");
+    assert!(
+        cpu >= 0.5 / cores as f64 && load >= cpu - 1e-9,
+        "host CPU {cpu:.3} while one of {cores} cores was kept busy: {v}"
+    );
 
     // Host CPU and the synthetic in-flight model: load = max(cpu, inflight/capacity).
     let mut cmd = command(AGENT_BIN);

@@ -28,7 +28,9 @@
 //! Two more tests take HAProxy's cap on a server's weight (256):
 //! - a fleet whose fastest node earns a weight above 2.56 × the mean: HAProxy holds it
 //!   at 256 while its agent asks for more, and the requests split by HAProxy's capped
-//!   weights, visibly short of the aggregator's;
+//!   weights, visibly short of the aggregator's; then that agent is killed, and HAProxy,
+//!   failing to reach it, keeps the server up at its last weight and the split as it
+//!   was;
 //! - the worked example of `docs/feeds.md`: each row's percentage, set on a real
 //!   HAProxy with the configured weights 100 and 25, gives the weights and the shares
 //!   of requests the table says.
@@ -660,9 +662,10 @@ const CAPPED_SPEEDS: [f64; 4] = [1.0, 1.0, 1.0, 9.0];
 #[test]
 fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
     require_haproxy();
-    let fleet = Fleet::start(&CAPPED_SPEEDS);
-    let (agg, nodes, hap) = (&fleet.agg, &fleet.nodes, &fleet.hap);
-    let fast = &nodes[CAPPED_SPEEDS.len() - 1];
+    let mut fleet = Fleet::start(&CAPPED_SPEEDS);
+    let fast_node = fleet.nodes[CAPPED_SPEEDS.len() - 1].clone();
+    let fast = &fast_node;
+    let (agg, hap) = (&fleet.agg, &fleet.hap);
 
     // Converged, with the fast node's percentage well above the cap, and HAProxy
     // holding it at 256 while the others follow their agents.
@@ -744,6 +747,55 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
         uncapped - got >= (uncapped - capped) / 2.0,
         "{fast} got {got:.3} of the requests: its uncapped share ({uncapped:.3}), not the \
          capped one ({capped:.3})"
+    );
+
+    // The fast node's agent dies (SIGKILL) while it is not draining. HAProxy does not
+    // count an agent it cannot reach as an error (docs/feeds.md): the server stays up,
+    // with the last weight its agent gave, and keeps its share of the requests. The
+    // aggregator, missing one node of four, holds the other weights meanwhile.
+    fleet.agents[CAPPED_SPEEDS.len() - 1].kill();
+    let (agg, hap) = (&fleet.agg, &fleet.hap);
+    let agent_fails = || -> Result<String, String> {
+        let status = hap.stat_column("agent_status")?;
+        match status.get(fast.as_str()) {
+            Some(s) if s.starts_with("L4") => Ok(s.clone()),
+            other => Err(format!("{fast}'s agent check: {other:?}")),
+        }
+    };
+    let failed = wait_for(
+        Duration::from_secs(10),
+        "HAProxy to find the fast node's agent gone",
+        agent_fails,
+    );
+    let r = round(agg, hap, REQUESTS);
+    let (table, _, worst_hap) = r.compare();
+    eprintln!(
+        "with {fast}'s agent dead ({failed}): {} requests in {:.1} s\n{table}",
+        r.sent, r.seconds
+    );
+    assert_eq!(
+        r.sent, REQUESTS,
+        "only {} requests within {ROUND_LIMIT:?}",
+        r.sent
+    );
+    assert!(r.errors.is_empty(), "failed requests: {:?}", r.errors);
+    // Throughout the round HAProxy went on trying the agent, and failing.
+    let still = agent_fails().unwrap_or_else(|e| panic!("after the round: {e}"));
+    let s = hap.show_servers_state();
+    assert!(
+        s[fast.as_str()].ready() && s[fast.as_str()].uweight == HAPROXY_MAX_WEIGHT,
+        "{fast} with its agent dead ({still}): {:?}",
+        s[fast.as_str()]
+    );
+    assert!(
+        worst_hap <= CAPPED_TOLERANCE,
+        "with its agent dead, the split is off HAProxy's weights by {worst_hap:.3}:\n{table}"
+    );
+    let total: u32 = r.counts.values().sum();
+    let got_dead = f64::from(r.counts.get(fast).copied().unwrap_or(0)) / f64::from(total);
+    assert!(
+        (got_dead - capped).abs() <= CAPPED_TOLERANCE,
+        "{fast} got {got_dead:.3} of the requests with its agent dead, {capped:.3} before"
     );
 }
 

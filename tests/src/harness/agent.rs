@@ -333,6 +333,11 @@ impl Agent {
             .terminate(grace)
     }
 
+    /// SIGKILL: the agent dies without a word to anyone. Returns its exit status.
+    pub fn kill(&mut self) -> ExitStatus {
+        self.proc.take().expect("the agent is not running").kill()
+    }
+
     /// The end of its log.
     pub fn log_tail(&self, lines: usize) -> String {
         self.proc

@@ -268,6 +268,12 @@ impl Haproxy {
             .unwrap_or_else(|e| panic!("show servers state: {e}"))
     }
 
+    /// One column of `show stat` (such as `agent_status`) for every server, by server
+    /// name; the frontend's and the backend's own rows are left out.
+    pub fn stat_column(&self, column: &str) -> Result<BTreeMap<String, String>, String> {
+        parse_stat_column(&self.try_command("show stat")?, column)
+    }
+
     /// The weights in force (`srv_uweight`) by server name.
     pub fn weights(&self) -> BTreeMap<String, u32> {
         self.show_servers_state()
@@ -352,6 +358,35 @@ fn wait_ready(proc: &mut Proc, frontend: SocketAddr, admin: &Path) -> Result<(),
     }
 }
 
+/// One column of `show stat`'s CSV for every server row, by server name. Fails when
+/// the header has no such column or a row is short of it.
+pub fn parse_stat_column(text: &str, column: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    let header = lines
+        .next()
+        .and_then(|h| h.strip_prefix("# "))
+        .ok_or_else(|| format!("show stat: no header in {text:?}"))?;
+    let names: Vec<&str> = header.split(',').collect();
+    let col = |name: &str| {
+        names
+            .iter()
+            .position(|n| *n == name)
+            .ok_or_else(|| format!("show stat: no column {name} in {header:?}"))
+    };
+    let (sv, want) = (col("svname")?, col(column)?);
+    let mut out = BTreeMap::new();
+    for line in lines {
+        let cells: Vec<&str> = line.split(',').collect();
+        let (Some(name), Some(value)) = (cells.get(sv), cells.get(want)) else {
+            return Err(format!("show stat: a short row {line:?}"));
+        };
+        if *name != "FRONTEND" && *name != "BACKEND" {
+            out.insert(name.to_string(), value.to_string());
+        }
+    }
+    Ok(out)
+}
+
 /// Sends one command to a runtime-API socket and reads the answer to its end.
 pub fn admin_command(socket: &Path, cmd: &str) -> Result<String, String> {
     let what = format!("HAProxy runtime API {} `{cmd}`", socket.display());
@@ -430,5 +465,23 @@ mod tests {
         assert!(s["s2"].ready());
         assert_eq!(s["s2"].columns["srv_agent_port"], "18092");
         assert!(parse_servers_state("2\n# x\n").is_err());
+    }
+
+    #[test]
+    fn parses_a_column_of_show_stat() {
+        // The head of HAProxy 2.6's CSV, cut short: a frontend, two servers (one whose
+        // agent cannot be reached), the backend.
+        let text = "# pxname,svname,qcur,status,agent_status,agent_code\n\
+            fe,FRONTEND,,OPEN,,\n\
+            be,s1,0,UP,L7OK,\n\
+            be,s2,0,UP,L4CON,\n\
+            be,BACKEND,0,UP,,\n\n";
+        let c = parse_stat_column(text, "agent_status").expect("parses");
+        assert_eq!(c.len(), 2);
+        assert_eq!(c["s1"], "L7OK");
+        assert_eq!(c["s2"], "L4CON");
+        assert!(parse_stat_column(text, "no_such_column").is_err());
+        assert!(parse_stat_column("be,s1\n", "svname").is_err());
+        assert!(parse_stat_column("# pxname,svname,x\nbe,s1\n", "x").is_err());
     }
 }
