@@ -19,7 +19,8 @@
 //!    `/healthz` names the store's error, and after healing etcd holds the version the
 //!    API serves. An `etcdctl watch` sees every write once, in increasing versions.
 //! 5. **SIGKILL, repeatedly.** The aggregator is killed 20 times at random moments of
-//!    its cycles under a reporting fleet. After each restart the store file is whole,
+//!    its cycles under a reporting fleet, each time once it has written a newer version
+//!    than it restored. After each restart the store file is whole,
 //!    the restored weights are those of a version it held, and no endpoint that was
 //!    serving restarts from the cold-start weight.
 //!
@@ -326,26 +327,45 @@ fn repeated_sigkill_never_tears_the_store_or_resets_a_weight() {
         converged(&agg, SERVICE, 8, 1.1).map(|_| ())
     });
     let cold = ballast_balance::Params::default().cold_start_weight;
-    // A fixed sequence of kill moments, spread over a cycle and more.
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-    for kill in 0..KILLS {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        let wait = Duration::from_millis(200 + (seed >> 33) % 700);
-        std::thread::sleep(wait);
-        agg.kill();
+    // The store as it is: its version of the service and each endpoint's weight.
+    let read_store = |agg: &Aggregator, kill: usize| -> (u64, Vec<(String, f64)>) {
         let text = std::fs::read_to_string(agg.store_path()).expect("the store file exists");
         let doc: serde_json::Value = serde_json::from_str(&text)
             .unwrap_or_else(|e| panic!("kill {kill}: a torn store ({e}):\n{text}"));
         let svc = &doc["services"][SERVICE];
         let version = svc["version"].as_u64().expect("a stored version");
-        let stored: Vec<(String, f64)> = svc["endpoints"]
+        let stored = svc["endpoints"]
             .as_object()
             .expect("stored endpoints")
             .iter()
             .map(|(n, e)| (n.clone(), e["weight"].as_f64().expect("a weight")))
             .collect();
+        (version, stored)
+    };
+    // Each kill lands while the aggregator is writing: once it has stored a version
+    // newer than the one it restored (so its grace period is over, its agents are back
+    // and its writer works), at a moment spread over the next cycle and a half. A kill
+    // inside the grace period would find a store nobody writes, and prove nothing.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut restored = read_store(&agg, 0).0;
+    let mut written = Vec::new();
+    for kill in 0..KILLS {
+        let newer = wait_for(
+            Duration::from_secs(30),
+            &format!("kill {kill}: a version newer than {restored} stored"),
+            || match read_store(&agg, kill).0 {
+                v if v > restored => Ok(v),
+                v => Err(format!("version {v}")),
+            },
+        );
+        written.push(newer - restored);
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        std::thread::sleep(Duration::from_millis((seed >> 33) % 450));
+        agg.kill();
+        let (version, stored) = read_store(&agg, kill);
+        restored = version;
         agg.restart();
         // In the grace period nothing moves: the API serves exactly what was stored.
         let w = agg.weights(SERVICE);
@@ -368,6 +388,7 @@ fn repeated_sigkill_never_tears_the_store_or_resets_a_weight() {
             "kill {kill}: a restored endpoint is warming up again"
         );
     }
+    eprintln!("versions written between restart and kill: {written:?}");
     // And the fleet is balanced again after the last one.
     wait_for(
         Duration::from_secs(30),

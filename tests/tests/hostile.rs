@@ -188,12 +188,19 @@ fn xds_streams_that_never_read_and_oversized_requests_leave_the_fleet_balanced()
         resource_names: vec!["x".repeat(5 * 1024 * 1024)],
         ..wildcard(ResourceType::Endpoints, "bytes")
     };
-    // Both need a free place: give one back first.
+    // Both need a free place: give two back first, and wait until the server has
+    // noticed (the watcher and 897 held streams left open).
     let mut held = held;
     held.truncate(897);
+    wait_for(
+        Duration::from_secs(10),
+        "the server to free two places",
+        || match agg.counter("ballast_xds_streams", &[]) {
+            n if n <= 898.0 => Ok(()),
+            n => Err(format!("{n} streams open")),
+        },
+    );
     let (names_end, bytes_end) = rt.block_on(async {
-        // The server frees the places of the dropped streams as it notices them.
-        tokio::time::sleep(Duration::from_millis(50)).await;
         (
             one_request(&xds, names).await,
             one_request(&xds, bytes).await,
@@ -217,6 +224,12 @@ fn xds_streams_that_never_read_and_oversized_requests_leave_the_fleet_balanced()
         ),
         "{bytes_end}"
     );
+    // Neither was refused for want of a place, which would end it the same way.
+    assert_eq!(
+        agg.counter("ballast_xds_refused_total", &[("reason", "streams")]),
+        101.0,
+        "an oversized request was refused a stream instead"
+    );
 
     // The fleet is still balanced and the watcher still follows it.
     let seen = watch.responses().len();
@@ -236,7 +249,11 @@ fn xds_streams_that_never_read_and_oversized_requests_leave_the_fleet_balanced()
             }
         },
     );
-    let d = converged(&agg, SERVICE, 8, 1.15).unwrap_or_else(|e| panic!("{e}"));
+    let d = wait_for(
+        Duration::from_secs(15),
+        "the fleet balanced after the xDS floods",
+        || converged(&agg, SERVICE, 8, 1.15),
+    );
     let rss_after = rss_mb(agg.pid().expect("running"));
     assert!(
         rss_after - rss_before < XDS_RSS_BOUND_MB,
@@ -517,7 +534,11 @@ fn quic_floods_from_a_valid_certificate_are_capped_while_the_fleet_is_balanced()
     for a in &agents {
         a.wait_weight(Duration::from_secs(10));
     }
-    let d = converged(&agg, SERVICE, 8, 1.15).unwrap_or_else(|e| panic!("{e}"));
+    let d = wait_for(
+        Duration::from_secs(15),
+        "the fleet balanced after the QUIC floods",
+        || converged(&agg, SERVICE, 8, 1.15),
+    );
     let rss_after = rss_mb(pid);
     eprintln!(
         "QUIC floods: RSS {rss_before:.1} MB -> {rss_after:.1} MB; max/avg {}",
