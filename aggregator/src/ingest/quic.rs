@@ -25,9 +25,19 @@ use std::time::Duration;
 /// QUIC application error codes for closing connections; the protocol's own.
 pub(crate) use ballast_shared::session::close;
 
-/// TLS alerts a refused client certificate ends its handshake with, which say why.
-const ALERT_CERTIFICATE_REVOKED: u8 = 44;
-const ALERT_CERTIFICATE_EXPIRED: u8 = 45;
+/// The TLS alerts a refused client certificate ends its handshake with (RFC 8446),
+/// each with the reason it is counted under: the alert says why. rustls sends
+/// `unknown_ca` for a certificate from another CA and also for one whose revocation
+/// status cannot be told (an expired revocation list); `bad_certificate` for one it
+/// cannot parse or that is not valid for its use; `certificate_required` when the
+/// client sent none.
+const HANDSHAKE_ALERTS: [(u8, &str); 5] = [
+    (42, "bad_certificate"),
+    (44, "revoked"),
+    (45, "expired"),
+    (48, "unknown_ca"),
+    (116, "no_certificate"),
+];
 
 /// Accepts connections until the endpoint closes, and keeps the revocation list
 /// current meanwhile.
@@ -87,15 +97,15 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// The metric reason of a failed handshake: the TLS alert says whether the client's
-/// certificate was revoked or expired.
+/// The metric reason of a failed handshake: the TLS alert that refused the client's
+/// certificate says why ([`HANDSHAKE_ALERTS`]); any other failure (a wrong ALPN, a
+/// client that went away) is `handshake`.
 fn handshake_reason(e: &quinn::ConnectionError) -> &'static str {
     if let quinn::ConnectionError::TransportError(t) = e {
-        if t.code == quinn::TransportErrorCode::crypto(ALERT_CERTIFICATE_REVOKED) {
-            return "revoked";
-        }
-        if t.code == quinn::TransportErrorCode::crypto(ALERT_CERTIFICATE_EXPIRED) {
-            return "expired";
+        for (alert, reason) in HANDSHAKE_ALERTS {
+            if t.code == quinn::TransportErrorCode::crypto(alert) {
+                return reason;
+            }
         }
     }
     "handshake"
