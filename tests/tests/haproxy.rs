@@ -282,14 +282,19 @@ fn round(agg: &Aggregator, hap: &Haproxy, n: u32) -> Round {
 }
 
 impl Round {
+    /// The share of the round's answered requests that `node` served.
+    fn share(&self, node: &str) -> f64 {
+        let total: u32 = self.counts.values().sum();
+        f64::from(self.counts.get(node).copied().unwrap_or(0)) / f64::from(total.max(1))
+    }
+
     /// The table of request shares against both weight shares, and the largest
     /// difference from the aggregator's and from HAProxy's.
     fn compare(&self) -> (String, f64, f64) {
-        let total: u32 = self.counts.values().sum();
         let mut table = String::new();
         let (mut worst_agg, mut worst_hap): (f64, f64) = (0.0, 0.0);
         for (node, want) in &self.aggregator {
-            let got = f64::from(self.counts.get(node).copied().unwrap_or(0)) / f64::from(total);
+            let got = self.share(node);
             let hap = self.haproxy.get(node).copied().unwrap_or(0.0);
             worst_agg = worst_agg.max((got - want).abs());
             worst_hap = worst_hap.max((got - hap).abs());
@@ -718,24 +723,8 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
 
     // The requests split by HAProxy's capped weights, not by the aggregator's.
     warm_up(hap, 500);
-    let r = round(agg, hap, REQUESTS);
-    let (table, _, worst_hap) = r.compare();
-    eprintln!(
-        "capped round: {} requests in {:.1} s\n{table}",
-        r.sent, r.seconds
-    );
-    assert_eq!(
-        r.sent, REQUESTS,
-        "only {} requests within {ROUND_LIMIT:?}",
-        r.sent
-    );
-    assert!(r.errors.is_empty(), "failed requests: {:?}", r.errors);
-    assert!(
-        worst_hap <= CAPPED_TOLERANCE,
-        "the split is off HAProxy's own (capped) weights by {worst_hap:.3}:\n{table}"
-    );
-    let total: u32 = r.counts.values().sum();
-    let got = f64::from(r.counts.get(fast).copied().unwrap_or(0)) / f64::from(total);
+    let r = capped_round(agg, hap, "capped round");
+    let got = r.share(fast);
     let uncapped = r.aggregator[fast];
     let capped = r.haproxy[fast];
     assert!(
@@ -767,18 +756,7 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
         "HAProxy to find the fast node's agent gone",
         agent_fails,
     );
-    let r = round(agg, hap, REQUESTS);
-    let (table, _, worst_hap) = r.compare();
-    eprintln!(
-        "with {fast}'s agent dead ({failed}): {} requests in {:.1} s\n{table}",
-        r.sent, r.seconds
-    );
-    assert_eq!(
-        r.sent, REQUESTS,
-        "only {} requests within {ROUND_LIMIT:?}",
-        r.sent
-    );
-    assert!(r.errors.is_empty(), "failed requests: {:?}", r.errors);
+    let r = capped_round(agg, hap, &format!("with {fast}'s agent dead ({failed})"));
     // Throughout the round HAProxy went on trying the agent, and failing.
     let still = agent_fails().unwrap_or_else(|e| panic!("after the round: {e}"));
     let s = hap.show_servers_state();
@@ -787,16 +765,34 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
         "{fast} with its agent dead ({still}): {:?}",
         s[fast.as_str()]
     );
-    assert!(
-        worst_hap <= CAPPED_TOLERANCE,
-        "with its agent dead, the split is off HAProxy's weights by {worst_hap:.3}:\n{table}"
-    );
-    let total: u32 = r.counts.values().sum();
-    let got_dead = f64::from(r.counts.get(fast).copied().unwrap_or(0)) / f64::from(total);
+    let got_dead = r.share(fast);
     assert!(
         (got_dead - capped).abs() <= CAPPED_TOLERANCE,
         "{fast} got {got_dead:.3} of the requests with its agent dead, {capped:.3} before"
     );
+}
+
+/// A round of requests through the capped fleet: every one answered, split by
+/// HAProxy's own weights within [`CAPPED_TOLERANCE`].
+fn capped_round(agg: &Aggregator, hap: &Haproxy, what: &str) -> Round {
+    let r = round(agg, hap, REQUESTS);
+    let (table, _, worst_hap) = r.compare();
+    eprintln!("{what}: {} requests in {:.1} s\n{table}", r.sent, r.seconds);
+    assert_eq!(
+        r.sent, REQUESTS,
+        "{what}: only {} requests within {ROUND_LIMIT:?}",
+        r.sent
+    );
+    assert!(
+        r.errors.is_empty(),
+        "{what}: failed requests: {:?}",
+        r.errors
+    );
+    assert!(
+        worst_hap <= CAPPED_TOLERANCE,
+        "{what}: the split is off HAProxy's own (capped) weights by {worst_hap:.3}:\n{table}"
+    );
+    r
 }
 
 /// How far a backend's share may be from HAProxy's weights in the test of the cap: the
