@@ -316,8 +316,9 @@ impl Round {
         (table, worst_agg, worst_hap)
     }
 
-    /// Asserts every request was answered, and the split follows the weights.
-    fn check(&self, what: &str, n: u32) -> String {
+    /// Prints the round and asserts every one of its `n` requests was answered;
+    /// returns [`Round::compare`]'s table and differences.
+    fn answered(&self, what: &str, n: u32) -> (String, f64, f64) {
         let (table, worst_agg, worst_hap) = self.compare();
         eprintln!(
             "{what}: {n} requests in {:.1} s, weight versions {:?}\n{table}",
@@ -333,6 +334,12 @@ impl Round {
             "{what}: failed requests: {:?}",
             self.errors
         );
+        (table, worst_agg, worst_hap)
+    }
+
+    /// Asserts every request was answered, and the split follows the weights.
+    fn check(&self, what: &str, n: u32) -> String {
+        let (table, worst_agg, worst_hap) = self.answered(what, n);
         assert!(
             worst_agg <= TOLERANCE,
             "{what}: the split is off the aggregator's weights by {worst_agg:.3} > {TOLERANCE}:\n{table}"
@@ -776,18 +783,7 @@ fn haproxy_caps_a_weight_above_256_and_the_split_follows_the_cap() {
 /// HAProxy's own weights within [`CAPPED_TOLERANCE`].
 fn capped_round(agg: &Aggregator, hap: &Haproxy, what: &str) -> Round {
     let r = round(agg, hap, REQUESTS);
-    let (table, _, worst_hap) = r.compare();
-    eprintln!("{what}: {} requests in {:.1} s\n{table}", r.sent, r.seconds);
-    assert_eq!(
-        r.sent, REQUESTS,
-        "{what}: only {} requests within {ROUND_LIMIT:?}",
-        r.sent
-    );
-    assert!(
-        r.errors.is_empty(),
-        "{what}: failed requests: {:?}",
-        r.errors
-    );
+    let (table, _, worst_hap) = r.answered(what, REQUESTS);
     assert!(
         worst_hap <= CAPPED_TOLERANCE,
         "{what}: the split is off HAProxy's own (capped) weights by {worst_hap:.3}:\n{table}"
