@@ -83,6 +83,10 @@ impl EdsResponse {
     }
 }
 
+/// How an [`EdsWatch`]'s reason for stopping starts when it reached the server but
+/// the ADS stream did not open: what a client refused at the TLS layer gets.
+pub const OPEN_FAILED: &str = "open the ADS stream";
+
 /// An xDS client of one service's endpoints: an ADS stream on its own thread (with its
 /// own runtime, so the tests stay synchronous) that subscribes to the service's
 /// ClusterLoadAssignment, ACKs every response and records each. Stopped on drop, or
@@ -148,10 +152,14 @@ impl EdsWatch {
         self.responses.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Why the client stopped, once it has; `None` while it follows the server.
+    pub fn ended(&self) -> Option<String> {
+        self.ended.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Panics, naming the client and why, if it has stopped.
     pub fn alive(&self) {
-        let ended = self.ended.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(why) = ended {
+        if let Some(why) = self.ended() {
             panic!(
                 "{} stopped: {why}; {} responses before",
                 self.what,
@@ -203,7 +211,7 @@ async fn run(
                 tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
             )
             .await
-            .map_err(|e| format!("open the ADS stream: {e}"))
+            .map_err(|e| format!("{OPEN_FAILED}: {e}"))
     };
     let mut stream = tokio::time::timeout(CONNECT_WITHIN, open)
         .await

@@ -531,6 +531,20 @@ impl Aggregator {
         self.try_get_json(&format!("/v1/services/{name}/weights"))
     }
 
+    /// Waits up to `within` until the service publishes weights for `n` endpoints, and
+    /// returns them. A service is first published as soon as one agent registers, so
+    /// waiting for the service alone may see only part of its fleet.
+    pub fn wait_for_endpoints(&self, name: &str, n: usize, within: Duration) -> WeightSet {
+        super::wait::wait_for(within, &format!("{n} endpoints of {name}"), || {
+            let w = self.try_weights(name)?;
+            if w.weights.len() == n {
+                Ok(w)
+            } else {
+                Err(format!("{} endpoints", w.weights.len()))
+            }
+        })
+    }
+
     /// `GET /metrics` as text; checks the OpenMetrics terminator.
     pub fn metrics(&self) -> String {
         let (status, body) = self.get("/metrics");
