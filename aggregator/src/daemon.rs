@@ -125,7 +125,7 @@ impl Daemon {
         let advertise = cluster
             .advertise
             .clone()
-            .unwrap_or_else(|| daemon.quic_addr.to_string());
+            .unwrap_or_else(|| default_advertise(daemon.quic_addr));
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let member = crate::cluster::etcd::Replica::new(
             daemon.state.clone(),
@@ -338,15 +338,20 @@ impl Daemon {
     }
 }
 
+/// This host's name, or `None` when the kernel gives none.
+#[cfg(feature = "etcd")]
+fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+}
+
 /// A replica's name when none is configured: the host's name and the QUIC port, which
 /// tell replicas on one host apart.
 #[cfg(feature = "etcd")]
 fn default_replica_name(port: u16) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "replica".to_string());
+    let host = host_name().unwrap_or_else(|| "replica".to_string());
     let host: String = host
         .chars()
         .map(|c| {
@@ -359,6 +364,18 @@ fn default_replica_name(port: u16) -> String {
         .take(56)
         .collect();
     format!("{host}-{port}")
+}
+
+/// The QUIC address a replica names to agents it refuses when none is configured:
+/// the address it listens on, or, when that is every address of the host (`0.0.0.0`,
+/// `[::]`), the host's name and the port, which an agent can resolve and a listening
+/// wildcard is not.
+#[cfg(feature = "etcd")]
+fn default_advertise(quic: std::net::SocketAddr) -> String {
+    match host_name() {
+        Some(host) if quic.ip().is_unspecified() => format!("{host}:{}", quic.port()),
+        _ => quic.to_string(),
+    }
 }
 
 /// The xDS port's TLS, from the aggregator's own certificate, key and CA, as

@@ -119,6 +119,9 @@ pub struct Metrics {
     /// As a cluster replica: lease sessions that ended (etcd unreachable, the lease
     /// lapsed), each giving up every bucket the replica held.
     pub cluster_sessions_lost: Counter,
+    /// As a cluster replica: seconds since etcd last confirmed its copy of the stored
+    /// services current. Set when scraped.
+    pub cluster_feed_behind_seconds: Gauge<f64, AtomicU64>,
     /// Service files refused (parse or validation), by file.
     pub config_rejected: Family<FileLabel, Counter>,
 }
@@ -191,6 +194,7 @@ impl Metrics {
             config_rejected: Family::default(),
             cluster_buckets_owned: Gauge::default(),
             cluster_takeovers: Counter::default(),
+            cluster_feed_behind_seconds: Gauge::default(),
             cluster_sessions_lost: Counter::default(),
             registry: Registry::default(),
         };
@@ -229,6 +233,11 @@ impl Metrics {
             "cluster_takeovers",
             "Buckets this cluster replica took over, restored from etcd",
             m.cluster_takeovers.clone(),
+        );
+        registry.register(
+            "cluster_feed_behind_seconds",
+            "Seconds since etcd last confirmed this cluster replica's copy of the stored services",
+            m.cluster_feed_behind_seconds.clone(),
         );
         registry.register(
             "cluster_sessions_lost",

@@ -5,8 +5,9 @@
 //! emptying anything, and ownership comes back with etcd; a new replica takes only the
 //! buckets rendezvous hashing gives it.
 
-use ballast_aggregator::cluster::{bucket_of, owner_key, preferred};
+use ballast_aggregator::cluster::{bucket_of, owner_key, preferred, FEED_BEHIND_AFTER};
 use ballast_balance::ServiceSnapshot;
+use ballast_tests::harness::netns::Netns;
 use ballast_tests::*;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -453,6 +454,195 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
         "beta converged after two handovers",
         || converged_to_speeds(&stored(&etcd, service).ok_or("not stored")?),
     );
+}
+
+/// A replica's `cluster` part of `/healthz`: whether it follows etcd, and how many
+/// buckets it owns.
+fn cluster_health(r: &Aggregator) -> Result<(bool, u64), String> {
+    let h: serde_json::Value = r.try_get_json("/healthz")?;
+    let c = &h["cluster"];
+    match (c["following"].as_bool(), c["buckets_owned"].as_u64()) {
+        (Some(following), Some(owned)) => Ok((following, owned)),
+        _ => Err(format!("no cluster health in {h}")),
+    }
+}
+
+#[test]
+fn a_replica_cut_off_from_etcd_stops_writing_says_so_and_hands_its_service_on() {
+    require_etcd();
+    let ns = Netns::new();
+    let etcd = Etcd::start_also_on(ns.host_ip());
+    // Agents dial the namespace's replica at the namespace's address.
+    let pki = Pki::with_server_names(&[&ns.ip().to_string()]);
+    let names = ["r0", "r1", "r2"];
+    let service = "alpha";
+    let bucket = bucket_of(service, BUCKETS);
+    // The replica that rendezvous hashing ranks first for alpha runs in a network
+    // namespace of its own, reaching etcd (and its agents reaching it) through a veth
+    // pair; the partition drops its packets to etcd and nothing else.
+    let cut_name = preferred(names, bucket).expect("a member");
+    // The agents advertise loopback addresses, which the namespace's replica sees them
+    // come from the veth's address instead of: the policy grants them loopback, as it
+    // would a node behind NAT.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(
+        &policy,
+        "certificate_services = true\n\n[[rule]]\nnodes = [\"*\"]\nnetworks = [\"127.0.0.0/8\"]\n",
+    )
+    .expect("write the policy");
+    let replicas: Vec<Aggregator> = names
+        .iter()
+        .map(|r| {
+            if *r == cut_name {
+                Aggregator::start(
+                    &pki,
+                    AggregatorOpts {
+                        config_toml: Some(format!(
+                            "[authorization]\npolicy = \"{}\"\n",
+                            policy.display()
+                        )),
+                        ..AggregatorOpts::default()
+                    }
+                    .netns(&ns)
+                    .etcd(&etcd.endpoint_on(ns.host_ip()), PREFIX)
+                    .cluster(CLUSTER, r),
+                )
+            } else {
+                replica(&pki, &etcd, r)
+            }
+        })
+        .collect();
+    let cut = names
+        .iter()
+        .position(|n| *n == cut_name)
+        .expect("a replica");
+    // One watch of owner keys and services together: its events are in etcd's
+    // revision order, which is what says whether two replicas ever wrote at once.
+    let watch = etcd.watch(PREFIX);
+    let _agents = fleet(&pki, &replicas);
+    wait_balanced(&etcd, Duration::from_secs(90));
+    assert_eq!(owner(&etcd, service).as_deref(), Some(cut_name));
+    assert_eq!(cluster_health(&replicas[cut]).map(|h| h.0), Ok(true));
+    let last = stored(&etcd, service).expect("stored");
+
+    ns.set_rules(&Netns::drop_tcp_to(ns.host_ip(), etcd.client_port()));
+    let partitioned = Instant::now();
+    // etcd lets the lease lapse and another replica claims the bucket.
+    let next = new_owner(&etcd, service, cut_name);
+    let took = partitioned.elapsed();
+    // As for a killed owner: the time to live and two cycles, 1 s more for a loaded
+    // machine; the lease was last renewed up to a third of it before the cut.
+    let bound = LEASE_TTL + Duration::from_millis(2 * 500 + 1000);
+    assert!(
+        took <= bound,
+        "alpha went to {next} {took:?} after {cut_name} was cut off (bound {bound:?})"
+    );
+    // The cut replica gave everything up (before etcd handed it on, by its own clock)
+    // and says it no longer follows etcd.
+    let said = wait_for(
+        Duration::from_secs(15),
+        &format!("{cut_name} to say it is behind etcd"),
+        || match cluster_health(&replicas[cut])? {
+            (false, 0) => Ok(partitioned.elapsed()),
+            h => Err(format!("following, owned: {h:?}")),
+        },
+    );
+    // It says so once etcd has confirmed nothing for FEED_BEHIND_AFTER; the last
+    // confirmation came at most half a second (one progress request) before the cut.
+    let say_within = FEED_BEHIND_AFTER + Duration::from_secs(2);
+    assert!(
+        said <= say_within,
+        "{cut_name} said it was behind {said:?} after the cut (bound {say_within:?})"
+    );
+    assert!(ns.dropped_packets() > 0, "the rule dropped nothing");
+    let resumed = wait_for(
+        Duration::from_secs(20),
+        "alpha written by its new owner",
+        || {
+            let s = stored(&etcd, service).ok_or("not stored")?;
+            (s.version > last.version)
+                .then_some(s.clone())
+                .ok_or(format!("version {}", s.version))
+        },
+    );
+    if let Err(w) = converged_to_speeds(&resumed) {
+        panic!("weights reset across the partition: {w}");
+    }
+    // Still serving alpha as last published: frozen, not emptied, and behind what
+    // the new owner writes.
+    let frozen = replicas[cut].weights(service);
+    assert_eq!(frozen.weights.len(), PER_SERVICE, "{frozen:?}");
+    wait_for(
+        Duration::from_secs(10),
+        "the new owner to write past what the cut replica serves",
+        || {
+            let s = stored(&etcd, service).ok_or("not stored")?;
+            (s.version > frozen.version)
+                .then_some(())
+                .ok_or(format!("stored {} served {}", s.version, frozen.version))
+        },
+    );
+    assert_eq!(
+        replicas[cut].weights(service).version,
+        frozen.version,
+        "the cut replica moved alpha"
+    );
+    eprintln!(
+        "partition: {cut_name} cut off from etcd, {next} owns alpha after {took:?}; \
+         {cut_name} reported itself behind after {said:?}, serving alpha at version {}",
+        frozen.version
+    );
+
+    // Healed: the cut replica follows etcd again and, ranked first, takes alpha back.
+    ns.clear_rules();
+    wait_for(
+        Duration::from_secs(30),
+        &format!("{cut_name} following etcd and owning alpha again"),
+        || match (cluster_health(&replicas[cut])?, owner(&etcd, service)) {
+            ((true, n), Some(o)) if n > 0 && o == cut_name => Ok(()),
+            (h, o) => Err(format!("health {h:?}, owner {o:?}")),
+        },
+    );
+    let back = stored(&etcd, service).expect("stored");
+    wait_for(
+        Duration::from_secs(30),
+        "alpha written by its first owner again",
+        || {
+            let s = stored(&etcd, service).ok_or("not stored")?;
+            (s.version > back.version)
+                .then_some(())
+                .ok_or(format!("version {}", s.version))
+        },
+    );
+
+    // etcd's history, in revision order: alpha's versions only grow, and no value of
+    // alpha was written while its bucket had no owner key.
+    let owner_key = owner_key(PREFIX, CLUSTER, bucket);
+    let service_key = format!("{PREFIX}/services/{service}");
+    let (mut held, mut version, mut writes) = (false, None::<u64>, 0);
+    for e in watch.events() {
+        if e.key == owner_key {
+            held = e.kind == "PUT";
+        } else if e.key == service_key && e.kind == "PUT" {
+            let s: ServiceSnapshot =
+                serde_json::from_str(&e.value).unwrap_or_else(|err| panic!("{err}: {e:?}"));
+            assert!(
+                held,
+                "alpha's version {} was written with no owner",
+                s.version
+            );
+            assert!(
+                version.is_none_or(|v| s.version > v),
+                "alpha went from version {version:?} to {}: two writers",
+                s.version
+            );
+            version = Some(s.version);
+            writes += 1;
+        }
+    }
+    assert!(writes > 3, "the watch saw {writes} writes of alpha");
+    eprintln!("partition: {writes} writes of alpha, one writer at a time, none unowned");
 }
 
 #[test]

@@ -134,6 +134,15 @@ async fn healthz(AxState(state): AxState<Arc<State>>) -> (StatusCode, Json<views
             store: store.name.clone(),
             store_error: store.error.clone(),
             store_writer: store,
+            cluster: state.ownership.as_ref().map(|o| {
+                let behind = o.feed_behind();
+                views::ClusterHealth {
+                    replica: o.replica().to_string(),
+                    buckets_owned: o.owned(),
+                    behind_etcd_ms: u64::try_from(behind.as_millis()).unwrap_or(u64::MAX),
+                    following: behind <= crate::cluster::FEED_BEHIND_AFTER,
+                }
+            }),
         }),
     )
 }
@@ -345,6 +354,12 @@ async fn weights(
     responses((status = 200, description = "Every metric family", body = String, content_type = "application/openmetrics-text"))
 )]
 async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
+    if let Some(o) = &state.ownership {
+        state
+            .metrics
+            .cluster_feed_behind_seconds
+            .set(o.feed_behind().as_secs_f64());
+    }
     let text = state.metrics.encode();
     let mut out = text.strip_suffix("# EOF\n").unwrap_or(&text).to_string();
     let published = state.published();

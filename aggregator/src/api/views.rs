@@ -30,6 +30,31 @@ pub struct Health {
     pub store_error: Option<String>,
     /// The routing store's background writer.
     pub store_writer: crate::store::StoreHealth,
+    /// As one replica of a cluster, what it owns and whether it follows etcd; `null`
+    /// for a single aggregator.
+    pub cluster: Option<ClusterHealth>,
+}
+
+/// A cluster replica's part of `GET /healthz`.
+///
+/// A replica behind etcd stays `ok`: with etcd down every replica is behind, and a
+/// health check that took them all out would refuse new clients the last published
+/// weights that each still serves. It says so here, and in
+/// `ballast_cluster_feed_behind_seconds`, for an alert or a load balancer that prefers
+/// the replicas that follow.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ClusterHealth {
+    /// This replica's name.
+    pub replica: String,
+    /// The buckets of services it owns, and balances, now.
+    pub buckets_owned: usize,
+    /// Milliseconds since etcd last confirmed that this replica's copy of the stored
+    /// services is current (since start, if it never has): how stale what it serves of
+    /// the services it does not own may be.
+    pub behind_etcd_ms: u64,
+    /// Whether it follows etcd: confirmed within the last 5 s. A replica cut off from
+    /// etcd turns false, and serves every service as last published.
+    pub following: bool,
 }
 
 /// The verdict of `GET /healthz`.

@@ -208,7 +208,10 @@ impl Replica {
                         (members, services) = (Some(m), Some(s));
                         // Watched first, then read: no write falls between the two.
                         match self.store.read_valid().await {
-                            Ok(stored) => self.follow(stored),
+                            Ok(stored) => {
+                                self.follow(stored);
+                                self.ownership.feed_confirmed();
+                            }
                             Err(e) => {
                                 tracing::warn!(error = %e, "reading the stored services failed")
                             }
@@ -233,7 +236,12 @@ impl Replica {
                     // A watch etcd cancelled (compacted past it) is made again, and
                     // the services read again.
                     Ok(Some(resp)) if resp.canceled() => services = None,
-                    Ok(Some(resp)) => self.follow_events(&prefix, &resp),
+                    // Events, or the answer to a progress request (none): either way
+                    // etcd has sent everything up to its revision.
+                    Ok(Some(resp)) => {
+                        self.follow_events(&prefix, &resp);
+                        self.ownership.feed_confirmed();
+                    }
                     Ok(None) | Err(_) => services = None,
                 },
                 m = next(&mut members) => match m {
@@ -248,6 +256,14 @@ impl Replica {
                 _ = poll.tick() => {
                     if let Err(e) = self.reconcile(client, id).await {
                         tracing::warn!(error = %e, "cluster reconcile failed");
+                    }
+                    // An idle watch says nothing: ask etcd to confirm it is current,
+                    // which is what tells a replica cut off from etcd that it is.
+                    if let Some(w) = services.as_mut() {
+                        if let Err(e) = self.bounded("watch progress", w.request_progress()).await {
+                            tracing::warn!(error = %e, "asking etcd for the watch's progress failed");
+                            services = None;
+                        }
                     }
                 }
                 _ = stop.changed() => continue,

@@ -18,7 +18,7 @@ pub mod etcd;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// FNV-1a over `bytes`: stable across replicas, platforms and releases, unlike the
 /// standard library's hasher, since every replica must put a service in the same
@@ -96,7 +96,15 @@ pub struct Ownership {
     /// whatever the cluster task is doing, so that nothing is written or accepted
     /// once etcd may have handed the buckets on.
     valid_until_ms: AtomicU64,
+    /// When, in milliseconds from `base`, etcd last confirmed that this replica's watch
+    /// of the stored services is current (an event, or the answer to a progress
+    /// request); 0 before the first.
+    feed_confirmed_ms: AtomicU64,
 }
+
+/// How long without etcd confirming the services watch before a replica reports
+/// itself behind: ten of the progress requests it sends every half second.
+pub const FEED_BEHIND_AFTER: Duration = Duration::from_secs(5);
 
 impl Ownership {
     /// Owning nothing yet, with `buckets` buckets.
@@ -110,7 +118,28 @@ impl Ownership {
             takeovers: AtomicU64::new(0),
             base: Instant::now(),
             valid_until_ms: AtomicU64::new(0),
+            feed_confirmed_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Milliseconds since `base`.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Records that etcd has just confirmed the services watch current: what this
+    /// replica serves of the services it does not own is what etcd holds.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn feed_confirmed(&self) {
+        self.feed_confirmed_ms
+            .store(self.now_ms().max(1), Ordering::Release);
+    }
+
+    /// How long since etcd last confirmed the services watch current, or since start if
+    /// it never has: how far behind etcd what this replica serves may be.
+    pub fn feed_behind(&self) -> Duration {
+        let confirmed = self.feed_confirmed_ms.load(Ordering::Acquire);
+        Duration::from_millis(self.now_ms().saturating_sub(confirmed))
     }
 
     /// Records that the lease is known valid until `until`.
@@ -123,8 +152,7 @@ impl Ownership {
 
     /// Whether the lease may have lapsed: past the last known validity.
     fn expired(&self) -> bool {
-        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
-        now >= self.valid_until_ms.load(Ordering::Acquire)
+        self.now_ms() >= self.valid_until_ms.load(Ordering::Acquire)
     }
 
     /// This replica's name.
@@ -309,5 +337,17 @@ mod tests {
         o.set_owner_address(b, Some(Arc::from("10.0.0.2:7400")));
         assert!(o.refusal("api").contains("10.0.0.2:7400"));
         assert_eq!(o.fence(999), None);
+    }
+
+    #[test]
+    fn the_feed_is_behind_until_etcd_confirms_it() {
+        let o = Ownership::new("r1", 8);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let never = o.feed_behind();
+        assert!(never >= std::time::Duration::from_millis(20), "{never:?}");
+        o.feed_confirmed();
+        assert!(o.feed_behind() < never, "{:?}", o.feed_behind());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(o.feed_behind() >= std::time::Duration::from_millis(20));
     }
 }

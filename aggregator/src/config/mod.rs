@@ -106,7 +106,8 @@ pub struct ClusterConfig {
     /// host name and the QUIC port.
     pub replica: Option<String>,
     /// The QUIC address agents are pointed to when another replica refuses them; by
-    /// default the bound QUIC address.
+    /// default the bound QUIC address, or the host name and port when it is bound to
+    /// every address.
     pub advertise: Option<String>,
     /// The time to live of the replica's etcd lease, in seconds: a replica that dies
     /// gives up its services this long after its last renewal (etcd grants at least
