@@ -1,7 +1,9 @@
 //! Aggregator replicas sharing services through a real etcd, with the shipped cluster
 //! defaults (64 buckets, a 3 s lease): each service has one owner, which balances and
 //! writes it; every replica serves every service; a killed owner's services go on at
-//! another replica with their weights; an etcd outage freezes the weights rather than
+//! another replica with their weights; an owner cut off from etcd by nftables in a
+//! network namespace stops writing, says so in `/healthz`, and is replaced with no
+//! value ever written unowned; an etcd outage freezes the weights rather than
 //! emptying anything, and ownership comes back with etcd; a new replica takes only the
 //! buckets rendezvous hashing gives it.
 
