@@ -17,11 +17,16 @@
 //!   starts, writes nothing, and `/healthz` says why;
 //! - a corrupt key is skipped, logged and counted, and the other services restore;
 //! - an aggregator started while etcd is down starts, serves its local copy, says so
-//!   in `/healthz`, and writes to etcd once etcd is back.
+//!   in `/healthz`, and writes to etcd once etcd is back;
+//! - a service near etcd's request limit is written whole, one over it in chunks
+//!   behind a manifest (the previous generation's chunks deleted, the value restored
+//!   whole after a restart), and one over the largest value stored is refused, counted
+//!   and shown, holding back no other.
 //!
 //! The aggregator binary must be built with the feature:
 //! `cargo build --workspace --bins --features ballast-aggregator/etcd`.
 
+use ballast_aggregator::store::chunks::{chunks_prefix, generation_prefix, Manifest};
 use ballast_tests::*;
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -754,31 +759,41 @@ fn endpoints_for(bytes: usize) -> usize {
 }
 
 #[test]
-fn a_service_near_etcds_request_limit_is_stored_and_one_over_it_holds_back_no_other() {
+fn a_service_over_etcds_request_limit_is_stored_in_chunks_and_one_too_large_holds_back_no_other() {
     let prefix = "/ballast-large";
     let mut etcd = Etcd::start();
-    // Values put by hand: one near etcd's 1.5 MiB request limit, and one over it, put
+    // Values put by hand: one near etcd's 1.5 MiB request limit, one over it, and one
+    // over the largest value the store is configured to write (2 MB here), put
     // through an etcd whose limit is raised for the purpose and then restarted with
-    // its default, as after a change of settings.
-    let near = endpoints_for(1_300_000);
-    let over = endpoints_for(2_000_000);
+    // its default, as after a change of settings. (`etcdctl` sends at most 2 MiB.) The
+    // aggregator's own values are about 13 % larger than these (every strategy's
+    // weight, at full precision): over's becomes 1.87 MB, under the limit, and huge's
+    // 2.1 MB, over it.
+    const MAX_VALUE: usize = 2_000_000;
+    let near = endpoints_for(1_150_000);
+    let over = endpoints_for(1_650_000);
+    let huge = endpoints_for(1_860_000);
     etcd.kill();
     etcd.restart_with(&["--max-request-bytes", "4194304"]);
-    etcd.put_large(&key(prefix, "near"), &snapshot_value(near, 7));
-    etcd.put_large(&key(prefix, "over"), &snapshot_value(over, 7));
+    for (service, n) in [("near", near), ("over", over), ("huge", huge)] {
+        etcd.put_large(&key(prefix, service), &snapshot_value(n, 7));
+    }
     etcd.kill();
     etcd.restart_with(&[]);
-    let over_before = etcd.get(&key(prefix, "over")).expect("the large value");
+    let huge_before = etcd.get(&key(prefix, "huge")).expect("the huge value");
     eprintln!(
-        "stored: near {near} endpoints, {} bytes; over {over} endpoints, {} bytes",
-        stored_in(&etcd, prefix, "near").map_or(0, |s| s.endpoints.len()),
-        over_before.len()
+        "stored by hand: near {near} endpoints, over {over}, huge {huge} ({} bytes)",
+        huge_before.len()
     );
 
     let pki = Pki::new();
-    let agg = start_aggregator(&pki, &etcd, prefix, AggregatorOpts::default());
-    // Both are restored whole and served.
-    for (service, n) in [("near", near), ("over", over)] {
+    let opts = AggregatorOpts {
+        config_toml: Some(format!("[store.etcd]\nmax_value_bytes = {MAX_VALUE}\n")),
+        ..AggregatorOpts::default()
+    };
+    let mut agg = start_aggregator(&pki, &etcd, prefix, opts);
+    // All three are restored whole and served.
+    for (service, n) in [("near", near), ("over", over), ("huge", huge)] {
         let w = wait_for(
             Duration::from_secs(20),
             &format!("{service} restored"),
@@ -788,7 +803,7 @@ fn a_service_near_etcds_request_limit_is_stored_and_one_over_it_holds_back_no_ot
     }
     // An agent joins each, and one more serves a small service.
     let mut agents = Vec::new();
-    for service in ["near", "over", "small"] {
+    for service in ["near", "over", "huge", "small"] {
         pki.issue_nodes_for(service, &[&format!("{service}-agent")]);
         agents.push(Agent::start(
             &pki,
@@ -800,31 +815,43 @@ fn a_service_near_etcds_request_limit_is_stored_and_one_over_it_holds_back_no_ot
         a.wait_weight(Duration::from_secs(15));
     }
 
-    // The service near the limit is written with its new endpoint (1.3 MB in one
-    // request), and the small one beside it.
-    for (service, n) in [("near", near + 1), ("small", 1)] {
+    // The service near the limit is written whole with its new endpoint (1.3 MB in one
+    // request), the one over it in chunks, and the small one beside them.
+    let with_agent = |service: &str, n: usize| -> Result<Stored, String> {
+        let s = parse_stored(&etcd.get_service(prefix, service)?)?;
+        if s.endpoints.len() == n && s.endpoints.contains_key(&format!("{service}-agent")) {
+            Ok(s)
+        } else {
+            Err(format!("{} endpoints", s.endpoints.len()))
+        }
+    };
+    for (service, n) in [("near", near + 1), ("over", over + 1), ("small", 1)] {
         wait_for(
             Duration::from_secs(20),
             &format!("etcd to hold {service} with its agent"),
-            || {
-                let s = stored_in(&etcd, prefix, service)?;
-                if s.endpoints.len() == n && s.endpoints.contains_key(&format!("{service}-agent")) {
-                    Ok(())
-                } else {
-                    Err(format!("{} endpoints", s.endpoints.len()))
-                }
-            },
+            || with_agent(service, n),
         );
     }
-    // The one over it is refused, counted and shown, and etcd keeps its last value;
-    // the aggregator still serves it with its new endpoint, and the store is healthy.
+    let near_key = etcd.get(&key(prefix, "near")).expect("near");
+    assert!(
+        Manifest::parse(near_key.as_bytes()).is_none() && near_key.len() > 1_300_000,
+        "near is stored whole in its key"
+    );
+    let manifest = Manifest::parse(etcd.get(&key(prefix, "over")).expect("over").as_bytes())
+        .expect("over's key holds a manifest");
+    assert_eq!(manifest.chunks, 2, "{manifest:?}");
+    assert!(manifest.bytes > 1_650_000, "{manifest:?}");
+
+    // The one over the largest value stored is refused, counted and shown, and etcd
+    // keeps its last value; the aggregator still serves it with its new endpoint, and
+    // the store is healthy.
     let health = wait_for(
         Duration::from_secs(20),
         "the refusal to be shown in /healthz",
         || {
             let h: serde_json::Value = agg.get_json("/healthz");
-            let size = h["store_writer"]["too_large"]["over"].as_u64().unwrap_or(0);
-            if size as usize > DEFAULT_ETCD_MAX_REQUEST_BYTES {
+            let size = h["store_writer"]["too_large"]["huge"].as_u64().unwrap_or(0);
+            if size as usize > MAX_VALUE {
                 Ok(h)
             } else {
                 Err(format!("{h}"))
@@ -835,16 +862,20 @@ fn a_service_near_etcds_request_limit_is_stored_and_one_over_it_holds_back_no_ot
         health["store_writer"]["status"], "ok",
         "one service too large is not a failing store: {health}"
     );
+    let too_large = health["store_writer"]["too_large"]
+        .as_object()
+        .expect("too_large");
+    assert_eq!(too_large.len(), 1, "only huge is too large: {health}");
     assert!(agg.counter("ballast_store_refused_total", &[("reason", "too_large")]) >= 1.0);
     assert_eq!(agg.counter("ballast_store_too_large", &[]), 1.0);
     assert_eq!(
-        etcd.get(&key(prefix, "over")).as_deref(),
-        Some(over_before.as_str()),
+        etcd.get(&key(prefix, "huge")).as_deref(),
+        Some(huge_before.as_str()),
         "etcd keeps the last value that fitted"
     );
-    let served_over = served(&agg, "over");
-    assert_eq!(served_over.endpoints.len(), over + 1);
-    assert!(served_over.endpoints.contains_key("over-agent"));
+    let served_huge = served(&agg, "huge");
+    assert_eq!(served_huge.endpoints.len(), huge + 1);
+    assert!(served_huge.endpoints.contains_key("huge-agent"));
     // The refusal is logged once, as an error naming the service.
     let log = agg.log();
     assert_eq!(
@@ -852,7 +883,55 @@ fn a_service_near_etcds_request_limit_is_stored_and_one_over_it_holds_back_no_ot
         1,
         "logged once:\n{log}"
     );
-}
 
-/// etcd's default `--max-request-bytes`.
-const DEFAULT_ETCD_MAX_REQUEST_BYTES: usize = 1536 * 1024;
+    // Written again in chunks (its agent drains), the previous generation's chunks
+    // are gone: one generation is kept a service.
+    assert!(agents[1].drain().ok, "drain refused");
+    let last = wait_for(
+        Duration::from_secs(20),
+        "a second chunked write of over",
+        || {
+            let m = Manifest::parse(etcd.get(&key(prefix, "over")).ok_or("gone")?.as_bytes())
+                .ok_or("not a manifest")?;
+            (m.generation != manifest.generation)
+                .then_some(m)
+                .ok_or("the same generation".to_string())
+        },
+    );
+    let chunk_keys = etcd
+        .try_ctl(&[
+            "get",
+            "--prefix",
+            "--keys-only",
+            &chunks_prefix(prefix, "over"),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let chunk_keys: Vec<&str> = chunk_keys.lines().filter(|l| !l.is_empty()).collect();
+    let first = generation_prefix(prefix, "over", &manifest.generation);
+    assert!(
+        !chunk_keys.is_empty() && !chunk_keys.iter().any(|k| k.starts_with(&first)),
+        "the first generation's chunks are still there after {}: {chunk_keys:?}",
+        last.generation
+    );
+
+    // A restart restores the chunked service whole, with its agent.
+    agg.restart();
+    let restored = wait_for(Duration::from_secs(20), "over restored", || {
+        try_served(&agg, "over")
+    });
+    assert!(
+        restored.endpoints.len() >= over,
+        "over restored with {} endpoints",
+        restored.endpoints.len()
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "over served with its agent after the restart",
+        || {
+            let s = try_served(&agg, "over")?;
+            (s.endpoints.len() == over + 1 && s.endpoints.contains_key("over-agent"))
+                .then_some(())
+                .ok_or(format!("{} endpoints", s.endpoints.len()))
+        },
+    );
+}

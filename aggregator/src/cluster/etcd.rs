@@ -239,7 +239,7 @@ impl Replica {
                     // Events, or the answer to a progress request (none): either way
                     // etcd has sent everything up to its revision.
                     Ok(Some(resp)) => {
-                        self.follow_events(&prefix, &resp);
+                        self.follow_events(&prefix, &resp).await;
                         self.ownership.feed_confirmed();
                     }
                     Ok(None) | Err(_) => services = None,
@@ -388,8 +388,11 @@ impl Replica {
         }
     }
 
-    /// Follows the services a watch response shows written.
-    fn follow_events(&self, prefix: &str, resp: &WatchResponse) {
+    /// Follows the services a watch response shows written; a chunked value is read
+    /// whole at the revision of its write. A chunk read that fails leaves the service
+    /// as this replica last had it; the next write of it, or the next full read after
+    /// a watch is made again, brings it.
+    async fn follow_events(&self, prefix: &str, resp: &WatchResponse) {
         let mut stored = BTreeMap::new();
         for event in resp.events() {
             if event.event_type() != EventType::Put {
@@ -397,7 +400,18 @@ impl Replica {
             }
             let Some(kv) = event.kv() else { continue };
             let key = String::from_utf8_lossy(kv.key());
-            match decode_entry(prefix, &key, kv.value()) {
+            let value = match self
+                .store
+                .whole(&key, kv.value().to_vec(), kv.mod_revision())
+                .await
+            {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(%key, error = %e, "reading a chunked service failed");
+                    continue;
+                }
+            };
+            match decode_entry(prefix, &key, &value) {
                 Ok((service, snapshot)) => {
                     stored.insert(service, snapshot);
                 }

@@ -53,10 +53,15 @@ pub struct EtcdConfig {
     /// fails after at most this long, and the writer retries.
     pub request_timeout_ms: u64,
     /// etcd's `--max-request-bytes` (1.5 MiB unless raised). A service whose value
-    /// would make a larger request is not written: etcd keeps its last value that
+    /// would make a larger request is stored in chunks of 1 MiB under
+    /// `<prefix>/chunks/<service>/`, its own key holding a manifest that names them
+    /// (`docs/operations.md`).
+    pub max_request_bytes: usize,
+    /// The largest service value stored, chunks and all (64 MiB by default, some
+    /// 400,000 endpoints). A larger one is not written: etcd keeps its last value that
     /// fitted, the other services are written as usual, and the refusal is counted
     /// (`ballast_store_refused_total{reason="too_large"}`) and shown in `/healthz`.
-    pub max_request_bytes: usize,
+    pub max_value_bytes: usize,
     /// The CA certificate(s), PEM, that etcd's server certificate must chain to.
     /// Required with `https://` endpoints; only those.
     pub ca_file: Option<PathBuf>,
@@ -85,6 +90,7 @@ impl Default for EtcdConfig {
             connect_timeout_ms: 2000,
             request_timeout_ms: 2000,
             max_request_bytes: ETCD_MAX_REQUEST_BYTES,
+            max_value_bytes: 64 << 20,
             ca_file: None,
             cert_file: None,
             key_file: None,
@@ -268,6 +274,12 @@ impl EtcdConfig {
             return Err(InvalidSetting::new(
                 "store.etcd.max_request_bytes",
                 "must be between 65536 and 1073741824, as etcd's --max-request-bytes",
+            ));
+        }
+        if !(64 * 1024..=1 << 30).contains(&self.max_value_bytes) {
+            return Err(InvalidSetting::new(
+                "store.etcd.max_value_bytes",
+                "must be between 65536 and 1073741824",
             ));
         }
         if self.uses_tls() {

@@ -5,7 +5,8 @@
 //! Writes are batched: the services a write carries go to etcd in one transaction (more
 //! only past etcd's limits of [`MAX_TXN_OPS`] operations and about [`MAX_TXN_BYTES`]),
 //! and a service whose value is byte for byte what this store last wrote or loaded is
-//! left out.
+//! left out. A value too large for one request goes in chunks first, and the service's
+//! key takes a manifest naming them ([`super::chunks`]); readers here follow it.
 //!
 //! etcd going away must not stop the aggregator. A failed write keeps the services it
 //! carried in a pending set and dates the outage; the next write, which the routing
@@ -37,6 +38,7 @@
 //! no thread, and nothing in it blocks a worker. It connects on first use, and again
 //! after a connection attempt fails.
 
+use super::chunks::{self, Chunked, Manifest};
 use super::file::FileStore;
 use super::validate::{self, Corrupt, Defect, SkipCounts};
 use super::{RoutingStore, StoreError, StoreFuture};
@@ -44,10 +46,10 @@ use crate::cluster::Ownership;
 use crate::config::EtcdConfig;
 use ballast_balance::ServiceSnapshot;
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, KvClient,
-    TlsOptions, Txn, TxnOp,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
+    KvClient, TlsOptions, Txn, TxnOp,
 };
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -123,6 +125,9 @@ fn newer_in_store(
 type Batch = Vec<(String, Vec<u8>)>;
 /// The fencing revision of each bucket a write touches, as taken when it was made.
 type Fences = BTreeMap<u32, i64>;
+/// For each service of a write whose value went in chunks: the manifest its key takes,
+/// and the generation the manifest names.
+type Manifests = HashMap<String, (Vec<u8>, String)>;
 
 /// Splits a batch into transactions etcd accepts: at most [`MAX_TXN_OPS`] puts and,
 /// unless one value alone is larger, at most [`MAX_TXN_BYTES`] of values each.
@@ -306,11 +311,13 @@ struct Ledger {
     pending: BTreeMap<String, Vec<u8>>,
     /// Set from a failed write until the next good one.
     outage: Option<Outage>,
-    /// The most bytes a service's name and value may take together: a larger put would
-    /// be refused by etcd, and, retried in every write, would hold back the services
-    /// after it.
+    /// The most bytes a service's name and value may take together in one put: a
+    /// larger value is written in chunks.
     max_entry_bytes: usize,
-    /// Services whose latest value is over `max_entry_bytes`, with its size: not
+    /// The most bytes a service's value may take, chunks and all: a larger one is not
+    /// written.
+    max_value_bytes: usize,
+    /// Services whose latest value is over `max_value_bytes`, with its size: not
     /// written, so etcd keeps their last value that fitted.
     too_large: BTreeMap<String, usize>,
     /// Values refused for their size since the last [`Ledger::take_refused`].
@@ -324,17 +331,18 @@ struct Ledger {
 
 impl Default for Ledger {
     fn default() -> Self {
-        Ledger::new(DEFAULT_MAX_REQUEST_BYTES - REQUEST_OVERHEAD)
+        Ledger::new(DEFAULT_MAX_REQUEST_BYTES - REQUEST_OVERHEAD, 64 << 20)
     }
 }
 
 impl Ledger {
-    fn new(max_entry_bytes: usize) -> Self {
+    fn new(max_entry_bytes: usize, max_value_bytes: usize) -> Self {
         Ledger {
             written: HashMap::new(),
             pending: BTreeMap::new(),
             outage: None,
             max_entry_bytes,
+            max_value_bytes,
             too_large: BTreeMap::new(),
             refused: 0,
             revisions: HashMap::new(),
@@ -342,23 +350,23 @@ impl Ledger {
     }
 
     /// Takes a service's new value. A value equal to what etcd holds needs no write, and
-    /// replaces any older pending one (the service changed back). A value too large for
-    /// etcd is not written: the service keeps the last value etcd took, the others are
-    /// written as usual, and the refusal is counted; the first one of a run is logged.
+    /// replaces any older pending one (the service changed back). A value over
+    /// `max_value_bytes` is not written: the service keeps the last value etcd took,
+    /// the others are written as usual, and the refusal is counted; the first one of a
+    /// run is logged.
     fn absorb(&mut self, service: &str, value: Vec<u8>) {
         let size = service.len() + value.len();
-        if size > self.max_entry_bytes {
+        if size > self.max_value_bytes {
             self.pending.remove(service);
             self.refused += 1;
             if self.too_large.insert(service.to_string(), size).is_none() {
                 tracing::error!(
                     service,
                     bytes = size,
-                    limit = self.max_entry_bytes,
+                    limit = self.max_value_bytes,
                     "service too large for etcd: its weights are not written there (etcd \
-                     keeps the last ones that fitted) until it shrinks; raise etcd's \
-                     --max-request-bytes and the store's max_request_bytes, or split the \
-                     service"
+                     keeps the last ones that fitted) until it shrinks; raise the store's \
+                     max_value_bytes, or split the service"
                 );
             }
             return;
@@ -371,6 +379,13 @@ impl Ledger {
         } else {
             self.pending.insert(service.to_string(), value);
         }
+    }
+
+    /// Whether `service`'s value in etcd, as this store knows it, is in chunks.
+    fn chunked_in_etcd(&self, service: &str) -> bool {
+        self.written
+            .get(service)
+            .is_some_and(|v| service.len() + v.len() > self.max_entry_bytes)
     }
 
     /// What the next write must carry: every pending service, latest value each.
@@ -538,6 +553,10 @@ pub(crate) struct EtcdStore {
     /// Values left unwritten since the last call because their service is not this
     /// replica's (any more).
     fenced: std::sync::atomic::AtomicU64,
+    /// What makes this store's chunk generations its own: its process and start time.
+    generation_base: String,
+    /// Chunked writes made, for the next generation's name.
+    generations: std::sync::atomic::AtomicU64,
 }
 
 /// What fences a cluster replica's writes: its ownership of each bucket, and the
@@ -578,6 +597,7 @@ impl EtcdStore {
             ledger: Mutex::new(Ledger::new(
                 cfg.max_request_bytes
                     .saturating_sub(REQUEST_OVERHEAD + services_prefix(&cfg.prefix).len()),
+                cfg.max_value_bytes,
             )),
             writer: tokio::sync::Mutex::new(()),
             copy: LocalCopy {
@@ -590,6 +610,14 @@ impl EtcdStore {
             skipped: SkipCounts::default(),
             fence,
             fenced: std::sync::atomic::AtomicU64::new(0),
+            generation_base: format!(
+                "{:x}-{:x}",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+                std::process::id()
+            ),
+            generations: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -655,13 +683,13 @@ impl EtcdStore {
         let batch = self.ledger().batch();
         let (batch, fences) = self.owned(batch);
         // A transaction compares each key's revision, and in a cluster each bucket's
-        // owner key: at most 64 of each, within etcd's 128 compares.
-        let max_ops = match self.fence {
-            Some(_) => MAX_TXN_OPS / 2,
-            None => MAX_TXN_OPS,
-        };
+        // owner key: at most 64 of each, within etcd's 128 compares. Its operations are
+        // a put per service and, for a service leaving chunks behind, a deletion: at
+        // most 128 too.
+        let max_ops = MAX_TXN_OPS / 2;
+        let (batch, manifests) = self.put_large(batch, &fences).await?;
         for chunk in txn_chunks(&batch, max_ops) {
-            let mut outcome = self.txn(chunk, &fences).await;
+            let mut outcome = self.txn(chunk, &fences, &manifests).await;
             if let Ok(None) = outcome {
                 // A key moved since this store last saw it (a write that timed out
                 // landed after all, or the store was written by another): learn where
@@ -669,7 +697,7 @@ impl EtcdStore {
                 if let Err(error) = self.refresh(chunk).await {
                     return Err(self.failed(error));
                 }
-                outcome = self.txn(chunk, &fences).await;
+                outcome = self.txn(chunk, &fences, &manifests).await;
             }
             match outcome {
                 Ok(Some(revision)) => self.ledger().committed_at(chunk, revision),
@@ -772,7 +800,7 @@ impl EtcdStore {
     /// (or still absent), and in a cluster each touched bucket's owner key still the
     /// one this replica's claim created, at the revision `fences` took.
     fn compares(&self, chunk: &[(String, Vec<u8>)], fences: &BTreeMap<u32, i64>) -> Vec<Compare> {
-        let mut compares: Vec<Compare> = {
+        let compares: Vec<Compare> = {
             let ledger = self.ledger();
             chunk
                 .iter()
@@ -785,10 +813,22 @@ impl EtcdStore {
                 })
                 .collect()
         };
+        let services = chunk.iter().map(|(service, _)| service.as_str());
+        [compares, self.fence_compares(services, fences)].concat()
+    }
+
+    /// In a cluster, the compares that fence a write of `services`: each touched
+    /// bucket's owner key still the one this replica's claim created, at the revision
+    /// `fences` took. None outside a cluster.
+    fn fence_compares<'s>(
+        &self,
+        services: impl Iterator<Item = &'s str>,
+        fences: &BTreeMap<u32, i64>,
+    ) -> Vec<Compare> {
+        let mut compares = Vec::new();
         if let Some(fence) = &self.fence {
-            let buckets: std::collections::BTreeSet<u32> = chunk
-                .iter()
-                .map(|(service, _)| fence.ownership.bucket(service))
+            let buckets: std::collections::BTreeSet<u32> = services
+                .map(|service| fence.ownership.bucket(service))
                 .collect();
             for b in buckets {
                 let key = crate::cluster::owner_key(&self.prefix, &fence.cluster, b);
@@ -801,20 +841,114 @@ impl EtcdStore {
         compares
     }
 
+    /// Writes the chunks of every value of `batch` too large for one request, each
+    /// chunk in a transaction of its own fenced like any write, and returns the batch
+    /// to write with, for each of those services, the manifest its key is to take and
+    /// the generation it names. A service whose fence failed is left out (and dropped,
+    /// as [`EtcdStore::fenced_out`] says).
+    async fn put_large(
+        &self,
+        batch: Batch,
+        fences: &Fences,
+    ) -> Result<(Batch, Manifests), StoreError> {
+        let max_entry = self.ledger().max_entry_bytes;
+        let mut manifests = HashMap::new();
+        let mut kept = Vec::with_capacity(batch.len());
+        for (service, value) in batch {
+            if service.len() + value.len() <= max_entry {
+                kept.push((service, value));
+                continue;
+            }
+            match self.put_chunks(&service, &value, fences).await {
+                Ok(Some(manifest)) => {
+                    manifests.insert(service.clone(), manifest);
+                    kept.push((service, value));
+                }
+                Ok(None) => self.fenced_out(&[(service, value)], fences),
+                Err(error) => return Err(self.failed(error)),
+            }
+        }
+        Ok((kept, manifests))
+    }
+
+    /// Puts `value`'s chunks under a new generation of `service`: the manifest naming
+    /// them and the generation, or `None` when the write's fence failed.
+    async fn put_chunks(
+        &self,
+        service: &str,
+        value: &[u8],
+        fences: &Fences,
+    ) -> Result<Option<(Vec<u8>, String)>, String> {
+        let n = self.generations.fetch_add(1, Ordering::Relaxed);
+        let generation = format!("{}-{n:x}", self.generation_base);
+        let compares = self.fence_compares(std::iter::once(service), fences);
+        let mut kv = self.kv().await?;
+        let mut count = 0;
+        for (i, piece) in chunks::split(value).enumerate() {
+            let key = chunks::chunk_key(&self.prefix, service, &generation, i);
+            let txn = Txn::new().when(compares.clone()).and_then(vec![TxnOp::put(
+                key,
+                piece.to_vec(),
+                None,
+            )]);
+            let resp = tokio::time::timeout(self.request_timeout, kv.txn(txn))
+                .await
+                .map_err(|_| format!("write timed out after {:?}", self.request_timeout))?
+                .map_err(|e| describe(&e))?;
+            if !resp.succeeded() {
+                return Ok(None);
+            }
+            count += 1;
+        }
+        let manifest = Manifest::new(&generation, count, value.len());
+        Ok(Some((manifest.to_vec(), generation)))
+    }
+
     /// Puts `chunk` in one transaction: `Some` with the revision it made, or `None`
-    /// when a compare failed and nothing was written.
+    /// when a compare failed and nothing was written. A service in `manifests` has its
+    /// key take the manifest, and every other generation of its chunks deleted; a
+    /// service whose value etcd holds in chunks and that fits in one put now has its
+    /// chunks deleted.
     async fn txn(
         &self,
         chunk: &[(String, Vec<u8>)],
         fences: &BTreeMap<u32, i64>,
+        manifests: &Manifests,
     ) -> Result<Option<i64>, String> {
         let mut kv = self.kv().await?;
-        let ops: Vec<TxnOp> = chunk
-            .iter()
-            .map(|(service, value)| {
-                TxnOp::put(service_key(&self.prefix, service), value.clone(), None)
-            })
-            .collect();
+        let was_chunked: HashSet<&str> = {
+            let ledger = self.ledger();
+            chunk
+                .iter()
+                .map(|(service, _)| service.as_str())
+                .filter(|service| ledger.chunked_in_etcd(service))
+                .collect()
+        };
+        let mut ops: Vec<TxnOp> = Vec::with_capacity(chunk.len());
+        for (service, value) in chunk {
+            let key = service_key(&self.prefix, service);
+            let all = chunks::chunks_prefix(&self.prefix, service);
+            match manifests.get(service) {
+                Some((manifest, generation)) => {
+                    let current = chunks::generation_prefix(&self.prefix, service, generation);
+                    ops.push(TxnOp::put(key, manifest.clone(), None));
+                    ops.push(TxnOp::delete(
+                        all.clone(),
+                        Some(DeleteOptions::new().with_range(current.clone())),
+                    ));
+                    ops.push(TxnOp::delete(
+                        chunks::prefix_end(&current),
+                        Some(DeleteOptions::new().with_range(chunks::prefix_end(&all))),
+                    ));
+                }
+                None => {
+                    ops.push(TxnOp::put(key, value.clone(), None));
+                    if was_chunked.contains(service.as_str()) {
+                        ops.push(TxnOp::delete(all, Some(DeleteOptions::new().with_prefix())));
+                    }
+                }
+            }
+        }
         let txn = Txn::new().when(self.compares(chunk, fences)).and_then(ops);
         let resp = tokio::time::timeout(self.request_timeout, kv.txn(txn))
             .await
@@ -864,7 +998,8 @@ impl EtcdStore {
         format!("etcd {}: {detail}", self.members())
     }
 
-    /// Every key under the services prefix, with its value and mod revision.
+    /// Every key under the services prefix, with its value and mod revision; a
+    /// chunked value is read whole, at the revision of the read.
     async fn read_all(&self) -> Result<Vec<(String, Vec<u8>, i64)>, String> {
         let mut kv = self.kv().await?;
         let range = services_prefix(&self.prefix);
@@ -875,15 +1010,68 @@ impl EtcdStore {
         .await
         .map_err(|_| format!("read timed out after {:?}", self.request_timeout))?
         .map_err(|e| describe(&e))?;
-        Ok(resp
+        let at = resp.header().map_or(0, |h| h.revision());
+        let mut entries = Vec::new();
+        for kv in resp.take_kvs() {
+            let revision = kv.mod_revision();
+            let (key, value) = kv.into_key_value();
+            let key = String::from_utf8_lossy(&key).into_owned();
+            let value = self.whole(&key, value, at).await?;
+            entries.push((key, value, revision));
+        }
+        Ok(entries)
+    }
+
+    /// `value`, as read from `key` at revision `at`, whole: the value itself, or, when
+    /// it is a manifest, its chunks joined as they were at `at`. Chunks that do not
+    /// make the value the manifest describes are logged, and the manifest is returned
+    /// as it is, which the reader then skips as corrupt; a failed read is an error.
+    pub(crate) async fn whole(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        at: i64,
+    ) -> Result<Vec<u8>, String> {
+        let Some(manifest) = Manifest::parse(&value) else {
+            return Ok(value);
+        };
+        let Some(service) = service_from_key(&self.prefix, key) else {
+            return Ok(value);
+        };
+        match self.read_chunks(service, &manifest, at).await? {
+            Ok(whole) => Ok(whole),
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "a chunked service value is incomplete");
+                Ok(value)
+            }
+        }
+    }
+
+    /// The chunks `manifest` names, read at revision `at` and joined.
+    async fn read_chunks(
+        &self,
+        service: &str,
+        manifest: &Chunked,
+        at: i64,
+    ) -> Result<Result<Vec<u8>, chunks::ChunkError>, String> {
+        let mut kv = self.kv().await?;
+        let range = chunks::generation_prefix(&self.prefix, service, &manifest.generation);
+        let mut resp = tokio::time::timeout(
+            self.request_timeout,
+            kv.get(
+                range,
+                Some(GetOptions::new().with_prefix().with_revision(at)),
+            ),
+        )
+        .await
+        .map_err(|_| format!("read timed out after {:?}", self.request_timeout))?
+        .map_err(|e| describe(&e))?;
+        let pieces: Vec<Vec<u8>> = resp
             .take_kvs()
             .into_iter()
-            .map(|kv| {
-                let revision = kv.mod_revision();
-                let (key, value) = kv.into_key_value();
-                (String::from_utf8_lossy(&key).into_owned(), value, revision)
-            })
-            .collect())
+            .map(|kv| kv.into_key_value().1)
+            .collect();
+        Ok(chunks::assemble(manifest, &pieces))
     }
 
     /// Every valid service in etcd. A key that is not one is skipped, logged with the
@@ -1114,14 +1302,14 @@ mod tests {
     }
 
     #[test]
-    fn a_value_too_large_for_etcd_is_held_back_and_the_others_are_written() {
+    fn a_value_too_large_to_store_is_held_back_and_the_others_are_written() {
         let v = |s: &str| s.as_bytes().to_vec();
-        let mut l = Ledger::new(10);
+        let mut l = Ledger::new(4, 10);
         l.absorb("a", v("1"));
         l.absorb("big", v("0123456789"));
         l.absorb("z", v("2"));
-        // The big one is not in the batch: etcd would refuse it, and every write
-        // would fail on it and hold back the services after it.
+        // The big one is not in the batch: it is over the largest value stored, and
+        // every write would carry it again.
         let batch = l.batch();
         let names: Vec<&str> = batch.iter().map(|(s, _)| s.as_str()).collect();
         assert_eq!(names, ["a", "z"]);
@@ -1133,10 +1321,13 @@ mod tests {
         l.absorb("big", v("01234567890"));
         assert_eq!(l.take_refused(), 1);
         assert!(l.batch().is_empty());
-        // It shrinks: written, and no longer listed.
+        // It shrinks: written (in chunks, over the 4 bytes of one put), and no longer
+        // listed.
         l.absorb("big", v("0123"));
         assert!(l.too_large.is_empty());
         assert_eq!(l.batch(), [("big".to_string(), v("0123"))]);
+        l.committed(&l.batch());
+        assert!(l.chunked_in_etcd("big") && !l.chunked_in_etcd("a"));
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! the aggregator could have written is skipped, logged and counted, and the rest
 //! loads.
 
+pub mod chunks;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod file;

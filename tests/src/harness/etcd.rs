@@ -421,6 +421,27 @@ impl Etcd {
         (!value.is_empty()).then(|| value.to_string())
     }
 
+    /// Service `service`'s value under `prefix` as the aggregator stored it, whole: the
+    /// key's value, or, when it holds a manifest, its chunks joined (read with
+    /// `etcdctl` as any tool would). `Err` when the service is not stored, or when its
+    /// chunks do not make its value (a write between the two reads replaced them:
+    /// read again).
+    pub fn get_service(&self, prefix: &str, service: &str) -> Result<String, String> {
+        use ballast_aggregator::store::chunks;
+        let value = self
+            .get(&format!("{prefix}/services/{service}"))
+            .ok_or_else(|| format!("{service} is not stored"))?;
+        let Some(manifest) = chunks::Manifest::parse(value.as_bytes()) else {
+            return Ok(value);
+        };
+        let range = chunks::generation_prefix(prefix, service, &manifest.generation);
+        // Compact JSON holds no newline: each line is one chunk's value.
+        let out = self.try_ctl(&["get", "--prefix", &range, "--print-value-only"])?;
+        let pieces: Vec<Vec<u8>> = out.lines().map(|l| l.as_bytes().to_vec()).collect();
+        let whole = chunks::assemble(&manifest, &pieces).map_err(|e| e.to_string())?;
+        String::from_utf8(whole).map_err(|e| format!("{service}: {e}"))
+    }
+
     /// Watches every key under `prefix` from the first revision on, so that no event is
     /// missed however late the watcher starts.
     pub fn watch(&self, prefix: &str) -> Watch {
