@@ -36,7 +36,7 @@ pub use harness::api::{
 };
 pub use harness::backend::Backend;
 pub use harness::converge::{converged, node_names, start_speeds};
-pub use harness::etcd::{require_etcd, Etcd, Watch, WatchEvent};
+pub use harness::etcd::{endpoints_for, require_etcd, snapshot_value, Etcd, Watch, WatchEvent};
 pub use harness::fleet::fleet_served;
 pub use harness::haproxy::{require_haproxy, Haproxy, HaproxyOpts, ServerState};
 pub use harness::packages::{packages, repo_root, require_tool, Packages, ScratchRoot};

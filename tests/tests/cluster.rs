@@ -4,10 +4,12 @@
 //! another replica with their weights; an owner cut off from etcd by nftables in a
 //! network namespace stops writing, says so in `/healthz`, and is replaced with no
 //! value ever written unowned; an etcd outage freezes the weights rather than
-//! emptying anything, and ownership comes back with etcd; a new replica takes only the
-//! buckets rendezvous hashing gives it.
+//! emptying anything, and ownership comes back with etcd; a service too large for one
+//! etcd request is written in chunks and served whole by every replica; a new replica
+//! takes only the buckets rendezvous hashing gives it.
 
 use ballast_aggregator::cluster::{bucket_of, owner_key, preferred, FEED_BEHIND_AFTER};
+use ballast_aggregator::store::chunks::Manifest;
 use ballast_balance::ServiceSnapshot;
 use ballast_tests::harness::netns::Netns;
 use ballast_tests::*;
@@ -645,6 +647,61 @@ fn a_replica_cut_off_from_etcd_stops_writing_says_so_and_hands_its_service_on() 
     }
     assert!(writes > 3, "the watch saw {writes} writes of alpha");
     eprintln!("partition: {writes} writes of alpha, one writer at a time, none unowned");
+}
+
+#[test]
+fn a_service_too_large_for_one_etcd_request_is_served_whole_by_every_replica() {
+    require_etcd();
+    let mut etcd = Etcd::start();
+    // Put by hand over etcd's 1.5 MiB request limit, through a limit raised for the
+    // purpose, as an earlier version of the service.
+    let n = endpoints_for(1_650_000);
+    let key = format!("{PREFIX}/services/big");
+    etcd.kill();
+    etcd.restart_with(&["--max-request-bytes", "4194304"]);
+    etcd.put_large(&key, &snapshot_value(n, 7));
+    etcd.kill();
+    etcd.restart_with(&[]);
+    let pki = Pki::new();
+    let names = ["r0", "r1", "r2"];
+    let replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
+    let served_by_all = |want: usize, with_agent: bool| {
+        for (i, r) in replicas.iter().enumerate() {
+            wait_for(
+                Duration::from_secs(30),
+                &format!("big served whole by {}", names[i]),
+                || {
+                    let w = r.try_weights("big")?;
+                    let agent = w.weights.contains_key("big-agent");
+                    (w.weights.len() == want && agent == with_agent)
+                        .then_some(())
+                        .ok_or(format!("{} endpoints, agent {agent}", w.weights.len()))
+                },
+            );
+        }
+    };
+    // Read at start, by every replica.
+    served_by_all(n, false);
+
+    // An agent joins: the owner writes the service in chunks behind a manifest, and
+    // every other replica, following etcd's watch, reads the chunks at the manifest's
+    // revision and serves the new value whole.
+    pki.issue_nodes_for("big", &["big-agent"]);
+    let mut opts = AgentOpts::new("big", "big-agent");
+    opts.aggregators = Some(replicas.iter().map(|r| r.quic_addr().to_string()).collect());
+    let _agent = Agent::start(&pki, &replicas[0], opts);
+    served_by_all(n + 1, true);
+    let manifest = Manifest::parse(etcd.get(&key).expect("big's key").as_bytes())
+        .expect("big's key holds a manifest");
+    assert!(manifest.chunks >= 2, "{manifest:?}");
+    let owner = owner(&etcd, "big").expect("an owner");
+    eprintln!(
+        "large service: {} endpoints, {} bytes in {} chunks, written by {owner} and served \
+         whole by every replica",
+        n + 1,
+        manifest.bytes,
+        manifest.chunks
+    );
 }
 
 #[test]

@@ -528,3 +528,41 @@ impl Drop for Watch {
         let _ = self.child.wait();
     }
 }
+
+/// A service value of `n` endpoints as the store writes it, with weights of full
+/// precision like the controllers'.
+pub fn snapshot_value(n: usize, version: u64) -> Vec<u8> {
+    use ballast_balance::{EndpointSnapshot, ServiceSnapshot, Strategy};
+    let endpoints = (0..n)
+        .map(|i| {
+            // Mean about 1, every one a long decimal, as converged weights are.
+            let weight = 0.75 + (i % 997) as f64 / 1994.0 + 1e-9 * (i % 7) as f64;
+            (
+                format!("n-{i:06}"),
+                EndpointSnapshot {
+                    address: format!("10.{}.{}.{}:8080", i >> 16, (i >> 8) & 255, i & 255),
+                    zone: String::new(),
+                    draining: false,
+                    weight,
+                    strategy_weights: [(Strategy::Pid, weight)].into_iter().collect(),
+                },
+            )
+        })
+        .collect();
+    serde_json::to_vec(&ServiceSnapshot {
+        version,
+        cycle: version,
+        endpoints,
+    })
+    .expect("encode a snapshot")
+}
+
+/// The fewest endpoints whose value is at least `bytes`.
+pub fn endpoints_for(bytes: usize) -> usize {
+    let per = snapshot_value(1000, 7).len() / 1000;
+    let mut n = bytes / per;
+    while snapshot_value(n, 7).len() < bytes {
+        n += n / 100 + 1;
+    }
+    n
+}
