@@ -796,7 +796,7 @@ fn a_service_over_etcds_request_limit_is_stored_in_chunks_and_one_too_large_hold
     }
     let near_key = etcd.get(&key(prefix, "near")).expect("near");
     assert!(
-        Manifest::parse(near_key.as_bytes()).is_none() && near_key.len() > 1_300_000,
+        Manifest::parse(near_key.as_bytes()).is_none() && near_key.len() > 1_000_000,
         "near is stored whole in its key"
     );
     let manifest = Manifest::parse(etcd.get(&key(prefix, "over")).expect("over").as_bytes())

@@ -140,7 +140,7 @@ async fn healthz(AxState(state): AxState<Arc<State>>) -> (StatusCode, Json<views
                     replica: o.replica().to_string(),
                     buckets_owned: o.owned(),
                     behind_etcd_ms: u64::try_from(behind.as_millis()).unwrap_or(u64::MAX),
-                    following: behind <= crate::cluster::FEED_BEHIND_AFTER,
+                    following: o.following(),
                 }
             }),
         }),

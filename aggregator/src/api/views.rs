@@ -52,8 +52,9 @@ pub struct ClusterHealth {
     /// services is current (since start, if it never has): how stale what it serves of
     /// the services it does not own may be.
     pub behind_etcd_ms: u64,
-    /// Whether it follows etcd: confirmed within the last 5 s. A replica cut off from
-    /// etcd turns false, and serves every service as last published.
+    /// Whether it follows etcd: confirmed current at least once, and within the last
+    /// 5 s. A replica cut off from etcd turns false, and serves every service as last
+    /// published.
     pub following: bool,
 }
 

@@ -25,7 +25,7 @@ use super::{cluster_prefix, member_key, owner_key, preferred, Ownership};
 use crate::config::ClusterConfig;
 use crate::state::State;
 use crate::store::etcd::EtcdStore;
-use crate::store::etcd::{decode_entry, services_prefix};
+use crate::store::etcd::{decode_entry, service_from_key, services_prefix};
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     PutOptions, Txn, TxnOp, WatchOptions, WatchResponse, WatchStream,
@@ -239,8 +239,11 @@ impl Replica {
                     // Events, or the answer to a progress request (none): either way
                     // etcd has sent everything up to its revision.
                     Ok(Some(resp)) => {
-                        self.follow_events(&prefix, &resp).await;
-                        self.ownership.feed_confirmed();
+                        if self.follow_events(&prefix, &resp).await {
+                            self.ownership.feed_confirmed();
+                        } else {
+                            services = None;
+                        }
                     }
                     Ok(None) | Err(_) => services = None,
                 },
@@ -389,17 +392,23 @@ impl Replica {
     }
 
     /// Follows the services a watch response shows written; a chunked value is read
-    /// whole at the revision of its write. A chunk read that fails leaves the service
-    /// as this replica last had it; the next write of it, or the next full read after
-    /// a watch is made again, brings it.
-    async fn follow_events(&self, prefix: &str, resp: &WatchResponse) {
+    /// whole at the revision of its write. Whether every one was followed: a chunk read
+    /// that fails leaves its service as this replica last had it, and the caller makes
+    /// the watch again, which reads every service anew.
+    async fn follow_events(&self, prefix: &str, resp: &WatchResponse) -> bool {
         let mut stored = BTreeMap::new();
+        let mut complete = true;
         for event in resp.events() {
             if event.event_type() != EventType::Put {
                 continue;
             }
             let Some(kv) = event.kv() else { continue };
             let key = String::from_utf8_lossy(kv.key());
+            // This replica's own writes need no reading back: it serves what it
+            // balances (and `follow` would leave them alone anyway).
+            if service_from_key(prefix, &key).is_some_and(|s| self.ownership.owns(s)) {
+                continue;
+            }
             let value = match self
                 .store
                 .whole(&key, kv.value().to_vec(), kv.mod_revision())
@@ -408,6 +417,7 @@ impl Replica {
                 Ok(v) => v,
                 Err(e) => {
                     tracing::warn!(%key, error = %e, "reading a chunked service failed");
+                    complete = false;
                     continue;
                 }
             };
@@ -420,6 +430,7 @@ impl Replica {
             }
         }
         self.follow(stored);
+        complete
     }
 
     /// Reads the cluster's members and owners.

@@ -142,6 +142,13 @@ impl Ownership {
         Duration::from_millis(self.now_ms().saturating_sub(confirmed))
     }
 
+    /// Whether this replica follows etcd: confirmed current at least once, and within
+    /// [`FEED_BEHIND_AFTER`].
+    pub fn following(&self) -> bool {
+        self.feed_confirmed_ms.load(Ordering::Acquire) > 0
+            && self.feed_behind() <= FEED_BEHIND_AFTER
+    }
+
     /// Records that the lease is known valid until `until`.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn valid_until(&self, until: Instant) {
@@ -345,7 +352,9 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(20));
         let never = o.feed_behind();
         assert!(never >= std::time::Duration::from_millis(20), "{never:?}");
+        assert!(!o.following(), "never confirmed");
         o.feed_confirmed();
+        assert!(o.following());
         assert!(o.feed_behind() < never, "{:?}", o.feed_behind());
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(o.feed_behind() >= std::time::Duration::from_millis(20));

@@ -276,10 +276,10 @@ impl EtcdConfig {
                 "must be between 65536 and 1073741824, as etcd's --max-request-bytes",
             ));
         }
-        if !(64 * 1024..=1 << 30).contains(&self.max_value_bytes) {
+        if !(64 * 1024..=256 << 20).contains(&self.max_value_bytes) {
             return Err(InvalidSetting::new(
                 "store.etcd.max_value_bytes",
-                "must be between 65536 and 1073741824",
+                "must be between 65536 and 268435456 (256 MiB, the most one read takes)",
             ));
         }
         if self.uses_tls() {

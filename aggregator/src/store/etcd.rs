@@ -49,7 +49,7 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
     KvClient, TlsOptions, Txn, TxnOp,
 };
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -201,8 +201,8 @@ impl Credentials {
             ))
         } else if detail.contains("permission denied") {
             Some(format!(
-                "user {user:?} may not read and write the keys under {}",
-                services_prefix(prefix)
+                "user {user:?} may not read and write the keys under {prefix}/ (services/, \
+                 chunks/ and, in a cluster, cluster/)"
             ))
         } else if detail.contains("user name is empty") || detail.contains("invalid auth token") {
             Some("etcd requires authentication: set store.etcd.user and password_file".to_string())
@@ -379,13 +379,6 @@ impl Ledger {
         } else {
             self.pending.insert(service.to_string(), value);
         }
-    }
-
-    /// Whether `service`'s value in etcd, as this store knows it, is in chunks.
-    fn chunked_in_etcd(&self, service: &str) -> bool {
-        self.written
-            .get(service)
-            .is_some_and(|v| service.len() + v.len() > self.max_entry_bytes)
     }
 
     /// What the next write must carry: every pending service, latest value each.
@@ -682,12 +675,12 @@ impl EtcdStore {
         // The ledger's guard must be gone before `owned`, which takes it again.
         let batch = self.ledger().batch();
         let (batch, fences) = self.owned(batch);
-        // A transaction compares each key's revision, and in a cluster each bucket's
-        // owner key: at most 64 of each, within etcd's 128 compares. Its operations are
-        // a put per service and, for a service leaving chunks behind, a deletion: at
-        // most 128 too.
-        let max_ops = MAX_TXN_OPS / 2;
-        let (batch, manifests) = self.put_large(batch, &fences).await?;
+        // A transaction compares each key's revision, in a cluster each bucket's owner
+        // key, and for a chunked value one of its chunks: at most 42 of each, within
+        // etcd's 128 compares. Its operations are a put and a deletion per service, a
+        // put and two deletions per chunked one: at most 126.
+        let max_ops = MAX_TXN_OPS / 3;
+        let (batch, manifests, chunks_failed) = self.put_large(batch, &fences).await?;
         for chunk in txn_chunks(&batch, max_ops) {
             let mut outcome = self.txn(chunk, &fences, &manifests).await;
             if let Ok(None) = outcome {
@@ -711,6 +704,9 @@ impl EtcdStore {
                 }
                 Err(error) => return Err(self.failed(error)),
             }
+        }
+        if let Some(error) = chunks_failed {
+            return Err(self.failed(error));
         }
         if let Some(outage) = self.ledger().recovered() {
             tracing::info!(
@@ -845,30 +841,37 @@ impl EtcdStore {
     /// chunk in a transaction of its own fenced like any write, and returns the batch
     /// to write with, for each of those services, the manifest its key is to take and
     /// the generation it names. A service whose fence failed is left out (and dropped,
-    /// as [`EtcdStore::fenced_out`] says).
+    /// as [`EtcdStore::fenced_out`] says); one whose chunks could not be written is
+    /// left out and stays pending, and the error is returned beside the rest, which is
+    /// written all the same.
     async fn put_large(
         &self,
         batch: Batch,
         fences: &Fences,
-    ) -> Result<(Batch, Manifests), StoreError> {
+    ) -> Result<(Batch, Manifests, Option<String>), StoreError> {
         let max_entry = self.ledger().max_entry_bytes;
         let mut manifests = HashMap::new();
         let mut kept = Vec::with_capacity(batch.len());
+        let mut failed = None;
         for (service, value) in batch {
             if service.len() + value.len() <= max_entry {
                 kept.push((service, value));
                 continue;
             }
-            match self.put_chunks(&service, &value, fences).await {
+            // A chunk is a put of its own: its key and value within the request limit.
+            let key_bytes = chunks::chunk_key(&self.prefix, &service, "", 0).len() + 64;
+            let chunk_bytes = chunks::CHUNK_BYTES.min(max_entry.saturating_sub(key_bytes).max(1));
+            match self.put_chunks(&service, &value, chunk_bytes, fences).await {
                 Ok(Some(manifest)) => {
                     manifests.insert(service.clone(), manifest);
                     kept.push((service, value));
                 }
                 Ok(None) => self.fenced_out(&[(service, value)], fences),
-                Err(error) => return Err(self.failed(error)),
+                // It stays pending; the others are written all the same.
+                Err(error) => failed = Some(error),
             }
         }
-        Ok((kept, manifests))
+        Ok((kept, manifests, failed))
     }
 
     /// Puts `value`'s chunks under a new generation of `service`: the manifest naming
@@ -877,6 +880,7 @@ impl EtcdStore {
         &self,
         service: &str,
         value: &[u8],
+        chunk_bytes: usize,
         fences: &Fences,
     ) -> Result<Option<(Vec<u8>, String)>, String> {
         let n = self.generations.fetch_add(1, Ordering::Relaxed);
@@ -884,7 +888,7 @@ impl EtcdStore {
         let compares = self.fence_compares(std::iter::once(service), fences);
         let mut kv = self.kv().await?;
         let mut count = 0;
-        for (i, piece) in chunks::split(value).enumerate() {
+        for (i, piece) in value.chunks(chunk_bytes).enumerate() {
             let key = chunks::chunk_key(&self.prefix, service, &generation, i);
             let txn = Txn::new().when(compares.clone()).and_then(vec![TxnOp::put(
                 key,
@@ -916,21 +920,25 @@ impl EtcdStore {
         manifests: &Manifests,
     ) -> Result<Option<i64>, String> {
         let mut kv = self.kv().await?;
-        let was_chunked: HashSet<&str> = {
-            let ledger = self.ledger();
-            chunk
-                .iter()
-                .map(|(service, _)| service.as_str())
-                .filter(|service| ledger.chunked_in_etcd(service))
-                .collect()
-        };
-        let mut ops: Vec<TxnOp> = Vec::with_capacity(chunk.len());
+        let mut compares = self.compares(chunk, fences);
+        let mut ops: Vec<TxnOp> = Vec::with_capacity(2 * chunk.len());
         for (service, value) in chunk {
             let key = service_key(&self.prefix, service);
             let all = chunks::chunks_prefix(&self.prefix, service);
             match manifests.get(service) {
                 Some((manifest, generation)) => {
                     let current = chunks::generation_prefix(&self.prefix, service, generation);
+                    // Its chunks are still there: a write of this store that timed out
+                    // and landed late would have deleted them with every generation but
+                    // its own. One chunk stands for all: a generation goes whole.
+                    let count = Manifest::parse(manifest).map_or(0, |m| m.chunks as usize);
+                    let last = chunks::chunk_key(
+                        &self.prefix,
+                        service,
+                        generation,
+                        count.saturating_sub(1),
+                    );
+                    compares.push(Compare::create_revision(last, CompareOp::Greater, 0));
                     ops.push(TxnOp::put(key, manifest.clone(), None));
                     ops.push(TxnOp::delete(
                         all.clone(),
@@ -942,14 +950,14 @@ impl EtcdStore {
                     ));
                 }
                 None => {
+                    // Whole now: any chunks the service had go, those of an earlier
+                    // chunked value and those a failed write left.
                     ops.push(TxnOp::put(key, value.clone(), None));
-                    if was_chunked.contains(service.as_str()) {
-                        ops.push(TxnOp::delete(all, Some(DeleteOptions::new().with_prefix())));
-                    }
+                    ops.push(TxnOp::delete(all, Some(DeleteOptions::new().with_prefix())));
                 }
             }
         }
-        let txn = Txn::new().when(self.compares(chunk, fences)).and_then(ops);
+        let txn = Txn::new().when(compares).and_then(ops);
         let resp = tokio::time::timeout(self.request_timeout, kv.txn(txn))
             .await
             .map_err(|_| format!("write timed out after {:?}", self.request_timeout))?
@@ -1326,8 +1334,6 @@ mod tests {
         l.absorb("big", v("0123"));
         assert!(l.too_large.is_empty());
         assert_eq!(l.batch(), [("big".to_string(), v("0123"))]);
-        l.committed(&l.batch());
-        assert!(l.chunked_in_etcd("big") && !l.chunked_in_etcd("a"));
     }
 
     #[test]
@@ -1651,7 +1657,11 @@ mod tests {
             "{explained}"
         );
         let denied = "etcdserver: permission denied".to_string();
-        assert!(with_cert.explain("/p", denied).contains("/p/services/"));
+        let explained = with_cert.explain("/p", denied);
+        assert!(
+            explained.contains("keys under /p/ (services/, chunks/"),
+            "{explained}"
+        );
         let refused = "tcp connect error: Connection refused".to_string();
         assert_eq!(no_cert.explain("/p", refused.clone()), refused);
     }
