@@ -65,9 +65,14 @@ fn main() {
     );
 
     let pki = Pki::new();
+    // The shipped limit is 50,000 endpoints a service; this service is larger.
     let opts = AggregatorOpts {
         cycle_ms: 1000,
         report_interval_ms: 1000,
+        config_toml: Some(format!(
+            "[limits]\nmax_endpoints_per_service = {}\n",
+            endpoints + 10
+        )),
         ..AggregatorOpts::default()
     }
     .etcd(&etcd.endpoint(), PREFIX);
