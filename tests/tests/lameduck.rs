@@ -383,10 +383,11 @@ fn drain_stop_restart_undrain_loses_no_request() {
         "{resp:?}"
     );
     // Follow the publications: the last one with the node draining, then the first
-    // without.
+    // without. The poll is fast beside the 500 ms cycle, so it sees each one.
     let mut last_drained_cycle = before.cycle;
-    let first = wait_for(
+    let first = wait_for_polling(
         Duration::from_secs(5),
+        Duration::from_millis(10),
         "the undrain to be published",
         || {
             let set = agg.weights(SERVICE);
@@ -404,8 +405,18 @@ fn drain_stop_restart_undrain_loses_no_request() {
     // cycle since then grows it by `max_growth` (1.5) at most, and the others shrink
     // to make room, which the unit test of the ramp bounds by another 1.5: so against
     // the others' mean in the same publication it is at most 0.1 × 2.25 per cycle
-    // passed. A jump back to its old share (1.0) is far outside.
+    // passed. A jump back to its old share (1.0) is far outside while at most two
+    // cycles passed unseen (0.506); past that the bound would admit it, so the poll
+    // must not have missed more. At 10 ms beside a 500 ms cycle that takes a stall of
+    // the test over a second.
     let steps = first.cycle.saturating_sub(last_drained_cycle).max(1);
+    assert!(
+        steps <= 2,
+        "the poll missed the undrain's first publications: it saw cycle \
+         {last_drained_cycle} draining, then cycle {} undrained, too far apart to tell \
+         a ramp from a jump",
+        first.cycle
+    );
     let w = first.weights[&drained].weight;
     let others: Vec<f64> = first
         .weights

@@ -14,7 +14,18 @@ pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
 
 /// Polls `f` until it returns `Ok`, for at most `timeout`. On timeout, panics with
 /// `what` and the last `Err` text, which should describe what was seen instead.
-pub fn wait_for<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Result<T, String>) -> T {
+pub fn wait_for<T>(timeout: Duration, what: &str, f: impl FnMut() -> Result<T, String>) -> T {
+    wait_for_polling(timeout, POLL, what, f)
+}
+
+/// [`wait_for`], polling every `poll`: for a wait that must see each step of
+/// something that changes faster than [`POLL`].
+pub fn wait_for_polling<T>(
+    timeout: Duration,
+    poll: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Result<T, String>,
+) -> T {
     let start = Instant::now();
     loop {
         let last = match f() {
@@ -27,7 +38,7 @@ pub fn wait_for<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Result<
             }
             panic!("timed out after {timeout:?} waiting for {what}; last seen: {last}");
         }
-        std::thread::sleep(POLL);
+        std::thread::sleep(poll);
     }
 }
 
