@@ -46,6 +46,10 @@ pub struct State {
     /// every replica's feeds serve every service, and a lost service keeps its last
     /// weights rather than vanishing from the load balancers.
     followed: Mutex<BTreeMap<String, Arc<PublishedService>>>,
+    /// As a cluster replica, the services a takeover restored from the store, as they
+    /// were published then: what the store already holds, so that the writer does not
+    /// write the same value again once their buckets are owned.
+    taken_over: Mutex<BTreeMap<String, Arc<PublishedService>>>,
 }
 
 /// The cycle loop's liveness, for `/healthz`: a loop that stopped (a panic, a deadlock
@@ -114,6 +118,7 @@ impl State {
             limits: crate::config::limits::Limits::default(),
             ownership: None,
             followed: Mutex::new(BTreeMap::new()),
+            taken_over: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -220,8 +225,38 @@ impl State {
         // Published afresh, not from the previous publication's copy (the followed
         // one, which may lag what was just restored).
         let ran: BTreeSet<String> = fresh.keys().cloned().collect();
-        self.publish(&b, &ran, now);
+        let published = self.publish(&b, &ran, now);
+        let mut taken = self.taken_over();
+        for name in fresh.keys() {
+            if let Some(service) = published.services.get(name) {
+                taken.insert(name.clone(), Arc::clone(service));
+            }
+        }
         fresh.len()
+    }
+
+    fn taken_over(&self) -> MutexGuard<'_, BTreeMap<String, Arc<PublishedService>>> {
+        self.taken_over.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The services a takeover restored from the store that this replica now
+    /// balances, as published at the takeover: the store holds them so, and they need
+    /// no write until they change. Each is handed out once; those whose buckets are not
+    /// owned yet wait for the next call.
+    pub(crate) fn take_restored(&self) -> Vec<(String, Arc<PublishedService>)> {
+        let mut taken = self.taken_over();
+        if taken.is_empty() {
+            return Vec::new();
+        }
+        let ready: Vec<String> = taken
+            .keys()
+            .filter(|name| self.balances(name))
+            .cloned()
+            .collect();
+        ready
+            .into_iter()
+            .filter_map(|name| taken.remove(&name).map(|s| (name, s)))
+            .collect()
     }
 
     /// Lets go of the services `gone` picks, as a replica that lost them to another
@@ -242,7 +277,9 @@ impl State {
         let last = self.published();
         {
             let mut followed = self.followed();
+            let mut taken = self.taken_over();
             for name in &names {
+                taken.remove(name);
                 b.remove_service(name);
                 if let Some(p) = last.services.get(name) {
                     followed.insert(name.clone(), Arc::clone(p));

@@ -263,6 +263,12 @@ impl Tracker {
         }
     }
 
+    /// Records that the store holds `service` as it is: restored from there by a
+    /// takeover, it needs no write until it changes.
+    fn restored(&mut self, name: String, service: Arc<PublishedService>) {
+        self.written.insert(name, service);
+    }
+
     /// Forgets what was written of `service`, so that it is written again.
     fn forget(&mut self, service: &str) {
         self.written.remove(service);
@@ -436,6 +442,9 @@ async fn run(
     loop {
         let latest = publications.borrow_and_update().clone();
         let now = Instant::now();
+        for (name, service) in state.take_restored() {
+            tracker.restored(name, service);
+        }
         let due = tracker.differing(&latest, now, &|name| state.balances(name));
         report(&state, &tracker, now);
         // After a fallback the store must be read and reconciled even with nothing due.
