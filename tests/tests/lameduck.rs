@@ -51,6 +51,8 @@ const RUN: Duration = Duration::from_secs(34);
 const QUIET_MS: u64 = 1500;
 /// The core's cold-start weight, relative to the mean.
 const COLD_START: f64 = 0.1;
+/// The core's material change, in units of the mean weight: less is not published.
+const MATERIAL_CHANGE: f64 = 0.01;
 
 /// The health status of `addr` in the latest EDS response the xDS client got.
 /// Panics, naming the client, if it stopped.
@@ -382,9 +384,10 @@ fn drain_stop_restart_undrain_loses_no_request() {
         resp.status.as_ref().is_some_and(|s| !s.draining),
         "{resp:?}"
     );
-    // Follow the publications: the last one with the node draining, then the first
-    // without. The poll is fast beside the 500 ms cycle, so it sees each one.
-    let mut last_drained_cycle = before.cycle;
+    // Follow the publications (each a new version: the version moves by one with every
+    // material change, at most once a cycle): the last one with the node draining, then
+    // the first without. The poll is fast beside the 500 ms cycle, so it sees each one.
+    let mut last_drained_version = before.version;
     let first = wait_for_polling(
         Duration::from_secs(5),
         Duration::from_millis(10),
@@ -394,8 +397,8 @@ fn drain_stop_restart_undrain_loses_no_request() {
             match set.weights.get(&drained) {
                 Some(e) if !e.draining && e.weight > 0.0 => Ok(set),
                 Some(e) if e.draining => {
-                    last_drained_cycle = last_drained_cycle.max(set.cycle);
-                    Err(format!("still draining at cycle {}", set.cycle))
+                    last_drained_version = last_drained_version.max(set.version);
+                    Err(format!("still draining at version {}", set.version))
                 }
                 other => Err(format!("{other:?}")),
             }
@@ -404,18 +407,20 @@ fn drain_stop_restart_undrain_loses_no_request() {
     // The node restarts at the cold-start weight, a tenth of the others' mean. Each
     // cycle since then grows it by `max_growth` (1.5) at most, and the others shrink
     // to make room, which the unit test of the ramp bounds by another 1.5: so against
-    // the others' mean in the same publication it is at most 0.1 × 2.25 per cycle
-    // passed. A jump back to its old share (1.0) is far outside while at most two
-    // cycles passed unseen (0.506); past that the bound would admit it, so the poll
-    // must not have missed more. At 10 ms beside a 500 ms cycle that takes a stall of
-    // the test over a second.
-    let steps = first.cycle.saturating_sub(last_drained_cycle).max(1);
+    // the others' mean it is at most 0.1 × 2.25 a cycle. Cycles that publish nothing
+    // moved no weight by the material change (0.01 of the mean) since the last
+    // version, so each version passed allows one step of (w + 0.01) × 2.25. A jump
+    // back to its old share (1.0) is far outside while at most two versions passed
+    // (0.58); past that the bound would admit it, so the poll must not have
+    // missed more. At 10 ms beside a 500 ms cycle that takes a stall of the test over
+    // a second.
+    let steps = first.version.saturating_sub(last_drained_version).max(1);
     assert!(
         steps <= 2,
-        "the poll missed the undrain's first publications: it saw cycle \
-         {last_drained_cycle} draining, then cycle {} undrained, too far apart to tell \
-         a ramp from a jump",
-        first.cycle
+        "the poll missed the undrain's first publications: it saw version \
+         {last_drained_version} draining, then version {} undrained, too far apart to \
+         tell a ramp from a jump",
+        first.version
     );
     let w = first.weights[&drained].weight;
     let others: Vec<f64> = first
@@ -425,16 +430,16 @@ fn drain_stop_restart_undrain_loses_no_request() {
         .map(|(_, e)| e.weight)
         .collect();
     let ratio = w / (others.iter().sum::<f64>() / others.len() as f64);
-    let limit = COLD_START * (1.5f64 * 1.5).powi(steps as i32);
+    let limit = (0..steps).fold(COLD_START, |w, _| (w + MATERIAL_CHANGE) * 2.25);
     assert!(
         ratio <= limit + 0.005,
-        "the node came back at {w:.3} ({ratio:.3} of the others' mean) {steps} cycle(s) \
+        "the node came back at {w:.3} ({ratio:.3} of the others' mean) {steps} version(s) \
          after the last drained publication, not from the cold-start weight \
          ({COLD_START} of the mean, at most {limit:.3} by then)"
     );
     eprintln!(
         "undrained: first published weight {w:.3}, {ratio:.3} of the others' mean, \
-         {steps} cycle(s) after the last drained publication"
+         {steps} version(s) after the last drained publication"
     );
     wait_for(
         Duration::from_secs(5),
