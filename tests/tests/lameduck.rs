@@ -49,10 +49,8 @@ const RUN: Duration = Duration::from_secs(34);
 /// Quiet period after the drain before stopping is safe: above HAProxy's 500 ms
 /// agent-inter, as the operations guide asks.
 const QUIET_MS: u64 = 1500;
-/// The core's cold-start weight, relative to the mean.
-const COLD_START: f64 = 0.1;
 /// The core's material change, in units of the mean weight: less is not published.
-const MATERIAL_CHANGE: f64 = 0.01;
+use ballast_balance::MATERIAL_CHANGE;
 
 /// The health status of `addr` in the latest EDS response the xDS client got.
 /// Panics, naming the client, if it stopped.
@@ -430,12 +428,14 @@ fn drain_stop_restart_undrain_loses_no_request() {
         .map(|(_, e)| e.weight)
         .collect();
     let ratio = w / (others.iter().sum::<f64>() / others.len() as f64);
-    let limit = (0..steps).fold(COLD_START, |w, _| (w + MATERIAL_CHANGE) * 2.25);
+    // The aggregator runs with the shipped parameters.
+    let cold_start = ballast_balance::Params::default().cold_start_weight;
+    let limit = (0..steps).fold(cold_start, |w, _| (w + MATERIAL_CHANGE) * 2.25);
     assert!(
         ratio <= limit + 0.005,
         "the node came back at {w:.3} ({ratio:.3} of the others' mean) {steps} version(s) \
          after the last drained publication, not from the cold-start weight \
-         ({COLD_START} of the mean, at most {limit:.3} by then)"
+         ({cold_start} of the mean, at most {limit:.3} by then)"
     );
     eprintln!(
         "undrained: first published weight {w:.3}, {ratio:.3} of the others' mean, \

@@ -212,9 +212,8 @@ fn check_event(ev: &Event) -> (u64, serde_json::Value) {
     (id, value)
 }
 
-/// How far a weight may move without a new version (the aggregator's
-/// `MATERIAL_CHANGE`).
-const MATERIAL_CHANGE: f64 = 0.01;
+/// How far a weight may move without a new version.
+use ballast_balance::MATERIAL_CHANGE;
 
 /// An event and a plain GET of the same version must be the same set: identical if
 /// they come from the same cycle; from a later cycle, the GET may show weights that

@@ -28,6 +28,7 @@ pub use params::{Gate, LoadMetric, Params, PidGains, Strategy, StrategyWeights};
 pub use publish::{Published, PublishedEndpoint, PublishedService};
 pub use service::{
     CycleResult, Endpoint, EndpointSnapshot, EndpointState, Service, ServiceSnapshot, SkipReason,
+    MATERIAL_CHANGE,
 };
 pub use stats::Spread;
 
