@@ -12,7 +12,7 @@
 use super::revocation::Verdict;
 use super::Ingest;
 use crate::state::State;
-use ballast_balance::{BalanceError, Observation};
+use ballast_balance::{BalanceError, Observation, Published};
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{
     Assignment, Peer, ServerConfig, ServerError, ServerEvent, ServerSession,
@@ -251,6 +251,7 @@ async fn handle(
         std::time::Instant::now(),
     );
     let mut watching = true;
+    let mut published = Publication::new(state.subscribe());
     // A cluster replica that loses the service closes the connection, so that the
     // agent goes on to the replica that took it over.
     loop {
@@ -305,7 +306,7 @@ async fn handle(
                 silence
                     .as_mut()
                     .reset(tokio::time::Instant::now() + silence_limit);
-                match balance(state, &hello, Ask::Report(&report)) {
+                match balance(state, &hello, Ask::Report(&report, &mut published)) {
                     Answer::Assigned {
                         assignment,
                         accepted,
@@ -470,7 +471,51 @@ enum Ask<'a> {
     /// Register the node a hello names, or refresh it.
     Register,
     /// Record a report, and look up what the reply tells the node.
-    Report(&'a Report),
+    Report(&'a Report, &'a mut Publication),
+}
+
+/// What the last publication assigns one connection's node, looked up once per
+/// publication rather than once per report: a report then costs no search of the
+/// published endpoints, only a check that no newer publication came out.
+struct Publication {
+    latest: tokio::sync::watch::Receiver<Arc<Published>>,
+    /// The lookup in the publication `latest` has seen: `None` until it is made, then
+    /// the node's assignment, or `None` within when the publication does not hold it.
+    looked_up: Option<Option<Assignment>>,
+}
+
+impl Publication {
+    fn new(latest: tokio::sync::watch::Receiver<Arc<Published>>) -> Publication {
+        Publication {
+            latest,
+            looked_up: None,
+        }
+    }
+
+    /// The node's assignment in the latest publication, if that holds it.
+    fn assignment(&mut self, hello: &Hello) -> Option<Assignment> {
+        // An error means the daemon's sender is gone: the last value still stands.
+        if self.latest.has_changed().unwrap_or(false) {
+            self.looked_up = None;
+        }
+        if let Some(found) = self.looked_up {
+            return found;
+        }
+        let published = self.latest.borrow_and_update();
+        let found = published
+            .service(&hello.service)
+            .and_then(|svc| Some((svc, svc.endpoints.get(hello.node.as_str())?)))
+            .map(|(svc, e)| Assignment {
+                weight: e.weight,
+                cycle: svc.cycle,
+                draining: e.draining,
+                load: e.load,
+                inflight_trusted: e.inflight_trusted,
+            });
+        drop(published);
+        self.looked_up = Some(found);
+        found
+    }
 }
 
 /// The balancer's answer.
@@ -540,22 +585,12 @@ fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
                 Err(e) => refusal(e),
             },
         },
-        Ask::Report(report) => {
+        Ask::Report(report, published) => {
             match balancer.observe(now, &hello.service, &hello.node, observation(report)) {
                 Ok(a) => {
                     drop(balancer);
-                    let published = state.published();
-                    let assignment = match published
-                        .service(&hello.service)
-                        .and_then(|svc| Some((svc, svc.endpoints.get(hello.node.as_str())?)))
-                    {
-                        Some((svc, e)) => Assignment {
-                            weight: e.weight,
-                            cycle: svc.cycle,
-                            draining: e.draining,
-                            load: e.load,
-                            inflight_trusted: e.inflight_trusted,
-                        },
+                    let assignment = match published.assignment(hello) {
+                        Some(assignment) => assignment,
                         None => Assignment {
                             weight: a.weight,
                             cycle: a.cycle,
