@@ -42,6 +42,22 @@ pub enum DaemonError {
     /// The authorization policy or the certificate revocation list is unusable.
     #[error(transparent)]
     Ingest(#[from] crate::ingest::IngestError),
+    /// A thread of the QUIC ingest could not start.
+    #[error(transparent)]
+    Quic(crate::ingest::ThreadsError),
+}
+
+impl From<crate::ingest::ThreadsError> for DaemonError {
+    fn from(e: crate::ingest::ThreadsError) -> Self {
+        match e {
+            crate::ingest::ThreadsError::Bind { addr, source, .. } => DaemonError::Bind {
+                what: "QUIC",
+                addr,
+                source,
+            },
+            other => DaemonError::Quic(other),
+        }
+    }
 }
 
 /// A started aggregator.
@@ -55,7 +71,7 @@ pub struct Daemon {
     /// The bound xDS address, when configured.
     pub xds_addr: Option<SocketAddr>,
     xds: Option<crate::feed::xds::XdsServer>,
-    endpoint: quinn::Endpoint,
+    quic: Arc<crate::ingest::threads::Threads>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
@@ -200,17 +216,17 @@ impl Daemon {
         let store_writer = crate::store::writer(state.clone());
 
         let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
-        let endpoint =
-            quinn::Endpoint::server(server, cfg.quic).map_err(|source| DaemonError::Bind {
-                what: "QUIC",
-                addr: cfg.quic,
-                source,
-            })?;
-        let quic_addr = endpoint.local_addr().map_err(|source| DaemonError::Bind {
-            what: "QUIC",
-            addr: cfg.quic,
-            source,
-        })?;
+        let quic = Arc::new(
+            crate::ingest::threads::start(
+                server,
+                cfg.quic,
+                cfg.quic_threads,
+                state.clone(),
+                ingest,
+            )
+            .await?,
+        );
+        let quic_addr = quic.addr;
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| DaemonError::Bind {
@@ -248,10 +264,10 @@ impl Daemon {
         let xds_addr = xds.as_ref().map(|x| x.local_addr());
 
         let mut tasks = Vec::new();
-        tasks.push(supervisor.spawn(
-            "QUIC ingest",
-            crate::ingest::quic::serve(endpoint.clone(), state.clone(), ingest),
-        ));
+        let threads = quic.clone();
+        tasks.push(supervisor.spawn("QUIC ingest", async move {
+            threads.ended().await;
+        }));
         if let Some(dir) = &cfg.service_config.dir {
             let config_dir = crate::config::watch::ConfigDir::open(
                 state.clone(),
@@ -283,7 +299,7 @@ impl Daemon {
             http_addr,
             xds_addr,
             xds,
-            endpoint,
+            quic,
             tasks,
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
@@ -311,8 +327,8 @@ impl Daemon {
                 tracing::warn!("the cluster's buckets were not handed on in time; they move when the lease lapses");
             }
         }
-        self.endpoint
-            .close(crate::ingest::quic::close::NORMAL.into(), b"shutting down");
+        self.quic
+            .close(crate::ingest::quic::close::NORMAL, b"shutting down");
         for t in &self.tasks {
             t.abort();
         }
@@ -334,7 +350,7 @@ impl Daemon {
         if let Some(xds) = self.xds {
             xds.stop().await;
         }
-        self.endpoint.wait_idle().await;
+        self.quic.stopped().await;
     }
 }
 

@@ -482,12 +482,18 @@ fn beside(file: &Path, name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The most QUIC threads a configuration may ask for.
+pub const MAX_QUIC_THREADS: usize = 64;
+
 /// The whole configuration. Every field has a default, so an empty file is valid.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// UDP address for agents' QUIC connections.
     pub quic: SocketAddr,
+    /// Threads that terminate agents' QUIC connections, each with a socket of its own on
+    /// the `quic` port (the kernel spreads agents over them by address).
+    pub quic_threads: usize,
     /// TCP address of the HTTP API.
     pub http: SocketAddr,
     /// How often agents report, in milliseconds.
@@ -523,6 +529,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             quic: SocketAddr::from(([0, 0, 0, 0], 7400)),
+            quic_threads: 1,
             http: SocketAddr::from(([127, 0, 0, 1], 7401)),
             report_interval_ms: 1000,
             tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "server"),
@@ -566,6 +573,12 @@ impl Config {
             return Err(InvalidSetting::new(
                 "report_interval_ms",
                 "must be between 100 and 60000",
+            ));
+        }
+        if !(1..=MAX_QUIC_THREADS).contains(&self.quic_threads) {
+            return Err(InvalidSetting::new(
+                "quic_threads",
+                format!("must be between 1 and {MAX_QUIC_THREADS}"),
             ));
         }
         if let Some(services) = &self.services {

@@ -10,8 +10,10 @@ mod limits;
 mod policy;
 pub(crate) mod quic;
 mod revocation;
+pub(crate) mod threads;
 
 pub use policy::PolicyError;
+pub use threads::ThreadsError;
 
 use crate::config::Config;
 use ballast_shared::tls::{self, CertificateDer, Identity, TlsError};

@@ -39,13 +39,9 @@ const HANDSHAKE_ALERTS: [(u8, &str); 5] = [
     (116, "no_certificate"),
 ];
 
-/// Accepts connections until the endpoint closes, and keeps the revocation list
-/// current meanwhile.
-pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: Ingest) {
-    let ingest = Arc::new(ingest);
-    let watcher = tokio::spawn(ingest.revocation.clone().watch(state.clone()));
-    // The watcher ends with this task, however it ends.
-    let _watcher = AbortOnDrop(watcher);
+/// Accepts connections until the endpoint closes, each served by a task of its own on
+/// the caller's runtime.
+pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: Arc<Ingest>) {
     while let Some(incoming) = endpoint.accept().await {
         let Some(slot) = ingest.connections.open(ingest.limits.quic_max_connections) else {
             // Refused before any cryptography: the cap is the whole point.
@@ -85,15 +81,6 @@ pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: 
                 tracing::debug!(remote = %conn.remote_address(), reason, "agent connection ended");
             }
         });
-    }
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -1,0 +1,239 @@
+//! The threads that terminate agents' QUIC connections.
+//!
+//! Each thread runs a single-threaded runtime of its own, with a UDP socket of its own on
+//! the QUIC port, and everything of a connection runs on it: the endpoint's driver, the
+//! connection's driver and the connection's task. A report then wakes one thread, which
+//! finds all of that at hand, where on a runtime with several workers a datagram woke
+//! the endpoint's driver on one thread and the connection's task on another: on this
+//! machine that hand-over, the futex and the context switch, was a fifth of the CPU a
+//! report cost (`docs/performance.md`). With more than one thread the sockets share the
+//! port (`SO_REUSEPORT`), and the kernel keeps each agent's datagrams on one socket by
+//! their addresses.
+//!
+//! The rest of the daemon (the cycle, the feeds, the HTTP API) stays on the daemon's
+//! runtime; the two meet in the shared state, as before.
+
+use super::Ingest;
+use crate::state::State;
+use std::net::{SocketAddr, UdpSocket};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{oneshot, watch};
+
+/// How long a stopping thread waits for its closed connections to be told so.
+const DRAIN: Duration = Duration::from_secs(3);
+
+/// Why the QUIC threads could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ThreadsError {
+    /// A socket could not be made or bound.
+    #[error("binding QUIC socket {index} of {count} to {addr}: {source}")]
+    Bind {
+        /// Which socket.
+        index: usize,
+        /// How many there are to be.
+        count: usize,
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A thread or its runtime could not be started.
+    #[error("starting QUIC thread {index}: {source}")]
+    Start {
+        /// Which thread.
+        index: usize,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// The running threads.
+pub(crate) struct Threads {
+    /// Each thread's endpoint, to close them all at shutdown.
+    endpoints: Vec<quinn::Endpoint>,
+    /// The bound address, its port resolved.
+    pub(crate) addr: SocketAddr,
+    /// How many threads still run.
+    running: watch::Receiver<usize>,
+    /// The panic that ended a thread, if one did.
+    panicked: Arc<Mutex<Option<String>>>,
+    /// The revocation list's watcher, which ends with the threads' handle.
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+/// Counts a thread out when it ends, however it ends.
+struct Running(watch::Sender<usize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// Binds `count` sockets to `addr` and starts a thread for each that accepts and serves
+/// agents' connections until its endpoint is closed. Runs in the daemon's runtime,
+/// where it starts the revocation list's watcher.
+pub(crate) async fn start(
+    server: quinn::ServerConfig,
+    addr: SocketAddr,
+    count: usize,
+    state: Arc<State>,
+    ingest: Ingest,
+) -> Result<Threads, ThreadsError> {
+    let count = count.max(1);
+    let sockets = bind(addr, count)?;
+    let bound = sockets
+        .first()
+        .and_then(|s| s.local_addr().ok())
+        .unwrap_or(addr);
+    let ingest = Arc::new(ingest);
+    let (counter, running) = watch::channel(count);
+    let panicked = Arc::new(Mutex::new(None));
+    let mut endpoints = Vec::with_capacity(count);
+    for (index, socket) in sockets.into_iter().enumerate() {
+        let (ready, endpoint) = oneshot::channel();
+        let running = Running(counter.clone());
+        let (server, state, ingest) = (server.clone(), state.clone(), ingest.clone());
+        let panicked = panicked.clone();
+        std::thread::Builder::new()
+            .name(format!("ballast-quic-{index}"))
+            .spawn(move || {
+                let _running = running;
+                let run = AssertUnwindSafe(|| serve(socket, server, state, ingest, ready));
+                if let Err(panic) = std::panic::catch_unwind(run) {
+                    let message = crate::supervise::panic_message(panic.as_ref());
+                    tracing::error!(thread = index, %message, "a QUIC thread panicked");
+                    *panicked.lock().unwrap_or_else(|p| p.into_inner()) = Some(message);
+                }
+            })
+            .map_err(|source| ThreadsError::Start { index, source })?;
+        match endpoint.await {
+            Ok(Ok(e)) => endpoints.push(e),
+            Ok(Err(source)) => return Err(ThreadsError::Start { index, source }),
+            Err(_) => {
+                return Err(ThreadsError::Start {
+                    index,
+                    source: std::io::Error::other("the thread ended before it served"),
+                })
+            }
+        }
+    }
+    let watcher = tokio::spawn(ingest.revocation.clone().watch(state));
+    Ok(Threads {
+        endpoints,
+        addr: bound,
+        running,
+        panicked,
+        watcher,
+    })
+}
+
+/// One thread's life: its runtime, its endpoint on `socket`, serving until the endpoint
+/// is closed, then a short wait for its connections' close to go out.
+fn serve(
+    socket: UdpSocket,
+    server: quinn::ServerConfig,
+    state: Arc<State>,
+    ingest: Arc<Ingest>,
+    ready: oneshot::Sender<std::io::Result<quinn::Endpoint>>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let endpoint = match quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server),
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        ) {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        if ready.send(Ok(endpoint.clone())).is_err() {
+            return;
+        }
+        super::quic::serve(endpoint.clone(), state, ingest).await;
+        let _ = tokio::time::timeout(DRAIN, endpoint.wait_idle()).await;
+    });
+}
+
+/// `count` UDP sockets bound to `addr`: one alone, or several sharing the port, the
+/// first choosing it when `addr` asks for any.
+fn bind(addr: SocketAddr, count: usize) -> Result<Vec<UdpSocket>, ThreadsError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let mut sockets: Vec<UdpSocket> = Vec::with_capacity(count);
+    let mut at = addr;
+    for index in 0..count {
+        let err = |source| ThreadsError::Bind {
+            index,
+            count,
+            addr: at,
+            source,
+        };
+        let socket = if count == 1 {
+            // Alone: a plain bind, so that another process on the port is an error.
+            UdpSocket::bind(at).map_err(err)?
+        } else {
+            let s = Socket::new(Domain::for_address(at), Type::DGRAM, Some(Protocol::UDP))
+                .map_err(err)?;
+            s.set_reuse_port(true).map_err(err)?;
+            s.bind(&at.into()).map_err(err)?;
+            s.into()
+        };
+        if index == 0 {
+            at = socket.local_addr().map_err(err)?;
+        }
+        sockets.push(socket);
+    }
+    Ok(sockets)
+}
+
+impl Threads {
+    /// Resolves when a thread has ended, as it must not before shutdown; carries on
+    /// the panic that ended it, if one did.
+    pub(crate) async fn ended(&self) {
+        let mut running = self.running.clone();
+        let all = self.endpoints.len();
+        let _ = running.wait_for(|n| *n < all).await;
+        let panicked = self
+            .panicked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(message) = panicked {
+            std::panic::resume_unwind(Box::new(message));
+        }
+    }
+
+    /// Closes every endpoint: agents see the connection close.
+    pub(crate) fn close(&self, code: u32, reason: &[u8]) {
+        for e in &self.endpoints {
+            e.close(quinn::VarInt::from_u32(code), reason);
+        }
+    }
+
+    /// Waits until every thread has ended, its connections closed.
+    pub(crate) async fn stopped(&self) {
+        let mut running = self.running.clone();
+        let _ = running.wait_for(|n| *n == 0).await;
+    }
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
