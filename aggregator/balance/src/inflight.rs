@@ -206,6 +206,8 @@ pub(crate) struct Assessed {
     pub load: f64,
     /// Whether the term was distrusted in this cycle (a new distrust, for the metric).
     pub newly_distrusted: bool,
+    /// Whether the term is distrusted now.
+    pub distrusted: bool,
 }
 
 /// The median, except that of two values it is the smaller, so that one stalled node
@@ -324,6 +326,7 @@ pub(crate) fn assess(
             Assessed {
                 load: crate::load::sanitize(load),
                 newly_distrusted,
+                distrusted: !trusted,
             }
         })
         .collect()

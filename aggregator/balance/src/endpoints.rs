@@ -1,0 +1,562 @@
+//! A service's endpoints, laid out for the cycle and for reports.
+//!
+//! A cycle walks every endpoint of its service several times (expiry, the in-flight
+//! assessment, the counts, the controller, the mixture), and a service may have
+//! 100,000 endpoints. A walk costs what it streams through the cache, not what it
+//! computes, so an endpoint's fields are kept apart by who reads them: a dense array of
+//! the few that nearly every walk reads ([`Hot`]), and beside it, slot for slot, arrays
+//! of the controller's memory, the version's weights, the last report, the in-flight
+//! tracker and the names. Slots are in node order (the order every sum over the
+//! endpoints is taken in), and a hash index finds a node's slot for a report without
+//! comparing strings.
+//!
+//! Readers outside the crate see an endpoint through [`Endpoint`], a view of one slot.
+
+use crate::inflight::InflightTracker;
+use crate::params::{Params, StrategyWeights};
+use crate::pid::Pid;
+use crate::service::EndpointState;
+use crate::{Millis, Observation};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// The fields of an endpoint that nearly every walk of a cycle reads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Hot {
+    /// When its last report arrived; `None` if it has not reported since it was
+    /// registered or restored.
+    pub(crate) last_report: Option<Millis>,
+    /// When it last showed any sign of life (hello or report); drives expiry.
+    pub(crate) last_seen: Millis,
+    /// When the controller last ran for it.
+    pub(crate) last_update: Option<Millis>,
+    /// The load the balancer steers by.
+    pub(crate) load: f64,
+    /// The published weight: the gated mixture, 0 when draining.
+    pub(crate) weight: f64,
+    /// Each strategy's weight.
+    pub(crate) strategy_weights: StrategyWeights,
+    /// Lame duck.
+    pub(crate) draining: bool,
+    /// Ramping up from the cold-start weight.
+    pub(crate) warming: bool,
+    /// Whether its weight was earned (a controller update or a restore).
+    pub(crate) established: bool,
+    /// Whether its node said hello to another service while registered here.
+    pub(crate) moved: bool,
+    /// Whether its in-flight count is distrusted: the tracker's verdict, kept here
+    /// so that the cycle's counts need not read the trackers.
+    pub(crate) distrusted: bool,
+}
+
+impl Hot {
+    fn new(now: Millis, weight: f64) -> Self {
+        Hot {
+            last_report: None,
+            last_seen: now,
+            last_update: None,
+            load: 0.0,
+            weight,
+            strategy_weights: StrategyWeights::new(weight),
+            draining: false,
+            warming: true,
+            established: false,
+            moved: false,
+            distrusted: false,
+        }
+    }
+
+    /// Whether its last report is younger than the staleness bound.
+    pub(crate) fn is_fresh(&self, now: Millis, params: &Params) -> bool {
+        self.last_report
+            .is_some_and(|t| now.saturating_sub(t) <= params.stale_ms)
+    }
+
+    /// Whether it showed a sign of life here within `stale_ms`.
+    pub(crate) fn is_alive(&self, now: Millis, params: &Params) -> bool {
+        now.saturating_sub(self.last_seen) <= params.stale_ms
+    }
+
+    /// Whether it has shown no sign of life for longer than `expire_ms`.
+    pub(crate) fn past_expiry(&self, now: Millis, params: &Params) -> bool {
+        now.saturating_sub(self.last_seen) > params.expire_ms
+    }
+
+    /// Whether its node said hello to another service and it has gone stale here since
+    /// (a drained one excepted: it expires on its own clock).
+    pub(crate) fn moved_and_stale(&self, now: Millis, params: &Params) -> bool {
+        self.moved && !self.draining && !self.is_alive(now, params)
+    }
+
+    /// Its state as operators see it.
+    pub(crate) fn state(&self, now: Millis, params: &Params) -> EndpointState {
+        if self.draining {
+            EndpointState::Draining
+        } else if !self.is_fresh(now, params) {
+            EndpointState::Missing
+        } else if self.warming {
+            EndpointState::Warming
+        } else {
+            EndpointState::Serving
+        }
+    }
+}
+
+/// An endpoint's identity as a publication carries it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Names {
+    pub(crate) node: Arc<str>,
+    pub(crate) address: Arc<str>,
+    pub(crate) zone: Arc<str>,
+}
+
+/// What only registration, sessions and publication read.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Cold {
+    /// Node, address and zone, shared with every publication.
+    pub(crate) names: Names,
+    /// Sequence number of the last accepted report in this session.
+    pub(crate) last_seq: Option<u32>,
+    /// When its node said hello to another service while registered here.
+    pub(crate) moved_at: Option<Millis>,
+}
+
+/// An endpoint's weights as of its service's current version.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Version {
+    /// Weight and drain state; `None` if it registered since the version.
+    pub(crate) state: Option<(f64, bool)>,
+    /// Strategy weights.
+    pub(crate) strategies: StrategyWeights,
+}
+
+/// One service's endpoints: parallel arrays, one entry per endpoint, in node order
+/// except right after a registration out of order or a removal (see
+/// [`Slots::sort`]).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Slots {
+    pub(crate) hot: Vec<Hot>,
+    pub(crate) pid: Vec<Pid>,
+    pub(crate) version: Vec<Version>,
+    pub(crate) obs: Vec<Observation>,
+    pub(crate) inflight: Vec<InflightTracker>,
+    pub(crate) cold: Vec<Cold>,
+    /// Node to slot.
+    index: HashMap<Arc<str>, usize>,
+    /// Zones, each stored once per service and shared by its endpoints.
+    zones: HashSet<Arc<str>>,
+    /// Whether the slots may be out of node order.
+    unsorted: bool,
+}
+
+impl Slots {
+    /// How many endpoints.
+    pub(crate) fn len(&self) -> usize {
+        self.hot.len()
+    }
+
+    /// The slot of `node`.
+    pub(crate) fn slot(&self, node: &str) -> Option<usize> {
+        self.index.get(node).copied()
+    }
+
+    /// The shared string for `zone`.
+    pub(crate) fn zone(&mut self, zone: &str) -> Arc<str> {
+        if let Some(z) = self.zones.get(zone) {
+            return Arc::clone(z);
+        }
+        let z: Arc<str> = Arc::from(zone);
+        self.zones.insert(Arc::clone(&z));
+        z
+    }
+
+    /// Adds an endpoint that is not there yet; returns its slot.
+    pub(crate) fn insert(
+        &mut self,
+        node: &str,
+        address: &str,
+        zone: &str,
+        now: Millis,
+        weight: f64,
+    ) -> usize {
+        let names = Names {
+            node: Arc::from(node),
+            address: Arc::from(address),
+            zone: self.zone(zone),
+        };
+        if self
+            .cold
+            .last()
+            .is_some_and(|last| *last.names.node >= *names.node)
+        {
+            self.unsorted = true;
+        }
+        let slot = self.hot.len();
+        self.index.insert(Arc::clone(&names.node), slot);
+        self.hot.push(Hot::new(now, weight));
+        self.pid.push(Pid::default());
+        self.version.push(Version {
+            state: None,
+            strategies: StrategyWeights::new(weight),
+        });
+        self.obs.push(Observation::default());
+        self.inflight.push(InflightTracker::default());
+        self.cold.push(Cold {
+            names,
+            last_seq: None,
+            moved_at: None,
+        });
+        slot
+    }
+
+    /// Forgets the endpoint in `slot`; the last one takes its place, and the order is
+    /// put right by the next [`Slots::sort`].
+    pub(crate) fn remove(&mut self, slot: usize) {
+        if slot >= self.len() {
+            return;
+        }
+        self.hot.swap_remove(slot);
+        self.pid.swap_remove(slot);
+        self.version.swap_remove(slot);
+        self.obs.swap_remove(slot);
+        self.inflight.swap_remove(slot);
+        let gone = self.cold.swap_remove(slot);
+        self.index.remove(&gone.names.node);
+        if let Some(moved) = self.cold.get(slot) {
+            self.index.insert(Arc::clone(&moved.names.node), slot);
+            self.unsorted = true;
+        }
+    }
+
+    /// Forgets the endpoints whose `gone` entry is true, keeping the order of the rest.
+    pub(crate) fn remove_marked(&mut self, gone: &[bool]) {
+        fn keep<T>(v: &mut Vec<T>, gone: &[bool]) {
+            let mut marks = gone.iter();
+            v.retain(|_| !marks.next().copied().unwrap_or(false));
+        }
+        keep(&mut self.hot, gone);
+        keep(&mut self.pid, gone);
+        keep(&mut self.version, gone);
+        keep(&mut self.obs, gone);
+        keep(&mut self.inflight, gone);
+        keep(&mut self.cold, gone);
+        self.reindex();
+    }
+
+    fn reindex(&mut self) {
+        self.index.clear();
+        for (slot, c) in self.cold.iter().enumerate() {
+            self.index.insert(Arc::clone(&c.names.node), slot);
+        }
+    }
+
+    /// The slots in node order, if they are not in it.
+    fn order(&self) -> Option<Vec<usize>> {
+        if !self.unsorted {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        // Stable and adaptive: slots mostly in order cost little more than a pass.
+        order.sort_by(|&a, &b| self.cold[a].names.node.cmp(&self.cold[b].names.node));
+        Some(order)
+    }
+
+    /// Puts the slots in node order, after registrations out of order or removals.
+    pub(crate) fn sort(&mut self) {
+        let Some(order) = self.order() else {
+            return;
+        };
+        fn permute<T>(v: &mut Vec<T>, order: &[usize]) {
+            let mut taken: Vec<Option<T>> = std::mem::take(v).into_iter().map(Some).collect();
+            *v = order.iter().filter_map(|&i| taken[i].take()).collect();
+        }
+        permute(&mut self.hot, &order);
+        permute(&mut self.pid, &order);
+        permute(&mut self.version, &order);
+        permute(&mut self.obs, &order);
+        permute(&mut self.inflight, &order);
+        permute(&mut self.cold, &order);
+        self.reindex();
+        self.unsorted = false;
+    }
+
+    /// Every slot, in node order.
+    pub(crate) fn iter_sorted(&self) -> SlotIter {
+        SlotIter {
+            order: self.order(),
+            pos: 0,
+            len: self.len(),
+        }
+    }
+
+    /// Every endpoint, in node order.
+    pub(crate) fn view(&self) -> Endpoints<'_> {
+        Endpoints { slots: self }
+    }
+
+    /// A view of the endpoint in `slot`.
+    pub(crate) fn at(&self, slot: usize) -> Endpoint<'_> {
+        Endpoint { slots: self, slot }
+    }
+}
+
+/// Slot numbers in node order.
+#[derive(Debug)]
+pub(crate) struct SlotIter {
+    order: Option<Vec<usize>>,
+    pos: usize,
+    len: usize,
+}
+
+impl Iterator for SlotIter {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        if self.pos >= self.len {
+            return None;
+        }
+        let slot = match &self.order {
+            Some(order) => order.get(self.pos).copied(),
+            None => Some(self.pos),
+        };
+        self.pos += 1;
+        slot
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.len - self.pos;
+        (left, Some(left))
+    }
+}
+
+impl ExactSizeIterator for SlotIter {}
+
+/// A service's endpoints, as readers see them.
+#[derive(Debug, Clone, Copy)]
+pub struct Endpoints<'a> {
+    slots: &'a Slots,
+}
+
+impl<'a> Endpoints<'a> {
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.slots.len() == 0
+    }
+
+    /// The endpoint of `node`.
+    pub fn get(&self, node: &str) -> Option<Endpoint<'a>> {
+        self.slots.slot(node).map(|slot| self.slots.at(slot))
+    }
+
+    /// Whether `node` has an endpoint here.
+    pub fn contains_key(&self, node: &str) -> bool {
+        self.slots.slot(node).is_some()
+    }
+
+    /// Every endpoint, in node order.
+    pub fn iter(&self) -> Iter<'a> {
+        Iter {
+            slots: self.slots,
+            order: self.slots.iter_sorted(),
+        }
+    }
+
+    /// Every endpoint, in node order (as [`Endpoints::iter`]).
+    pub fn values(&self) -> Iter<'a> {
+        self.iter()
+    }
+
+    /// Every node, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &'a str> + 'a {
+        self.iter().map(|e| e.node())
+    }
+}
+
+impl<'a> IntoIterator for Endpoints<'a> {
+    type Item = Endpoint<'a>;
+    type IntoIter = Iter<'a>;
+
+    fn into_iter(self) -> Iter<'a> {
+        self.iter()
+    }
+}
+
+/// The endpoints of a service in node order.
+#[derive(Debug)]
+pub struct Iter<'a> {
+    slots: &'a Slots,
+    order: SlotIter,
+}
+
+impl<'a> Iterator for Iter<'a> {
+    type Item = Endpoint<'a>;
+
+    fn next(&mut self) -> Option<Endpoint<'a>> {
+        self.order.next().map(|slot| self.slots.at(slot))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.order.size_hint()
+    }
+}
+
+impl ExactSizeIterator for Iter<'_> {}
+
+/// One endpoint of a service, as readers see it.
+#[derive(Clone, Copy)]
+pub struct Endpoint<'a> {
+    slots: &'a Slots,
+    slot: usize,
+}
+
+impl std::fmt::Debug for Endpoint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("node", &self.node())
+            .field("address", &self.address())
+            .field("zone", &self.zone())
+            .field("hot", self.hot())
+            .field("observation", self.observation())
+            .field("pid", self.pid())
+            .finish()
+    }
+}
+
+impl<'a> Endpoint<'a> {
+    pub(crate) fn hot(&self) -> &'a Hot {
+        &self.slots.hot[self.slot]
+    }
+
+    pub(crate) fn cold(&self) -> &'a Cold {
+        &self.slots.cold[self.slot]
+    }
+
+    pub(crate) fn version(&self) -> &'a Version {
+        &self.slots.version[self.slot]
+    }
+
+    /// Its node, address and zone, shared.
+    pub(crate) fn names(&self) -> &'a Names {
+        &self.cold().names
+    }
+
+    /// The node's identity.
+    pub fn node(&self) -> &'a str {
+        &self.cold().names.node
+    }
+
+    /// Where load balancers send its traffic, `host:port`.
+    pub fn address(&self) -> &'a str {
+        &self.cold().names.address
+    }
+
+    /// Its zone; empty when unknown.
+    pub fn zone(&self) -> &'a str {
+        &self.cold().names.zone
+    }
+
+    /// When its last report arrived; `None` if it has not reported since it was
+    /// registered or restored.
+    pub fn last_report(&self) -> Option<Millis> {
+        self.hot().last_report
+    }
+
+    /// When it last showed any sign of life (hello or report); drives expiry.
+    pub fn last_seen(&self) -> Millis {
+        self.hot().last_seen
+    }
+
+    /// Sequence number of the last accepted report in this session.
+    pub fn last_seq(&self) -> Option<u32> {
+        self.cold().last_seq
+    }
+
+    /// The last reported measurement.
+    pub fn observation(&self) -> &'a Observation {
+        &self.slots.obs[self.slot]
+    }
+
+    /// The load the balancer steers by, derived from the observation.
+    pub fn load(&self) -> f64 {
+        self.hot().load
+    }
+
+    /// Lame duck.
+    pub fn draining(&self) -> bool {
+        self.hot().draining
+    }
+
+    /// Ramping up from the cold-start weight.
+    pub fn warming(&self) -> bool {
+        self.hot().warming
+    }
+
+    /// Each strategy's weight, kept apart as the routing store keeps them.
+    pub fn strategy_weights(&self) -> StrategyWeights {
+        self.hot().strategy_weights
+    }
+
+    /// The live weight: the gated mixture, 0 when draining.
+    pub fn weight(&self) -> f64 {
+        self.hot().weight
+    }
+
+    /// The PID controller's memory.
+    pub fn pid(&self) -> &'a Pid {
+        &self.slots.pid[self.slot]
+    }
+
+    /// When the controller last ran for this endpoint.
+    pub fn last_update(&self) -> Option<Millis> {
+        self.hot().last_update
+    }
+
+    /// Whether its weight was earned: set by its first controller update or by a
+    /// restore. Only established endpoints make a newcomer cold.
+    pub fn established(&self) -> bool {
+        self.hot().established
+    }
+
+    /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
+    pub fn inflight(&self) -> &'a InflightTracker {
+        &self.slots.inflight[self.slot]
+    }
+
+    /// When its node said hello to another service while registered here.
+    pub fn moved_at(&self) -> Option<Millis> {
+        self.cold().moved_at
+    }
+
+    /// Whether its last report is younger than the staleness bound.
+    pub fn is_fresh(&self, now: Millis, params: &Params) -> bool {
+        self.hot().is_fresh(now, params)
+    }
+
+    /// Whether it showed a sign of life here (a hello or a report) within `stale_ms`:
+    /// an endpoint that said hello and has not reported yet is alive, not stale.
+    pub fn is_alive(&self, now: Millis, params: &Params) -> bool {
+        self.hot().is_alive(now, params)
+    }
+
+    /// Its state as operators see it.
+    pub fn state(&self, now: Millis, params: &Params) -> EndpointState {
+        self.hot().state(now, params)
+    }
+
+    /// Milliseconds since its last report.
+    pub fn report_age(&self, now: Millis) -> Option<u64> {
+        self.hot().last_report.map(|t| now.saturating_sub(t))
+    }
+
+    /// Its weight and drain state as of the service's current version: what feeds
+    /// publish. One registered since the last version shows its live state.
+    pub fn published(&self) -> (f64, bool) {
+        let hot = self.hot();
+        self.version().state.unwrap_or((hot.weight, hot.draining))
+    }
+}
