@@ -192,7 +192,7 @@ pub(crate) struct Input {
 
 /// What [`assess`] reads of one endpoint's tracker, once.
 #[derive(Debug, Clone, Copy)]
-struct Count {
+pub(crate) struct Count {
     /// The smoothed count.
     smoothed: f64,
     /// The largest of the last cycles' weights.
@@ -232,34 +232,48 @@ fn typical_of(mut v: Vec<f64>) -> Option<f64> {
 
 /// Computes the load of every fresh serving endpoint of a service from its inputs and
 /// updates each tracker's verdict. `items` pairs each endpoint's inputs with its tracker.
+#[cfg(test)]
 pub(crate) fn assess(
     params: &Params,
     items: &mut [(Input, &mut InflightTracker)],
 ) -> Vec<Assessed> {
+    let counts: Vec<Count> = items
+        .iter_mut()
+        .map(|(input, tracker)| take_in(input, tracker))
+        .collect();
+    assess_counted(params, items, &counts)
+}
+
+/// Takes this cycle's weight into an endpoint's tracker and reads what the
+/// fleet-wide figures of [`assess_counted`] need from it, so that those figures are
+/// taken from a dense array rather than from every tracker again (a service may
+/// have 100,000). The caller does it in the walk that gathers the inputs.
+pub(crate) fn take_in(input: &Input, tracker: &mut InflightTracker) -> Count {
+    tracker.weights.rotate_right(1);
+    tracker.weights[0] = input.weight;
+    Count {
+        smoothed: tracker.smoothed(),
+        peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
+    }
+}
+
+/// [`assess`] for trackers that have taken in this cycle's weights: `counts[i]` is
+/// what [`take_in`] returned for `items[i]`.
+pub(crate) fn assess_counted(
+    params: &Params,
+    items: &mut [(Input, &mut InflightTracker)],
+    counts: &[Count],
+) -> Vec<Assessed> {
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
-    // One walk over the trackers takes in this cycle's weight and reads what the
-    // fleet-wide figures need, so that those figures are taken from a dense array
-    // rather than from every endpoint again (a service may have 100,000).
-    let counts: Vec<Count> = items
-        .iter_mut()
-        .map(|(input, tracker)| {
-            tracker.weights.rotate_right(1);
-            tracker.weights[0] = input.weight;
-            Count {
-                smoothed: tracker.smoothed(),
-                peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
-            }
-        })
-        .collect();
     let per_weight = |c: &Count| c.smoothed / c.peak_weight.max(params.min_weight);
     let per_cpu = |i: &Input, c: &Count| c.smoothed / i.cpu.max(MIN_CPU);
     let typical = |f: &dyn Fn(&Input, &Count) -> f64, floor: f64| {
         typical_of(
             items
                 .iter()
-                .zip(&counts)
+                .zip(counts)
                 .filter(|((i, _), _)| i.capacity == 0)
                 .map(|((i, _), c)| f(i, c))
                 .collect(),
@@ -280,7 +294,7 @@ pub(crate) fn assess(
     let idle_cpu = IDLE_CPU * avg_base;
     items
         .iter_mut()
-        .zip(&counts)
+        .zip(counts)
         .map(|((input, tracker), count)| {
             let smoothed = count.smoothed;
             let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {

@@ -11,6 +11,7 @@ use super::stats::Spread;
 use super::{Millis, Observation};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 /// How many cycles of history a service keeps for the dashboard.
 pub(crate) const HISTORY: usize = 900;
@@ -254,7 +255,7 @@ pub struct Service {
     /// without a walk over every endpoint. An entry may be stale (the node left, or
     /// moved address): a lookup checks it against the endpoint, and the map is rebuilt
     /// when it grows past twice the endpoints.
-    addresses: HashMap<String, String>,
+    addresses: HashMap<Arc<str>, Arc<str>>,
     /// Whether any endpoint has ever been established here (a controller update or a
     /// restore): until one has, no newcomer is cold, and a registration need not walk
     /// the endpoints to find that out (a new service of 100,000 registering at once
@@ -316,7 +317,7 @@ impl Service {
                 if *names.address != *address || *names.zone != *zone {
                     let zone = self.slots.zone(zone);
                     let names = &mut self.slots.cold[slot].names;
-                    names.address = std::sync::Arc::from(address);
+                    names.address = Arc::from(address);
                     names.zone = zone;
                 }
                 slot
@@ -340,7 +341,7 @@ impl Service {
         cold.moved_at = None;
         // A new session restarts its sequence numbers.
         cold.last_seq = None;
-        self.index_address(address, node);
+        self.index_address(slot);
     }
 
     /// Makes room for `node` at `address`: another endpoint there that has shown no
@@ -355,7 +356,7 @@ impl Service {
         let holder = self
             .addresses
             .get(address)
-            .filter(|n| n.as_str() != node)
+            .filter(|n| ***n != *node)
             .and_then(|n| self.slots.slot(n))
             .filter(|&slot| *self.slots.cold[slot].names.address == *address)
             .map(|slot| {
@@ -379,11 +380,14 @@ impl Service {
         }
     }
 
-    /// Records that `node` registered `address`; rebuilds the map from the endpoints
-    /// when stale entries have made it twice their number.
-    fn index_address(&mut self, address: &str, node: &str) {
-        if self.addresses.get(address).map(String::as_str) != Some(node) {
-            self.addresses.insert(address.to_string(), node.to_string());
+    /// Records that the endpoint in `slot` registered its address (the map shares its
+    /// names); rebuilds the map from the endpoints when stale entries have made it
+    /// twice their number.
+    fn index_address(&mut self, slot: usize) {
+        let names = &self.slots.cold[slot].names;
+        if self.addresses.get(&*names.address) != Some(&names.node) {
+            self.addresses
+                .insert(Arc::clone(&names.address), Arc::clone(&names.node));
         }
         if self.addresses.len() > 2 * self.slots.len() + 16 {
             self.reindex_addresses();
@@ -396,7 +400,7 @@ impl Service {
             .slots
             .cold
             .iter()
-            .map(|c| (c.names.address.to_string(), c.names.node.to_string()))
+            .map(|c| (Arc::clone(&c.names.address), Arc::clone(&c.names.node)))
             .collect();
     }
 
@@ -461,7 +465,7 @@ impl Service {
         }
         cold.moved_at = None;
         let ep = &mut self.slots.hot[slot];
-        ep.last_report = Some(now);
+        ep.set_last_report(now);
         ep.last_seen = now;
         ep.moved = false;
         self.slots.obs[slot] = obs;
@@ -477,7 +481,7 @@ impl Service {
             ep.draining = false;
             // Back from a drain: cold, as a newcomer.
             ep.warming = true;
-            ep.last_update = None;
+            ep.set_last_update(None);
             ep.distrusted = false;
             ep.strategy_weights
                 .set(Strategy::Pid, params.cold_start_weight);
@@ -547,7 +551,7 @@ impl Service {
                 continue;
             }
             let fresh = e.is_fresh(now, &params);
-            if e.last_report.is_some() {
+            if e.last_report().is_some() {
                 known += 1;
                 missing += usize::from(!fresh);
             }
@@ -650,8 +654,11 @@ impl Service {
     fn assess_loads(&mut self, now: Millis) {
         let params = &self.params;
         let slots = &mut self.slots;
-        let mut items: Vec<(inflight::Input, &mut inflight::InflightTracker)> = Vec::new();
-        let mut assessed_slots: Vec<usize> = Vec::new();
+        let n = slots.len();
+        let mut items: Vec<(inflight::Input, &mut inflight::InflightTracker)> =
+            Vec::with_capacity(n);
+        let mut counts: Vec<inflight::Count> = Vec::with_capacity(n);
+        let mut assessed_slots: Vec<usize> = Vec::with_capacity(n);
         for (slot, ((ep, obs), tracker)) in slots
             .hot
             .iter()
@@ -670,10 +677,12 @@ impl Service {
                 weight: ep.weight,
                 warming: ep.warming,
             };
+            // The tracker takes in this cycle's weight in this same walk.
+            counts.push(inflight::take_in(&input, tracker));
             items.push((input, tracker));
             assessed_slots.push(slot);
         }
-        let assessed = inflight::assess(params, &mut items);
+        let assessed = inflight::assess_counted(params, &mut items, &counts);
         drop(items);
         let mut newly = 0u64;
         for (&slot, a) in assessed_slots.iter().zip(&assessed) {
@@ -764,10 +773,11 @@ impl Service {
         let slots = &mut self.slots;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
-        let mut fresh: Vec<usize> = Vec::new();
+        let all = slots.len();
+        let mut fresh: Vec<usize> = Vec::with_capacity(all);
         let mut held: Vec<usize> = Vec::new();
         // Their controller weights before the step, to tell how far it moved them.
-        let mut fresh_before: Vec<f64> = Vec::new();
+        let mut fresh_before: Vec<f64> = Vec::with_capacity(all);
         let mut held_before: Vec<f64> = Vec::new();
         let mut serving = 0usize;
         for (slot, ep) in slots.hot.iter().enumerate() {
@@ -778,7 +788,7 @@ impl Service {
             // Only a report newer than the last update says anything new: an endpoint
             // whose report was lost holds its weight, like a missing one, instead of
             // having its last error applied a second time.
-            let has_news = match (ep.last_report, ep.last_update) {
+            let has_news = match (ep.last_report(), ep.last_update()) {
                 (Some(r), Some(u)) => r > u,
                 (Some(_), None) => true,
                 (None, _) => false,
@@ -837,7 +847,7 @@ impl Service {
                 let ep = &mut slots.hot[s];
                 let w = ep.strategy_weights.get(Strategy::Pid) * factor;
                 ep.strategy_weights.set(Strategy::Pid, w);
-                ep.last_update = Some(now);
+                ep.set_last_update(Some(now));
                 ep.established = true;
                 slots.pid[s].reset();
             }
@@ -850,13 +860,13 @@ impl Service {
                 let pid = &mut slots.pid[s];
                 let error = (avg - ep.load) / avg;
                 let dt = ep
-                    .last_update
+                    .last_update()
                     .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
                     .unwrap_or(1.0);
                 let delta = pid.update(&params.pid, error, dt, (lo, hi));
                 let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
                 ep.strategy_weights.set(Strategy::Pid, w);
-                ep.last_update = Some(now);
+                ep.set_last_update(Some(now));
                 ep.established = true;
                 // The ramp ends once the newcomer carries its share; its integral, built
                 // up on the way, would otherwise carry it past the average.
