@@ -156,8 +156,12 @@ pub(crate) struct Version {
 }
 
 /// One service's endpoints: parallel arrays, one entry per endpoint, in node order
-/// except right after a registration out of order or a removal (see
-/// [`Slots::sort`]).
+/// except for the endpoints registered out of order since the last [`Slots::sort`],
+/// which wait at the end.
+///
+/// Each endpoint also has an id that stays its own while it is known, so that the
+/// index from node names need not change when slots move: the index gives the id,
+/// and a dense array the id's slot.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Slots {
     pub(crate) hot: Vec<Hot>,
@@ -166,12 +170,19 @@ pub(crate) struct Slots {
     pub(crate) obs: Vec<Observation>,
     pub(crate) inflight: Vec<InflightTracker>,
     pub(crate) cold: Vec<Cold>,
-    /// Node to slot.
+    /// Each slot's id.
+    ids: Vec<usize>,
+    /// Each id's slot; `usize::MAX` for an id not in use.
+    slot_of: Vec<usize>,
+    /// Ids not in use.
+    free: Vec<usize>,
+    /// Node to id.
     index: HashMap<Arc<str>, usize>,
     /// Zones, each stored once per service and shared by its endpoints.
     zones: HashSet<Arc<str>>,
-    /// Whether the slots may be out of node order.
-    unsorted: bool,
+    /// Slots below this are in node order; those from it on were registered out of
+    /// order since the last sort.
+    sorted: usize,
 }
 
 impl Slots {
@@ -182,7 +193,9 @@ impl Slots {
 
     /// The slot of `node`.
     pub(crate) fn slot(&self, node: &str) -> Option<usize> {
-        self.index.get(node).copied()
+        self.index
+            .get(node)
+            .and_then(|&id| self.slot_of.get(id).copied())
     }
 
     /// The shared string for `zone`.
@@ -195,7 +208,10 @@ impl Slots {
         z
     }
 
-    /// Adds an endpoint that is not there yet; returns its slot.
+    /// Adds an endpoint that is not there yet; returns its slot. One that sorts
+    /// after every other joins the ordered slots; any other waits at the end for the
+    /// next [`Slots::sort`], so that a whole fleet registering in any order costs one
+    /// sort, not a shift of every array per registration.
     pub(crate) fn insert(
         &mut self,
         node: &str,
@@ -209,15 +225,22 @@ impl Slots {
             address: Arc::from(address),
             zone: self.zone(zone),
         };
-        if self
-            .cold
-            .last()
-            .is_some_and(|last| *last.names.node >= *names.node)
-        {
-            self.unsorted = true;
-        }
-        let slot = self.hot.len();
-        self.index.insert(Arc::clone(&names.node), slot);
+        let in_order = self.sorted == self.len()
+            && self
+                .cold
+                .last()
+                .is_none_or(|last| *last.names.node < *names.node);
+        let slot = self.len();
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                self.slot_of.push(usize::MAX);
+                self.slot_of.len() - 1
+            }
+        };
+        self.slot_of[id] = slot;
+        self.ids.push(id);
+        self.index.insert(Arc::clone(&names.node), id);
         self.hot.push(Hot::new(now, weight));
         self.pid.push(Pid::default());
         self.version.push(Version {
@@ -231,30 +254,59 @@ impl Slots {
             last_seq: None,
             moved_at: None,
         });
+        if in_order {
+            self.sorted += 1;
+        }
         slot
     }
 
-    /// Forgets the endpoint in `slot`; the last one takes its place, and the order is
-    /// put right by the next [`Slots::sort`].
+    /// Lets go of the id of the endpoint in `slot`, which is being removed.
+    fn release(&mut self, slot: usize) {
+        let id = self.ids[slot];
+        self.index.remove(&self.cold[slot].names.node);
+        self.slot_of[id] = usize::MAX;
+        self.free.push(id);
+    }
+
+    /// Points every id at its slot from `from` on, after slots moved.
+    fn renumber(&mut self, from: usize) {
+        for (slot, &id) in self.ids.iter().enumerate().skip(from) {
+            self.slot_of[id] = slot;
+        }
+    }
+
+    /// Forgets the endpoint in `slot`, keeping the order of the rest.
     pub(crate) fn remove(&mut self, slot: usize) {
         if slot >= self.len() {
             return;
         }
-        self.hot.swap_remove(slot);
-        self.pid.swap_remove(slot);
-        self.version.swap_remove(slot);
-        self.obs.swap_remove(slot);
-        self.inflight.swap_remove(slot);
-        let gone = self.cold.swap_remove(slot);
-        self.index.remove(&gone.names.node);
-        if let Some(moved) = self.cold.get(slot) {
-            self.index.insert(Arc::clone(&moved.names.node), slot);
-            self.unsorted = true;
+        self.release(slot);
+        self.hot.remove(slot);
+        self.pid.remove(slot);
+        self.version.remove(slot);
+        self.obs.remove(slot);
+        self.inflight.remove(slot);
+        self.cold.remove(slot);
+        self.ids.remove(slot);
+        if slot < self.sorted {
+            self.sorted -= 1;
         }
+        self.renumber(slot);
     }
 
     /// Forgets the endpoints whose `gone` entry is true, keeping the order of the rest.
     pub(crate) fn remove_marked(&mut self, gone: &[bool]) {
+        let mut first = None;
+        let mut ordered_gone = 0;
+        for slot in (0..self.len()).filter(|&s| gone.get(s).copied().unwrap_or(false)) {
+            self.release(slot);
+            first.get_or_insert(slot);
+            ordered_gone += usize::from(slot < self.sorted);
+        }
+        self.sorted -= ordered_gone;
+        let Some(first) = first else {
+            return;
+        };
         fn keep<T>(v: &mut Vec<T>, gone: &[bool]) {
             let mut marks = gone.iter();
             v.retain(|_| !marks.next().copied().unwrap_or(false));
@@ -265,44 +317,77 @@ impl Slots {
         keep(&mut self.obs, gone);
         keep(&mut self.inflight, gone);
         keep(&mut self.cold, gone);
-        self.reindex();
+        keep(&mut self.ids, gone);
+        self.renumber(first);
     }
 
-    fn reindex(&mut self) {
-        self.index.clear();
-        for (slot, c) in self.cold.iter().enumerate() {
-            self.index.insert(Arc::clone(&c.names.node), slot);
-        }
-    }
-
-    /// The slots in node order, if they are not in it.
+    /// The slots in node order, if they are not in it: the ordered ones with each
+    /// waiting one merged in where it belongs (found by binary search, so a few
+    /// newcomers cost a few comparisons each, not one per endpoint).
     fn order(&self) -> Option<Vec<usize>> {
-        if !self.unsorted {
+        let n = self.len();
+        if self.sorted >= n {
             return None;
         }
-        let mut order: Vec<usize> = (0..self.len()).collect();
-        // Stable and adaptive: slots mostly in order cost little more than a pass.
-        order.sort_by(|&a, &b| self.cold[a].names.node.cmp(&self.cold[b].names.node));
+        let name = |slot: usize| &*self.cold[slot].names.node;
+        let mut waiting: Vec<usize> = (self.sorted..n).collect();
+        waiting.sort_by(|&a, &b| name(a).cmp(name(b)));
+        let mut order = Vec::with_capacity(n);
+        let mut next = 0;
+        for slot in waiting {
+            let before =
+                self.cold[next..self.sorted].partition_point(|c| *c.names.node < *name(slot));
+            order.extend(next..next + before);
+            next += before;
+            order.push(slot);
+        }
+        order.extend(next..self.sorted);
         Some(order)
     }
 
-    /// Puts the slots in node order, after registrations out of order or removals.
+    /// Puts the endpoints registered out of order where they belong.
     pub(crate) fn sort(&mut self) {
         let Some(order) = self.order() else {
             return;
         };
-        fn permute<T>(v: &mut Vec<T>, order: &[usize]) {
-            let mut taken: Vec<Option<T>> = std::mem::take(v).into_iter().map(Some).collect();
-            *v = order.iter().filter_map(|&i| taken[i].take()).collect();
+        /// Moves `v[order[i]]` to `v[i]` for every `i`, in place: each cycle of the
+        /// permutation is followed by swaps, and the slots that stay cost a check.
+        fn permute<T>(v: &mut [T], order: &[usize], done: &mut Vec<bool>) {
+            done.clear();
+            done.resize(v.len(), false);
+            for start in 0..v.len() {
+                if done[start] {
+                    continue;
+                }
+                let mut i = start;
+                loop {
+                    done[i] = true;
+                    let j = order[i];
+                    if j == start {
+                        break;
+                    }
+                    v.swap(i, j);
+                    i = j;
+                }
+            }
         }
-        permute(&mut self.hot, &order);
-        permute(&mut self.pid, &order);
-        permute(&mut self.version, &order);
-        permute(&mut self.obs, &order);
-        permute(&mut self.inflight, &order);
-        permute(&mut self.cold, &order);
-        self.reindex();
-        self.unsorted = false;
+        let first = order
+            .iter()
+            .enumerate()
+            .position(|(i, &s)| i != s)
+            .unwrap_or(0);
+        let order = &order[first..];
+        let shifted: Vec<usize> = order.iter().map(|&s| s - first).collect();
+        let mut done = Vec::new();
+        permute(&mut self.hot[first..], &shifted, &mut done);
+        permute(&mut self.pid[first..], &shifted, &mut done);
+        permute(&mut self.version[first..], &shifted, &mut done);
+        permute(&mut self.obs[first..], &shifted, &mut done);
+        permute(&mut self.inflight[first..], &shifted, &mut done);
+        permute(&mut self.cold[first..], &shifted, &mut done);
+        permute(&mut self.ids[first..], &shifted, &mut done);
+        self.renumber(first);
+        self.sorted = self.len();
     }
 
     /// Every slot, in node order.
@@ -583,5 +668,70 @@ impl<'a> Endpoint<'a> {
     pub fn published(&self) -> (f64, bool) {
         let hot = self.hot();
         self.version().state.unwrap_or((hot.weight, hot.draining))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// Every node's slot holds that node, and the slots read in node order.
+    fn check(slots: &Slots, model: &BTreeSet<String>) {
+        assert_eq!(slots.len(), model.len());
+        for node in model {
+            let slot = slots.slot(node).expect("indexed");
+            assert_eq!(&*slots.cold[slot].names.node, node.as_str());
+        }
+        let read: Vec<&str> = slots.view().keys().collect();
+        let want: Vec<&str> = model.iter().map(String::as_str).collect();
+        assert_eq!(read, want);
+    }
+
+    /// Registrations in any order and removals of any kind, against a set of names:
+    /// lookups stay right throughout, readers always see node order, and a sort puts
+    /// the arrays themselves in node order.
+    #[test]
+    fn slots_follow_registrations_and_removals_in_any_order() {
+        let mut slots = Slots::default();
+        let mut model = BTreeSet::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for round in 0..3000 {
+            match next(10) {
+                0..=5 => {
+                    let node = format!("n{:03}", next(400));
+                    if !model.contains(&node) {
+                        slots.insert(&node, "a", "z", 0, 1.0);
+                        model.insert(node);
+                    }
+                }
+                6 | 7 if !model.is_empty() => {
+                    let nodes: Vec<&String> = model.iter().collect();
+                    let node = nodes[next(nodes.len() as u64) as usize].clone();
+                    let slot = slots.slot(&node).expect("indexed");
+                    slots.remove(slot);
+                    model.remove(&node);
+                }
+                8 => {
+                    let gone: Vec<bool> = (0..slots.len()).map(|_| next(5) == 0).collect();
+                    for (slot, _) in gone.iter().enumerate().filter(|(_, g)| **g) {
+                        model.remove(&*slots.cold[slot].names.node);
+                    }
+                    slots.remove_marked(&gone);
+                }
+                _ => {
+                    slots.sort();
+                    let names: Vec<&str> = slots.cold.iter().map(|c| &*c.names.node).collect();
+                    assert!(names.windows(2).all(|w| w[0] < w[1]), "round {round}");
+                }
+            }
+            check(&slots, &model);
+        }
     }
 }
