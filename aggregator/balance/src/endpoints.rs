@@ -260,6 +260,35 @@ impl Slots {
         slot
     }
 
+    /// Puts the endpoint in `slot` back to what [`Slots::insert`] makes of a newcomer,
+    /// at `address` and `zone`: a restore over a known node starts it afresh in place.
+    pub(crate) fn reset(
+        &mut self,
+        slot: usize,
+        address: &str,
+        zone: &str,
+        now: Millis,
+        weight: f64,
+    ) {
+        if slot >= self.len() {
+            return;
+        }
+        let zone = self.zone(zone);
+        self.hot[slot] = Hot::new(now, weight);
+        self.pid[slot] = Pid::default();
+        self.version[slot] = Version {
+            state: None,
+            strategies: StrategyWeights::new(weight),
+        };
+        self.obs[slot] = Observation::default();
+        self.inflight[slot] = InflightTracker::default();
+        let cold = &mut self.cold[slot];
+        cold.names.address = Arc::from(address);
+        cold.names.zone = zone;
+        cold.last_seq = None;
+        cold.moved_at = None;
+    }
+
     /// Lets go of the id of the endpoint in `slot`, which is being removed.
     fn release(&mut self, slot: usize) {
         let id = self.ids[slot];

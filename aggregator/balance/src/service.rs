@@ -1071,10 +1071,13 @@ impl Service {
         self.weights_cycle = snapshot.cycle;
         self.stats.cycles = snapshot.cycle;
         for (node, s) in &snapshot.endpoints {
-            if let Some(slot) = self.slots.slot(node) {
-                self.slots.remove(slot);
-            }
-            let slot = self.slots.insert(node, &s.address, &s.zone, now, s.weight);
+            let slot = match self.slots.slot(node) {
+                Some(slot) => {
+                    self.slots.reset(slot, &s.address, &s.zone, now, s.weight);
+                    slot
+                }
+                None => self.slots.insert(node, &s.address, &s.zone, now, s.weight),
+            };
             let ep = &mut self.slots.hot[slot];
             ep.warming = false;
             ep.established = true;

@@ -1270,3 +1270,41 @@ fn a_count_that_ignores_the_weight_is_distrusted_and_the_weight_recovers() {
     assert!(!e.inflight().estimate.trusted);
     assert!(e.weight() > 0.9, "balanced by CPU again: {}", e.weight());
 }
+
+/// A restore over endpoints the service already has starts them afresh from the
+/// snapshot in place, adds the others in node order, and keeps every lookup right.
+#[test]
+fn a_restore_over_known_endpoints_replaces_them_in_place() {
+    let mut b = fleet(3, params());
+    report_all(&mut b, 1_000, &[0.5, 0.5, 0.5], &[]);
+    let snapshot = service::ServiceSnapshot {
+        version: 7,
+        cycle: 3,
+        endpoints: [("n1", 1.4), ("a", 0.6)]
+            .into_iter()
+            .map(|(node, weight)| {
+                (
+                    node.to_string(),
+                    EndpointSnapshot {
+                        address: format!("10.9.0.{}:80", node.len()),
+                        zone: "z".to_string(),
+                        draining: false,
+                        weight,
+                        strategy_weights: BTreeMap::new(),
+                    },
+                )
+            })
+            .collect(),
+    };
+    let mut svc = b.service(SVC).expect("svc").clone();
+    svc.restore(2_000, &snapshot);
+    let nodes: Vec<&str> = svc.endpoints().keys().collect();
+    assert_eq!(nodes, ["a", "n0", "n1", "n2"]);
+    let n1 = svc.endpoint("n1").expect("n1");
+    assert_eq!(n1.weight(), 1.4);
+    assert_eq!(n1.address(), "10.9.0.2:80");
+    assert_eq!(n1.zone(), "z");
+    assert_eq!(n1.last_report(), None, "restored afresh");
+    assert_eq!(svc.endpoint("n0").expect("n0").last_report(), Some(1_000));
+    assert_eq!(svc.endpoint("a").expect("a").weight(), 0.6);
+}
