@@ -244,7 +244,7 @@ fn fill(
     *inflight = e.observation().inflight;
     *capacity = e.observation().capacity;
     *inflight_estimate = e.inflight().estimate;
-    *inflight_trusted = !e.inflight().distrusted();
+    *inflight_trusted = !e.hot().distrusted;
     *report_age_ms = e.report_age(now);
     *strategy_weights = strategies;
 }
@@ -256,19 +256,20 @@ fn refreshed(
     now: Millis,
     previous: &BTreeMap<Arc<str>, PublishedEndpoint>,
 ) -> Option<BTreeMap<Arc<str>, PublishedEndpoint>> {
-    // The names are compared as pointers: an endpoint keeps its node's shared name
-    // for as long as it is known, and a node registered again has a new one.
-    let same = previous.len() == svc.endpoints().len()
-        && previous
-            .keys()
-            .zip(svc.published_endpoints())
-            .all(|(node, (e, _, _))| Arc::ptr_eq(node, &e.names().node));
-    if !same {
+    if previous.len() != svc.endpoints().len() {
         return None;
     }
+    // The names are compared as pointers, in the walk that rewrites the values: an
+    // endpoint keeps its node's shared name for as long as it is known, and a node
+    // registered again has a new one. A copy found not to match is dropped; that
+    // costs a cycle in which the endpoints changed, not every cycle a check.
     let mut endpoints = previous.clone();
-    for (out, (e, state, strategies)) in endpoints.values_mut().zip(svc.published_endpoints()) {
+    for ((node, out), (e, state, strategies)) in endpoints.iter_mut().zip(svc.published_endpoints())
+    {
         let names = e.names();
+        if !Arc::ptr_eq(node, &names.node) {
+            return None;
+        }
         if !Arc::ptr_eq(&out.address, &names.address) {
             out.address = Arc::clone(&names.address);
         }
