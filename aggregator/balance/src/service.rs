@@ -801,6 +801,8 @@ impl Service {
                 held.push(slot);
             }
         }
+        // The fresh endpoints' controller weights after the step, as it writes them.
+        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
         let cycle = self.stats.cycles;
         let feed_forward = params.feed_forward
             && held.is_empty()
@@ -847,6 +849,7 @@ impl Service {
                 let ep = &mut slots.hot[s];
                 let w = ep.strategy_weights.get(Strategy::Pid) * factor;
                 ep.strategy_weights.set(Strategy::Pid, w);
+                stepped.push(w);
                 ep.set_last_update(Some(now));
                 ep.established = true;
                 slots.pid[s].reset();
@@ -866,6 +869,7 @@ impl Service {
                 let delta = pid.update(&params.pid, error, dt, (lo, hi));
                 let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
                 ep.strategy_weights.set(Strategy::Pid, w);
+                stepped.push(w);
                 ep.set_last_update(Some(now));
                 ep.established = true;
                 // The ramp ends once the newcomer carries its share; its integral, built
@@ -880,27 +884,22 @@ impl Service {
         // Held endpoints (missing, or without a new report) keep their weights: the
         // updated ones share what is left of a mean weight of 1. When that cannot be
         // done within the bounds, normalisation wins and everyone is rescaled.
-        let held_sum: f64 = held
-            .iter()
-            .map(|&s| slots.hot[s].strategy_weights.get(Strategy::Pid))
-            .sum();
+        // The held weights are as they were before the step.
+        let held_sum: f64 = held_before.iter().sum();
         let target = serving as f64 - held_sum;
         let n = fresh.len() as f64;
         let feasible =
             !fresh.is_empty() && target >= n * params.min_weight && target <= n * params.max_weight;
-        let (group, before): (Vec<usize>, Vec<f64>) = if feasible {
-            (fresh, fresh_before)
+        let (group, before, mut ws): (Vec<usize>, Vec<f64>, Vec<f64>) = if feasible {
+            (fresh, fresh_before, stepped)
         } else {
             (
                 fresh.into_iter().chain(held).collect(),
-                fresh_before.into_iter().chain(held_before).collect(),
+                fresh_before.iter().chain(&held_before).copied().collect(),
+                stepped.into_iter().chain(held_before).collect(),
             )
         };
         let target = if feasible { target } else { serving as f64 };
-        let mut ws: Vec<f64> = group
-            .iter()
-            .map(|&s| slots.hot[s].strategy_weights.get(Strategy::Pid))
-            .collect();
         normalize_bounded(&mut ws, target, params.min_weight, params.max_weight);
         // Endpoints outside the group (draining, or held while the others could make
         // room) kept their weights.
@@ -993,37 +992,63 @@ impl Service {
     /// Sets every endpoint's published weight from its strategies' (0 when draining),
     /// and says whether the weights moved materially since the current version or the
     /// set of endpoints changed; if so, they become the next version's. One pass over
-    /// the endpoints that allocates nothing, and a second only for a new version.
+    /// the endpoints that allocates nothing: from the first endpoint that moved on, it
+    /// also makes each one's weights the new version's, so that a second pass covers
+    /// only those before it (or all, when only the set of endpoints changed).
     fn publish_mixture(&mut self) -> bool {
         let gates = &self.params.strategies;
         let mut listed = 0usize;
-        let mut moved = false;
-        for (ep, version) in self.slots.hot.iter_mut().zip(&self.slots.version) {
+        let mut moved_from: Option<usize> = None;
+        for (slot, (ep, version)) in self
+            .slots
+            .hot
+            .iter_mut()
+            .zip(self.slots.version.iter_mut())
+            .enumerate()
+        {
             ep.weight = if ep.draining {
                 0.0
             } else {
                 let strategies = ep.strategy_weights;
                 mix(gates, |s| strategies.get(s))
             };
-            match version.state {
-                Some((pw, pd)) => {
-                    listed += 1;
-                    moved |= pd != ep.draining || (ep.weight - pw).abs() >= MATERIAL_CHANGE;
+            if moved_from.is_none() {
+                let moved = match version.state {
+                    Some((pw, pd)) => {
+                        listed += 1;
+                        pd != ep.draining || (ep.weight - pw).abs() >= MATERIAL_CHANGE
+                    }
+                    None => true,
+                };
+                if moved {
+                    moved_from = Some(slot);
                 }
-                None => moved = true,
+            }
+            if moved_from.is_some() {
+                version.state = Some((ep.weight, ep.draining));
+                version.strategies = ep.strategy_weights;
             }
         }
-        let moved = moved || listed != self.published_count;
-        if moved {
-            self.mark_published();
-            self.published_cycle = self.weights_cycle;
-        }
-        moved
+        let upto = match moved_from {
+            Some(slot) => slot,
+            None if listed != self.published_count => self.slots.len(),
+            None => return false,
+        };
+        self.mark_published(upto);
+        self.published_cycle = self.weights_cycle;
+        true
     }
 
-    /// Makes every endpoint's live weights those of the current version.
-    fn mark_published(&mut self) {
-        for (e, version) in self.slots.hot.iter().zip(self.slots.version.iter_mut()) {
+    /// Makes the live weights of the endpoints before slot `upto` those of the
+    /// current version (the others' are already), and counts every endpoint listed.
+    fn mark_published(&mut self, upto: usize) {
+        for (e, version) in self
+            .slots
+            .hot
+            .iter()
+            .zip(self.slots.version.iter_mut())
+            .take(upto)
+        {
             version.state = Some((e.weight, e.draining));
             version.strategies = e.strategy_weights;
         }
@@ -1091,7 +1116,7 @@ impl Service {
         self.reindex_addresses();
         self.any_established |= !snapshot.endpoints.is_empty();
         self.published_cycle = snapshot.cycle;
-        self.mark_published();
+        self.mark_published(self.slots.len());
     }
 }
 
