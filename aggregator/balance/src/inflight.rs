@@ -269,20 +269,20 @@ pub(crate) fn assess_counted(
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
     let per_weight = |c: &Count| c.smoothed / c.peak_weight.max(params.min_weight);
     let per_cpu = |i: &Input, c: &Count| c.smoothed / i.cpu.max(MIN_CPU);
-    let typical = |f: &dyn Fn(&Input, &Count) -> f64, floor: f64| {
-        typical_of(
-            items
-                .iter()
-                .zip(counts)
-                .filter(|((i, _), _)| i.capacity == 0)
-                .map(|((i, _), c)| f(i, c))
-                .collect(),
-        )
-        .unwrap_or(0.0)
-        .max(floor)
-    };
-    let typical_weight = typical(&|_, c| per_weight(c), MIN_TYPICAL);
-    let typical_cpu = typical(&per_cpu, MIN_TYPICAL);
+    // Both ratios of the endpoints without a capacity, in one walk.
+    let mut by_weight = Vec::with_capacity(items.len());
+    let mut by_cpu = Vec::with_capacity(items.len());
+    for ((i, _), c) in items
+        .iter()
+        .zip(counts)
+        .filter(|((i, _), _)| i.capacity == 0)
+    {
+        by_weight.push(per_weight(c));
+        by_cpu.push(per_cpu(i, c));
+    }
+    let typical = |v: Vec<f64>, floor: f64| typical_of(v).unwrap_or(0.0).max(floor);
+    let typical_weight = typical(by_weight, MIN_TYPICAL);
+    let typical_cpu = typical(by_cpu, MIN_TYPICAL);
     // With in-flight as the only signal the CPU says nothing.
     let use_cpu = params.metric == LoadMetric::Max;
     // Under `max` the term is scaled to the fleet's CPU load and binds only well above

@@ -536,7 +536,10 @@ impl Service {
         let moved = self.forget_moved(now, any_gone);
 
         let params = self.params.clone();
-        self.assess_loads(now);
+        let (assessed_slots, assessed) = self.assess_loads(now);
+        // The walk that counts also writes the assessed loads and trust.
+        let mut assessed = assessed_slots.iter().zip(&assessed).peekable();
+        let mut newly = 0u64;
         // A draining endpoint is left out: a lame duck whose agent was stopped after
         // the drain is silent on purpose and carries no traffic, so its silence hides
         // no load, and maintenance on a few nodes must not freeze the rest. So is one
@@ -545,7 +548,12 @@ impl Service {
         let mut missing = 0usize;
         let mut distrusted = 0usize;
         let mut loads: Vec<f64> = Vec::with_capacity(self.slots.len());
-        for e in &self.slots.hot {
+        for (slot, e) in self.slots.hot.iter_mut().enumerate() {
+            if let Some((_, a)) = assessed.next_if(|(&s, _)| s == slot) {
+                e.load = a.load;
+                e.distrusted = a.distrusted;
+                newly += u64::from(a.newly_distrusted);
+            }
             distrusted += usize::from(e.distrusted);
             if e.draining {
                 continue;
@@ -559,6 +567,7 @@ impl Service {
                 loads.push(e.load);
             }
         }
+        self.stats.inflight_distrusts += newly;
         self.stats.inflight_distrusted = distrusted;
         let missing_share = if known == 0 {
             0.0
@@ -649,9 +658,11 @@ impl Service {
         }
     }
 
-    /// Sets the load of every fresh serving endpoint: its CPU and error penalty, and its
-    /// in-flight count judged against the fleet (see [`inflight`]).
-    fn assess_loads(&mut self, now: Millis) {
+    /// Assesses the load of every fresh serving endpoint: its CPU and error penalty,
+    /// and its in-flight count judged against the fleet (see [`inflight`]). Returns
+    /// their slots, in order, and what was made of each; the caller writes the loads
+    /// in its next walk over the endpoints.
+    fn assess_loads(&mut self, now: Millis) -> (Vec<usize>, Vec<inflight::Assessed>) {
         let params = &self.params;
         let slots = &mut self.slots;
         let n = slots.len();
@@ -683,15 +694,7 @@ impl Service {
             assessed_slots.push(slot);
         }
         let assessed = inflight::assess_counted(params, &mut items, &counts);
-        drop(items);
-        let mut newly = 0u64;
-        for (&slot, a) in assessed_slots.iter().zip(&assessed) {
-            let ep = &mut slots.hot[slot];
-            ep.load = a.load;
-            ep.distrusted = a.distrusted;
-            newly += u64::from(a.newly_distrusted);
-        }
-        self.stats.inflight_distrusts += newly;
+        (assessed_slots, assessed)
     }
 
     /// The last level, if `avg` (this cycle's [`fleet_level`]) jumped away from it and
