@@ -4,11 +4,12 @@
 //! assessment, the counts, the controller, the mixture), and a service may have
 //! 100,000 endpoints. A walk costs what it streams through the cache, not what it
 //! computes, so an endpoint's fields are kept apart by who reads them: a dense array of
-//! the few that nearly every walk reads ([`Hot`]), and beside it, slot for slot, arrays
-//! of the controller's memory, the version's weights, the last report, the in-flight
-//! tracker and the names. Slots are in node order (the order every sum over the
-//! endpoints is taken in), and a hash index finds a node's slot for a report without
-//! comparing strings.
+//! the few that nearly every walk reads (`Hot`, one cache line), and beside it, slot
+//! for slot, arrays of the controller's memory, the version's weights, the last
+//! report, the in-flight tracker and the names. Slots are in node order (the order
+//! every sum over the endpoints is taken in; newcomers out of order wait at the end
+//! until the next cycle puts them in place), and a hash index finds a node's slot
+//! for a report with one hash and one comparison of names.
 //!
 //! Readers outside the crate see an endpoint through [`Endpoint`], a view of one slot.
 
