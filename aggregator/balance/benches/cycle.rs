@@ -10,6 +10,10 @@
 //! behind it), then times `ROUNDS` cycles: the reports of a cycle (`observe`), the cycle
 //! itself, and its publication (the value every reader takes), each as the median of the
 //! rounds. The baseline runs on a plain vector of the same loads in the same rounds.
+//!
+//! Reports arrive in node order in even rounds and in a shuffled order (the same one
+//! every odd round, from a fixed seed) in odd rounds, as they do from a real fleet:
+//! the two observe figures are the medians of each.
 
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -33,14 +37,15 @@ fn main() {
     };
     println!("## The cycle beside a trivial pass (one thread, one service)\n");
     println!(
-        "| endpoints | observe, ns/report | cycle, ms | publish, ms | cycle + publish, ms | trivial pass, ms | ratio |"
+        "| endpoints | observe in node order, ns/report | observe shuffled, ns/report | cycle, ms | publish, ms | cycle + publish, ms | trivial pass, ms | ratio |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for n in sizes {
         let r = run(n);
         println!(
-            "| {n} | {:.0} | {:.2} | {:.2} | {:.2} | {:.3} | {:.0}× |",
+            "| {n} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.3} | {:.0}× |",
             r.observe_ns,
+            r.shuffled_ns,
             r.cycle_ms,
             r.publish_ms,
             r.cycle_ms + r.publish_ms,
@@ -52,6 +57,7 @@ fn main() {
 
 struct Figures {
     observe_ns: f64,
+    shuffled_ns: f64,
     cycle_ms: f64,
     publish_ms: f64,
     trivial_ms: f64,
@@ -61,6 +67,20 @@ struct Figures {
 /// from round to round so that weights change and versions are published.
 fn cpu(i: usize, r: u64) -> f64 {
     0.3 + (i % 7) as f64 * 0.05 + ((i as u64 + r) % 5) as f64 * 0.004
+}
+
+/// `0..n` in an order shuffled by a fixed seed (Fisher-Yates on a xorshift
+/// generator), so that every run reports in the same order.
+fn shuffled(n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    order
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -94,11 +114,16 @@ fn run(n: usize) -> Figures {
     let ran: BTreeSet<String> = ["svc".to_string()].into();
     let localities = BTreeMap::new();
     let mut published = Published::default();
+    let in_order: Vec<usize> = (0..n).collect();
+    let shuffled = shuffled(n);
     let (mut observe, mut cycle, mut publish) = (Vec::new(), Vec::new(), Vec::new());
+    let mut observe_shuffled = Vec::new();
     for r in 0..WARMUP + ROUNDS {
         let now = (r + 1) * cycle_ms;
+        let order = if r % 2 == 0 { &in_order } else { &shuffled };
         let t = Instant::now();
-        for (i, node) in nodes.iter().enumerate() {
+        for &i in order {
+            let node = &nodes[i];
             let obs = Observation {
                 seq: Some(r as u32 + 1),
                 cpu: cpu(i, r),
@@ -116,7 +141,12 @@ fn run(n: usize) -> Figures {
         published = published.next(&b, &ran, &localities, now);
         let t_publish = t.elapsed();
         if r >= WARMUP {
-            observe.push(t_observe.as_secs_f64() * 1e9 / n as f64);
+            let ns = t_observe.as_secs_f64() * 1e9 / n as f64;
+            if r % 2 == 0 {
+                observe.push(ns);
+            } else {
+                observe_shuffled.push(ns);
+            }
             cycle.push(t_cycle.as_secs_f64() * 1e3);
             publish.push(t_publish.as_secs_f64() * 1e3);
         }
@@ -124,6 +154,7 @@ fn run(n: usize) -> Figures {
     black_box(&published);
     Figures {
         observe_ns: median(observe),
+        shuffled_ns: median(observe_shuffled),
         cycle_ms: median(cycle),
         publish_ms: median(publish),
         trivial_ms: trivial(n),

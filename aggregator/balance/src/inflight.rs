@@ -192,7 +192,7 @@ pub(crate) struct Input {
 
 /// What [`assess`] reads of one endpoint's tracker, once.
 #[derive(Debug, Clone, Copy)]
-struct Count {
+pub(crate) struct Count {
     /// The smoothed count.
     smoothed: f64,
     /// The largest of the last cycles' weights.
@@ -206,6 +206,8 @@ pub(crate) struct Assessed {
     pub load: f64,
     /// Whether the term was distrusted in this cycle (a new distrust, for the metric).
     pub newly_distrusted: bool,
+    /// Whether the term is distrusted now.
+    pub distrusted: bool,
 }
 
 /// The median, except that of two values it is the smaller, so that one stalled node
@@ -230,43 +232,57 @@ fn typical_of(mut v: Vec<f64>) -> Option<f64> {
 
 /// Computes the load of every fresh serving endpoint of a service from its inputs and
 /// updates each tracker's verdict. `items` pairs each endpoint's inputs with its tracker.
+#[cfg(test)]
 pub(crate) fn assess(
     params: &Params,
     items: &mut [(Input, &mut InflightTracker)],
 ) -> Vec<Assessed> {
+    let counts: Vec<Count> = items
+        .iter_mut()
+        .map(|(input, tracker)| take_in(input, tracker))
+        .collect();
+    assess_counted(params, items, &counts)
+}
+
+/// Takes this cycle's weight into an endpoint's tracker and reads what the
+/// fleet-wide figures of [`assess_counted`] need from it, so that those figures are
+/// taken from a dense array rather than from every tracker again (a service may
+/// have 100,000). The caller does it in the walk that gathers the inputs.
+pub(crate) fn take_in(input: &Input, tracker: &mut InflightTracker) -> Count {
+    tracker.weights.rotate_right(1);
+    tracker.weights[0] = input.weight;
+    Count {
+        smoothed: tracker.smoothed(),
+        peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
+    }
+}
+
+/// [`assess`] for trackers that have taken in this cycle's weights: `counts[i]` is
+/// what [`take_in`] returned for `items[i]`.
+pub(crate) fn assess_counted(
+    params: &Params,
+    items: &mut [(Input, &mut InflightTracker)],
+    counts: &[Count],
+) -> Vec<Assessed> {
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
-    // One walk over the trackers takes in this cycle's weight and reads what the
-    // fleet-wide figures need, so that those figures are taken from a dense array
-    // rather than from every endpoint again (a service may have 100,000).
-    let counts: Vec<Count> = items
-        .iter_mut()
-        .map(|(input, tracker)| {
-            tracker.weights.rotate_right(1);
-            tracker.weights[0] = input.weight;
-            Count {
-                smoothed: tracker.smoothed(),
-                peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
-            }
-        })
-        .collect();
     let per_weight = |c: &Count| c.smoothed / c.peak_weight.max(params.min_weight);
     let per_cpu = |i: &Input, c: &Count| c.smoothed / i.cpu.max(MIN_CPU);
-    let typical = |f: &dyn Fn(&Input, &Count) -> f64, floor: f64| {
-        typical_of(
-            items
-                .iter()
-                .zip(&counts)
-                .filter(|((i, _), _)| i.capacity == 0)
-                .map(|((i, _), c)| f(i, c))
-                .collect(),
-        )
-        .unwrap_or(0.0)
-        .max(floor)
-    };
-    let typical_weight = typical(&|_, c| per_weight(c), MIN_TYPICAL);
-    let typical_cpu = typical(&per_cpu, MIN_TYPICAL);
+    // Both ratios of the endpoints without a capacity, in one walk.
+    let mut by_weight = Vec::with_capacity(items.len());
+    let mut by_cpu = Vec::with_capacity(items.len());
+    for ((i, _), c) in items
+        .iter()
+        .zip(counts)
+        .filter(|((i, _), _)| i.capacity == 0)
+    {
+        by_weight.push(per_weight(c));
+        by_cpu.push(per_cpu(i, c));
+    }
+    let typical = |v: Vec<f64>, floor: f64| typical_of(v).unwrap_or(0.0).max(floor);
+    let typical_weight = typical(by_weight, MIN_TYPICAL);
+    let typical_cpu = typical(by_cpu, MIN_TYPICAL);
     // With in-flight as the only signal the CPU says nothing.
     let use_cpu = params.metric == LoadMetric::Max;
     // Under `max` the term is scaled to the fleet's CPU load and binds only well above
@@ -278,7 +294,7 @@ pub(crate) fn assess(
     let idle_cpu = IDLE_CPU * avg_base;
     items
         .iter_mut()
-        .zip(&counts)
+        .zip(counts)
         .map(|((input, tracker), count)| {
             let smoothed = count.smoothed;
             let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
@@ -324,6 +340,7 @@ pub(crate) fn assess(
             Assessed {
                 load: crate::load::sanitize(load),
                 newly_distrusted,
+                distrusted: !trusted,
             }
         })
         .collect()

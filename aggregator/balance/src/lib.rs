@@ -14,6 +14,7 @@
 //! from the cold-start weight, give draining endpoints 0, normalise within bounds, and
 //! mix the enabled strategies by their gates.
 
+pub mod endpoints;
 pub mod inflight;
 pub mod load;
 pub mod mixture;
@@ -27,8 +28,8 @@ pub mod stats;
 pub use params::{Gate, LoadMetric, Params, PidGains, Strategy, StrategyWeights};
 pub use publish::{Published, PublishedEndpoint, PublishedService};
 pub use service::{
-    CycleResult, Endpoint, EndpointSnapshot, EndpointState, Service, ServiceSnapshot, SkipReason,
-    MATERIAL_CHANGE,
+    CycleResult, Endpoint, EndpointSnapshot, EndpointState, Endpoints, Service, ServiceSnapshot,
+    SkipReason, MATERIAL_CHANGE,
 };
 pub use stats::Spread;
 
@@ -190,7 +191,7 @@ impl Balancer {
         let elsewhere = |b: &Balancer| -> Vec<String> {
             b.services
                 .values()
-                .filter(|s| s.name != service && s.endpoints.contains_key(node))
+                .filter(|s| s.name != service && s.endpoints().contains_key(node))
                 .map(|s| s.name.clone())
                 .collect()
         };
@@ -204,8 +205,7 @@ impl Balancer {
             };
             let params = svc.params.clone();
             let stale = svc
-                .endpoints
-                .get(node)
+                .endpoint(node)
                 .is_some_and(|e| !e.is_fresh(now, &params));
             if !stale {
                 continue;
@@ -228,7 +228,7 @@ impl Balancer {
     /// own (no config file names them). Returns their names.
     pub fn sweep_empty(&mut self, now: Millis) -> Vec<String> {
         for (name, svc) in &self.services {
-            if svc.endpoints.is_empty() {
+            if svc.endpoints().is_empty() {
                 self.empty_since.entry(name.clone()).or_insert(now);
             } else {
                 self.empty_since.remove(name);
@@ -319,7 +319,7 @@ impl Balancer {
         self.make_room_for(now, service, node)?;
         let limit = self.limits.max_endpoints_per_service;
         let svc = self.service_mut(service)?;
-        if svc.endpoints.len() >= limit && !svc.endpoints.contains_key(node) {
+        if svc.endpoints().len() >= limit && !svc.endpoints().contains_key(node) {
             return Err(BalanceError::Limit {
                 what: "endpoints in this service",
                 limit,
@@ -341,7 +341,7 @@ impl Balancer {
         let others: Vec<String> = self
             .services
             .values()
-            .filter(|s| s.name != service && s.endpoints.contains_key(node))
+            .filter(|s| s.name != service && s.endpoints().contains_key(node))
             .map(|s| s.name.clone())
             .collect();
         for name in others {
@@ -363,7 +363,7 @@ impl Balancer {
             && self
                 .services
                 .get(name)
-                .is_some_and(|s| s.endpoints.is_empty())
+                .is_some_and(|s| s.endpoints().is_empty())
         {
             self.services.remove(name);
             self.next_cycle.remove(name);
@@ -387,12 +387,12 @@ impl Balancer {
         let cycle = svc.weights_cycle;
         let (accepted, ep) = svc.observe_endpoint(now, node, obs).ok_or_else(unknown)?;
         Ok(Assignment {
-            weight: ep.weight,
+            weight: ep.weight(),
             cycle,
-            draining: ep.draining,
+            draining: ep.draining(),
             accepted,
-            load: ep.load,
-            inflight_trusted: !ep.inflight.distrusted(),
+            load: ep.load(),
+            inflight_trusted: !ep.hot().distrusted,
         })
     }
 

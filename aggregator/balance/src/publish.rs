@@ -10,6 +10,7 @@
 //! store by one process and read by another, and a reader can refuse a format it does
 //! not know instead of misreading it.
 
+use crate::endpoints::Endpoint;
 use crate::inflight::InflightEstimate;
 use crate::service::{EndpointSnapshot, HistoryPoint, ServiceSnapshot, ServiceStats};
 use crate::{Balancer, EndpointState, Millis, Params, Service, StrategyWeights};
@@ -118,6 +119,47 @@ pub struct PublishedEndpoint {
 impl PublishedService {
     /// The service as the balancer holds it at `now`, under `locality`.
     pub fn of(svc: &Service, now: Millis, locality: LocalitySplit) -> Self {
+        Self::after(svc, now, locality, None)
+    }
+
+    /// [`PublishedService::of`], given the service's previous publication: if that
+    /// lists the same endpoints (every one registered before it and none gone since),
+    /// its map is copied and each entry's values rewritten in place, which needs no
+    /// comparison of node names; otherwise the map is built afresh. Either way the
+    /// value is the same.
+    fn after(
+        svc: &Service,
+        now: Millis,
+        locality: LocalitySplit,
+        previous: Option<&PublishedService>,
+    ) -> Self {
+        let endpoints = previous
+            .and_then(|p| refreshed(svc, now, &p.endpoints))
+            .unwrap_or_else(|| {
+                svc.published_endpoints()
+                    .map(|(e, state, strategies)| {
+                        let names = e.names();
+                        let mut out = PublishedEndpoint {
+                            address: Arc::clone(&names.address),
+                            zone: Arc::clone(&names.zone),
+                            weight: 0.0,
+                            draining: false,
+                            draining_now: false,
+                            state: EndpointState::Serving,
+                            load: 0.0,
+                            cpu: 0.0,
+                            inflight: 0,
+                            capacity: 0,
+                            inflight_estimate: InflightEstimate::default(),
+                            inflight_trusted: true,
+                            report_age_ms: None,
+                            strategy_weights: strategies,
+                        };
+                        fill(&mut out, svc, now, e, state, strategies);
+                        (Arc::clone(&names.node), out)
+                    })
+                    .collect()
+            });
         PublishedService {
             name: svc.name.clone(),
             version: svc.version,
@@ -128,31 +170,7 @@ impl PublishedService {
             params: svc.params.clone(),
             stats: svc.stats.clone(),
             history: svc.history.iter().copied().collect(),
-            endpoints: svc
-                .published_endpoints()
-                .map(|(e, (weight, draining), strategy_weights)| {
-                    let names = e.names();
-                    (
-                        Arc::clone(&names.node),
-                        PublishedEndpoint {
-                            address: Arc::clone(&names.address),
-                            zone: Arc::clone(&names.zone),
-                            weight,
-                            draining,
-                            draining_now: e.draining,
-                            state: e.state(now, &svc.params),
-                            load: e.load,
-                            cpu: e.observation.cpu,
-                            inflight: e.observation.inflight,
-                            capacity: e.observation.capacity,
-                            inflight_estimate: e.inflight.estimate,
-                            inflight_trusted: !e.inflight.distrusted(),
-                            report_age_ms: e.report_age(now),
-                            strategy_weights,
-                        },
-                    )
-                })
-                .collect(),
+            endpoints,
         }
     }
 
@@ -190,6 +208,79 @@ impl PublishedService {
     }
 }
 
+/// Sets every value of `out` but its address and zone from endpoint `e` of `svc` at
+/// `now`, with its weight and drain state and strategy weights as of the version.
+fn fill(
+    out: &mut PublishedEndpoint,
+    svc: &Service,
+    now: Millis,
+    e: Endpoint<'_>,
+    (weight, draining): (f64, bool),
+    strategies: StrategyWeights,
+) {
+    // Every field by name, so that a new one cannot be left stale in a copied map.
+    let PublishedEndpoint {
+        address: _,
+        zone: _,
+        weight: out_weight,
+        draining: out_draining,
+        draining_now,
+        state,
+        load,
+        cpu,
+        inflight,
+        capacity,
+        inflight_estimate,
+        inflight_trusted,
+        report_age_ms,
+        strategy_weights,
+    } = out;
+    *out_weight = weight;
+    *out_draining = draining;
+    *draining_now = e.draining();
+    *state = e.state(now, &svc.params);
+    *load = e.load();
+    *cpu = e.observation().cpu;
+    *inflight = e.observation().inflight;
+    *capacity = e.observation().capacity;
+    *inflight_estimate = e.inflight().estimate;
+    *inflight_trusted = !e.hot().distrusted;
+    *report_age_ms = e.report_age(now);
+    *strategy_weights = strategies;
+}
+
+/// The endpoints of `svc` at `now` as a copy of `previous` rewritten in place, if
+/// `previous` lists exactly the endpoints `svc` has, by the same names.
+fn refreshed(
+    svc: &Service,
+    now: Millis,
+    previous: &BTreeMap<Arc<str>, PublishedEndpoint>,
+) -> Option<BTreeMap<Arc<str>, PublishedEndpoint>> {
+    if previous.len() != svc.endpoints().len() {
+        return None;
+    }
+    // The names are compared as pointers, in the walk that rewrites the values: an
+    // endpoint keeps its node's shared name for as long as it is known, and a node
+    // registered again has a new one. A copy found not to match is dropped; that
+    // costs a cycle in which the endpoints changed, not every cycle a check.
+    let mut endpoints = previous.clone();
+    for ((node, out), (e, state, strategies)) in endpoints.iter_mut().zip(svc.published_endpoints())
+    {
+        let names = e.names();
+        if !Arc::ptr_eq(node, &names.node) {
+            return None;
+        }
+        if !Arc::ptr_eq(&out.address, &names.address) {
+            out.address = Arc::clone(&names.address);
+        }
+        if !Arc::ptr_eq(&out.zone, &names.zone) {
+            out.zone = Arc::clone(&names.zone);
+        }
+        fill(out, svc, now, e, state, strategies);
+    }
+    Some(endpoints)
+}
+
 impl Published {
     /// The next publication after `self`, at `now`: the services named in `ran` (those
     /// whose cycle just ran) are taken from the balancer afresh, as is any service whose
@@ -212,10 +303,11 @@ impl Published {
                 });
                 let entry = match kept {
                     Some(p) => Arc::clone(p),
-                    None => Arc::new(PublishedService::of(
+                    None => Arc::new(PublishedService::after(
                         svc,
                         now,
                         locality.cloned().unwrap_or_default(),
+                        self.services.get(&svc.name).map(Arc::as_ref),
                     )),
                 };
                 (svc.name.clone(), entry)
@@ -285,6 +377,44 @@ mod tests {
             &second.services["svc"]
         ));
         assert_eq!(second.services["svc"].at, 1_000);
+    }
+
+    /// A publication that copies the previous one's map is the value a publication
+    /// built afresh would be: through plain cycles, an address and zone that change,
+    /// and a newcomer.
+    #[test]
+    fn a_publication_after_another_equals_one_built_afresh() {
+        let mut b = balancer();
+        let mut p = Published::default().next(&b, &BTreeSet::new(), &BTreeMap::new(), 0);
+        let ran: BTreeSet<String> = ["svc".to_string()].into();
+        for t in 1..=6u64 {
+            let now = t * 1_000;
+            match t {
+                2 => b
+                    .register(now, "svc", "n1", "10.0.0.9:80", "y")
+                    .expect("moves"),
+                4 => b
+                    .register(now, "svc", "n2", "10.0.0.2:80", "z")
+                    .expect("registers"),
+                _ => {}
+            }
+            for (i, cpu) in [0.3, 0.7, 0.5].into_iter().enumerate() {
+                let obs = Observation {
+                    cpu,
+                    ..Observation::default()
+                };
+                if b.observe(now, "svc", &format!("n{i}"), obs).is_err() {
+                    assert!(i == 2 && t < 4, "n{i} at {now}");
+                }
+            }
+            b.cycle(now);
+            let next = p.next(&b, &ran, &BTreeMap::new(), now);
+            let svc = b.service("svc").expect("svc");
+            let afresh = PublishedService::of(svc, now, LocalitySplit::new());
+            assert_eq!(*next.services["svc"], afresh, "at {now}");
+            p = next;
+        }
+        assert_eq!(&*p.services["svc"].endpoints["n1"].address, "10.0.0.9:80");
     }
 
     #[test]

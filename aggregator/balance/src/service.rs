@@ -1,10 +1,12 @@
 //! One service's endpoints and its balancing cycle.
 
-use super::inflight::{self, InflightTracker};
+pub use super::endpoints::{Endpoint, Endpoints};
+
+use super::endpoints::Slots;
+use super::inflight;
 use super::mixture::mix;
 use super::normalize::normalize_bounded;
 use super::params::{LoadMetric, Params, Strategy, StrategyWeights};
-use super::pid::Pid;
 use super::stats::Spread;
 use super::{Millis, Observation};
 use serde::{Deserialize, Serialize};
@@ -32,158 +34,6 @@ pub enum EndpointState {
     Draining,
     /// Known but its last report is stale; its weight is held.
     Missing,
-}
-
-/// One endpoint of a service.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Endpoint {
-    /// The node's identity.
-    pub node: String,
-    /// Where load balancers send its traffic, `host:port`.
-    pub address: String,
-    /// Its zone; empty when unknown.
-    pub zone: String,
-    /// When its last report arrived; `None` if it has not reported since it was
-    /// registered or restored.
-    pub last_report: Option<Millis>,
-    /// When it last showed any sign of life (hello or report); drives expiry.
-    pub last_seen: Millis,
-    /// Sequence number of the last accepted report in this session.
-    pub last_seq: Option<u32>,
-    /// The last reported measurement.
-    pub observation: Observation,
-    /// The load the balancer steers by, derived from the observation.
-    pub load: f64,
-    /// Lame duck.
-    pub draining: bool,
-    /// Ramping up from the cold-start weight.
-    pub warming: bool,
-    /// Each strategy's weight, kept apart as the routing store keeps them.
-    pub strategy_weights: StrategyWeights,
-    /// The published weight: the gated mixture, 0 when draining.
-    pub weight: f64,
-    /// The PID controller's memory.
-    pub pid: Pid,
-    /// When the controller last ran for this endpoint.
-    pub last_update: Option<Millis>,
-    /// Whether its weight was earned: set by its first controller update or by a
-    /// restore. Only established endpoints make a newcomer cold.
-    pub established: bool,
-    /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
-    pub inflight: InflightTracker,
-    /// When its node said hello to another service while registered here. A report
-    /// here clears it; once it is stale here, the node has moved and is forgotten
-    /// rather than waited for as missing.
-    pub moved_at: Option<Millis>,
-    /// Its node, address and zone as shared strings, so that a publication shares
-    /// them instead of copying three strings per endpoint per cycle.
-    names: Names,
-    /// Its weight and drain state as of the service's current version; `None` if it
-    /// registered since (a feed then shows its live state). Kept on the endpoint, not
-    /// in a map beside it, so that the cycle's material-change test is one pass that
-    /// allocates nothing.
-    version_state: Option<(f64, bool)>,
-    /// Its strategy weights as of the current version, so that what the store keeps of
-    /// a version mixes back to that version's weights on a restore.
-    version_strategies: StrategyWeights,
-}
-
-/// An endpoint's identity as a publication carries it.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Names {
-    pub(crate) node: Arc<str>,
-    pub(crate) address: Arc<str>,
-    pub(crate) zone: Arc<str>,
-}
-
-impl Endpoint {
-    /// Its node, address and zone, shared.
-    pub(crate) fn names(&self) -> &Names {
-        &self.names
-    }
-
-    fn new(node: &str, address: &str, zone: &str, now: Millis, weight: f64) -> Self {
-        Endpoint {
-            node: node.to_string(),
-            address: address.to_string(),
-            zone: zone.to_string(),
-            last_report: None,
-            last_seen: now,
-            last_seq: None,
-            observation: Observation::default(),
-            load: 0.0,
-            draining: false,
-            warming: true,
-            strategy_weights: StrategyWeights::new(weight),
-            weight,
-            pid: Pid::default(),
-            last_update: None,
-            established: false,
-            inflight: InflightTracker::default(),
-            moved_at: None,
-            names: Names {
-                node: Arc::from(node),
-                address: Arc::from(address),
-                zone: Arc::from(zone),
-            },
-            version_state: None,
-            version_strategies: StrategyWeights::new(weight),
-        }
-    }
-
-    /// Whether its last report is younger than the staleness bound.
-    pub fn is_fresh(&self, now: Millis, params: &Params) -> bool {
-        self.last_report
-            .is_some_and(|t| now.saturating_sub(t) <= params.stale_ms)
-    }
-
-    /// Whether it showed a sign of life here (a hello or a report) within `stale_ms`:
-    /// an endpoint that said hello and has not reported yet is alive, not stale.
-    pub fn is_alive(&self, now: Millis, params: &Params) -> bool {
-        now.saturating_sub(self.last_seen) <= params.stale_ms
-    }
-
-    /// Its state as operators see it.
-    pub fn state(&self, now: Millis, params: &Params) -> EndpointState {
-        if self.draining {
-            EndpointState::Draining
-        } else if !self.is_fresh(now, params) {
-            EndpointState::Missing
-        } else if self.warming {
-            EndpointState::Warming
-        } else {
-            EndpointState::Serving
-        }
-    }
-
-    /// Whether it has shown no sign of life for longer than `expire_ms`.
-    fn past_expiry(&self, now: Millis, params: &Params) -> bool {
-        now.saturating_sub(self.last_seen) > params.expire_ms
-    }
-
-    /// Whether its node said hello to another service and it has gone stale here since
-    /// (a drained one excepted: it expires on its own clock).
-    fn moved_and_stale(&self, now: Millis, params: &Params) -> bool {
-        self.moved_at.is_some() && !self.draining && !self.is_alive(now, params)
-    }
-
-    /// Milliseconds since its last report.
-    pub fn report_age(&self, now: Millis) -> Option<u64> {
-        self.last_report.map(|t| now.saturating_sub(t))
-    }
-
-    fn strategy_weight(&self, s: Strategy) -> f64 {
-        self.strategy_weights.get(s)
-    }
-
-    fn start_cold(&mut self, params: &Params) {
-        self.warming = true;
-        self.pid.reset();
-        self.inflight.reset();
-        self.last_update = None;
-        self.strategy_weights
-            .set(Strategy::Pid, params.cold_start_weight);
-    }
 }
 
 /// The fleet's load level, as the load-jump rule follows it: the mean without the
@@ -372,8 +222,8 @@ pub struct Service {
     pub name: String,
     /// Its parameters.
     pub params: Params,
-    /// Endpoints by node.
-    pub endpoints: BTreeMap<String, Endpoint>,
+    /// Its endpoints, laid out for the cycle (see [`crate::endpoints`]).
+    slots: Slots,
     /// Counters and last results.
     pub stats: ServiceStats,
     /// Version of the published weights; increases on every material change.
@@ -405,7 +255,7 @@ pub struct Service {
     /// without a walk over every endpoint. An entry may be stale (the node left, or
     /// moved address): a lookup checks it against the endpoint, and the map is rebuilt
     /// when it grows past twice the endpoints.
-    addresses: HashMap<String, String>,
+    addresses: HashMap<Arc<str>, Arc<str>>,
     /// Whether any endpoint has ever been established here (a controller update or a
     /// restore): until one has, no newcomer is cold, and a registration need not walk
     /// the endpoints to find that out (a new service of 100,000 registering at once
@@ -428,7 +278,7 @@ impl Service {
         Service {
             name: name.to_string(),
             params,
-            endpoints: BTreeMap::new(),
+            slots: Slots::default(),
             stats: ServiceStats::default(),
             version: 0,
             weights_cycle: 0,
@@ -446,37 +296,52 @@ impl Service {
         }
     }
 
+    /// Its endpoints, in node order.
+    pub fn endpoints(&self) -> Endpoints<'_> {
+        self.slots.view()
+    }
+
+    /// The endpoint of `node`.
+    pub fn endpoint(&self, node: &str) -> Option<Endpoint<'_>> {
+        self.slots.view().get(node)
+    }
+
     /// Registers an endpoint, or refreshes the address and zone of a known one. A
     /// newcomer to a fleet that already carries traffic starts at the cold-start
     /// weight, relative to the mean; the first endpoints of a new service start
     /// equal, since there is nobody to take the traffic from.
     pub fn register(&mut self, now: Millis, node: &str, address: &str, zone: &str) {
-        let fleet_established = self.any_established
-            && self
-                .endpoints
-                .values()
-                .any(|e| e.established && !e.draining);
-        let start = if fleet_established {
-            self.params.cold_start_weight
-        } else {
-            1.0
+        let slot = match self.slots.slot(node) {
+            Some(slot) => {
+                let names = &self.slots.cold[slot].names;
+                if *names.address != *address || *names.zone != *zone {
+                    let zone = self.slots.zone(zone);
+                    let names = &mut self.slots.cold[slot].names;
+                    names.address = Arc::from(address);
+                    names.zone = zone;
+                }
+                slot
+            }
+            None => {
+                let fleet_established = self.any_established
+                    && self.slots.hot.iter().any(|e| e.established && !e.draining);
+                let start = if fleet_established {
+                    self.params.cold_start_weight
+                } else {
+                    1.0
+                };
+                let slot = self.slots.insert(node, address, zone, now, start);
+                self.slots.hot[slot].warming = fleet_established;
+                slot
+            }
         };
-        let ep = self.endpoints.entry(node.to_string()).or_insert_with(|| {
-            let mut ep = Endpoint::new(node, address, zone, now, start);
-            ep.warming = fleet_established;
-            ep
-        });
-        if ep.address != address || ep.zone != zone {
-            ep.address = address.to_string();
-            ep.zone = zone.to_string();
-            ep.names.address = Arc::from(address);
-            ep.names.zone = Arc::from(zone);
-        }
-        ep.last_seen = now;
-        ep.moved_at = None;
+        self.slots.hot[slot].last_seen = now;
+        self.slots.hot[slot].moved = false;
+        let cold = &mut self.slots.cold[slot];
+        cold.moved_at = None;
         // A new session restarts its sequence numbers.
-        ep.last_seq = None;
-        self.index_address(address, node);
+        cold.last_seq = None;
+        self.index_address(slot);
     }
 
     /// Makes room for `node` at `address`: another endpoint there that has shown no
@@ -491,17 +356,23 @@ impl Service {
         let holder = self
             .addresses
             .get(address)
-            .filter(|n| n.as_str() != node)
-            .and_then(|n| self.endpoints.get(n))
-            .filter(|e| e.address == address)
-            .map(|e| (e.node.clone(), e.is_alive(now, &self.params)));
+            .filter(|n| ***n != *node)
+            .and_then(|n| self.slots.slot(n))
+            .filter(|&slot| *self.slots.cold[slot].names.address == *address)
+            .map(|slot| {
+                (
+                    slot,
+                    self.slots.cold[slot].names.node.to_string(),
+                    self.slots.hot[slot].is_alive(now, &self.params),
+                )
+            });
         match holder {
-            Some((holder, true)) => Err(crate::BalanceError::AddressInUse {
+            Some((_, holder, true)) => Err(crate::BalanceError::AddressInUse {
                 address: address.to_string(),
                 holder,
             }),
-            Some((holder, false)) => {
-                self.endpoints.remove(&holder);
+            Some((slot, holder, false)) => {
+                self.slots.remove(slot);
                 self.moved.push(holder);
                 Ok(())
             }
@@ -509,13 +380,16 @@ impl Service {
         }
     }
 
-    /// Records that `node` registered `address`; rebuilds the map from the endpoints
-    /// when stale entries have made it twice their number.
-    fn index_address(&mut self, address: &str, node: &str) {
-        if self.addresses.get(address).map(String::as_str) != Some(node) {
-            self.addresses.insert(address.to_string(), node.to_string());
+    /// Records that the endpoint in `slot` registered its address (the map shares its
+    /// names); rebuilds the map from the endpoints when stale entries have made it
+    /// twice their number.
+    fn index_address(&mut self, slot: usize) {
+        let names = &self.slots.cold[slot].names;
+        if self.addresses.get(&*names.address) != Some(&names.node) {
+            self.addresses
+                .insert(Arc::clone(&names.address), Arc::clone(&names.node));
         }
-        if self.addresses.len() > 2 * self.endpoints.len() + 16 {
+        if self.addresses.len() > 2 * self.slots.len() + 16 {
             self.reindex_addresses();
         }
     }
@@ -523,16 +397,18 @@ impl Service {
     /// The address map, from the endpoints as they are.
     fn reindex_addresses(&mut self) {
         self.addresses = self
-            .endpoints
-            .values()
-            .map(|e| (e.address.clone(), e.node.clone()))
+            .slots
+            .cold
+            .iter()
+            .map(|c| (Arc::clone(&c.names.address), Arc::clone(&c.names.node)))
             .collect();
     }
 
     /// Forgets `node`, which moved: its registration elsewhere needed the room. The
     /// next cycle's result names it among [`CycleResult::moved`].
     pub(crate) fn forget_moved_node(&mut self, node: &str) {
-        if self.endpoints.remove(node).is_some() {
+        if let Some(slot) = self.slots.slot(node) {
+            self.slots.remove(slot);
             self.moved.push(node.to_string());
         }
     }
@@ -541,20 +417,21 @@ impl Service {
     /// life here for `stale_ms` and is forgotten now; otherwise it is marked, and
     /// forgotten once it has not, unless it reports or says hello here again.
     pub fn moved_away(&mut self, now: Millis, node: &str) -> bool {
-        let params = &self.params;
-        let Some(ep) = self.endpoints.get_mut(node) else {
+        let Some(slot) = self.slots.slot(node) else {
             return false;
         };
+        let ep = &mut self.slots.hot[slot];
         // A drained endpoint freezes nothing by its silence and expires on its own
         // clock: the operator drained it, it did not go missing.
         if ep.draining {
             return false;
         }
-        if ep.is_alive(now, params) {
-            ep.moved_at = Some(now);
+        if ep.is_alive(now, &self.params) {
+            ep.moved = true;
+            self.slots.cold[slot].moved_at = Some(now);
             false
         } else {
-            self.endpoints.remove(node);
+            self.slots.remove(slot);
             self.moved.push(node.to_string());
             true
         }
@@ -568,28 +445,32 @@ impl Service {
     }
 
     /// [`Service::observe`], with the endpoint as the report left it: one lookup per
-    /// report, not two.
+    /// report, by hash, not two.
     pub(crate) fn observe_endpoint(
         &mut self,
         now: Millis,
         node: &str,
         obs: Observation,
-    ) -> Option<(bool, &Endpoint)> {
+    ) -> Option<(bool, Endpoint<'_>)> {
         let params = &self.params;
-        let ep = self.endpoints.get_mut(node)?;
-        if let (Some(last), Some(seq)) = (ep.last_seq, obs.seq) {
+        let slot = self.slots.slot(node)?;
+        let cold = &mut self.slots.cold[slot];
+        if let (Some(last), Some(seq)) = (cold.last_seq, obs.seq) {
             if seq <= last {
-                return Some((false, ep));
+                return Some((false, self.slots.at(slot)));
             }
         }
         if obs.seq.is_some() {
-            ep.last_seq = obs.seq;
+            cold.last_seq = obs.seq;
         }
-        ep.last_report = Some(now);
+        cold.moved_at = None;
+        let ep = &mut self.slots.hot[slot];
+        ep.set_last_report(now);
         ep.last_seen = now;
-        ep.moved_at = None;
-        ep.observation = obs;
-        ep.inflight.observe(obs.inflight);
+        ep.moved = false;
+        self.slots.obs[slot] = obs;
+        let tracker = &mut self.slots.inflight[slot];
+        tracker.observe(obs.inflight);
         // Until the next cycle judges the count against the fleet, the load is what the
         // report says on its own.
         ep.load = obs.load(params);
@@ -598,9 +479,16 @@ impl Service {
             ep.weight = 0.0;
         } else if !obs.draining && ep.draining {
             ep.draining = false;
-            ep.start_cold(params);
+            // Back from a drain: cold, as a newcomer.
+            ep.warming = true;
+            ep.set_last_update(None);
+            ep.distrusted = false;
+            ep.strategy_weights
+                .set(Strategy::Pid, params.cold_start_weight);
+            self.slots.pid[slot].reset();
+            tracker.reset();
         }
-        Some((true, ep))
+        Some((true, self.slots.at(slot)))
     }
 
     /// Runs one cycle at `now`. `grace_until` is when the aggregator's start-up grace
@@ -623,12 +511,16 @@ impl Service {
     pub fn cycle(&mut self, now: Millis, grace_until: Millis) -> CycleResult {
         self.stats.cycles += 1;
         let cycle = self.stats.cycles;
+        // Registrations out of order and removals since the last cycle left the slots
+        // out of node order, which every sum below is taken in.
+        self.slots.sort();
         // One walk says whether anything expires or moved away; most cycles nothing
         // does, and each of the two would otherwise walk every endpoint.
         let (any_past, any_gone) = {
             let params = &self.params;
-            self.endpoints
-                .values()
+            self.slots
+                .hot
+                .iter()
                 .fold((false, false), |(past, gone), e| {
                     (
                         past || e.past_expiry(now, params),
@@ -644,7 +536,10 @@ impl Service {
         let moved = self.forget_moved(now, any_gone);
 
         let params = self.params.clone();
-        self.assess_loads(now);
+        let (assessed_slots, assessed) = self.assess_loads(now);
+        // The walk that counts also writes the assessed loads and trust.
+        let mut assessed = assessed_slots.iter().zip(&assessed).peekable();
+        let mut newly = 0u64;
         // A draining endpoint is left out: a lame duck whose agent was stopped after
         // the drain is silent on purpose and carries no traffic, so its silence hides
         // no load, and maintenance on a few nodes must not freeze the rest. So is one
@@ -652,14 +547,19 @@ impl Service {
         let mut known = 0usize;
         let mut missing = 0usize;
         let mut distrusted = 0usize;
-        let mut loads: Vec<f64> = Vec::with_capacity(self.endpoints.len());
-        for e in self.endpoints.values() {
-            distrusted += usize::from(e.inflight.distrusted());
+        let mut loads: Vec<f64> = Vec::with_capacity(self.slots.len());
+        for (slot, e) in self.slots.hot.iter_mut().enumerate() {
+            if let Some((_, a)) = assessed.next_if(|(&s, _)| s == slot) {
+                e.load = a.load;
+                e.distrusted = a.distrusted;
+                newly += u64::from(a.newly_distrusted);
+            }
+            distrusted += usize::from(e.distrusted);
             if e.draining {
                 continue;
             }
             let fresh = e.is_fresh(now, &params);
-            if e.last_report.is_some() {
+            if e.last_report().is_some() {
                 known += 1;
                 missing += usize::from(!fresh);
             }
@@ -667,6 +567,7 @@ impl Service {
                 loads.push(e.load);
             }
         }
+        self.stats.inflight_distrusts += newly;
         self.stats.inflight_distrusted = distrusted;
         let missing_share = if known == 0 {
             0.0
@@ -757,17 +658,28 @@ impl Service {
         }
     }
 
-    /// Sets the load of every fresh serving endpoint: its CPU and error penalty, and its
-    /// in-flight count judged against the fleet (see [`inflight`]).
-    fn assess_loads(&mut self, now: Millis) {
+    /// Assesses the load of every fresh serving endpoint: its CPU and error penalty,
+    /// and its in-flight count judged against the fleet (see [`inflight`]). Returns
+    /// their slots, in order, and what was made of each; the caller writes the loads
+    /// in its next walk over the endpoints.
+    fn assess_loads(&mut self, now: Millis) -> (Vec<usize>, Vec<inflight::Assessed>) {
         let params = &self.params;
-        let mut items: Vec<(inflight::Input, &mut InflightTracker)> = Vec::new();
-        let mut loads: Vec<&mut f64> = Vec::new();
-        for ep in self.endpoints.values_mut() {
+        let slots = &mut self.slots;
+        let n = slots.len();
+        let mut items: Vec<(inflight::Input, &mut inflight::InflightTracker)> =
+            Vec::with_capacity(n);
+        let mut counts: Vec<inflight::Count> = Vec::with_capacity(n);
+        let mut assessed_slots: Vec<usize> = Vec::with_capacity(n);
+        for (slot, ((ep, obs), tracker)) in slots
+            .hot
+            .iter()
+            .zip(&slots.obs)
+            .zip(slots.inflight.iter_mut())
+            .enumerate()
+        {
             if ep.draining || !ep.is_fresh(now, params) {
                 continue;
             }
-            let obs = ep.observation;
             let input = inflight::Input {
                 base: obs.base_load(params),
                 cpu: crate::load::sanitize(obs.cpu),
@@ -776,17 +688,13 @@ impl Service {
                 weight: ep.weight,
                 warming: ep.warming,
             };
-            items.push((input, &mut ep.inflight));
-            loads.push(&mut ep.load);
+            // The tracker takes in this cycle's weight in this same walk.
+            counts.push(inflight::take_in(&input, tracker));
+            items.push((input, tracker));
+            assessed_slots.push(slot);
         }
-        let assessed = inflight::assess(params, &mut items);
-        drop(items);
-        let mut newly = 0u64;
-        for (load, a) in loads.into_iter().zip(&assessed) {
-            *load = a.load;
-            newly += u64::from(a.newly_distrusted);
-        }
-        self.stats.inflight_distrusts += newly;
+        let assessed = inflight::assess_counted(params, &mut items, &counts);
+        (assessed_slots, assessed)
     }
 
     /// The last level, if `avg` (this cycle's [`fleet_level`]) jumped away from it and
@@ -805,17 +713,18 @@ impl Service {
     /// `any_gone` says whether any endpoint may qualify; without one the walk is skipped.
     fn forget_moved(&mut self, now: Millis, any_gone: bool) -> Vec<String> {
         let params = &self.params;
-        let gone: Vec<String> = if any_gone {
-            self.endpoints
-                .values()
-                .filter(|e| e.moved_and_stale(now, params))
-                .map(|e| e.node.clone())
-                .collect()
-        } else {
-            Vec::new()
-        };
-        for node in &gone {
-            self.endpoints.remove(node);
+        let mut gone = Vec::new();
+        if any_gone {
+            let marks: Vec<bool> = self
+                .slots
+                .hot
+                .iter()
+                .map(|e| e.moved_and_stale(now, params))
+                .collect();
+            for (cold, _) in self.slots.cold.iter().zip(&marks).filter(|(_, m)| **m) {
+                gone.push(cold.names.node.to_string());
+            }
+            self.slots.remove_marked(&marks);
         }
         let mut moved = std::mem::take(&mut self.moved);
         moved.extend(gone);
@@ -827,11 +736,10 @@ impl Service {
     /// many were held instead.
     fn expire(&mut self, now: Millis) -> (Vec<String>, usize) {
         let params = &self.params;
-        let past = |e: &Endpoint| e.past_expiry(now, params);
-        let active = self.endpoints.values().filter(|e| !e.draining).count();
-        let fresh = self
-            .endpoints
-            .values()
+        let hot = &self.slots.hot;
+        let active = hot.iter().filter(|e| !e.draining).count();
+        let fresh = hot
+            .iter()
             .filter(|e| !e.draining && e.is_fresh(now, params))
             .count();
         let silent = active - fresh;
@@ -843,16 +751,21 @@ impl Service {
         };
         let heard = fresh > 0 && others_silent <= params.missing_threshold;
         let mut gone = Vec::new();
+        let mut marks = vec![false; hot.len()];
         let mut held = 0;
-        for e in self.endpoints.values().filter(|e| past(e)) {
+        for (slot, e) in hot.iter().enumerate() {
+            if !e.past_expiry(now, params) {
+                continue;
+            }
             if e.draining || heard {
-                gone.push(e.node.clone());
+                gone.push(self.slots.cold[slot].names.node.to_string());
+                marks[slot] = true;
             } else {
                 held += 1;
             }
         }
-        for node in &gone {
-            self.endpoints.remove(node);
+        if !gone.is_empty() {
+            self.slots.remove_marked(&marks);
         }
         (gone, held)
     }
@@ -860,15 +773,17 @@ impl Service {
     /// One controller step; returns the largest relative change of a controller weight.
     fn step_pid(&mut self, now: Millis, avg: f64) -> f64 {
         let params = &self.params;
+        let slots = &mut self.slots;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
-        let mut fresh: Vec<&mut Endpoint> = Vec::new();
-        let mut held: Vec<&mut Endpoint> = Vec::new();
+        let all = slots.len();
+        let mut fresh: Vec<usize> = Vec::with_capacity(all);
+        let mut held: Vec<usize> = Vec::new();
         // Their controller weights before the step, to tell how far it moved them.
-        let mut fresh_before: Vec<f64> = Vec::new();
+        let mut fresh_before: Vec<f64> = Vec::with_capacity(all);
         let mut held_before: Vec<f64> = Vec::new();
         let mut serving = 0usize;
-        for ep in self.endpoints.values_mut() {
+        for (slot, ep) in slots.hot.iter().enumerate() {
             if ep.draining {
                 continue;
             }
@@ -876,25 +791,27 @@ impl Service {
             // Only a report newer than the last update says anything new: an endpoint
             // whose report was lost holds its weight, like a missing one, instead of
             // having its last error applied a second time.
-            let has_news = match (ep.last_report, ep.last_update) {
+            let has_news = match (ep.last_report(), ep.last_update()) {
                 (Some(r), Some(u)) => r > u,
                 (Some(_), None) => true,
                 (None, _) => false,
             };
             if ep.is_fresh(now, params) && has_news {
-                fresh_before.push(ep.strategy_weight(Strategy::Pid));
-                fresh.push(ep);
+                fresh_before.push(ep.strategy_weights.get(Strategy::Pid));
+                fresh.push(slot);
             } else {
-                held_before.push(ep.strategy_weight(Strategy::Pid));
-                held.push(ep);
+                held_before.push(ep.strategy_weights.get(Strategy::Pid));
+                held.push(slot);
             }
         }
+        // The fresh endpoints' controller weights after the step, as it writes them.
+        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
         let cycle = self.stats.cycles;
         let feed_forward = params.feed_forward
             && held.is_empty()
             && self.last_step < FEED_FORWARD_STEADY
             && cycle >= self.feed_forward_from
-            && feed_forward_applies(&fresh, avg);
+            && feed_forward_applies(slots, &fresh, avg);
         if feed_forward {
             // Each endpoint's capacity is about its weight over its load: step straight
             // to weights in that proportion, and let the controllers trim from there.
@@ -902,83 +819,96 @@ impl Service {
             self.feed_forward_undo = Some(FeedForwardUndo {
                 weights: fresh
                     .iter()
-                    .map(|e| (e.node.clone(), e.strategy_weight(Strategy::Pid)))
+                    .map(|&s| {
+                        (
+                            slots.cold[s].names.node.to_string(),
+                            slots.hot[s].strategy_weights.get(Strategy::Pid),
+                        )
+                    })
                     .collect(),
-                max_over_avg: fresh.iter().map(|e| e.load).fold(0.0, f64::max) / avg,
+                max_over_avg: fresh.iter().map(|&s| slots.hot[s].load).fold(0.0, f64::max) / avg,
             });
             // Where the in-flight term stands out against the fleet the estimate divides
             // by the CPU (and errors) instead: an overloaded node queues requests, which
             // says it is over capacity but not by how much, while its CPU says how much
             // of its capacity the traffic used.
-            let load = |e: &Endpoint| {
-                let queued = e.inflight.estimate.binding
-                    && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative;
-                if queued && params.metric == crate::LoadMetric::Max {
-                    e.observation.base_load(params)
-                } else {
-                    e.load
-                }
-            };
-            let base_avg = fresh.iter().map(|e| load(e)).sum::<f64>() / fresh.len() as f64;
-            for ep in fresh.iter_mut() {
-                let factor = (base_avg / load(ep).max(f64::MIN_POSITIVE))
+            let loads: Vec<f64> = fresh
+                .iter()
+                .map(|&s| {
+                    let estimate = &slots.inflight[s].estimate;
+                    let queued = estimate.binding
+                        && estimate.derivation == inflight::Derivation::FleetRelative;
+                    if queued && params.metric == crate::LoadMetric::Max {
+                        slots.obs[s].base_load(params)
+                    } else {
+                        slots.hot[s].load
+                    }
+                })
+                .collect();
+            let base_avg = loads.iter().sum::<f64>() / fresh.len() as f64;
+            for (&s, load) in fresh.iter().zip(&loads) {
+                let factor = (base_avg / load.max(f64::MIN_POSITIVE))
                     .clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
-                let w = ep.strategy_weight(Strategy::Pid) * factor;
+                let ep = &mut slots.hot[s];
+                let w = ep.strategy_weights.get(Strategy::Pid) * factor;
                 ep.strategy_weights.set(Strategy::Pid, w);
-                ep.pid.reset();
-                ep.last_update = Some(now);
+                stepped.push(w);
+                ep.set_last_update(Some(now));
                 ep.established = true;
+                slots.pid[s].reset();
             }
             self.stats.feed_forward_steps += 1;
             self.settle_through = cycle + FEED_FORWARD_SETTLE;
             self.feed_forward_from = cycle + FEED_FORWARD_HOLDOFF;
-        }
-        for ep in fresh.iter_mut().filter(|_| !feed_forward) {
-            let error = (avg - ep.load) / avg;
-            let dt = ep
-                .last_update
-                .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
-                .unwrap_or(1.0);
-            let delta = ep.pid.update(&params.pid, error, dt, (lo, hi));
-            let w = ep.strategy_weight(Strategy::Pid) * (1.0 + delta);
-            ep.strategy_weights.set(Strategy::Pid, w);
-            ep.last_update = Some(now);
-            ep.established = true;
-            // The ramp ends once the newcomer carries its share; its integral, built up
-            // on the way, would otherwise carry it past the average.
-            if ep.warming && ep.load >= avg * 0.95 {
-                ep.warming = false;
-                ep.pid.integral = 0.0;
+        } else {
+            for &s in &fresh {
+                let ep = &mut slots.hot[s];
+                let pid = &mut slots.pid[s];
+                let error = (avg - ep.load) / avg;
+                let dt = ep
+                    .last_update()
+                    .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
+                    .unwrap_or(1.0);
+                let delta = pid.update(&params.pid, error, dt, (lo, hi));
+                let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
+                ep.strategy_weights.set(Strategy::Pid, w);
+                stepped.push(w);
+                ep.set_last_update(Some(now));
+                ep.established = true;
+                // The ramp ends once the newcomer carries its share; its integral, built
+                // up on the way, would otherwise carry it past the average.
+                if ep.warming && ep.load >= avg * 0.95 {
+                    ep.warming = false;
+                    pid.integral = 0.0;
+                }
             }
         }
         self.any_established |= !fresh.is_empty();
         // Held endpoints (missing, or without a new report) keep their weights: the
         // updated ones share what is left of a mean weight of 1. When that cannot be
         // done within the bounds, normalisation wins and everyone is rescaled.
-        let held_sum: f64 = held.iter().map(|e| e.strategy_weight(Strategy::Pid)).sum();
+        // The held weights are as they were before the step.
+        let held_sum: f64 = held_before.iter().sum();
         let target = serving as f64 - held_sum;
         let n = fresh.len() as f64;
         let feasible =
             !fresh.is_empty() && target >= n * params.min_weight && target <= n * params.max_weight;
-        let (mut group, before): (Vec<&mut Endpoint>, Vec<f64>) = if feasible {
-            (fresh, fresh_before)
+        let (group, before, mut ws): (Vec<usize>, Vec<f64>, Vec<f64>) = if feasible {
+            (fresh, fresh_before, stepped)
         } else {
             (
                 fresh.into_iter().chain(held).collect(),
-                fresh_before.into_iter().chain(held_before).collect(),
+                fresh_before.iter().chain(&held_before).copied().collect(),
+                stepped.into_iter().chain(held_before).collect(),
             )
         };
         let target = if feasible { target } else { serving as f64 };
-        let mut ws: Vec<f64> = group
-            .iter()
-            .map(|e| e.strategy_weight(Strategy::Pid))
-            .collect();
         normalize_bounded(&mut ws, target, params.min_weight, params.max_weight);
         // Endpoints outside the group (draining, or held while the others could make
         // room) kept their weights.
         let mut step: f64 = 0.0;
-        for ((ep, w), b) in group.iter_mut().zip(ws).zip(before) {
-            ep.strategy_weights.set(Strategy::Pid, w);
+        for ((&s, w), b) in group.iter().zip(ws).zip(before) {
+            slots.hot[s].strategy_weights.set(Strategy::Pid, w);
             step = step.max((w / b.max(f64::MIN_POSITIVE) - 1.0).abs());
         }
         step
@@ -1016,22 +946,23 @@ pub(crate) const FEED_FORWARD_HOLDOFF: u64 = 10;
 /// cold start or stalled (its in-flight count stands out against the fleet while its
 /// CPU is below the average: its capacity is not its weight over its load), the
 /// average is high enough and the spread wide enough.
-fn feed_forward_applies(fresh: &[&mut Endpoint], avg: f64) -> bool {
+fn feed_forward_applies(slots: &Slots, fresh: &[usize], avg: f64) -> bool {
     if fresh.is_empty() || avg < FEED_FORWARD_MIN_AVG {
         return false;
     }
     // A node whose in-flight count stands out while its CPU is below the average is
     // stalled, and its weight over its load is no capacity: no step while any is. One
     // whose CPU is high as well is merely overloaded, and the step is what it needs.
-    let calm = fresh.iter().all(|e| {
-        let stalled = e.inflight.estimate.binding
-            && e.inflight.estimate.derivation == inflight::Derivation::FleetRelative
-            && e.observation.cpu < avg;
-        !e.warming && !stalled && !e.inflight.distrusted()
+    let calm = fresh.iter().all(|&s| {
+        let tracker = &slots.inflight[s];
+        let stalled = tracker.estimate.binding
+            && tracker.estimate.derivation == inflight::Derivation::FleetRelative
+            && slots.obs[s].cpu < avg;
+        !slots.hot[s].warming && !stalled && !tracker.distrusted()
     });
     let spread = fresh
         .iter()
-        .map(|e| (e.load - avg).abs() / avg)
+        .map(|&s| (slots.hot[s].load - avg).abs() / avg)
         .sum::<f64>()
         / fresh.len() as f64;
     calm && spread >= FEED_FORWARD_MIN_SPREAD
@@ -1051,9 +982,9 @@ impl Service {
             return false;
         }
         for (node, w) in &undo.weights {
-            if let Some(ep) = self.endpoints.get_mut(node) {
-                ep.strategy_weights.set(Strategy::Pid, *w);
-                ep.pid.reset();
+            if let Some(slot) = self.slots.slot(node) {
+                self.slots.hot[slot].strategy_weights.set(Strategy::Pid, *w);
+                self.slots.pid[slot].reset();
             }
         }
         self.stats.feed_forward_undone += 1;
@@ -1064,50 +995,83 @@ impl Service {
     /// Sets every endpoint's published weight from its strategies' (0 when draining),
     /// and says whether the weights moved materially since the current version or the
     /// set of endpoints changed; if so, they become the next version's. One pass over
-    /// the endpoints that allocates nothing, and a second only for a new version.
+    /// the endpoints that allocates nothing: from the first endpoint that moved on, it
+    /// also makes each one's weights the new version's, so that a second pass covers
+    /// only those before it (or all, when only the set of endpoints changed).
     fn publish_mixture(&mut self) -> bool {
         let gates = &self.params.strategies;
         let mut listed = 0usize;
-        let mut moved = false;
-        for ep in self.endpoints.values_mut() {
+        let mut moved_from: Option<usize> = None;
+        for (slot, (ep, version)) in self
+            .slots
+            .hot
+            .iter_mut()
+            .zip(self.slots.version.iter_mut())
+            .enumerate()
+        {
             ep.weight = if ep.draining {
                 0.0
             } else {
-                mix(gates, |s| ep.strategy_weight(s))
+                let strategies = ep.strategy_weights;
+                mix(gates, |s| strategies.get(s))
             };
-            match ep.version_state {
-                Some((pw, pd)) => {
-                    listed += 1;
-                    moved |= pd != ep.draining || (ep.weight - pw).abs() >= MATERIAL_CHANGE;
+            if moved_from.is_none() {
+                let moved = match version.state {
+                    Some((pw, pd)) => {
+                        listed += 1;
+                        pd != ep.draining || (ep.weight - pw).abs() >= MATERIAL_CHANGE
+                    }
+                    None => true,
+                };
+                if moved {
+                    moved_from = Some(slot);
                 }
-                None => moved = true,
+            }
+            if moved_from.is_some() {
+                version.state = Some((ep.weight, ep.draining));
+                version.strategies = ep.strategy_weights;
             }
         }
-        let moved = moved || listed != self.published_count;
-        if moved {
-            self.mark_published();
-            self.published_cycle = self.weights_cycle;
-        }
-        moved
+        let upto = match moved_from {
+            Some(slot) => slot,
+            None if listed != self.published_count => self.slots.len(),
+            None => return false,
+        };
+        self.mark_published(upto);
+        self.published_cycle = self.weights_cycle;
+        true
     }
 
-    /// Makes every endpoint's live weights those of the current version.
-    fn mark_published(&mut self) {
-        for e in self.endpoints.values_mut() {
-            e.version_state = Some((e.weight, e.draining));
-            e.version_strategies = e.strategy_weights;
+    /// Makes the live weights of the endpoints before slot `upto` those of the
+    /// current version (the others' are already), and counts every endpoint listed.
+    fn mark_published(&mut self, upto: usize) {
+        for (e, version) in self
+            .slots
+            .hot
+            .iter()
+            .zip(self.slots.version.iter_mut())
+            .take(upto)
+        {
+            version.state = Some((e.weight, e.draining));
+            version.strategies = e.strategy_weights;
         }
-        self.published_count = self.endpoints.len();
+        self.published_count = self.slots.len();
     }
 
     /// Every endpoint with its weight, drain state and strategy weights as of the
     /// current version (its live ones if it registered since), in node order.
     pub(crate) fn published_endpoints(
         &self,
-    ) -> impl Iterator<Item = (&Endpoint, (f64, bool), StrategyWeights)> + '_ {
-        self.endpoints.values().map(|ep| match ep.version_state {
-            Some(state) => (ep, state, ep.version_strategies),
-            None => (ep, (ep.weight, ep.draining), ep.strategy_weights),
+    ) -> impl Iterator<Item = (Endpoint<'_>, (f64, bool), StrategyWeights)> + '_ {
+        self.slots.view().iter().map(|ep| {
+            let hot = ep.hot();
+            match ep.version() {
+                crate::endpoints::Version {
+                    state: Some(state),
+                    strategies,
+                } => (ep, *state, *strategies),
+                _ => (ep, (hot.weight, hot.draining), hot.strategy_weights),
+            }
         })
     }
 
@@ -1115,8 +1079,8 @@ impl Service {
     /// Live weights drift below the material-change threshold between versions; a
     /// version always names one set.
     /// An endpoint registered since the last version shows its live state.
-    pub fn published(&self, ep: &Endpoint) -> (f64, bool) {
-        ep.version_state.unwrap_or((ep.weight, ep.draining))
+    pub fn published(&self, ep: &Endpoint<'_>) -> (f64, bool) {
+        ep.published()
     }
 
     /// The cycle the current version's weights came from.
@@ -1135,7 +1099,14 @@ impl Service {
         self.weights_cycle = snapshot.cycle;
         self.stats.cycles = snapshot.cycle;
         for (node, s) in &snapshot.endpoints {
-            let mut ep = Endpoint::new(node, &s.address, &s.zone, now, s.weight);
+            let slot = match self.slots.slot(node) {
+                Some(slot) => {
+                    self.slots.reset(slot, &s.address, &s.zone, now, s.weight);
+                    slot
+                }
+                None => self.slots.insert(node, &s.address, &s.zone, now, s.weight),
+            };
+            let ep = &mut self.slots.hot[slot];
             ep.warming = false;
             ep.established = true;
             ep.draining = s.draining;
@@ -1143,12 +1114,12 @@ impl Service {
             for (k, v) in &s.strategy_weights {
                 ep.strategy_weights.set(*k, *v);
             }
-            self.endpoints.insert(node.clone(), ep);
         }
+        self.slots.sort();
         self.reindex_addresses();
         self.any_established |= !snapshot.endpoints.is_empty();
         self.published_cycle = snapshot.cycle;
-        self.mark_published();
+        self.mark_published(self.slots.len());
     }
 }
 

@@ -35,7 +35,10 @@ impl Spread {
             return Spread::default();
         }
         let mut sorted: Vec<f64> = loads.iter().map(|&l| crate::load::sanitize(l)).collect();
-        sorted.sort_by(f64::total_cmp);
+        // Unstable is as good as stable here and needs no buffer: values equal under
+        // `total_cmp` are the same bits, so either order gives the same array (and
+        // the same sum below).
+        sorted.sort_unstable_by(f64::total_cmp);
         let avg = sorted.iter().sum::<f64>() / sorted.len() as f64;
         let max = sorted[sorted.len() - 1];
         let ratio = |x: f64| if avg > 0.0 { x / avg } else { 1.0 };

@@ -46,9 +46,9 @@ fn report_all(b: &mut Balancer, now: Millis, loads: &[f64], skip: &[usize]) {
 fn weights(b: &Balancer) -> Vec<f64> {
     b.service(SVC)
         .expect("service")
-        .endpoints
+        .endpoints()
         .values()
-        .map(|e| e.weight)
+        .map(|e| e.weight())
         .collect()
 }
 
@@ -109,15 +109,22 @@ fn missing_endpoints_keep_their_weight() {
     let mut b = fleet(10, params());
     let speeds = [0.6, 1.0, 1.4, 0.6, 1.0, 1.4, 0.6, 1.0, 1.4, 1.0];
     run_plant(&mut b, &speeds, 0.5, 0, 5);
-    let held = b.service(SVC).expect("svc").endpoints["n0"].weight;
+    let held = b
+        .service(SVC)
+        .expect("svc")
+        .endpoint("n0")
+        .expect("endpoint")
+        .weight();
     let loads: Vec<f64> = (0..10).map(|i| 0.2 + 0.05 * i as f64).collect();
     report_all(&mut b, 10_000, &loads, &[0]);
     let r = b.cycle(10_000).remove(0);
     assert!(r.skipped.is_none());
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints["n0"].weight, held);
+    assert_eq!(svc.endpoint("n0").expect("endpoint").weight(), held);
     assert_eq!(
-        svc.endpoints["n0"].state(10_000, &svc.params),
+        svc.endpoint("n0")
+            .expect("endpoint")
+            .state(10_000, &svc.params),
         EndpointState::Missing
     );
     // The others still share a mean weight of 1 with it.
@@ -130,17 +137,24 @@ fn a_lost_report_holds_the_weight_instead_of_repeating_the_last_error() {
     let mut b = fleet(4, params());
     report_all(&mut b, 0, &[0.9, 0.5, 0.5, 0.5], &[]);
     b.cycle(0);
-    let after_first = b.service(SVC).expect("svc").endpoints["n0"].weight;
+    let after_first = b
+        .service(SVC)
+        .expect("svc")
+        .endpoint("n0")
+        .expect("endpoint")
+        .weight();
     // n0's next report is lost; it is still fresh (within stale_ms) but has no news.
     report_all(&mut b, 1000, &[0.9, 0.5, 0.5, 0.5], &[0]);
     let r = b.cycle(1000).remove(0);
     assert!(r.skipped.is_none());
     let svc = b.service(SVC).expect("svc");
     assert_eq!(
-        svc.endpoints["n0"].state(1000, &svc.params),
+        svc.endpoint("n0")
+            .expect("endpoint")
+            .state(1000, &svc.params),
         EndpointState::Serving
     );
-    assert_eq!(svc.endpoints["n0"].weight, after_first);
+    assert_eq!(svc.endpoint("n0").expect("endpoint").weight(), after_first);
 }
 
 #[test]
@@ -160,7 +174,12 @@ fn cold_start_ramps_without_overshoot() {
     run_plant(&mut b, &speeds[..7], 0.6, 0, 5);
     b.register(5000, SVC, "n7", "10.0.0.7:80", "")
         .expect("registers");
-    let start = b.service(SVC).expect("svc").endpoints["n7"].weight;
+    let start = b
+        .service(SVC)
+        .expect("svc")
+        .endpoint("n7")
+        .expect("endpoint")
+        .weight();
     assert!(start <= 0.11, "newcomer starts low: {start}");
     let mut peak: f64 = 0.0;
     let mut warmed = false;
@@ -174,11 +193,20 @@ fn cold_start_ramps_without_overshoot() {
         let svc = b.service(SVC).expect("svc");
         let avg = svc.stats.spread.avg;
         peak = peak.max(loads[7] / avg);
-        warmed |= svc.endpoints["n7"].state(now, &svc.params) == EndpointState::Serving;
+        warmed |= svc
+            .endpoint("n7")
+            .expect("endpoint")
+            .state(now, &svc.params)
+            == EndpointState::Serving;
     }
     assert!(warmed, "the newcomer finishes warming");
     assert!(peak <= 1.1, "newcomer overshot to {peak} × average");
-    let w = b.service(SVC).expect("svc").endpoints["n7"].weight;
+    let w = b
+        .service(SVC)
+        .expect("svc")
+        .endpoint("n7")
+        .expect("endpoint")
+        .weight();
     assert!(
         (w - 1.0).abs() < 0.05,
         "newcomer reaches the mean weight: {w}"
@@ -193,9 +221,14 @@ fn the_first_endpoints_of_a_service_start_equal_and_later_ones_cold() {
     b.cycle(0);
     b.register(1000, SVC, "late", "h:9", "").expect("registers");
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints["late"].weight, params().cold_start_weight);
     assert_eq!(
-        svc.endpoints["late"].state(1000, &svc.params),
+        svc.endpoint("late").expect("endpoint").weight(),
+        params().cold_start_weight
+    );
+    assert_eq!(
+        svc.endpoint("late")
+            .expect("endpoint")
+            .state(1000, &svc.params),
         EndpointState::Missing
     );
 }
@@ -216,12 +249,16 @@ fn draining_gives_zero_and_undrain_restarts_cold() {
     let r = b.cycle(1000).remove(0);
     assert!(r.changed);
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints["n2"].weight, 0.0);
+    assert_eq!(svc.endpoint("n2").expect("endpoint").weight(), 0.0);
     // The average is over serving endpoints only.
     assert!((svc.stats.spread.avg - 0.5).abs() < 1e-9);
     b.observe(2000, SVC, "n2", obs(0.0)).expect("observes");
-    let w = b.service(SVC).expect("svc").endpoints["n2"]
-        .strategy_weights
+    let w = b
+        .service(SVC)
+        .expect("svc")
+        .endpoint("n2")
+        .expect("endpoint")
+        .strategy_weights()
         .pid;
     assert_eq!(w, params().cold_start_weight);
 }
@@ -245,7 +282,14 @@ fn undrained_endpoint_ramps_up_from_the_cold_start_weight() {
         report_all(&mut b, now, &[0.8, 0.8, 0.8], &[]);
         b.cycle(now);
     }
-    assert_eq!(b.service(SVC).expect("svc").endpoints["n3"].weight, 0.0);
+    assert_eq!(
+        b.service(SVC)
+            .expect("svc")
+            .endpoint("n3")
+            .expect("endpoint")
+            .weight(),
+        0.0
+    );
 
     let cold = params().cold_start_weight;
     let mut ramp = Vec::new();
@@ -256,17 +300,21 @@ fn undrained_endpoint_ramps_up_from_the_cold_start_weight() {
         let loads: Vec<f64> = w.iter().map(|w| 0.6 * w / mean_w).collect();
         report_all(&mut b, now, &loads, &[]);
         if c == 10 {
-            let ep = &b.service(SVC).expect("svc").endpoints["n3"];
-            assert!(!ep.draining);
-            assert_eq!(ep.strategy_weights.pid, cold, "restarts cold");
+            let ep = &b
+                .service(SVC)
+                .expect("svc")
+                .endpoint("n3")
+                .expect("endpoint");
+            assert!(!ep.draining());
+            assert_eq!(ep.strategy_weights().pid, cold, "restarts cold");
         }
         b.cycle(now);
         let svc = b.service(SVC).expect("svc");
-        let ep = &svc.endpoints["n3"];
+        let ep = &svc.endpoint("n3").expect("endpoint");
         if c == 10 {
             assert_eq!(ep.state(now, &svc.params), EndpointState::Warming);
         }
-        ramp.push(ep.weight);
+        ramp.push(ep.weight());
     }
     // One cycle's growth from the cold-start weight, plus the renormalisation of a
     // fleet whose other three shrink to make room.
@@ -314,10 +362,11 @@ fn a_silent_drained_endpoint_is_not_missing() {
         assert_eq!(r.missing_share, 0.0);
     }
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints["n2"].weight, 0.0);
-    assert!(svc.endpoints["n2"].draining);
+    assert_eq!(svc.endpoint("n2").expect("endpoint").weight(), 0.0);
+    assert!(svc.endpoint("n2").expect("endpoint").draining());
     assert!(
-        svc.endpoints["n0"].weight < svc.endpoints["n1"].weight,
+        svc.endpoint("n0").expect("endpoint").weight()
+            < svc.endpoint("n1").expect("endpoint").weight(),
         "the two serving nodes were balanced meanwhile"
     );
     // A silent node that is not draining is still missing (one of the two serving).
@@ -349,7 +398,14 @@ fn drain_takes_effect_even_in_a_skipped_cycle() {
     b.observe(0, SVC, "b", obs(0.5)).expect("observes");
     let r = b.cycle(1000).remove(0);
     assert!(matches!(r.skipped, Some(SkipReason::Grace { .. })));
-    assert_eq!(b.service(SVC).expect("svc").endpoints["a"].weight, 0.0);
+    assert_eq!(
+        b.service(SVC)
+            .expect("svc")
+            .endpoint("a")
+            .expect("endpoint")
+            .weight(),
+        0.0
+    );
 }
 
 #[test]
@@ -450,7 +506,7 @@ fn long_silent_endpoints_expire() {
     b.observe(expire, SVC, "n0", obs(0.5)).expect("observes");
     let r = b.cycle(expire + 1).remove(0);
     assert_eq!(r.expired, vec!["n1".to_string()]);
-    assert_eq!(b.service(SVC).expect("svc").endpoints.len(), 1);
+    assert_eq!(b.service(SVC).expect("svc").endpoints().len(), 1);
     assert!(b.observe(expire + 2, SVC, "n1", obs(0.5)).is_err());
 }
 
@@ -469,8 +525,8 @@ fn one_silent_node_of_ten_expires_while_the_rest_report() {
         now += 1000;
     }
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints.len(), 9);
-    assert!(!svc.endpoints.contains_key("n3"));
+    assert_eq!(svc.endpoints().len(), 9);
+    assert!(!svc.endpoints().contains_key("n3"));
     assert_eq!(svc.stats.expiry_held, 0);
 }
 
@@ -493,7 +549,7 @@ fn losing_every_report_never_empties_a_service() {
         now += 60_000;
     }
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints.len(), 10);
+    assert_eq!(svc.endpoints().len(), 10);
     assert_eq!(svc.stats.expiry_held, 10, "{:?}", svc.stats);
     assert!(matches!(
         svc.stats.last_skip,
@@ -527,7 +583,7 @@ fn a_large_share_falling_silent_at_once_does_not_expire() {
         now += 5000;
     }
     let svc = b.service(SVC).expect("svc");
-    assert_eq!(svc.endpoints.len(), 10);
+    assert_eq!(svc.endpoints().len(), 10);
     assert_eq!(svc.stats.expiry_held, 3);
 }
 
@@ -537,7 +593,7 @@ fn the_last_endpoint_of_a_service_never_expires() {
     report_all(&mut b, 0, &[0.5], &[]);
     let r = b.cycle(10 * params().expire_ms).remove(0);
     assert!(r.expired.is_empty());
-    assert_eq!(b.service(SVC).expect("svc").endpoints.len(), 1);
+    assert_eq!(b.service(SVC).expect("svc").endpoints().len(), 1);
 }
 
 #[test]
@@ -552,7 +608,7 @@ fn a_silent_drained_endpoint_expires_even_when_the_rest_is_silent() {
     let r = b.cycle(params().expire_ms + 2).remove(0);
     assert_eq!(r.expired, vec!["n0".to_string()]);
     assert_eq!(r.expiry_held, 1, "the serving one is held");
-    assert_eq!(b.service(SVC).expect("svc").endpoints.len(), 1);
+    assert_eq!(b.service(SVC).expect("svc").endpoints().len(), 1);
 }
 
 #[test]
@@ -625,13 +681,13 @@ fn restored_endpoints_that_stay_silent_do_not_freeze_the_rest() {
     );
     let svc = restarted.service(SVC).expect("svc");
     assert_eq!(
-        svc.endpoints.len(),
+        svc.endpoints().len(),
         10,
         "the silent ones are held, with their weights"
     );
     for i in dead {
-        let e = &svc.endpoints[&format!("n{i}")];
-        assert_eq!(e.weight, stored[i], "n{i} keeps its stored weight");
+        let e = &svc.endpoint(&format!("n{i}")).expect("endpoint");
+        assert_eq!(e.weight(), stored[i], "n{i} keeps its stored weight");
     }
 }
 
@@ -705,7 +761,7 @@ fn a_node_that_moves_to_another_service_does_not_freeze_the_one_it_left() {
     // n3 says hello to "other" while its last report to "web" is still fresh.
     b.register(3000, "other", "n3", "10.0.0.3:81", "")
         .expect("registers elsewhere");
-    assert!(b.service(SVC).expect("svc").endpoints.contains_key("n3"));
+    assert!(b.service(SVC).expect("svc").endpoints().contains_key("n3"));
     let mut moved = Vec::new();
     for c in 3..12u64 {
         let now = c * 1000;
@@ -724,12 +780,12 @@ fn a_node_that_moves_to_another_service_does_not_freeze_the_one_it_left() {
     }
     assert_eq!(moved, ["n3"], "forgotten once, as moved");
     let web = b.service(SVC).expect("svc");
-    assert!(!web.endpoints.contains_key("n3"));
+    assert!(!web.endpoints().contains_key("n3"));
     assert_eq!(web.stats.missing_share, 0.0);
     assert!(b
         .service("other")
         .expect("other")
-        .endpoints
+        .endpoints()
         .contains_key("n3"));
 }
 
@@ -753,11 +809,11 @@ fn a_node_serving_two_services_stays_in_both() {
             assert!(r.moved.is_empty(), "{r:?}");
         }
     }
-    assert!(b.service(SVC).expect("svc").endpoints.contains_key("n3"));
+    assert!(b.service(SVC).expect("svc").endpoints().contains_key("n3"));
     assert!(b
         .service("other")
         .expect("other")
-        .endpoints
+        .endpoints()
         .contains_key("n3"));
 }
 
@@ -778,7 +834,7 @@ fn two_nodes_never_share_an_address() {
     assert!(!b
         .service(SVC)
         .expect("svc")
-        .endpoints
+        .endpoints()
         .contains_key("renamed"));
     // n0 goes silent past stale_ms: the claim succeeds and n0 is forgotten.
     let later = params().stale_ms + 1000;
@@ -786,8 +842,11 @@ fn two_nodes_never_share_an_address() {
     b.register(later, SVC, "renamed", "10.0.0.0:80", "")
         .expect("takes the address of a stale node");
     let svc = b.service(SVC).expect("svc");
-    assert!(!svc.endpoints.contains_key("n0"));
-    assert_eq!(svc.endpoints["renamed"].address, "10.0.0.0:80");
+    assert!(!svc.endpoints().contains_key("n0"));
+    assert_eq!(
+        svc.endpoint("renamed").expect("endpoint").address(),
+        "10.0.0.0:80"
+    );
     let moved: Vec<String> = b.cycle(later).into_iter().flat_map(|r| r.moved).collect();
     assert_eq!(moved, ["n0"]);
     // A node changing its own address is no conflict.
@@ -822,7 +881,7 @@ fn a_node_serves_one_service_at_a_time_and_may_move() {
         b.service("a").is_none(),
         "the service it left empty is gone"
     );
-    assert!(b.service("b").expect("b").endpoints.contains_key("n0"));
+    assert!(b.service("b").expect("b").endpoints().contains_key("n0"));
     // Hopping from service to service leaves one service, not a trail of them.
     for i in 0..100 {
         b.register(later + 1, &format!("s{i}"), "n0", "10.0.0.1:81", "")
@@ -881,7 +940,14 @@ fn reordered_reports_are_ignored() {
     };
     assert!(b.observe(0, SVC, "n0", o(5, 0.5)).expect("ok").accepted);
     assert!(!b.observe(1, SVC, "n0", o(4, 0.9)).expect("ok").accepted);
-    assert_eq!(b.service(SVC).expect("svc").endpoints["n0"].load, 0.5);
+    assert_eq!(
+        b.service(SVC)
+            .expect("svc")
+            .endpoint("n0")
+            .expect("endpoint")
+            .load(),
+        0.5
+    );
     // A new session (a fresh hello) starts numbering again.
     b.register(2, SVC, "n0", "10.0.0.0:80", "")
         .expect("registers");
@@ -917,9 +983,9 @@ fn mixture_with_round_robin_gates_the_weights() {
     let mut b = fleet(2, p);
     run_plant(&mut b, &[0.5, 1.5], 0.6, 0, 30);
     let svc = b.service(SVC).expect("svc");
-    for e in svc.endpoints.values() {
-        let pid = e.strategy_weights.pid;
-        assert!((e.weight - (0.3 * pid + 0.7)).abs() < 1e-9);
+    for e in svc.endpoints().iter() {
+        let pid = e.strategy_weights().pid;
+        assert!((e.weight() - (0.3 * pid + 0.7)).abs() < 1e-9);
     }
 }
 
@@ -954,13 +1020,13 @@ proptest! {
             let r = b.cycle(now).remove(0);
             let svc = b.service(SVC).expect("svc");
             let p = &svc.params;
-            let serving: Vec<f64> = svc.endpoints.values().filter(|e| !e.draining).map(|e| e.weight).collect();
-            for e in svc.endpoints.values() {
-                prop_assert!(e.weight.is_finite());
-                if e.draining {
-                    prop_assert_eq!(e.weight, 0.0);
+            let serving: Vec<f64> = svc.endpoints().iter().filter(|e| !e.draining()).map(|e| e.weight()).collect();
+            for e in svc.endpoints().iter() {
+                prop_assert!(e.weight().is_finite());
+                if e.draining() {
+                    prop_assert_eq!(e.weight(), 0.0);
                 } else {
-                    prop_assert!(e.weight >= p.min_weight * 0.999 && e.weight <= p.max_weight * 1.001, "{}", e.weight);
+                    prop_assert!(e.weight() >= p.min_weight * 0.999 && e.weight() <= p.max_weight * 1.001, "{}", e.weight());
                 }
             }
             if r.skipped.is_none() && !serving.is_empty() {
@@ -1152,20 +1218,24 @@ fn a_stalled_node_loses_weight_without_a_capacity() {
         b.cycle(now);
     }
     let svc = b.service(SVC).expect("svc");
-    let stalled = &svc.endpoints["n5"];
-    assert!(stalled.weight < 0.1, "stalled weight {}", stalled.weight);
+    let stalled = &svc.endpoint("n5").expect("endpoint");
     assert!(
-        stalled.inflight.estimate.trusted,
+        stalled.weight() < 0.1,
+        "stalled weight {}",
+        stalled.weight()
+    );
+    assert!(
+        stalled.inflight().estimate.trusted,
         "its count follows its weight"
     );
     assert_eq!(svc.stats.inflight_distrusts, 0);
     assert_eq!(
-        stalled.inflight.estimate.derivation,
+        stalled.inflight().estimate.derivation,
         inflight::Derivation::FleetRelative
     );
     for i in 0..5 {
-        let e = &svc.endpoints[&format!("n{i}")];
-        assert!(!e.inflight.estimate.binding, "n{i} is steered by CPU");
+        let e = &svc.endpoint(&format!("n{i}")).expect("endpoint");
+        assert!(!e.inflight().estimate.binding, "n{i} is steered by CPU");
     }
 }
 
@@ -1190,13 +1260,51 @@ fn a_count_that_ignores_the_weight_is_distrusted_and_the_weight_recovers() {
         }
         b.cycle(now);
         let svc = b.service(SVC).expect("svc");
-        floor_seen |= svc.endpoints["n5"].weight < 0.05;
+        floor_seen |= svc.endpoint("n5").expect("endpoint").weight() < 0.05;
     }
     let svc = b.service(SVC).expect("svc");
     assert!(floor_seen, "the stuck count first drove the weight down");
     assert_eq!(svc.stats.inflight_distrusts, 1);
     assert_eq!(svc.stats.inflight_distrusted, 1);
-    let e = &svc.endpoints["n5"];
-    assert!(!e.inflight.estimate.trusted);
-    assert!(e.weight > 0.9, "balanced by CPU again: {}", e.weight);
+    let e = &svc.endpoint("n5").expect("endpoint");
+    assert!(!e.inflight().estimate.trusted);
+    assert!(e.weight() > 0.9, "balanced by CPU again: {}", e.weight());
+}
+
+/// A restore over endpoints the service already has starts them afresh from the
+/// snapshot in place, adds the others in node order, and keeps every lookup right.
+#[test]
+fn a_restore_over_known_endpoints_replaces_them_in_place() {
+    let mut b = fleet(3, params());
+    report_all(&mut b, 1_000, &[0.5, 0.5, 0.5], &[]);
+    let snapshot = service::ServiceSnapshot {
+        version: 7,
+        cycle: 3,
+        endpoints: [("n1", 1.4), ("a", 0.6)]
+            .into_iter()
+            .map(|(node, weight)| {
+                (
+                    node.to_string(),
+                    EndpointSnapshot {
+                        address: format!("10.9.0.{}:80", node.len()),
+                        zone: "z".to_string(),
+                        draining: false,
+                        weight,
+                        strategy_weights: BTreeMap::new(),
+                    },
+                )
+            })
+            .collect(),
+    };
+    let mut svc = b.service(SVC).expect("svc").clone();
+    svc.restore(2_000, &snapshot);
+    let nodes: Vec<&str> = svc.endpoints().keys().collect();
+    assert_eq!(nodes, ["a", "n0", "n1", "n2"]);
+    let n1 = svc.endpoint("n1").expect("n1");
+    assert_eq!(n1.weight(), 1.4);
+    assert_eq!(n1.address(), "10.9.0.2:80");
+    assert_eq!(n1.zone(), "z");
+    assert_eq!(n1.last_report(), None, "restored afresh");
+    assert_eq!(svc.endpoint("n0").expect("n0").last_report(), Some(1_000));
+    assert_eq!(svc.endpoint("a").expect("a").weight(), 0.6);
 }

@@ -401,9 +401,9 @@ fn restore_newer(state: &State, tracker: &mut Tracker) {
             }
             let live = balancer.service(&name).map(|s| {
                 let untouched = s
-                    .endpoints
+                    .endpoints()
                     .values()
-                    .all(|e| e.last_report.is_none() && stored.endpoints.contains_key(&e.node));
+                    .all(|e| e.last_report().is_none() && stored.endpoints.contains_key(e.node()));
                 (s.version, untouched)
             });
             match live {
@@ -1021,7 +1021,7 @@ mod tests {
         assert!(state
             .balancer()
             .service("mixed")
-            .is_some_and(|s| s.endpoints.contains_key("m2")));
+            .is_some_and(|s| s.endpoints().contains_key("m2")));
         assert_eq!(
             state.balancer().service("busy").map(|s| s.version),
             Some(busy_version)

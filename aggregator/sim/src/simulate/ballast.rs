@@ -101,9 +101,9 @@ impl BallastAdapter {
     pub fn inflight_verdicts(&self) -> InflightVerdicts {
         let mut v = InflightVerdicts::default();
         if let Some(s) = self.balancer.service(SERVICE) {
-            for e in s.endpoints.values() {
-                v.binding += u32::from(e.inflight.estimate.binding);
-                v.distrusted += u32::from(e.inflight.distrusted());
+            for e in s.endpoints().values() {
+                v.binding += u32::from(e.inflight().estimate.binding);
+                v.distrusted += u32::from(e.inflight().distrusted());
             }
             v.feed_forward_steps = s.stats.feed_forward_steps;
         }
@@ -114,7 +114,7 @@ impl BallastAdapter {
     pub fn inflight_estimate(&self, idx: usize) -> Option<InflightEstimate> {
         let svc = self.balancer.service(SERVICE)?;
         let node = self.names.get(idx)?;
-        svc.endpoints.get(node).map(|e| e.inflight.estimate)
+        svc.endpoints().get(node).map(|e| e.inflight().estimate)
     }
 
     /// The published weights by endpoint index (0 for an unknown endpoint).
@@ -123,8 +123,8 @@ impl BallastAdapter {
         self.names
             .iter()
             .map(|n| {
-                svc.and_then(|s| s.endpoints.get(n))
-                    .map(|e| e.weight)
+                svc.and_then(|s| s.endpoints().get(n))
+                    .map(|e| e.weight())
                     .unwrap_or(0.0)
             })
             .collect()
