@@ -14,7 +14,8 @@
 //!
 //! Run: `cargo build --release --bins && cargo bench -p ballast-sim --bench ingest`
 //! (`-- quick`: one 5 s window per server and pattern, no 10,000 pattern, three
-//! saturating steps; `-- max=N`: the largest pattern's connection count). The bench
+//! saturating steps; `-- max=N`: the largest pattern's connection count;
+//! `-- aggregator=PATH`: another build as (b), to compare commits by their ratios). The bench
 //! re-executes itself as `bare-server ADDR DIR INTERVAL_MS` for the bare server.
 
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
@@ -60,7 +61,12 @@ fn main() {
         .find_map(|a| a.strip_prefix("max="))
         .map(|v| v.parse::<usize>().expect("max=N takes a number"))
         .unwrap_or(10_000);
-    let agg = release_binary("ballast-aggregator");
+    // `-- aggregator=PATH` measures another build as (b), such as an earlier commit's,
+    // beside the same bare server.
+    let agg = args
+        .iter()
+        .find_map(|a| a.strip_prefix("aggregator="))
+        .map_or_else(|| release_binary("ballast-aggregator"), PathBuf::from);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
