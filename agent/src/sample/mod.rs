@@ -424,6 +424,8 @@ pub struct Sampler {
     inflight: Option<Box<dyn InflightSource>>,
     capacity: u32,
     error_rate: Option<f64>,
+    /// Whether the in-flight source may repeat a count ([`Sampler::paced`]).
+    paced: bool,
 }
 
 impl Sampler {
@@ -448,7 +450,17 @@ impl Sampler {
             inflight,
             capacity,
             error_rate: None,
+            paced: false,
         }
+    }
+
+    /// Lets the in-flight source repeat its last count on reports where the CPU says a
+    /// fresh one could not change the load ([`InflightSource::sample_paced`]): for the
+    /// report loop, which samples every interval. A one-off measurement (`sample`,
+    /// `check`) counts afresh every time.
+    pub fn paced(mut self) -> Self {
+        self.paced = true;
+        self
     }
 
     /// Sets the error rate added to the load from now on (`None`: unknown, adds nothing).
@@ -466,7 +478,8 @@ impl Sampler {
         };
         let cpu = measured.unwrap_or(0.0);
         let inflight = match self.inflight.as_mut() {
-            Some(src) => src.sample_paced(measured)?,
+            Some(src) if self.paced => src.sample_paced(measured)?,
+            Some(src) => src.sample()?,
             None => 0,
         };
         let load = load::combine(cpu, inflight, self.capacity, self.error_rate, ERROR_PENALTY);
@@ -684,7 +697,7 @@ mod tests {
     struct SeesCpu(std::sync::Arc<std::sync::Mutex<Vec<Option<f64>>>>);
     impl InflightSource for SeesCpu {
         fn sample(&mut self) -> Result<u32, SampleError> {
-            Err(SampleError::Http("sample() is not the report's call".into()))
+            Ok(2)
         }
         fn sample_paced(&mut self, cpu: Option<f64>) -> Result<u32, SampleError> {
             self.0.lock().unwrap().push(cpu);
@@ -695,23 +708,37 @@ mod tests {
         }
     }
 
-    /// The in-flight source is told this report's CPU, and that there is none on a CPU
-    /// source's first report or without a CPU source.
+    /// A paced sampler tells the in-flight source this report's CPU, and that there is
+    /// none on a CPU source's first report or without a CPU source; an unpaced one (a
+    /// one-off measurement) asks for a fresh count.
     #[test]
-    fn sampler_tells_the_inflight_source_the_cpu() {
+    fn sampler_tells_the_inflight_source_the_cpu_when_paced() {
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let cpu = FixedCpu(vec![Ok(None), Ok(Some(0.3)), Ok(Some(f64::NAN))]);
         let mut s = Sampler::new(
             Some(Box::new(cpu)),
             Some(Box::new(SeesCpu(seen.clone()))),
             0,
-        );
+        )
+        .paced();
         for _ in 0..3 {
             assert_eq!(s.sample().unwrap().inflight, 1);
         }
-        let mut s = Sampler::new(None, Some(Box::new(SeesCpu(seen.clone()))), 0);
+        let mut s = Sampler::new(None, Some(Box::new(SeesCpu(seen.clone()))), 0).paced();
         s.sample().unwrap();
-        assert_eq!(*seen.lock().unwrap(), vec![None, Some(0.3), Some(0.0), None]);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![None, Some(0.3), Some(0.0), None]
+        );
+        let cpu = FixedCpu(vec![Ok(None), Ok(Some(0.3))]);
+        let mut s = Sampler::new(
+            Some(Box::new(cpu)),
+            Some(Box::new(SeesCpu(seen.clone()))),
+            0,
+        );
+        assert_eq!(s.sample().unwrap().inflight, 2);
+        assert_eq!(s.sample().unwrap().inflight, 2);
+        assert_eq!(seen.lock().unwrap().len(), 4);
     }
 
     #[test]

@@ -423,11 +423,10 @@ impl TcpInflight {
     /// The report's count at `now`: a fresh one, or the last one repeated when the pacing
     /// (the `pace` module) says a count could not change the load.
     fn paced_sample(&mut self, now: Instant, cpu: Option<f64>) -> Result<u32, SampleError> {
-        let steered = self.assignment.as_ref().and_then(|a| {
-            a.borrow()
-                .as_ref()
-                .map(|a| (a.load, a.inflight_trusted))
-        });
+        let steered = self
+            .assignment
+            .as_ref()
+            .and_then(|a| a.borrow().as_ref().map(|a| (a.load, a.inflight_trusted)));
         let ctx = Context {
             cpu,
             capacity: self.capacity,

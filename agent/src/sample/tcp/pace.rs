@@ -257,7 +257,10 @@ mod tests {
         assert!(matches!(p.decide(next, cpu(0.66)), Decision::Repeat(_)));
         // A small service on a big host: 8 % of it falling to 1 %.
         let small = counted(t0, 0, 0.08, 20);
-        assert_eq!(small.decide(next, cpu(0.01)), Decision::Count(Why::CpuMoved));
+        assert_eq!(
+            small.decide(next, cpu(0.01)),
+            Decision::Count(Why::CpuMoved)
+        );
         assert!(matches!(small.decide(next, cpu(0.05)), Decision::Repeat(_)));
         // Jitter of an idle host does not.
         let idle = counted(t0, 0, 0.01, 20);
@@ -281,13 +284,22 @@ mod tests {
     fn a_raised_count_counts_every_report_until_it_settles() {
         let t0 = Instant::now();
         let mut p = counted(t0, 2, 0.3, 20);
-        assert!(matches!(p.decide(at(t0, 1.0), cpu(0.3)), Decision::Repeat(_)));
+        assert!(matches!(
+            p.decide(at(t0, 1.0), cpu(0.3)),
+            Decision::Repeat(_)
+        ));
         // 2 usual: 5 is not raised (not above 2 × 2 + 1); 8 is.
         p.counted(at(t0, 1.0), 5, Some(0.3));
-        assert!(matches!(p.decide(at(t0, 2.0), cpu(0.3)), Decision::Repeat(_)));
+        assert!(matches!(
+            p.decide(at(t0, 2.0), cpu(0.3)),
+            Decision::Repeat(_)
+        ));
         let mut p = counted(t0, 2, 0.3, 20);
         p.counted(at(t0, 1.0), 8, Some(0.3));
-        assert_eq!(p.decide(at(t0, 2.0), cpu(0.3)), Decision::Count(Why::Raised));
+        assert_eq!(
+            p.decide(at(t0, 2.0), cpu(0.3)),
+            Decision::Count(Why::Raised)
+        );
         // It holds at 8: counted every report until the usual count nears it.
         let mut raised = 0;
         for s in 2..60 {
@@ -306,7 +318,10 @@ mod tests {
         let mut p = counted(t0, 2, 0.3, 20);
         p.counted(at(t0, 1.0), 8, Some(0.3));
         p.counted(at(t0, 2.0), 2, Some(0.3));
-        assert!(matches!(p.decide(at(t0, 3.0), cpu(0.3)), Decision::Repeat(_)));
+        assert!(matches!(
+            p.decide(at(t0, 3.0), cpu(0.3)),
+            Decision::Repeat(_)
+        ));
     }
 
     #[test]
@@ -319,9 +334,15 @@ mod tests {
             capacity,
             steered: None,
         };
-        assert_eq!(p.decide(at(t0, 1.0), cap(10)), Decision::Count(Why::Binding));
+        assert_eq!(
+            p.decide(at(t0, 1.0), cap(10)),
+            Decision::Count(Why::Binding)
+        );
         // ... and far from it with a capacity of 100.
-        assert!(matches!(p.decide(at(t0, 1.0), cap(100)), Decision::Repeat(_)));
+        assert!(matches!(
+            p.decide(at(t0, 1.0), cap(100)),
+            Decision::Repeat(_)
+        ));
         // Without one, the aggregator's load says.
         let steered = |load, trusted| Context {
             cpu: Some(0.4),
