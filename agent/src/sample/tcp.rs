@@ -432,15 +432,21 @@ impl TcpInflight {
             capacity: self.capacity,
             steered,
         };
-        if let (Decision::Repeat(age), Some((count, _))) = (self.pacer.decide(now, ctx), self.last)
-        {
+        let decision = self.pacer.decide(now, ctx);
+        if let (Decision::Repeat(age), Some((count, _))) = (decision, self.last) {
             self.repeated = Some(age);
             return Ok(count.owed);
         }
+        tracing::debug!(?decision, ?ctx, "counting tcp connections afresh");
         self.repeated = None;
-        match self.sample_count() {
+        let before = netlink::thread_cpu_time();
+        let result = self.sample_count();
+        let cost = before
+            .zip(netlink::thread_cpu_time())
+            .map(|(before, after)| after.saturating_sub(before));
+        match result {
             Ok(count) => {
-                self.pacer.counted(now, count.owed, cpu);
+                self.pacer.counted(now, count.owed, cost);
                 Ok(count.owed)
             }
             Err(e) => {
@@ -908,60 +914,67 @@ mod tests {
     }
 
     /// Paced reports on a real socket: a quiet node repeats its count, with the detail
-    /// saying how old it is; a CPU drop, the age bound and a binding term make a report
-    /// count afresh.
+    /// saying how old it is; a fall of the CPU, a due count, a binding term, a missing
+    /// CPU figure and a failed count make a report count afresh.
     #[test]
     fn paced_reports_repeat_a_quiet_count_and_count_when_it_could_matter() {
+        use pace::Context;
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let (assign, assignment) = tokio::sync::watch::channel(None);
         let mut src = TcpInflight::open(vec![port]).unwrap().following(assignment);
         let t0 = Instant::now();
         let s = |secs: u64| t0 + Duration::from_secs(secs);
-        assert_eq!(src.paced_sample(s(0), Some(0.6)).unwrap(), 0);
-        assert_eq!(
-            src.detail().as_deref(),
-            Some("0 of 0 connections owe a response")
-        );
 
-        // A request arrives and is not read: the CPU has not moved, so the report
-        // repeats the old count, and says so.
+        // The first report counts: a request not yet read.
         let mut conns = connect_n(&listener, 1);
         conns[0].0.write_all(b"ping").unwrap();
         assert_eq!(wait_for(&mut src, tc(1, 1)), tc(1, 1));
         src.pacer = Pacer::new();
         assert_eq!(src.paced_sample(s(0), Some(0.6)).unwrap(), 1);
-        drop(conns);
-        assert_eq!(src.paced_sample(s(3), Some(0.6)).unwrap(), 1);
         assert_eq!(
             src.detail().as_deref(),
-            Some("1 of 1 connections owe a response (counted 3 s ago)")
+            Some("1 of 1 connections owe a response")
         );
-        // The CPU falls: this report counts, and sees the connection gone.
+        drop(conns);
         let gone = Instant::now() + Duration::from_secs(10);
         while src.sample_count().unwrap() != tc(0, 0) {
             assert!(Instant::now() < gone, "the closed connection stays");
             std::thread::sleep(Duration::from_millis(5));
         }
-        src.pacer = Pacer::new();
-        src.pacer.counted(s(0), 1, Some(0.6));
+
+        // From here on the connection is gone, so a report that says 1 repeated the
+        // count of a pacer settled at 0 s: CPU 0.6, 1 owed, a count that cost 4 ms (due
+        // after 20 s).
+        let settle = |src: &mut TcpInflight| {
+            src.pacer = Pacer::new();
+            let ctx = Context {
+                cpu: Some(0.6),
+                ..Context::default()
+            };
+            src.pacer.decide(s(0), ctx);
+            src.pacer.counted(s(0), 1, Some(Duration::from_millis(4)));
+            src.last = Some((tc(1, 1), Path::Netlink));
+        };
+        settle(&mut src);
+        assert_eq!(src.paced_sample(s(3), Some(0.6)).unwrap(), 1);
+        assert_eq!(
+            src.detail().as_deref(),
+            Some("1 of 1 connections owe a response (counted 3 s ago)")
+        );
+        // The CPU falls: this report counts.
+        settle(&mut src);
         assert_eq!(src.paced_sample(s(3), Some(0.1)).unwrap(), 0);
         assert_eq!(
             src.detail().as_deref(),
             Some("0 of 0 connections owe a response")
         );
-
-        // Unchanged CPU, until the count is MAX_AGE old.
-        src.pacer = Pacer::new();
-        src.pacer.counted(s(0), 1, Some(0.6));
-        src.last = Some((tc(1, 1), Path::Netlink));
-        assert_eq!(src.paced_sample(s(9), Some(0.6)).unwrap(), 1);
-        assert_eq!(src.paced_sample(s(10), Some(0.6)).unwrap(), 0);
-
+        // Unchanged CPU, until the count is due.
+        settle(&mut src);
+        assert_eq!(src.paced_sample(s(19), Some(0.6)).unwrap(), 1);
+        assert_eq!(src.paced_sample(s(20), Some(0.6)).unwrap(), 0);
         // The aggregator steers the node by more than its CPU: every report counts.
-        src.pacer = Pacer::new();
-        src.pacer.counted(s(0), 1, Some(0.6));
-        src.last = Some((tc(1, 1), Path::Netlink));
+        settle(&mut src);
         assign.send_replace(Some(ballast_shared::session::Assignment {
             weight: 0.2,
             cycle: 1,
@@ -970,18 +983,27 @@ mod tests {
             inflight_trusted: true,
         }));
         assert_eq!(src.paced_sample(s(1), Some(0.6)).unwrap(), 0);
-
-        // Without a CPU figure the count is the whole load: every report counts.
-        src.pacer = Pacer::new();
-        src.pacer.counted(s(0), 1, None);
-        src.last = Some((tc(1, 1), Path::Netlink));
-        assert_eq!(src.paced_sample(s(1), None).unwrap(), 0);
-
-        // A failed count is not repeated: the next report counts.
-        src.pacer.failed();
-        src.last = Some((tc(1, 1), Path::Netlink));
         assign.send_replace(None);
+        // Without a CPU figure the count is the whole load.
+        settle(&mut src);
+        assert_eq!(src.paced_sample(s(1), None).unwrap(), 0);
+        // A failed count is not repeated: the next report counts.
+        settle(&mut src);
+        src.pacer.failed();
         assert_eq!(src.paced_sample(s(1), Some(0.6)).unwrap(), 0);
+    }
+
+    /// A count's cost is read on the thread's CPU clock, which moves with work done.
+    #[test]
+    fn the_thread_cpu_clock_measures_a_count() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut src = TcpInflight::open(vec![listener.local_addr().unwrap().port()]).unwrap();
+        let before = netlink::thread_cpu_time().unwrap();
+        for _ in 0..20 {
+            src.sample_count().unwrap();
+        }
+        let after = netlink::thread_cpu_time().unwrap();
+        assert!(after > before, "{before:?} {after:?}");
     }
 
     /// A failing netlink dump falls back to /proc for the same sample, and netlink is
