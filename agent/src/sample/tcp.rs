@@ -437,7 +437,6 @@ impl TcpInflight {
             self.repeated = Some(age);
             return Ok(count.owed);
         }
-        tracing::debug!(?decision, ?ctx, "counting tcp connections afresh");
         self.repeated = None;
         let before = netlink::thread_cpu_time();
         let result = self.sample_count();
@@ -446,7 +445,14 @@ impl TcpInflight {
             .map(|(before, after)| after.saturating_sub(before));
         match result {
             Ok(count) => {
-                self.pacer.counted(now, count.owed, cost);
+                tracing::debug!(
+                    ?decision,
+                    ?ctx,
+                    ?cost,
+                    owed = count.owed,
+                    "counted tcp connections afresh"
+                );
+                self.pacer.counted(now, count.owed, cpu, cost);
                 Ok(count.owed)
             }
             Err(e) => {
@@ -953,7 +959,8 @@ mod tests {
                 ..Context::default()
             };
             src.pacer.decide(s(0), ctx);
-            src.pacer.counted(s(0), 1, Some(Duration::from_millis(4)));
+            src.pacer
+                .counted(s(0), 1, Some(0.6), Some(Duration::from_millis(4)));
             src.last = Some((tc(1, 1), Path::Netlink));
         };
         settle(&mut src);

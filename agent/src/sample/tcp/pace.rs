@@ -24,10 +24,13 @@
 //! - the last count was raised: above twice the node's usual count (an average of its
 //!   earlier counts) plus one, so it may be rising; counting goes on every report until
 //!   the usual count has caught up or the count falls back;
-//! - the CPU fell ([`cpu_fell`]): to half its usual level (an average over the last
-//!   reports) or less, by at least 0.05 of the resource. A node that stalls on I/O goes
-//!   quiet on CPU while its requests pile up, which is the case the in-flight count is
-//!   for; this catches it at the first report. A rising CPU raises the load by itself.
+//! - the CPU fell ([`cpu_fell`]) to half or less, by at least 0.05 of the resource, both
+//!   from its usual level (an average over the last reports) and since the last count.
+//!   A node that stalls on I/O goes quiet on CPU while its requests pile up, which is
+//!   the case the in-flight count is for; this catches it at the first report. The
+//!   usual level keeps the swings of a shared host from counting; the last count's
+//!   level makes one fall count once, not at every report while the average catches
+//!   up. A rising CPU raises the load by itself.
 //!
 //! Sans-IO: the time, the CPU and a count's cost come in as arguments.
 
@@ -107,6 +110,8 @@ struct Last {
     owed: u32,
     /// How long it may be repeated for.
     lasts: Duration,
+    /// The CPU of the report that counted it.
+    cpu: Option<f64>,
     /// Whether it was above the usual count before it.
     raised: bool,
 }
@@ -170,15 +175,23 @@ impl Pacer {
         if last.raised {
             return Decision::Count(Why::Raised);
         }
-        match self.usual_cpu {
-            Some(usual) if cpu_fell(usual, cpu) => Decision::Count(Why::CpuFell),
+        match (self.usual_cpu, last.cpu) {
+            (Some(usual), Some(then)) if cpu_fell(usual, cpu) && cpu_fell(then, cpu) => {
+                Decision::Count(Why::CpuFell)
+            }
             _ => Decision::Repeat(age),
         }
     }
 
-    /// Records a fresh count taken at `now`, which cost `cost` of CPU (`None`: unknown,
-    /// and then it lasts [`MIN_AGE`]).
-    pub(crate) fn counted(&mut self, now: Instant, owed: u32, cost: Option<Duration>) {
+    /// Records a fresh count taken at `now` by a report whose CPU was `cpu`, which cost
+    /// `cost` of CPU (`None`: unknown, and then it lasts [`MIN_AGE`]).
+    pub(crate) fn counted(
+        &mut self,
+        now: Instant,
+        owed: u32,
+        cpu: Option<f64>,
+        cost: Option<Duration>,
+    ) {
         let owed_f = f64::from(owed);
         let usual = self.usual.unwrap_or(owed_f);
         self.usual = Some(usual + USUAL_ALPHA * (owed_f - usual));
@@ -186,6 +199,7 @@ impl Pacer {
             at: now,
             owed,
             lasts: cost.map_or(MIN_AGE, lasts),
+            cpu,
             raised: owed_f > RAISED_FACTOR * usual + RAISED_MARGIN,
         });
     }
@@ -235,7 +249,7 @@ mod tests {
         let mut p = Pacer::new();
         for _ in 0..history.max(1) {
             p.decide(t0, cpu(c));
-            p.counted(t0, owed, cost);
+            p.counted(t0, owed, Some(c), cost);
         }
         p
     }
@@ -255,7 +269,7 @@ mod tests {
             let now = at(t0, f64::from(s));
             if let Decision::Count(why) = p.decide(now, cpu(c)) {
                 counts.push((s, why));
-                p.counted(now, owed, cost);
+                p.counted(now, owed, Some(c), cost);
             }
         }
         counts
@@ -266,7 +280,7 @@ mod tests {
         let t0 = Instant::now();
         let mut p = Pacer::new();
         assert_eq!(p.decide(t0, cpu(0.3)), Decision::Count(Why::First));
-        p.counted(t0, 0, DEAR);
+        p.counted(t0, 0, Some(0.3), DEAR);
         assert_eq!(
             p.decide(at(t0, 1.0), cpu(0.3)),
             Decision::Repeat(Duration::from_secs(1))
@@ -336,6 +350,28 @@ mod tests {
         }
     }
 
+    /// A fall counts once: the reports after it, at the new level, repeat that count
+    /// while the usual level catches up.
+    #[test]
+    fn one_fall_counts_once() {
+        let t0 = Instant::now();
+        let mut p = settled(t0, 0, 0.9, 20, DEAR);
+        let counts = counting_seconds(&mut p, t0, 15, 0.01, 0, DEAR);
+        assert_eq!(counts, vec![(1, Why::CpuFell)]);
+        // A second fall, from a level the CPU held since, counts again.
+        let mut p = settled(t0, 0, 0.9, 20, DEAR);
+        p.decide(at(t0, 1.0), cpu(0.4));
+        p.counted(at(t0, 1.0), 0, Some(0.4), DEAR);
+        assert!(matches!(
+            p.decide(at(t0, 2.0), cpu(0.35)),
+            Decision::Repeat(_)
+        ));
+        assert_eq!(
+            p.decide(at(t0, 3.0), cpu(0.05)),
+            Decision::Count(Why::CpuFell)
+        );
+    }
+
     #[test]
     fn cpu_falls() {
         assert!(cpu_fell(0.6, 0.3));
@@ -354,10 +390,10 @@ mod tests {
         let (s1, s2, s3) = (at(t0, 1.0), at(t0, 2.0), at(t0, 3.0));
         assert!(matches!(p.decide(s1, cpu(0.3)), Decision::Repeat(_)));
         // 2 usual: 5 is not raised (not above 2 × 2 + 1); 8 is.
-        p.counted(s1, 5, DEAR);
+        p.counted(s1, 5, Some(0.3), DEAR);
         assert!(matches!(p.decide(s2, cpu(0.3)), Decision::Repeat(_)));
         let mut p = settled(t0, 2, 0.3, 20, DEAR);
-        p.counted(s1, 8, DEAR);
+        p.counted(s1, 8, Some(0.3), DEAR);
         assert_eq!(p.decide(s2, cpu(0.3)), Decision::Count(Why::Raised));
         // It holds at 8: counted every report until the usual count nears it.
         let raised = counting_seconds(&mut p, s1, 30, 0.3, 8, DEAR);
@@ -369,8 +405,8 @@ mod tests {
         assert_eq!(raised, vec![1, 2, 3], "{raised:?}");
         // Falling back to the usual level stops it at once.
         let mut p = settled(t0, 2, 0.3, 20, DEAR);
-        p.counted(s1, 8, DEAR);
-        p.counted(s2, 2, DEAR);
+        p.counted(s1, 8, Some(0.3), DEAR);
+        p.counted(s2, 2, Some(0.3), DEAR);
         assert!(matches!(p.decide(s3, cpu(0.3)), Decision::Repeat(_)));
     }
 
