@@ -45,6 +45,10 @@
 //!   sockets, per `read`, and each `read` walks the established hash again: the cost
 //!   grows with both the table and the hash size, which is what makes this path slow
 //!   on a big host.
+//!
+//! Even the netlink walk costs milliseconds on a host whose hash holds many sockets, so
+//! the daemon's reports pace it (the `pace` submodule): a report counts afresh when the
+//! count could change the node's load, and otherwise repeats the last count.
 
 pub(crate) mod netlink;
 mod pace;
