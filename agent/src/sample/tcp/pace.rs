@@ -20,7 +20,8 @@
 //! - the in-flight term binds or is close to it: with a capacity, the last count is at
 //!   least half the CPU in its units; without one, the aggregator steers the node by a
 //!   load above every CPU the node reported lately (it alone can judge a count against
-//!   the fleet);
+//!   the fleet), or it has set the count aside and is watching whether it follows the
+//!   weight again, which it can only judge on fresh counts;
 //! - the last count was raised: above twice the node's usual count (an average of its
 //!   earlier counts) plus one, so it may be rising; counting goes on every report until
 //!   the usual count has caught up or the count falls back;
@@ -86,7 +87,7 @@ pub(crate) enum Why {
     Due,
     /// No CPU figure: the count is the whole load.
     NoCpu,
-    /// The in-flight term binds or is close to it.
+    /// The in-flight term binds or is close to it, or the aggregator distrusts it.
     Binding,
     /// The last count was above the node's usual one.
     Raised,
@@ -210,16 +211,17 @@ impl Pacer {
     }
 
     /// With a capacity, whether the last count's term is close to the CPU; without,
-    /// whether the aggregator steers by more than any recent CPU, on a count it
-    /// trusts. (Its load comes from a report or two ago, so comparing it with this
-    /// report's CPU alone would read every fall of the CPU as a binding count.)
+    /// whether the aggregator steers by more than any recent CPU, or distrusts the
+    /// count (it then trusts it again only if fresh counts rise with the weight). Its
+    /// load comes from a report or two ago, so comparing it with this report's CPU
+    /// alone would read every fall of the CPU as a binding count.
     fn binding(&self, last: Last, cpu: f64, ctx: Context) -> bool {
         if ctx.capacity > 0 {
             return f64::from(last.owed) / f64::from(ctx.capacity) >= NEAR_BINDING * cpu;
         }
         let recent = self.recent_cpu.iter().copied().fold(cpu, f64::max);
         match ctx.steered {
-            Some((load, trusted)) => trusted && load > STEERED_FACTOR * recent + STEERED_MARGIN,
+            Some((load, trusted)) => !trusted || load > STEERED_FACTOR * recent + STEERED_MARGIN,
             None => false,
         }
     }
@@ -435,10 +437,11 @@ mod tests {
             p.decide(next, steered(0.4, 0.9, true)),
             Decision::Count(Why::Binding)
         );
-        assert!(matches!(
-            p.decide(next, steered(0.4, 0.9, false)),
-            Decision::Repeat(_)
-        ));
+        // A count the aggregator set aside is watched on fresh counts.
+        assert_eq!(
+            p.decide(next, steered(0.4, 0.4, false)),
+            Decision::Count(Why::Binding)
+        );
         assert!(matches!(
             p.decide(next, steered(0.4, 0.42, true)),
             Decision::Repeat(_)
