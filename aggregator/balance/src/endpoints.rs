@@ -375,8 +375,13 @@ impl Slots {
         Some(order)
     }
 
-    /// Puts the endpoints registered out of order where they belong.
+    /// Puts the endpoints registered out of order where they belong, and forgets the
+    /// zones no endpoint or publication holds any more, so that agents that come and go
+    /// with ever new zones cannot grow the set.
     pub(crate) fn sort(&mut self) {
+        if self.zones.len() > 1 {
+            self.zones.retain(|z| Arc::strong_count(z) > 1);
+        }
         let Some(order) = self.order() else {
             return;
         };
@@ -716,6 +721,28 @@ mod tests {
         let read: Vec<&str> = slots.view().keys().collect();
         let want: Vec<&str> = model.iter().map(String::as_str).collect();
         assert_eq!(read, want);
+    }
+
+    /// Zones are kept while an endpoint holds them and forgotten at the next sort once
+    /// none does: ever new zones cannot grow a service's memory.
+    #[test]
+    fn zones_no_endpoint_holds_are_forgotten() {
+        let mut slots = Slots::default();
+        for i in 0..50 {
+            let node = format!("n{i:02}");
+            let zone = format!("zone-{i}");
+            slots.insert(&node, "a", &zone, 0, 1.0);
+            if i > 0 {
+                let gone = slots.slot(&format!("n{:02}", i - 1)).expect("indexed");
+                slots.remove(gone);
+            }
+            slots.sort();
+            assert!(slots.zones.len() <= 2, "{} zones kept", slots.zones.len());
+        }
+        assert!(
+            slots.zones.contains("zone-49"),
+            "the live endpoint's zone is kept"
+        );
     }
 
     /// Registrations in any order and removals of any kind, against a set of names:

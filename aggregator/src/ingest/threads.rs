@@ -91,34 +91,51 @@ pub(crate) async fn start(
     let ingest = Arc::new(ingest);
     let (counter, running) = watch::channel(count);
     let panicked = Arc::new(Mutex::new(None));
-    let mut endpoints = Vec::with_capacity(count);
+    // One configuration for all, so that their stateless resets share a key: an agent
+    // whose datagrams reach another thread's socket (its address changed) is told at
+    // once that its connection is gone there, and connects again.
+    let config = quinn::EndpointConfig::default();
+    let mut endpoints: Vec<quinn::Endpoint> = Vec::with_capacity(count);
+    let started = |endpoints: &[quinn::Endpoint]| {
+        for e in endpoints {
+            e.close(
+                quinn::VarInt::from_u32(super::quic::close::NORMAL),
+                b"start failed",
+            );
+        }
+    };
     for (index, socket) in sockets.into_iter().enumerate() {
         let (ready, endpoint) = oneshot::channel();
         let running = Running(counter.clone());
         let (server, state, ingest) = (server.clone(), state.clone(), ingest.clone());
+        let config = config.clone();
         let panicked = panicked.clone();
         std::thread::Builder::new()
             .name(format!("ballast-quic-{index}"))
             .spawn(move || {
                 let _running = running;
-                let run = AssertUnwindSafe(|| serve(socket, server, state, ingest, ready));
+                let run = AssertUnwindSafe(|| serve(socket, config, server, state, ingest, ready));
                 if let Err(panic) = std::panic::catch_unwind(run) {
                     let message = crate::supervise::panic_message(panic.as_ref());
                     tracing::error!(thread = index, %message, "a QUIC thread panicked");
                     *panicked.lock().unwrap_or_else(|p| p.into_inner()) = Some(message);
                 }
             })
-            .map_err(|source| ThreadsError::Start { index, source })?;
-        match endpoint.await {
-            Ok(Ok(e)) => endpoints.push(e),
-            Ok(Err(source)) => return Err(ThreadsError::Start { index, source }),
-            Err(_) => {
-                return Err(ThreadsError::Start {
-                    index,
-                    source: std::io::Error::other("the thread ended before it served"),
-                })
+            .map_err(|source| {
+                started(&endpoints);
+                ThreadsError::Start { index, source }
+            })?;
+        let source = match endpoint.await {
+            Ok(Ok(e)) => {
+                endpoints.push(e);
+                continue;
             }
-        }
+            Ok(Err(source)) => source,
+            Err(_) => std::io::Error::other("the thread ended before it served"),
+        };
+        // The threads started so far end with their endpoints.
+        started(&endpoints);
+        return Err(ThreadsError::Start { index, source });
     }
     let watcher = tokio::spawn(ingest.revocation.clone().watch(state));
     Ok(Threads {
@@ -134,6 +151,7 @@ pub(crate) async fn start(
 /// is closed, then a short wait for its connections' close to go out.
 fn serve(
     socket: UdpSocket,
+    config: quinn::EndpointConfig,
     server: quinn::ServerConfig,
     state: Arc<State>,
     ingest: Arc<Ingest>,
@@ -150,18 +168,15 @@ fn serve(
         }
     };
     rt.block_on(async move {
-        let endpoint = match quinn::Endpoint::new(
-            quinn::EndpointConfig::default(),
-            Some(server),
-            socket,
-            Arc::new(quinn::TokioRuntime),
-        ) {
-            Ok(e) => e,
-            Err(e) => {
-                let _ = ready.send(Err(e));
-                return;
-            }
-        };
+        let endpoint =
+            match quinn::Endpoint::new(config, Some(server), socket, Arc::new(quinn::TokioRuntime))
+            {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
         if ready.send(Ok(endpoint.clone())).is_err() {
             return;
         }
@@ -176,6 +191,23 @@ fn bind(addr: SocketAddr, count: usize) -> Result<Vec<UdpSocket>, ThreadsError> 
     use socket2::{Domain, Protocol, Socket, Type};
     let mut sockets: Vec<UdpSocket> = Vec::with_capacity(count);
     let mut at = addr;
+    if count > 1 {
+        // Sharing the port would also share it with another process that asked to:
+        // a plain bind first makes a port already in use an error, as with one thread,
+        // and picks the port when `addr` asks for any.
+        let probe = UdpSocket::bind(addr).map_err(|source| ThreadsError::Bind {
+            index: 0,
+            count,
+            addr,
+            source,
+        })?;
+        at = probe.local_addr().map_err(|source| ThreadsError::Bind {
+            index: 0,
+            count,
+            addr,
+            source,
+        })?;
+    }
     for index in 0..count {
         let err = |source| ThreadsError::Bind {
             index,
@@ -234,6 +266,8 @@ impl Threads {
 
 impl Drop for Threads {
     fn drop(&mut self) {
+        // A daemon dropped without its shutdown still lets go of the port.
+        self.close(super::quic::close::NORMAL, b"shutting down");
         self.watcher.abort();
     }
 }

@@ -216,6 +216,17 @@ impl Pacer {
     /// load comes from a report or two ago, so comparing it with this report's CPU
     /// alone would read every fall of the CPU as a binding count.
     fn binding(&self, last: Last, cpu: f64, ctx: Context) -> bool {
+        // Steered by the larger of the CPU and the in-flight term, the aggregator's load
+        // is never below the CPU of the report it came from. A load below every recent
+        // CPU figure is steered by something else (a service whose metric is the
+        // in-flight count alone): then the count is the load, and every report counts.
+        let lowest = self.recent_cpu.iter().copied().fold(cpu, f64::min);
+        if ctx
+            .steered
+            .is_some_and(|(load, _)| load + STEERED_MARGIN < lowest)
+        {
+            return true;
+        }
         if ctx.capacity > 0 {
             return f64::from(last.owed) / f64::from(ctx.capacity) >= NEAR_BINDING * cpu;
         }
@@ -446,6 +457,21 @@ mod tests {
             p.decide(next, steered(0.4, 0.42, true)),
             Decision::Repeat(_)
         ));
+        // A load below every recent CPU figure is not the larger of CPU and count: the
+        // service is steered by the count alone, which then always matters, with a
+        // capacity or without.
+        let mut p = settled(t0, 3, 0.4, 20, DEAR);
+        assert_eq!(
+            p.decide(next, steered(0.4, 0.3, true)),
+            Decision::Count(Why::Binding)
+        );
+        let mut p = settled(t0, 3, 0.4, 20, DEAR);
+        let by_count = Context {
+            cpu: Some(0.4),
+            capacity: 100,
+            steered: Some((0.03, true)),
+        };
+        assert_eq!(p.decide(next, by_count), Decision::Count(Why::Binding));
         // A load from a report whose CPU was higher than this one's is not binding.
         let mut p = settled(t0, 3, 0.4, 20, DEAR);
         p.decide(next, steered(0.7, 0.4, true));
