@@ -171,9 +171,7 @@ impl Agent {
         cfg.validate()?;
         let drained = drained_on_disk(&cfg)?;
         let shared = Arc::new(Shared::new(cfg));
-        // The report loop samples every interval: its in-flight count may be paced.
-        let sampler =
-            open_sampler(&shared.config, &synthetic, &shared.subscribe_assignment())?.paced();
+        let sampler = open_sampler(&shared.config, &synthetic, &shared.subscribe_assignment())?;
         if drained {
             shared.draining.store(true, Ordering::Relaxed);
             shared.update(|s| s.draining = true);

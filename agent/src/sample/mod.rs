@@ -107,14 +107,6 @@ pub trait CpuSource: Send {
 pub trait InflightSource: Send {
     /// The current number of in-flight requests.
     fn sample(&mut self) -> Result<u32, SampleError>;
-    /// The number for a report whose CPU utilization is `cpu` (`None` without a CPU
-    /// figure). A source that is costly to read may repeat its last count when the CPU
-    /// says the count cannot change the load (the TCP source does); the default reads
-    /// afresh, as [`InflightSource::sample`].
-    fn sample_paced(&mut self, cpu: Option<f64>) -> Result<u32, SampleError> {
-        let _ = cpu;
-        self.sample()
-    }
     /// A one-line description for logs and `status`.
     fn describe(&self) -> String;
     /// How the last sample's count was derived, in one short line for `sample` and
@@ -374,9 +366,7 @@ pub(crate) fn open_inflight(
     assignment: &AssignmentWatch,
 ) -> Result<Option<Box<dyn InflightSource>>, SampleError> {
     Ok(match spec {
-        InflightSpec::Tcp { ports } => Some(Box::new(
-            tcp::TcpInflight::open(ports.clone())?.following(assignment.clone()),
-        )),
+        InflightSpec::Tcp { ports } => Some(Box::new(tcp::TcpInflight::open(ports.clone())?)),
         InflightSpec::Prometheus { url, metric } => {
             Some(Box::new(prometheus::PrometheusInflight::new(url, metric)?))
         }
@@ -424,8 +414,6 @@ pub struct Sampler {
     inflight: Option<Box<dyn InflightSource>>,
     capacity: u32,
     error_rate: Option<f64>,
-    /// Whether the in-flight source may repeat a count ([`Sampler::paced`]).
-    paced: bool,
 }
 
 impl Sampler {
@@ -450,17 +438,7 @@ impl Sampler {
             inflight,
             capacity,
             error_rate: None,
-            paced: false,
         }
-    }
-
-    /// Lets the in-flight source repeat its last count on reports where the CPU says a
-    /// fresh one could not change the load ([`InflightSource::sample_paced`]): for the
-    /// report loop, which samples every interval. A one-off measurement (`sample`,
-    /// `check`) counts afresh every time.
-    pub fn paced(mut self) -> Self {
-        self.paced = true;
-        self
     }
 
     /// Sets the error rate added to the load from now on (`None`: unknown, adds nothing).
@@ -472,13 +450,11 @@ impl Sampler {
     /// Takes one sample. A CPU source with no delta yet counts as 0 cpu. A source error
     /// is returned, never turned into a zero load (failures must not look like idle).
     pub fn sample(&mut self) -> Result<Sample, SampleError> {
-        let measured = match self.cpu.as_mut() {
-            Some(src) => src.sample()?.map(load::sanitize),
-            None => None,
+        let cpu = match self.cpu.as_mut() {
+            Some(src) => load::sanitize(src.sample()?.unwrap_or(0.0)),
+            None => 0.0,
         };
-        let cpu = measured.unwrap_or(0.0);
         let inflight = match self.inflight.as_mut() {
-            Some(src) if self.paced => src.sample_paced(measured)?,
             Some(src) => src.sample()?,
             None => 0,
         };
@@ -691,54 +667,6 @@ mod tests {
             s.describe(),
             "cpu: fixed cpu; in-flight: fixed in-flight; capacity: 10"
         );
-    }
-
-    /// Records the CPU figure each paced sample was given.
-    struct SeesCpu(std::sync::Arc<std::sync::Mutex<Vec<Option<f64>>>>);
-    impl InflightSource for SeesCpu {
-        fn sample(&mut self) -> Result<u32, SampleError> {
-            Ok(2)
-        }
-        fn sample_paced(&mut self, cpu: Option<f64>) -> Result<u32, SampleError> {
-            self.0.lock().unwrap().push(cpu);
-            Ok(1)
-        }
-        fn describe(&self) -> String {
-            "sees cpu".into()
-        }
-    }
-
-    /// A paced sampler tells the in-flight source this report's CPU, and that there is
-    /// none on a CPU source's first report or without a CPU source; an unpaced one (a
-    /// one-off measurement) asks for a fresh count.
-    #[test]
-    fn sampler_tells_the_inflight_source_the_cpu_when_paced() {
-        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let cpu = FixedCpu(vec![Ok(None), Ok(Some(0.3)), Ok(Some(f64::NAN))]);
-        let mut s = Sampler::new(
-            Some(Box::new(cpu)),
-            Some(Box::new(SeesCpu(seen.clone()))),
-            0,
-        )
-        .paced();
-        for _ in 0..3 {
-            assert_eq!(s.sample().unwrap().inflight, 1);
-        }
-        let mut s = Sampler::new(None, Some(Box::new(SeesCpu(seen.clone()))), 0).paced();
-        s.sample().unwrap();
-        assert_eq!(
-            *seen.lock().unwrap(),
-            vec![None, Some(0.3), Some(0.0), None]
-        );
-        let cpu = FixedCpu(vec![Ok(None), Ok(Some(0.3))]);
-        let mut s = Sampler::new(
-            Some(Box::new(cpu)),
-            Some(Box::new(SeesCpu(seen.clone()))),
-            0,
-        );
-        assert_eq!(s.sample().unwrap().inflight, 2);
-        assert_eq!(s.sample().unwrap().inflight, 2);
-        assert_eq!(seen.lock().unwrap().len(), 4);
     }
 
     #[test]

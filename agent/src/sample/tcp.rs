@@ -45,22 +45,15 @@
 //!   sockets, per `read`, and each `read` walks the established hash again: the cost
 //!   grows with both the table and the hash size, which is what makes this path slow
 //!   on a big host.
-//!
-//! Even the netlink walk costs milliseconds on a host whose hash holds many sockets, so
-//! the daemon's reports pace it (the `pace` submodule): a report counts afresh when the
-//! count could change the node's load, and otherwise repeats the last count.
 
 pub(crate) mod netlink;
-mod pace;
 
 use std::fs::File;
 use std::io::{ErrorKind, Read};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
-use super::{AssignmentWatch, InflightSource, SampleError};
+use super::{InflightSource, SampleError};
 use netlink::DiagCounter;
-use pace::{Context, Decision, Pacer};
 
 /// The kernel's `TCP_ESTABLISHED` in the `st` column.
 const ESTABLISHED: u8 = 0x01;
@@ -303,14 +296,6 @@ pub struct TcpInflight {
     path: Path,
     /// The last successful sample, and the path that took it.
     last: Option<(TcpCount, Path)>,
-    /// When a report counts afresh and when it repeats the last count.
-    pacer: Pacer,
-    /// The capacity the count is divided by (0: the aggregator judges it).
-    capacity: u32,
-    /// The aggregator's assignment, which says whether the count binds.
-    assignment: Option<AssignmentWatch>,
-    /// How old the count the last report gave was, when it repeated one.
-    repeated: Option<Duration>,
 }
 
 impl TcpInflight {
@@ -325,20 +310,9 @@ impl TcpInflight {
             ports,
             path: Path::Netlink,
             last: None,
-            pacer: Pacer::new(),
-            capacity: 0,
-            assignment: None,
-            repeated: None,
         };
         src.sample()?;
         Ok(src)
-    }
-
-    /// Follows the aggregator's assignment, which tells the pacing whether the count
-    /// binds the node's load.
-    pub(crate) fn following(mut self, assignment: AssignmentWatch) -> Self {
-        self.assignment = Some(assignment);
-        self
     }
 
     /// Counts from other tables, such as `/proc/PID/net/tcp` to see into another
@@ -355,10 +329,6 @@ impl TcpInflight {
                 netlink_retry_in: 0,
             },
             last: None,
-            pacer: Pacer::new(),
-            capacity: 0,
-            assignment: None,
-            repeated: None,
         };
         src.sample()?;
         Ok(src)
@@ -423,65 +393,10 @@ impl TcpInflight {
     }
 }
 
-impl TcpInflight {
-    /// The report's count at `now`: a fresh one, or the last one repeated when the pacing
-    /// (the `pace` module) says a count could not change the load.
-    fn paced_sample(&mut self, now: Instant, cpu: Option<f64>) -> Result<u32, SampleError> {
-        let steered = self
-            .assignment
-            .as_ref()
-            .and_then(|a| a.borrow().as_ref().map(|a| (a.load, a.inflight_trusted)));
-        let ctx = Context {
-            cpu,
-            capacity: self.capacity,
-            steered,
-        };
-        let decision = self.pacer.decide(now, ctx);
-        if let (Decision::Repeat(age), Some((count, _))) = (decision, self.last) {
-            self.repeated = Some(age);
-            return Ok(count.owed);
-        }
-        self.repeated = None;
-        let before = netlink::thread_cpu_time();
-        let result = self.sample_count();
-        let cost = before
-            .zip(netlink::thread_cpu_time())
-            .map(|(before, after)| after.saturating_sub(before));
-        match result {
-            Ok(count) => {
-                tracing::debug!(
-                    ?decision,
-                    ?ctx,
-                    ?cost,
-                    owed = count.owed,
-                    "counted tcp connections afresh"
-                );
-                self.pacer.counted(now, count.owed, cpu, cost);
-                Ok(count.owed)
-            }
-            Err(e) => {
-                self.pacer.failed();
-                Err(e)
-            }
-        }
-    }
-}
-
 impl InflightSource for TcpInflight {
-    /// The connections owed a response, counted afresh.
+    /// The connections owed a response.
     fn sample(&mut self) -> Result<u32, SampleError> {
-        self.repeated = None;
         Ok(self.sample_count()?.owed)
-    }
-
-    /// The connections owed a response, counted afresh only when the count could change
-    /// the load (see the `pace` module); otherwise the last count again.
-    fn sample_paced(&mut self, cpu: Option<f64>) -> Result<u32, SampleError> {
-        self.paced_sample(Instant::now(), cpu)
-    }
-
-    fn set_capacity(&mut self, capacity: u32) {
-        self.capacity = capacity;
     }
 
     /// The ports and the way they are counted now, e.g.
@@ -512,12 +427,8 @@ impl InflightSource for TcpInflight {
             Path::Netlink => "owe a response",
             Path::Proc { .. } => "have unread bytes",
         };
-        let counted = match self.repeated {
-            Some(age) => format!(" (counted {} s ago)", age.as_secs()),
-            None => String::new(),
-        };
         Some(format!(
-            "{} of {} connections {what}{counted}",
+            "{} of {} connections {what}",
             count.owed, count.established
         ))
     }
@@ -921,100 +832,6 @@ mod tests {
                  (`ip -6 addr show lo` should list ::1; check net.ipv6.conf.lo.disable_ipv6)"
             );
         }
-    }
-
-    /// Paced reports on a real socket: a quiet node repeats its count, with the detail
-    /// saying how old it is; a fall of the CPU, a due count, a binding term, a missing
-    /// CPU figure and a failed count make a report count afresh.
-    #[test]
-    fn paced_reports_repeat_a_quiet_count_and_count_when_it_could_matter() {
-        use pace::Context;
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (assign, assignment) = tokio::sync::watch::channel(None);
-        let mut src = TcpInflight::open(vec![port]).unwrap().following(assignment);
-        let t0 = Instant::now();
-        let s = |secs: u64| t0 + Duration::from_secs(secs);
-
-        // The first report counts: a request not yet read.
-        let mut conns = connect_n(&listener, 1);
-        conns[0].0.write_all(b"ping").unwrap();
-        assert_eq!(wait_for(&mut src, tc(1, 1)), tc(1, 1));
-        src.pacer = Pacer::new();
-        assert_eq!(src.paced_sample(s(0), Some(0.6)).unwrap(), 1);
-        assert_eq!(
-            src.detail().as_deref(),
-            Some("1 of 1 connections owe a response")
-        );
-        drop(conns);
-        let gone = Instant::now() + Duration::from_secs(10);
-        while src.sample_count().unwrap() != tc(0, 0) {
-            assert!(Instant::now() < gone, "the closed connection stays");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-
-        // From here on the connection is gone, so a report that says 1 repeated the
-        // count of a pacer settled at 0 s: CPU 0.6, 1 owed, a count that cost 4 ms (due
-        // after 20 s).
-        let settle = |src: &mut TcpInflight| {
-            src.pacer = Pacer::new();
-            let ctx = Context {
-                cpu: Some(0.6),
-                ..Context::default()
-            };
-            src.pacer.decide(s(0), ctx);
-            src.pacer
-                .counted(s(0), 1, Some(0.6), Some(Duration::from_millis(4)));
-            src.last = Some((tc(1, 1), Path::Netlink));
-        };
-        settle(&mut src);
-        assert_eq!(src.paced_sample(s(3), Some(0.6)).unwrap(), 1);
-        assert_eq!(
-            src.detail().as_deref(),
-            Some("1 of 1 connections owe a response (counted 3 s ago)")
-        );
-        // The CPU falls: this report counts.
-        settle(&mut src);
-        assert_eq!(src.paced_sample(s(3), Some(0.1)).unwrap(), 0);
-        assert_eq!(
-            src.detail().as_deref(),
-            Some("0 of 0 connections owe a response")
-        );
-        // Unchanged CPU, until the count is due.
-        settle(&mut src);
-        assert_eq!(src.paced_sample(s(19), Some(0.6)).unwrap(), 1);
-        assert_eq!(src.paced_sample(s(20), Some(0.6)).unwrap(), 0);
-        // The aggregator steers the node by more than its CPU: every report counts.
-        settle(&mut src);
-        assign.send_replace(Some(ballast_shared::session::Assignment {
-            weight: 0.2,
-            cycle: 1,
-            draining: false,
-            load: 1.5,
-            inflight_trusted: true,
-        }));
-        assert_eq!(src.paced_sample(s(1), Some(0.6)).unwrap(), 0);
-        assign.send_replace(None);
-        // Without a CPU figure the count is the whole load.
-        settle(&mut src);
-        assert_eq!(src.paced_sample(s(1), None).unwrap(), 0);
-        // A failed count is not repeated: the next report counts.
-        settle(&mut src);
-        src.pacer.failed();
-        assert_eq!(src.paced_sample(s(1), Some(0.6)).unwrap(), 0);
-    }
-
-    /// A count's cost is read on the thread's CPU clock, which moves with work done.
-    #[test]
-    fn the_thread_cpu_clock_measures_a_count() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut src = TcpInflight::open(vec![listener.local_addr().unwrap().port()]).unwrap();
-        let before = netlink::thread_cpu_time().unwrap();
-        for _ in 0..20 {
-            src.sample_count().unwrap();
-        }
-        let after = netlink::thread_cpu_time().unwrap();
-        assert!(after > before, "{before:?} {after:?}");
     }
 
     /// A failing netlink dump falls back to /proc for the same sample, and netlink is

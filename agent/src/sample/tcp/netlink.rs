@@ -640,25 +640,6 @@ fn open_socket() -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
-/// The CPU time the calling thread has used, user and system (the kernel's walk of its
-/// hash for a dump is system time of the thread that asked); `None` if the clock cannot
-/// be read.
-pub(super) fn thread_cpu_time() -> Option<std::time::Duration> {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a live, writable timespec for the call.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return None;
-    }
-    Some(std::time::Duration::new(
-        u64::try_from(ts.tv_sec).ok()?,
-        u32::try_from(ts.tv_nsec).ok()?,
-    ))
-}
-
 fn socklen_of<T>() -> libc::socklen_t {
     libc::socklen_t::try_from(std::mem::size_of::<T>()).unwrap_or(libc::socklen_t::MAX)
 }
