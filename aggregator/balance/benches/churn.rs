@@ -7,34 +7,16 @@
 
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
-use ballast_balance::{Balancer, Limits, Observation, Params};
+mod common;
+
+use ballast_balance::Observation;
 use std::time::Instant;
 fn main() {
     let n: usize = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(100_000);
-    let params = Params {
-        grace_ms: 0,
-        ..Params::default()
-    };
-    let cycle_ms = params.cycle_ms;
-    let mut b = Balancer::new(params, 0);
-    b.set_limits(Limits {
-        max_endpoints_per_service: usize::MAX,
-        ..Limits::default()
-    });
-    let mut nodes: Vec<String> = (0..n).map(|i| format!("node-{i:06}")).collect();
-    for (i, node) in nodes.iter().enumerate() {
-        b.register(
-            0,
-            "svc",
-            node,
-            &format!("10.{}.{}.{}:80", i / 65_536, (i / 256) % 256, i % 256),
-            "",
-        )
-        .unwrap();
-    }
+    let (mut b, mut nodes, cycle_ms) = common::fleet(n);
     for r in 0..30u64 {
         let now = (r + 1) * cycle_ms;
         if r >= 15 {

@@ -18,7 +18,9 @@
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use ballast_balance::{Balancer, Limits, Observation, Params, Published};
+mod common;
+
+use ballast_balance::{Observation, Published};
 use std::collections::{BTreeMap, BTreeSet};
 use std::hint::black_box;
 use std::time::Instant;
@@ -89,28 +91,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn run(n: usize) -> Figures {
-    let params = Params {
-        grace_ms: 0,
-        ..Params::default()
-    };
-    let cycle_ms = params.cycle_ms;
-    let mut b = Balancer::new(params, 0);
-    // The shipped limit is 50,000 endpoints a service; the bench goes past it.
-    b.set_limits(Limits {
-        max_endpoints_per_service: usize::MAX,
-        ..Limits::default()
-    });
-    let nodes: Vec<String> = (0..n).map(|i| format!("node-{i:06}")).collect();
-    for (i, node) in nodes.iter().enumerate() {
-        b.register(
-            0,
-            "svc",
-            node,
-            &format!("10.{}.{}.{}:80", i / 65_536, (i / 256) % 256, i % 256),
-            "",
-        )
-        .expect("register");
-    }
+    let (mut b, nodes, cycle_ms) = common::fleet(n);
     let ran: BTreeSet<String> = ["svc".to_string()].into();
     let localities = BTreeMap::new();
     let mut published = Published::default();
