@@ -14,6 +14,7 @@
 //! from the cold-start weight, give draining endpoints 0, normalise within bounds, and
 //! mix the enabled strategies by their gates.
 
+pub mod by_node;
 pub mod endpoints;
 pub mod inflight;
 pub mod load;
@@ -25,6 +26,7 @@ pub mod publish;
 pub mod service;
 pub mod stats;
 
+pub use by_node::ByNode;
 pub use params::{Gate, LoadMetric, Params, PidGains, Strategy, StrategyWeights};
 pub use publish::{Published, PublishedEndpoint, PublishedService};
 pub use service::{

@@ -10,6 +10,7 @@
 //! store by one process and read by another, and a reader can refuse a format it does
 //! not know instead of misreading it.
 
+use crate::by_node::ByNode;
 use crate::endpoints::Endpoint;
 use crate::inflight::InflightEstimate;
 use crate::service::{EndpointSnapshot, HistoryPoint, ServiceSnapshot, ServiceStats};
@@ -77,7 +78,8 @@ pub struct PublishedService {
     /// Recent cycles, oldest first.
     pub history: Vec<HistoryPoint>,
     /// Endpoints by node.
-    pub endpoints: BTreeMap<Arc<str>, PublishedEndpoint>,
+    #[cfg_attr(feature = "openapi", schema(value_type = BTreeMap<String, PublishedEndpoint>))]
+    pub endpoints: ByNode<PublishedEndpoint>,
 }
 
 /// One endpoint as published.
@@ -119,47 +121,37 @@ pub struct PublishedEndpoint {
 impl PublishedService {
     /// The service as the balancer holds it at `now`, under `locality`.
     pub fn of(svc: &Service, now: Millis, locality: LocalitySplit) -> Self {
-        Self::after(svc, now, locality, None)
+        Self::after(svc, now, locality)
     }
 
-    /// [`PublishedService::of`], given the service's previous publication: if that
-    /// lists the same endpoints (every one registered before it and none gone since),
-    /// its map is copied and each entry's values rewritten in place, which needs no
-    /// comparison of node names; otherwise the map is built afresh. Either way the
-    /// value is the same.
-    fn after(
-        svc: &Service,
-        now: Millis,
-        locality: LocalitySplit,
-        previous: Option<&PublishedService>,
-    ) -> Self {
-        let endpoints = previous
-            .and_then(|p| refreshed(svc, now, &p.endpoints))
-            .unwrap_or_else(|| {
-                svc.published_endpoints()
-                    .map(|(e, state, strategies)| {
-                        let names = e.names();
-                        let mut out = PublishedEndpoint {
-                            address: Arc::clone(&names.address),
-                            zone: Arc::clone(&names.zone),
-                            weight: 0.0,
-                            draining: false,
-                            draining_now: false,
-                            state: EndpointState::Serving,
-                            load: 0.0,
-                            cpu: 0.0,
-                            inflight: 0,
-                            capacity: 0,
-                            inflight_estimate: InflightEstimate::default(),
-                            inflight_trusted: true,
-                            report_age_ms: None,
-                            strategy_weights: strategies,
-                        };
-                        fill(&mut out, svc, now, e, state, strategies);
-                        (Arc::clone(&names.node), out)
-                    })
-                    .collect()
-            });
+    /// [`PublishedService::of`]. The endpoints are listed by one walk of the service's
+    /// arrays, which yields them in node order: the list is built by appending, with no
+    /// comparison of node names, and the previous publication's is dropped whole.
+    fn after(svc: &Service, now: Millis, locality: LocalitySplit) -> Self {
+        // Sized first: growing it would copy every entry made so far, more than once.
+        let mut entries = Vec::with_capacity(svc.endpoints().len());
+        entries.extend(svc.published_endpoints().map(|(e, state, strategies)| {
+            let names = e.names();
+            let mut out = PublishedEndpoint {
+                address: Arc::clone(&names.address),
+                zone: Arc::clone(&names.zone),
+                weight: 0.0,
+                draining: false,
+                draining_now: false,
+                state: EndpointState::Serving,
+                load: 0.0,
+                cpu: 0.0,
+                inflight: 0,
+                capacity: 0,
+                inflight_estimate: InflightEstimate::default(),
+                inflight_trusted: true,
+                report_age_ms: None,
+                strategy_weights: strategies,
+            };
+            fill(&mut out, svc, now, e, state, strategies);
+            (Arc::clone(&names.node), out)
+        }));
+        let endpoints = ByNode::from_node_order(entries);
         PublishedService {
             name: svc.name.clone(),
             version: svc.version,
@@ -249,38 +241,6 @@ fn fill(
     *strategy_weights = strategies;
 }
 
-/// The endpoints of `svc` at `now` as a copy of `previous` rewritten in place, if
-/// `previous` lists exactly the endpoints `svc` has, by the same names.
-fn refreshed(
-    svc: &Service,
-    now: Millis,
-    previous: &BTreeMap<Arc<str>, PublishedEndpoint>,
-) -> Option<BTreeMap<Arc<str>, PublishedEndpoint>> {
-    if previous.len() != svc.endpoints().len() {
-        return None;
-    }
-    // The names are compared as pointers, in the walk that rewrites the values: an
-    // endpoint keeps its node's shared name for as long as it is known, and a node
-    // registered again has a new one. A copy found not to match is dropped; that
-    // costs a cycle in which the endpoints changed, not every cycle a check.
-    let mut endpoints = previous.clone();
-    for ((node, out), (e, state, strategies)) in endpoints.iter_mut().zip(svc.published_endpoints())
-    {
-        let names = e.names();
-        if !Arc::ptr_eq(node, &names.node) {
-            return None;
-        }
-        if !Arc::ptr_eq(&out.address, &names.address) {
-            out.address = Arc::clone(&names.address);
-        }
-        if !Arc::ptr_eq(&out.zone, &names.zone) {
-            out.zone = Arc::clone(&names.zone);
-        }
-        fill(out, svc, now, e, state, strategies);
-    }
-    Some(endpoints)
-}
-
 impl Published {
     /// The next publication after `self`, at `now`: the services named in `ran` (those
     /// whose cycle just ran) are taken from the balancer afresh, as is any service whose
@@ -307,7 +267,6 @@ impl Published {
                         svc,
                         now,
                         locality.cloned().unwrap_or_default(),
-                        self.services.get(&svc.name).map(Arc::as_ref),
                     )),
                 };
                 (svc.name.clone(), entry)
@@ -379,9 +338,9 @@ mod tests {
         assert_eq!(second.services["svc"].at, 1_000);
     }
 
-    /// A publication that copies the previous one's map is the value a publication
-    /// built afresh would be: through plain cycles, an address and zone that change,
-    /// and a newcomer.
+    /// The next publication holds the value a publication built afresh would: through
+    /// plain cycles, an address and zone that change, and a newcomer, its endpoints in
+    /// node order as a map would list them.
     #[test]
     fn a_publication_after_another_equals_one_built_afresh() {
         let mut b = balancer();
@@ -415,6 +374,8 @@ mod tests {
             p = next;
         }
         assert_eq!(&*p.services["svc"].endpoints["n1"].address, "10.0.0.9:80");
+        let nodes: Vec<&str> = p.services["svc"].endpoints.keys().map(|n| &**n).collect();
+        assert_eq!(nodes, ["n0", "n1", "n2"]);
     }
 
     #[test]
