@@ -26,28 +26,19 @@ mod common;
 use common::{cpu_seconds, release_binary, status_mib};
 
 use ballast_shared::pki::Ca;
-use ballast_shared::session::driver::{now, until};
-use ballast_shared::session::{close, ClientConfig, ClientEvent, ClientSession, Measurement};
-use ballast_shared::tls::{self, CertificateDer, Identity};
-use ballast_shared::wire::{self, Hello, Message, Reply, Welcome};
+use ballast_shared::tls::{self, Identity};
+use ballast_shared::wire::{self, Message, Reply, Welcome};
+use ballast_sim::loadgen::{node_name, Load, Stats, Target};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{watch, Semaphore};
-use tokio::time::MissedTickBehavior;
 
 /// The service every load connection reports for.
 const SERVICE: &str = "bench";
-/// The encoded size of the reports the generator sends (`docs/performance.md`).
-const REPORT_BYTES: usize = 13;
-/// Handshakes the generator has in flight at once.
-const HANDSHAKES_AT_ONCE: usize = 32;
-/// How long one connection may take to be welcomed, handshake included.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -215,8 +206,18 @@ impl Drop for Killed {
 struct Setup {
     dir: PathBuf,
     aggregator: PathBuf,
-    ca: Arc<Vec<CertificateDer<'static>>>,
-    identities: Vec<Identity>,
+    /// Where the load generator's connections go, but for the server's address.
+    target: Target,
+}
+
+impl Setup {
+    /// The load generator's target with `server` as its address.
+    fn target_at(&self, server: SocketAddr) -> Target {
+        Target {
+            server,
+            ..self.target.clone()
+        }
+    }
 }
 
 struct Server {
@@ -406,317 +407,6 @@ fn machine_busy_seconds() -> f64 {
 }
 
 // ---------------------------------------------------------------------------------
-// The load generator: in this process, one task per connection.
-
-#[derive(Default)]
-struct Stats {
-    connected: AtomicUsize,
-    failed: AtomicUsize,
-    /// Connections that failed once and were opened again.
-    retried: AtomicUsize,
-    lost: AtomicUsize,
-    sent: AtomicU64,
-    send_errors: AtomicU64,
-    /// Reports whose encoding was not [`REPORT_BYTES`] long.
-    odd_reports: AtomicU64,
-    replies: AtomicU64,
-    reply_min: AtomicUsize,
-    reply_max: AtomicUsize,
-    first_error: Mutex<Option<String>>,
-}
-
-impl Stats {
-    fn fail(&self, why: String) {
-        self.failed.fetch_add(1, Ordering::Relaxed);
-        let mut first = self.first_error.lock().unwrap();
-        first.get_or_insert(why);
-    }
-}
-
-struct Load {
-    stats: Arc<Stats>,
-    /// The rate per connection in reports per second (0 pauses); `None` closes every
-    /// connection.
-    control: watch::Sender<Option<u32>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    endpoints: Vec<quinn::Endpoint>,
-    gate: Arc<Semaphore>,
-    server: SocketAddr,
-}
-
-impl Load {
-    /// Opens `n` connections to `server`, each reporting at `hz` from its welcome on,
-    /// and returns once every one is welcomed or has failed.
-    async fn start(server: SocketAddr, setup: &Setup, n: usize, hz: u32) -> Load {
-        let (control, _) = watch::channel(Some(hz));
-        // A few client sockets, so that receiving is spread over the runtime's threads.
-        let endpoints: Vec<quinn::Endpoint> = (0..(n / 250).clamp(4, 40))
-            .map(|_| quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).expect("client"))
-            .collect();
-        let mut load = Load {
-            stats: Arc::new(Stats {
-                reply_min: AtomicUsize::new(usize::MAX),
-                ..Stats::default()
-            }),
-            control,
-            tasks: Vec::new(),
-            endpoints,
-            gate: Arc::new(Semaphore::new(HANDSHAKES_AT_ONCE)),
-            server,
-        };
-        load.grow(setup, n).await;
-        load
-    }
-
-    /// Opens connections until there are `n`, at the rate in force, and returns once
-    /// every one is welcomed or has failed.
-    async fn grow(&mut self, setup: &Setup, n: usize) {
-        let from = self.tasks.len();
-        if from >= n {
-            return;
-        }
-        for i in from..n {
-            let agent = Agent {
-                index: i,
-                endpoint: self.endpoints[i % self.endpoints.len()].clone(),
-                server: self.server,
-                identity: setup.identities[i].clone(),
-                ca: setup.ca.clone(),
-                stats: self.stats.clone(),
-            };
-            let task = agent.run(self.gate.clone(), self.control.subscribe());
-            self.tasks.push(tokio::spawn(task));
-        }
-        let started = Instant::now();
-        let mut said = Instant::now();
-        loop {
-            let (ok, failed) = self.outcome();
-            if ok + failed >= n {
-                break;
-            }
-            if said.elapsed() > Duration::from_secs(5) {
-                eprintln!(
-                    "  connecting: {ok} of {n} welcomed, {failed} failed, {:.0} s",
-                    started.elapsed().as_secs_f64()
-                );
-                said = Instant::now();
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        eprintln!(
-            "  {} of {n} connections welcomed ({} new in {:.1} s)",
-            self.outcome().0,
-            n - from,
-            started.elapsed().as_secs_f64()
-        );
-    }
-
-    fn outcome(&self) -> (usize, usize) {
-        (
-            self.stats.connected.load(Ordering::Relaxed),
-            self.stats.failed.load(Ordering::Relaxed),
-        )
-    }
-
-    /// Stops sending reports; the connections stay open.
-    fn pause(&self) {
-        self.control.send_replace(Some(0));
-    }
-
-    /// Sends reports again, at `hz` per connection.
-    fn resume(&self, hz: u32) {
-        self.control.send_replace(Some(hz));
-    }
-
-    /// Closes every connection and waits, briefly, for the closes to leave.
-    async fn stop(self) {
-        self.control.send_replace(None);
-        for mut task in self.tasks {
-            if tokio::time::timeout(Duration::from_secs(2), &mut task)
-                .await
-                .is_err()
-            {
-                // Still connecting, or its close is stuck: given up.
-                task.abort();
-            }
-        }
-        for e in &self.endpoints {
-            e.close(close::NORMAL.into(), b"bench done");
-        }
-        for e in &self.endpoints {
-            let _ = tokio::time::timeout(Duration::from_secs(2), e.wait_idle()).await;
-        }
-    }
-}
-
-/// One load connection: what it needs to connect and report.
-struct Agent {
-    index: usize,
-    endpoint: quinn::Endpoint,
-    server: SocketAddr,
-    identity: Identity,
-    ca: Arc<Vec<CertificateDer<'static>>>,
-    stats: Arc<Stats>,
-}
-
-impl Agent {
-    async fn run(self, gate: Arc<Semaphore>, mut control: watch::Receiver<Option<u32>>) {
-        // A second attempt when the first fails, as an agent reconnects.
-        let mut attempts = 0;
-        let (conn, mut session) = loop {
-            attempts += 1;
-            let permit = gate.clone().acquire_owned().await;
-            let opened = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await;
-            drop(permit);
-            let why = match opened {
-                Ok(Ok(c)) => break c,
-                Ok(Err(e)) => e,
-                Err(_) => format!("not welcomed within {CONNECT_TIMEOUT:?}"),
-            };
-            if attempts == 2 {
-                let node = node_name(self.index);
-                return self.stats.fail(format!("{node}: {why} (twice)"));
-            }
-            self.stats.retried.fetch_add(1, Ordering::Relaxed);
-        };
-        self.stats.connected.fetch_add(1, Ordering::Relaxed);
-        let mut numbered = 0u32;
-        let mut ticker = self.schedule(*control.borrow_and_update());
-        loop {
-            tokio::select! {
-                changed = control.changed() => {
-                    let rate = *control.borrow_and_update();
-                    if changed.is_err() || rate.is_none() {
-                        break;
-                    }
-                    ticker = self.schedule(rate);
-                }
-                due = tick(&mut ticker) => {
-                    for _ in 0..due {
-                        self.send(&conn, &mut session, &mut numbered);
-                    }
-                }
-                datagram = conn.read_datagram() => match datagram {
-                    Ok(bytes) => {
-                        if session.handle_datagram(now(), &bytes).is_ok() {
-                            self.stats.replies.fetch_add(1, Ordering::Relaxed);
-                            self.stats.reply_min.fetch_min(bytes.len(), Ordering::Relaxed);
-                            self.stats.reply_max.fetch_max(bytes.len(), Ordering::Relaxed);
-                        }
-                    }
-                    Err(_) => {
-                        self.stats.lost.fetch_add(1, Ordering::Relaxed);
-                        return;
-                    }
-                },
-            }
-        }
-        session.close();
-        conn.close(close::NORMAL.into(), b"bench done");
-    }
-
-    /// The handshake and the session's hello, as an agent opens them.
-    async fn connect(&self) -> Result<(quinn::Connection, ClientSession), String> {
-        let client = tls::client_config(self.identity.clone(), &self.ca)
-            .map_err(|e| format!("client config: {e}"))?;
-        let conn = self
-            .endpoint
-            .connect_with(client, self.server, "127.0.0.1")
-            .map_err(|e| format!("connect: {e}"))?
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-        let hello = Hello {
-            node: node_name(self.index),
-            service: SERVICE.into(),
-            address: format!("127.0.0.1:{}", 1 + self.index),
-            zone: String::new(),
-            version: ballast_shared::VERSION.into(),
-        };
-        let mut session = ClientSession::new(hello, ClientConfig::default(), now());
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| format!("stream: {e}"))?;
-        let frame = session.hello_frame().map_err(|e| e.to_string())?;
-        send.write_all(&frame)
-            .await
-            .map_err(|e| format!("hello: {e}"))?;
-        let _ = send.finish();
-        let mut buf = [0u8; 512];
-        loop {
-            let read = tokio::select! {
-                r = recv.read(&mut buf) => r,
-                _ = until(session.poll_timeout()) => {
-                    session.handle_timeout(now()).map_err(|e| e.to_string())?;
-                    continue;
-                }
-            };
-            let event = match read {
-                Ok(Some(n)) => session.handle_stream(now(), &buf[..n]),
-                Ok(None) | Err(_) => session.handle_stream_end().map(|()| None),
-            };
-            match event {
-                Ok(Some(ClientEvent::Welcomed { .. })) => return Ok((conn, session)),
-                Ok(_) if session.is_closed() => return Err("no welcome".into()),
-                Ok(_) => {}
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-    }
-
-    /// One report: numbered by the session, with an in-flight count that keeps the
-    /// encoding at [`REPORT_BYTES`] (the sequence number takes 1 byte below 251 and 3
-    /// above; so does the count).
-    fn send(&self, conn: &quinn::Connection, session: &mut ClientSession, numbered: &mut u32) {
-        let seq = numbered.wrapping_add(1);
-        let m = Measurement {
-            cpu: 0.42,
-            inflight: if seq < 251 { 1000 } else { 17 },
-            ..Measurement::default()
-        };
-        let Ok(bytes) = session.report(m) else {
-            self.stats.send_errors.fetch_add(1, Ordering::Relaxed);
-            return;
-        };
-        *numbered = seq;
-        if bytes.len() != REPORT_BYTES {
-            self.stats.odd_reports.fetch_add(1, Ordering::Relaxed);
-        }
-        match conn.send_datagram(bytes.into()) {
-            Ok(()) => self.stats.sent.fetch_add(1, Ordering::Relaxed),
-            Err(_) => self.stats.send_errors.fetch_add(1, Ordering::Relaxed),
-        };
-    }
-
-    /// A timer for `hz` reports a second: one per tick up to 100 Hz, then several per
-    /// 10 ms tick (which QUIC then packs into shared packets). Each connection's ticks
-    /// are offset by a golden-ratio step per index, so that the reports of any number
-    /// of connections are spread evenly over the period.
-    fn schedule(&self, hz: Option<u32>) -> Option<(tokio::time::Interval, u32)> {
-        let hz = hz.filter(|&h| h > 0)?;
-        let per_tick = hz.div_ceil(100);
-        let period = Duration::from_secs_f64(f64::from(per_tick) / f64::from(hz));
-        let phase = (self.index as f64 * 0.618_033_988_749_895).fract();
-        let offset = period.mul_f64(phase);
-        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
-        t.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        Some((t, per_tick))
-    }
-}
-
-/// Waits for the next tick; forever without a timer.
-async fn tick(ticker: &mut Option<(tokio::time::Interval, u32)>) -> u32 {
-    match ticker {
-        Some((t, per_tick)) => {
-            t.tick().await;
-            *per_tick
-        }
-        None => std::future::pending().await,
-    }
-}
-
-fn node_name(i: usize) -> String {
-    format!("load-{i}")
-}
-
-// ---------------------------------------------------------------------------------
 // Measuring.
 
 /// Counters at one moment.
@@ -734,12 +424,7 @@ struct Sample {
 }
 
 fn sample(server: &mut Server, load: &Load) -> Sample {
-    let generator_ports: Vec<u16> = load
-        .endpoints
-        .iter()
-        .filter_map(|e| e.local_addr().ok())
-        .map(|a| a.port())
-        .collect();
+    let generator_ports = load.ports();
     Sample {
         at: Instant::now(),
         server_cpu: cpu_seconds(server.pid()),
@@ -861,12 +546,7 @@ fn notes_of(pattern: &str, kind: Kind, stats: &Stats, w: &Window) -> Vec<String>
     let mut notes = Vec::new();
     let failed = stats.failed.load(Ordering::Relaxed);
     if failed > 0 {
-        let why = stats
-            .first_error
-            .lock()
-            .unwrap()
-            .clone()
-            .unwrap_or_default();
+        let why = stats.first_error().unwrap_or_default();
         notes.push(format!(
             "{who}: {} failed (first: {why})",
             plural(failed, "connection")
@@ -948,7 +628,9 @@ async fn fixed(setup: &Setup, kind: Kind, n: usize, hz: u32, warm: f64, secs: f6
         kind.name(),
         server.pid()
     );
-    let load = Load::start(server.quic, setup, n, hz).await;
+    let load = Load::start(setup.target_at(server.quic), n, hz)
+        .await
+        .expect("load generator");
     tokio::time::sleep(Duration::from_secs_f64(warm)).await;
     let a = sample(&mut server, &load);
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
@@ -999,16 +681,18 @@ async fn saturate(
         kind.name(),
         server.pid()
     );
-    let mut load = Load::start(server.quic, setup, steps[0], hz).await;
+    let mut load = Load::start(setup.target_at(server.quic), steps[0], hz)
+        .await
+        .expect("load generator");
     let mut out: Vec<Step> = Vec::new();
     let mut notes = Vec::new();
     let name = "saturating";
     for &n in steps {
         // New connections are opened with the others paused: handshakes under a load
         // that already drops datagrams time out, and nothing here measures them.
-        if load.tasks.len() < n {
+        if load.len() < n {
             load.pause();
-            load.grow(setup, n).await;
+            load.grow(n).await.expect("load generator");
             load.resume(hz);
         }
         tokio::time::sleep(Duration::from_secs_f64(settle)).await;
@@ -1170,8 +854,13 @@ async fn bench(aggregator: PathBuf, quick: bool, max: usize) {
     let setup = Setup {
         dir: dir.clone(),
         aggregator,
-        ca: Arc::new(ca_certs),
-        identities,
+        target: Target {
+            server: SocketAddr::from(([127, 0, 0, 1], 0)),
+            server_name: "127.0.0.1".into(),
+            ca: Arc::new(ca_certs),
+            identities: Arc::new(identities),
+            services: Arc::new(vec![SERVICE.to_string()]),
+        },
     };
 
     let mut rows: Vec<(usize, u32, Runs, Runs)> = Vec::new();
