@@ -15,6 +15,7 @@ use ballast_balance::service::{EndpointSnapshot, ServiceSnapshot};
 use ballast_balance::{Params, Strategy};
 use ballast_fuzz::op;
 use ballast_shared::frame;
+use ballast_shared::trunk::{encode_control, Attach, BatchEncoder, BatchKind, ToPrimary, ToRelay};
 use ballast_shared::wire::{
     self, Hello, Message, NodeState, Reject, RejectReason, Reply, Report, Welcome,
 };
@@ -105,6 +106,70 @@ fn wire_seeds() -> Result<(), Error> {
     for (name, m) in &msgs {
         write("wire", name, &enc(m)?)?;
     }
+    Ok(())
+}
+
+/// A relay's certificate chain as an attach carries it: DER bytes, not checked here.
+fn chain() -> Vec<Vec<u8>> {
+    vec![vec![0x30; 600], vec![0x30; 500]]
+}
+
+fn trunk_seeds() -> Result<(), Error> {
+    let hello_frame = framed(&Message::Hello(hello("web-1", "10.0.0.1:8080")))?;
+    let mut relay = vec![0, 7];
+    for m in [
+        ToPrimary::Open {
+            relay: "relay-1".into(),
+            version: ballast_shared::VERSION.into(),
+        },
+        ToPrimary::Attach(Attach {
+            slot: 1,
+            hello: hello_frame,
+            chain: chain(),
+            source: std::net::IpAddr::from([10, 0, 0, 1]),
+        }),
+        ToPrimary::Detach { slot: 1 },
+    ] {
+        relay.extend(encode_control(&m)?);
+    }
+    write("wire_trunk", "relay_control", &relay)?;
+    let mut primary = vec![1, 5];
+    for m in [
+        ToRelay::Opened {
+            replica: "a".into(),
+            max_slots: 1000,
+            max_batch_bytes: 1200,
+        },
+        ToRelay::Attached {
+            slot: 1,
+            welcome: framed(&Message::Welcome(Welcome { interval_ms: 1000 }))?,
+        },
+        ToRelay::Rejected {
+            slot: 2,
+            reject: Reject {
+                reason: RejectReason::NotOwner,
+                detail: "replica b".into(),
+            },
+        },
+        ToRelay::Detached {
+            slot: 1,
+            code: 5,
+            reason: "moved".into(),
+        },
+    ] {
+        primary.extend(encode_control(&m)?);
+    }
+    write("wire_trunk", "primary_control", &primary)?;
+    let mut reports = BatchEncoder::new(BatchKind::Reports, 1200);
+    let mut replies = BatchEncoder::new(BatchKind::Replies, 1200);
+    for slot in [1u64, 2, 200, 70_000] {
+        reports.push(slot, &enc(&report(7, 0.5, 3))?)?;
+        replies.push(slot, &enc(&reply(1.25, 340, 1000, false))?)?;
+    }
+    let reports = reports.take().ok_or("no batch")?;
+    write("wire_trunk", "reports", &[&[2, 0][..], &reports].concat())?;
+    let replies = replies.take().ok_or("no batch")?;
+    write("wire_trunk", "replies", &[&[3, 0][..], &replies].concat())?;
     Ok(())
 }
 
@@ -700,6 +765,7 @@ fn store_seeds() -> Result<(), Error> {
 
 fn main() -> Result<(), Error> {
     wire_seeds()?;
+    trunk_seeds()?;
     session_server_seeds()?;
     session_client_seeds()?;
     agent_check_seeds()?;
