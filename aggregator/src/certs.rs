@@ -6,8 +6,11 @@
 //! command says when each certificate it writes expires. Revoking a node adds its
 //! certificate to `crl.pem` beside the CA, which the aggregator reads
 //! (`[authorization] crl`) and reloads when it changes.
+//!
+//! A relay certificate names a relay and its role (`ballast://role/relay`), no
+//! service; `certs relay` writes it beside the nodes', and `certs revoke` finds it too.
 
-use ballast_shared::pki::{self, Ca, NodeSpec, PkiError, RevocationList, Revoked};
+use ballast_shared::pki::{self, Ca, NodeSpec, PkiError, RelaySpec, RevocationList, Revoked};
 use ballast_shared::tls::{CertInfo, TlsError};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -29,8 +32,10 @@ pub enum CertsError {
         "no CA in {0} (ca.pem and ca.key): create one with `ballast-aggregator certs init {0}`"
     )]
     NoCa(String),
-    /// There is no certificate for the node to revoke.
-    #[error("no certificate for node {node:?} at {path}: give its serial number with --serial")]
+    /// There is no certificate for the node (or relay) to revoke.
+    #[error(
+        "no certificate for node or relay {node:?} at {path}: give its serial number with --serial"
+    )]
     NoNode {
         /// The node.
         node: String,
@@ -205,10 +210,28 @@ pub fn issue(
     issue_into(dir, &ca, &spec)
 }
 
+/// Issues relay `name`'s certificate from the CA in `dir`, valid for `validity`, into
+/// `dir/relays/NAME/{ca.pem,relay.pem,relay.key}` (a ready-made TLS directory for that
+/// relay), replacing any before it.
+pub fn issue_relay(dir: &Path, name: &str, validity: Duration) -> Result<Written, CertsError> {
+    let spec = RelaySpec::new(name, validity)?;
+    let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
+    let relay_dir = dir.join("relays").join(name);
+    let issued = ca.issue_relay(&spec)?;
+    issued.pem.write(&relay_dir, "relay")?;
+    let ca_copy = relay_dir.join("ca.pem");
+    std::fs::copy(dir.join("ca.pem"), &ca_copy).map_err(io(&ca_copy))?;
+    Ok(Written {
+        summary: format!("relay {name}, {}", describe_expiry(issued.not_after_unix_s)),
+        path: relay_dir,
+    })
+}
+
 /// What to revoke.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RevokeTarget {
-    /// The certificate `certs init` or `certs issue` wrote for this node.
+    /// The certificate `certs init`, `certs issue` or `certs relay` wrote for this node
+    /// or relay.
     Node(String),
     /// A certificate by its serial number, in hex (colons allowed).
     Serial(String),
@@ -219,18 +242,8 @@ pub fn revoke(dir: &Path, target: &RevokeTarget) -> Result<Written, CertsError> 
     let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
     let (serial, what) = match target {
         RevokeTarget::Node(node) => {
-            let path = dir.join("nodes").join(node).join("node.pem");
-            let pem = std::fs::read_to_string(&path).map_err(|_| CertsError::NoNode {
-                node: node.clone(),
-                path: path.display().to_string(),
-            })?;
-            let chain = ballast_shared::tls::certs_from_pem(&pem, &path.display().to_string())?;
-            let leaf = chain.first().ok_or_else(|| CertsError::NoNode {
-                node: node.clone(),
-                path: path.display().to_string(),
-            })?;
-            let info = CertInfo::parse(leaf)?;
-            let what = format!("node {node}'s certificate (serial {})", info.serial_hex());
+            let (kind, info) = issued_info(dir, node)?;
+            let what = format!("{kind} {node}'s certificate (serial {})", info.serial_hex());
             (info.serial, what)
         }
         RevokeTarget::Serial(hex) => (parse_hex(hex)?, format!("serial {hex}")),
@@ -265,6 +278,32 @@ pub fn revoke(dir: &Path, target: &RevokeTarget) -> Result<Written, CertsError> 
             list.revoked.len()
         ),
     })
+}
+
+/// What the certificate `certs` wrote for node (or failing that relay) `name` says,
+/// and which of the two it is.
+fn issued_info(dir: &Path, name: &str) -> Result<(&'static str, CertInfo), CertsError> {
+    let node = dir.join("nodes").join(name).join("node.pem");
+    let relay = dir.join("relays").join(name).join("relay.pem");
+    let (kind, path, pem) = match std::fs::read_to_string(&node) {
+        Ok(pem) => ("node", node, pem),
+        Err(_) => match std::fs::read_to_string(&relay) {
+            Ok(pem) => ("relay", relay, pem),
+            Err(_) => {
+                return Err(CertsError::NoNode {
+                    node: name.to_string(),
+                    path: node.display().to_string(),
+                })
+            }
+        },
+    };
+    let what = path.display().to_string();
+    let chain = ballast_shared::tls::certs_from_pem(&pem, &what)?;
+    let leaf = chain.first().ok_or_else(|| CertsError::NoNode {
+        node: name.to_string(),
+        path: what,
+    })?;
+    Ok((kind, CertInfo::parse(leaf)?))
 }
 
 fn parse_hex(s: &str) -> Result<Vec<u8>, CertsError> {
@@ -351,6 +390,34 @@ mod tests {
         assert_eq!(i.services, ["web", "api"]);
         let now = i64::try_from(ballast_shared::unix_ms() / 1000).expect("now");
         assert!((i.not_after_unix_s - now - 30 * 86_400).abs() < 60, "{i:?}");
+    }
+
+    #[test]
+    fn a_relay_certificate_is_written_and_revoked_by_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let week = Duration::from_secs(7 * 86_400);
+        let err = issue_relay(dir.path(), "relay-1", week).expect_err("no CA yet");
+        assert!(matches!(err, CertsError::NoCa(_)), "{err}");
+        init(dir.path(), &default_server_names(), &[], &[], YEAR).expect("init");
+        let w = issue_relay(dir.path(), "relay-1", week).expect("relay");
+        assert!(w.summary.starts_with("relay relay-1, expires"), "{w:?}");
+        let rdir = dir.path().join("relays/relay-1");
+        assert!(rdir.join("ca.pem").is_file() && rdir.join("relay.key").is_file());
+        let pem = std::fs::read_to_string(rdir.join("relay.pem")).expect("relay.pem");
+        let chain = ballast_shared::tls::certs_from_pem(&pem, "relay.pem").expect("pem");
+        let info = CertInfo::parse(&chain[0]).expect("info");
+        assert_eq!(info.identity, "relay-1");
+        assert!(info.has_role(pki::RELAY_ROLE) && info.services.is_empty());
+        assert!(issue_relay(dir.path(), "bad/name", week).is_err());
+        let w = revoke(dir.path(), &RevokeTarget::Node("relay-1".into())).expect("revoke");
+        assert!(
+            w.summary.starts_with("relay relay-1's certificate"),
+            "{w:?}"
+        );
+        let pem = std::fs::read_to_string(dir.path().join(CRL_FILE)).expect("crl");
+        let list = RevocationList::from_pem(&pem, "crl").expect("parse");
+        assert_eq!(list.revoked.len(), 1);
+        assert_eq!(list.revoked[0].serial, info.serial);
     }
 
     #[test]

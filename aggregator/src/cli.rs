@@ -134,12 +134,24 @@ pub enum CertsCommand {
         #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
         validity_days: u32,
     },
-    /// Revoke a node certificate: add it to DIR/crl.pem, which an aggregator given
-    /// that file (`--crl`) reloads, closing the node's connection.
+    /// Issue a relay certificate from the CA in DIR, into DIR/relays/NAME/ (replacing
+    /// any certificate there). It names the relay and its role, and no service.
+    Relay {
+        /// The directory holding the CA (ca.pem, ca.key).
+        dir: PathBuf,
+        /// The relay's name (its identity).
+        name: String,
+        /// How long the certificate is valid, in days.
+        #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        validity_days: u32,
+    },
+    /// Revoke a node or relay certificate: add it to DIR/crl.pem, which an aggregator
+    /// given that file (`--crl`) reloads, closing the node's connection.
     Revoke {
         /// The directory holding the CA (ca.pem, ca.key).
         dir: PathBuf,
-        /// The node whose certificate in DIR/nodes/NODE/node.pem is revoked.
+        /// The node (or relay) whose certificate in DIR/nodes/NODE/node.pem (or
+        /// DIR/relays/NAME/relay.pem) is revoked.
         #[arg(required_unless_present = "serial", conflicts_with = "serial")]
         node: Option<String>,
         /// Revoke by serial number instead (hex), for a certificate not in DIR.

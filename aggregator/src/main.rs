@@ -32,6 +32,11 @@ fn main() -> ExitCode {
             services,
             validity_days,
         })) => certs_issue(&dir, &node, &services, validity_days),
+        Some(Command::Certs(CertsCommand::Relay {
+            dir,
+            name,
+            validity_days,
+        })) => certs_relay(&dir, &name, validity_days),
         Some(Command::Certs(CertsCommand::Revoke { dir, node, serial })) => {
             certs_revoke(&dir, node, serial)
         }
@@ -222,6 +227,12 @@ fn certs_issue(
     validity_days: u32,
 ) -> Result<ExitCode> {
     let written = ballast_aggregator::certs::issue(dir, node, services, validity(validity_days))?;
+    print_written(&[written]);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn certs_relay(dir: &std::path::Path, name: &str, validity_days: u32) -> Result<ExitCode> {
+    let written = ballast_aggregator::certs::issue_relay(dir, name, validity(validity_days))?;
     print_written(&[written]);
     Ok(ExitCode::SUCCESS)
 }

@@ -15,6 +15,7 @@ use ballast_balance::service::{EndpointSnapshot, ServiceSnapshot};
 use ballast_balance::{Params, Strategy};
 use ballast_fuzz::op;
 use ballast_shared::frame;
+use ballast_shared::trunk::{encode_control, Attach, BatchEncoder, BatchKind, ToPrimary, ToRelay};
 use ballast_shared::wire::{
     self, Hello, Message, NodeState, Reject, RejectReason, Reply, Report, Welcome,
 };
@@ -105,6 +106,141 @@ fn wire_seeds() -> Result<(), Error> {
     for (name, m) in &msgs {
         write("wire", name, &enc(m)?)?;
     }
+    Ok(())
+}
+
+/// A relay's certificate chain as an attach carries it: DER bytes, not checked here.
+fn chain() -> Vec<Vec<u8>> {
+    vec![vec![0x30; 600], vec![0x30; 500]]
+}
+
+fn trunk_seeds() -> Result<(), Error> {
+    let hello_frame = framed(&Message::Hello(hello("web-1", "10.0.0.1:8080")))?;
+    let mut relay = vec![0, 7];
+    for m in [
+        ToPrimary::Open {
+            relay: "relay-1".into(),
+            version: ballast_shared::VERSION.into(),
+        },
+        ToPrimary::Attach(Attach {
+            slot: 1,
+            hello: hello_frame,
+            chain: chain(),
+            source: std::net::IpAddr::from([10, 0, 0, 1]),
+        }),
+        ToPrimary::Detach { slot: 1 },
+    ] {
+        relay.extend(encode_control(&m)?);
+    }
+    write("wire_trunk", "relay_control", &relay)?;
+    let mut primary = vec![1, 5];
+    for m in [
+        ToRelay::Opened {
+            replica: "a".into(),
+            max_slots: 1000,
+            max_batch_bytes: 1200,
+        },
+        ToRelay::Attached {
+            slot: 1,
+            welcome: framed(&Message::Welcome(Welcome { interval_ms: 1000 }))?,
+        },
+        ToRelay::Rejected {
+            slot: 2,
+            reject: Reject {
+                reason: RejectReason::NotOwner,
+                detail: "replica b".into(),
+            },
+        },
+        ToRelay::Detached {
+            slot: 1,
+            code: 5,
+            reason: "moved".into(),
+        },
+    ] {
+        primary.extend(encode_control(&m)?);
+    }
+    write("wire_trunk", "primary_control", &primary)?;
+    let mut reports = BatchEncoder::new(BatchKind::Reports, 1200);
+    let mut replies = BatchEncoder::new(BatchKind::Replies, 1200);
+    for slot in [1u64, 2, 200, 70_000] {
+        reports.push(slot, &enc(&report(7, 0.5, 3))?)?;
+        replies.push(slot, &enc(&reply(1.25, 340, 1000, false))?)?;
+    }
+    let reports = reports.take().ok_or("no batch")?;
+    write("wire_trunk", "reports", &[&[2, 0][..], &reports].concat())?;
+    let replies = replies.take().ok_or("no batch")?;
+    write("wire_trunk", "replies", &[&[3, 0][..], &replies].concat())?;
+    Ok(())
+}
+
+fn trunk_session_seeds() -> Result<(), Error> {
+    let hello_frame = framed(&Message::Hello(hello("web-1", "10.0.0.1:8080")))?;
+    let open = encode_control(&ToPrimary::Open {
+        relay: "relay-1".into(),
+        version: ballast_shared::VERSION.into(),
+    })?;
+    let attach = |slot| {
+        encode_control(&ToPrimary::Attach(Attach {
+            slot,
+            hello: hello_frame.clone(),
+            chain: chain(),
+            source: std::net::IpAddr::from([10, 0, 0, 1]),
+        }))
+    };
+    let mut reports = BatchEncoder::new(BatchKind::Reports, 300);
+    reports.push(0, &enc(&report(1, 0.5, 3))?)?;
+    reports.push(1, &enc(&report(1, 0.7, 2))?)?;
+    let reports = reports.take().ok_or("no batch")?;
+    // Header: 4 slots, 8 bad batches.
+    let mut s = vec![4, 8];
+    op(&mut s, 0, &open);
+    op(&mut s, 0, &attach(0)?);
+    op(&mut s, 0, &attach(1)?);
+    op(&mut s, 1, &[0]);
+    op(&mut s, 2, &[0]);
+    op(&mut s, 1, &[1]);
+    op(&mut s, 3, &[1]);
+    op(&mut s, 5, &reports);
+    op(&mut s, 6, &[0]);
+    op(&mut s, 7, &[]);
+    op(&mut s, 4, &[0]);
+    op(&mut s, 0, &encode_control(&ToPrimary::Detach { slot: 0 })?);
+    write("session_trunk_server", "attach_report_reply", &s)?;
+
+    let welcome = framed(&Message::Welcome(Welcome { interval_ms: 1000 }))?;
+    let mut replies = BatchEncoder::new(BatchKind::Replies, 300);
+    replies.push(0, &enc(&reply(1.25, 340, 1000, false))?)?;
+    let replies = replies.take().ok_or("no batch")?;
+    // Header: 1200-byte batches, 5 ms delay.
+    let mut s = vec![0x04, 0xb0, 5];
+    let opened = encode_control(&ToRelay::Opened {
+        replica: "a".into(),
+        max_slots: 100,
+        max_batch_bytes: 1200,
+    })?;
+    op(&mut s, 0, &opened);
+    op(&mut s, 1, &hello_frame);
+    op(&mut s, 1, &hello_frame);
+    op(
+        &mut s,
+        0,
+        &encode_control(&ToRelay::Attached { slot: 0, welcome })?,
+    );
+    op(&mut s, 3, &[&[0][..], &enc(&report(1, 0.5, 3))?].concat());
+    op(&mut s, 5, &[0, 5]);
+    op(&mut s, 4, &replies);
+    op(&mut s, 5, &[0x13, 0x88]);
+    op(
+        &mut s,
+        0,
+        &encode_control(&ToRelay::Detached {
+            slot: 0,
+            code: 5,
+            reason: "moved".into(),
+        })?,
+    );
+    op(&mut s, 6, &[]);
+    write("session_trunk_client", "attach_batch_timeout", &s)?;
     Ok(())
 }
 
@@ -700,6 +836,8 @@ fn store_seeds() -> Result<(), Error> {
 
 fn main() -> Result<(), Error> {
     wire_seeds()?;
+    trunk_seeds()?;
+    trunk_session_seeds()?;
     session_server_seeds()?;
     session_client_seeds()?;
     agent_check_seeds()?;

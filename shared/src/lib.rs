@@ -6,6 +6,7 @@ pub mod frame;
 pub mod pki;
 pub mod session;
 pub mod tls;
+pub mod trunk;
 pub mod wire;
 
 /// The ALPN protocol name. Its suffix is the protocol version, so an agent and an

@@ -6,6 +6,10 @@
 //! name) and the services the node may serve, one URI subject alternative name
 //! [`SERVICE_URI_PREFIX`]`NAME` each, and it expires ([`DEFAULT_VALIDITY`] unless told
 //! otherwise).
+//!
+//! A relay certificate ([`Ca::issue_relay`]) names a relay and carries the role
+//! [`ROLE_URI_PREFIX`]`relay`: a relay dials aggregators as a TLS client on behalf of
+//! the agents that connect to it, and may serve no service of its own.
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateRevocationListParams, DistinguishedName,
@@ -18,6 +22,13 @@ use std::time::Duration;
 /// How a node certificate names a service it may serve: this prefix, then the
 /// service's name, as a URI subject alternative name.
 pub const SERVICE_URI_PREFIX: &str = "ballast://service/";
+
+/// How a certificate names a role its holder plays: this prefix, then the role's name,
+/// as a URI subject alternative name. A certificate without one is a node's.
+pub const ROLE_URI_PREFIX: &str = "ballast://role/";
+
+/// The role of a relay's certificate ([`ROLE_URI_PREFIX`]`relay`).
+pub const RELAY_ROLE: &str = "relay";
 
 /// How long a node certificate is valid unless told otherwise: one year.
 pub const DEFAULT_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -177,6 +188,26 @@ impl Ca {
         })
     }
 
+    /// A client certificate for a relay, as `spec` describes it: the relay's name as
+    /// common name and DNS subject alternative name, the role [`RELAY_ROLE`], and no
+    /// service.
+    pub fn issue_relay(&self, spec: &RelaySpec) -> Result<Issued, PkiError> {
+        let name = spec.name.as_str();
+        if name.is_empty() || !crate::wire::is_valid_name(name) {
+            return Err(PkiError::BadName(name.to_string()));
+        }
+        let mut params = CertificateParams::default();
+        params.distinguished_name = dn(name);
+        params.subject_alt_names = vec![san(name)?, role_san(RELAY_ROLE)?];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.not_before = datetime(spec.not_before_unix_s)?;
+        params.not_after = datetime(spec.not_after_unix_s)?;
+        Ok(Issued {
+            pem: self.sign(params)?,
+            not_after_unix_s: spec.not_after_unix_s,
+        })
+    }
+
     /// A revocation list (PEM) signed by this CA, listing `revoked`, numbered
     /// `number` (each new list must carry a higher number than the last).
     pub fn revocation_list(&self, revoked: &[Revoked], number: u64) -> Result<String, PkiError> {
@@ -230,24 +261,53 @@ pub struct NodeSpec {
 impl NodeSpec {
     /// `node`, serving `services`, valid from (a little before) now for `validity`.
     pub fn new(node: &str, services: &[String], validity: Duration) -> Result<Self, PkiError> {
-        let secs = i64::try_from(validity.as_secs())
-            .ok()
-            .filter(|s| *s > 0 && *s <= MAX_VALIDITY_S)
-            .ok_or_else(|| {
-                PkiError::BadValidity(format!(
-                    "{} s (between 1 s and {} days)",
-                    validity.as_secs(),
-                    MAX_VALIDITY_S / 86_400
-                ))
-            })?;
-        let now = unix_s();
+        let (not_before_unix_s, not_after_unix_s) = window(validity)?;
         Ok(NodeSpec {
             node: node.to_string(),
             services: services.to_vec(),
-            not_before_unix_s: now - BACKDATE_S,
-            not_after_unix_s: now + secs,
+            not_before_unix_s,
+            not_after_unix_s,
         })
     }
+}
+
+/// A relay certificate to issue: the relay's name and when it is valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelaySpec {
+    /// The relay's identity.
+    pub name: String,
+    /// Valid from, in seconds since the Unix epoch.
+    pub not_before_unix_s: i64,
+    /// Valid until, in seconds since the Unix epoch.
+    pub not_after_unix_s: i64,
+}
+
+impl RelaySpec {
+    /// Relay `name`, valid from (a little before) now for `validity`.
+    pub fn new(name: &str, validity: Duration) -> Result<Self, PkiError> {
+        let (not_before_unix_s, not_after_unix_s) = window(validity)?;
+        Ok(RelaySpec {
+            name: name.to_string(),
+            not_before_unix_s,
+            not_after_unix_s,
+        })
+    }
+}
+
+/// From (a little before) now for `validity`, in seconds since the Unix epoch.
+fn window(validity: Duration) -> Result<(i64, i64), PkiError> {
+    let secs = i64::try_from(validity.as_secs())
+        .ok()
+        .filter(|s| *s > 0 && *s <= MAX_VALIDITY_S)
+        .ok_or_else(|| {
+            PkiError::BadValidity(format!(
+                "{} s (between 1 s and {} days)",
+                validity.as_secs(),
+                MAX_VALIDITY_S / 86_400
+            ))
+        })?;
+    let now = unix_s();
+    Ok((now - BACKDATE_S, now + secs))
 }
 
 /// The longest validity accepted: 100 years.
@@ -356,6 +416,18 @@ fn service_san(service: &str) -> Result<SanType, PkiError> {
     Ok(SanType::URI(uri))
 }
 
+/// Whether `name` may be named as a role in a certificate: the rules of service names.
+pub fn is_valid_role(name: &str) -> bool {
+    is_valid_service(name)
+}
+
+fn role_san(role: &str) -> Result<SanType, PkiError> {
+    let uri = format!("{ROLE_URI_PREFIX}{role}")
+        .try_into()
+        .map_err(|_| PkiError::BadName(role.to_string()))?;
+    Ok(SanType::URI(uri))
+}
+
 fn dn(cn: &str) -> DistinguishedName {
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, cn);
@@ -398,6 +470,33 @@ mod tests {
             "{info:?}"
         );
         assert!(info.not_before_unix_s < unix_s(), "{info:?}");
+    }
+
+    #[test]
+    fn relay_certificate_names_the_relay_and_its_role_only() {
+        let ca = Ca::generate("test CA").expect("ca");
+        let spec = RelaySpec::new("relay-eu-1", Duration::from_secs(7 * 86_400)).expect("spec");
+        let relay = ca.issue_relay(&spec).expect("relay");
+        let id = relay.pem.identity("relay").expect("parses");
+        let info = crate::tls::CertInfo::parse(&id.chain[0]).expect("info");
+        assert_eq!(info.identity, "relay-eu-1");
+        assert_eq!(info.roles, [RELAY_ROLE]);
+        assert!(info.has_role(RELAY_ROLE));
+        assert!(info.services.is_empty(), "{info:?}");
+        assert_eq!(info.not_after_unix_s, spec.not_after_unix_s);
+        let node = ca.issue_node("web-1", &services(&["web"])).expect("node");
+        let id = node.pem.identity("node").expect("parses");
+        let info = crate::tls::CertInfo::parse(&id.chain[0]).expect("info");
+        assert!(
+            info.roles.is_empty() && !info.has_role(RELAY_ROLE),
+            "{info:?}"
+        );
+        let bad = RelaySpec::new("bad/name", Duration::from_secs(60)).expect("spec");
+        assert!(matches!(ca.issue_relay(&bad), Err(PkiError::BadName(_))));
+        assert!(matches!(
+            RelaySpec::new("r", Duration::ZERO),
+            Err(PkiError::BadValidity(_))
+        ));
     }
 
     #[test]

@@ -215,6 +215,9 @@ pub struct CertInfo {
     /// ([`crate::pki::SERVICE_URI_PREFIX`]`NAME`), in its order. A URI with that prefix
     /// but no valid service name after it names nothing.
     pub services: Vec<String>,
+    /// The roles the certificate names as URI subject alternative names
+    /// ([`crate::pki::ROLE_URI_PREFIX`]`NAME`), in its order; empty for a node's.
+    pub roles: Vec<String>,
     /// Valid from, in seconds since the Unix epoch.
     pub not_before_unix_s: i64,
     /// Valid until, in seconds since the Unix epoch.
@@ -231,18 +234,16 @@ impl CertInfo {
             .map_err(|e| TlsError::Certificate(e.to_string()))?;
         let mut dns = None;
         let mut services = Vec::new();
+        let mut roles = Vec::new();
         if let Ok(Some(san)) = x509.subject_alternative_name() {
             for name in &san.value.general_names {
                 match name {
                     GeneralName::DNSName(d) if dns.is_none() => dns = Some((*d).to_string()),
                     GeneralName::URI(uri) => {
-                        if let Some(service) = uri.strip_prefix(crate::pki::SERVICE_URI_PREFIX) {
-                            if crate::pki::is_valid_service(service)
-                                && !services.iter().any(|s| s == service)
-                            {
-                                services.push(service.to_string());
-                            }
-                        }
+                        let service = uri.strip_prefix(crate::pki::SERVICE_URI_PREFIX);
+                        push_name(&mut services, service, crate::pki::is_valid_service);
+                        let role = uri.strip_prefix(crate::pki::ROLE_URI_PREFIX);
+                        push_name(&mut roles, role, crate::pki::is_valid_role);
                     }
                     _ => {}
                 }
@@ -262,10 +263,16 @@ impl CertInfo {
         Ok(CertInfo {
             identity,
             services,
+            roles,
             not_before_unix_s: validity.not_before.timestamp(),
             not_after_unix_s: validity.not_after.timestamp(),
             serial: x509.raw_serial().to_vec(),
         })
+    }
+
+    /// Whether the certificate names role `role` ([`crate::pki::RELAY_ROLE`], say).
+    pub fn has_role(&self, role: &str) -> bool {
+        self.roles.iter().any(|r| r == role)
     }
 
     /// The serial number as lower-case hex, for people.
@@ -276,6 +283,15 @@ impl CertInfo {
     /// Seconds from `now_unix_s` until the certificate expires; negative once it has.
     pub fn expires_in_s(&self, now_unix_s: i64) -> i64 {
         self.not_after_unix_s.saturating_sub(now_unix_s)
+    }
+}
+
+/// Adds `name` to `names` if there is one, `valid` accepts it, and it is not there yet.
+fn push_name(names: &mut Vec<String>, name: Option<&str>, valid: fn(&str) -> bool) {
+    if let Some(name) = name.filter(|n| valid(n)) {
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
     }
 }
 

@@ -11,6 +11,11 @@
 //! # rules below grant services.
 //! certificate_services = true
 //!
+//! # The relays whose trunks are accepted, by their certificate's identity (globs).
+//! # Without this key, any certificate from the client CA that has the relay role
+//! # (`ballast://role/relay`, from `certs relay`) may relay.
+//! relays = ["relay-*"]
+//!
 //! [[rule]]
 //! nodes = ["batch-*"]               # glob patterns on the certificate's node identity
 //! services = ["batch", "batch-eu"]  # services they may serve (globs)
@@ -44,6 +49,16 @@ pub enum PolicyError {
         /// What and where.
         message: String,
     },
+    /// A top-level key's value is unusable.
+    #[error("authorization policy {path}: {field}: {reason}")]
+    InvalidKey {
+        /// The file.
+        path: String,
+        /// The key.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A rule's value is unusable.
     #[error("authorization policy {path}: rule {rule}: {field}: {reason}")]
     Invalid {
@@ -64,6 +79,7 @@ pub enum PolicyError {
 struct PolicyFile {
     #[serde(default = "yes")]
     certificate_services: bool,
+    relays: Option<Vec<String>>,
     #[serde(default)]
     rule: Vec<RuleFile>,
 }
@@ -95,6 +111,8 @@ struct Rule {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Policy {
     certificate_services: bool,
+    /// Identity patterns of the relays allowed; `None`: every relay-role certificate.
+    relays: Option<Vec<String>>,
     rules: Vec<Rule>,
 }
 
@@ -103,9 +121,20 @@ impl Default for Policy {
     fn default() -> Self {
         Policy {
             certificate_services: true,
+            relays: None,
             rules: Vec::new(),
         }
     }
+}
+
+/// The first of `patterns` that is not a name glob, as the reason it is refused.
+fn bad_glob(patterns: &[String]) -> Option<String> {
+    patterns.iter().find(|p| !is_name_glob(p)).map(|bad| {
+        format!(
+            "{bad:?} is not a name pattern (letters, digits, '.', '_', '-', \
+             and the wildcards '*' and '?')"
+        )
+    })
 }
 
 /// Whether `pattern` is usable as a glob of names: the name characters, `*` and `?`.
@@ -133,6 +162,13 @@ impl Policy {
             path: origin.to_string(),
             message: e.to_string(),
         })?;
+        if let Some(reason) = file.relays.as_deref().and_then(bad_glob) {
+            return Err(PolicyError::InvalidKey {
+                path: origin.to_string(),
+                field: "relays",
+                reason,
+            });
+        }
         let mut rules = Vec::with_capacity(file.rule.len());
         for (i, r) in file.rule.into_iter().enumerate() {
             let invalid = |field: &'static str, reason: String| PolicyError::Invalid {
@@ -149,14 +185,8 @@ impl Policy {
                 ("services", &r.services),
                 ("hostnames", &r.hostnames),
             ] {
-                if let Some(bad) = patterns.iter().find(|p| !is_name_glob(p)) {
-                    return Err(invalid(
-                        field,
-                        format!(
-                            "{bad:?} is not a name pattern (letters, digits, '.', '_', '-', \
-                             and the wildcards '*' and '?')"
-                        ),
-                    ));
+                if let Some(reason) = bad_glob(patterns) {
+                    return Err(invalid(field, reason));
                 }
             }
             let networks = r
@@ -182,6 +212,7 @@ impl Policy {
         }
         Ok(Policy {
             certificate_services: file.certificate_services,
+            relays: file.relays,
             rules,
         })
     }
@@ -208,6 +239,20 @@ impl Policy {
         let mut seen = std::collections::BTreeSet::new();
         grant.services.retain(|s| seen.insert(s.clone()));
         grant
+    }
+
+    /// Whether a relay whose certificate names `identity` (and the relay role, which
+    /// the caller checks) may open a trunk: any, unless `relays` lists patterns.
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "the primary's trunk admission is not built yet")
+    )]
+    pub(crate) fn relay_allowed(&self, identity: &str) -> bool {
+        self.relays.as_ref().is_none_or(|patterns| {
+            patterns
+                .iter()
+                .any(|p| ballast_shared::session::authz::glob_match(p, identity))
+        })
     }
 
     /// How many rules it has, for the start-up log.
@@ -275,8 +320,20 @@ mod tests {
     }
 
     #[test]
+    fn relays_are_any_unless_listed() {
+        assert!(Policy::default().relay_allowed("relay-1"));
+        let p = Policy::parse("relays = [\"relay-eu-*\", \"edge\"]\n", "p.toml").expect("parses");
+        assert!(p.relay_allowed("relay-eu-3") && p.relay_allowed("edge"));
+        assert!(!p.relay_allowed("relay-us-1") && !p.relay_allowed("edge-2"));
+        let none = Policy::parse("relays = []\n", "p.toml").expect("parses");
+        assert!(!none.relay_allowed("relay-1"), "an empty list allows none");
+    }
+
+    #[test]
     fn bad_files_are_refused_with_where_and_why() {
-        let cases: [(&str, &str); 6] = [
+        let cases: [(&str, &str); 8] = [
+            ("relays = [\"a/b\"]\n", "policy.toml: relays: \"a/b\""),
+            ("relays = \"relay-*\"\n", "line 1"),
             ("[[rule]]\nnodes = [\"a\"]\nservices = [\"a/b\"]\n", "rule 1: services"),
             ("[[rule]]\nnodes = []\nservices = [\"a\"]\n", "rule 1: nodes"),
             (

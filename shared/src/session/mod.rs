@@ -26,6 +26,9 @@
 //!    [`Reply`] datagram: the node's [`Assignment`] and the report
 //!    interval, which the aggregator may change with any reply.
 //!
+//! A relay carries many agents' sessions to a primary over one connection, a trunk:
+//! [`trunk`] has its two ends, which run a [`ServerSession`] per agent.
+//!
 //! Faults are typed ([`ProtocolError`], [`ClientError`], [`ServerError`]); a machine
 //! never panics, whatever bytes it is fed.
 
@@ -35,10 +38,12 @@ pub mod driver;
 mod server;
 #[cfg(test)]
 mod tests;
+pub mod trunk;
 
 pub use authz::{Cidr, Grant, Peer};
 pub use client::{ClientConfig, ClientError, ClientEvent, ClientSession, Measurement};
 pub use server::{ServerConfig, ServerError, ServerEvent, ServerSession};
+pub use trunk::{TrunkClient, TrunkClientConfig, TrunkServer, TrunkServerConfig};
 
 use crate::wire::{self, DecodeError, Message, Reply, MAX_MESSAGE};
 use std::fmt;

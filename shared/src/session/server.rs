@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 /// The longest reject detail sent, in bytes, so that a reject always fits its frame
 /// whatever text the reason carries.
-const MAX_DETAIL: usize = 256;
+pub(super) const MAX_DETAIL: usize = 256;
 
 /// `s` cut to at most `max` bytes, at a character boundary.
-fn truncate(mut s: String, max: usize) -> String {
+pub(super) fn truncate(mut s: String, max: usize) -> String {
     if s.len() > max {
         let mut end = max;
         while !s.is_char_boundary(end) {

@@ -4,7 +4,7 @@
 //! would hold (expired, from another CA) are made in-process.
 
 use super::process::{command, run_bounded, AGGREGATOR_BIN};
-use ballast_shared::pki::{Ca, NodeSpec};
+use ballast_shared::pki::{Ca, NodeSpec, RelaySpec};
 use ballast_shared::tls::{self, CertInfo, CertificateDer, Identity};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -178,6 +178,39 @@ impl Pki {
             .pem
             .write(&dir, "node")
             .expect("write the foreign node certificate");
+        std::fs::copy(self.dir().join("ca.pem"), dir.join("ca.pem")).expect("copy ca.pem");
+        dir
+    }
+
+    /// A ready relay TLS directory (`ca.pem`, `relay.pem`, `relay.key`) whose
+    /// certificate names relay `name` and the relay role, issued with `certs relay` on
+    /// first use.
+    pub fn relay_tls_dir(&self, name: &str) -> PathBuf {
+        let _guard = self.issue.lock().unwrap_or_else(|p| p.into_inner());
+        let dir = self.dir().join("relays").join(name);
+        if !dir.join("relay.pem").is_file() {
+            self.certs(&["relay"], &[name]);
+            assert!(
+                dir.join("relay.key").is_file() && dir.join("ca.pem").is_file(),
+                "`certs relay {name}` did not write {}",
+                dir.display()
+            );
+        }
+        dir
+    }
+
+    /// A relay TLS directory that trusts this CA's aggregator but whose own relay
+    /// certificate, naming `name`, comes from another CA: the aggregator must refuse it.
+    pub fn foreign_relay_tls_dir(&self, name: &str) -> PathBuf {
+        let dir = self.dir().join("foreign-relays").join(name);
+        let other = Ca::generate("Some other CA").expect("generate a foreign CA");
+        let spec = RelaySpec::new(name, Duration::from_secs(86_400)).expect("relay spec");
+        other
+            .issue_relay(&spec)
+            .expect("issue a foreign relay certificate")
+            .pem
+            .write(&dir, "relay")
+            .expect("write the foreign relay certificate");
         std::fs::copy(self.dir().join("ca.pem"), dir.join("ca.pem")).expect("copy ca.pem");
         dir
     }

@@ -1,0 +1,400 @@
+//! Both ends of a trunk driven against each other and against hostile bytes. Time is
+//! a base instant plus offsets.
+
+use super::*;
+use crate::session::Grant;
+use crate::wire::{self, NodeState, Report};
+use proptest::prelude::*;
+
+const SOURCE: [u8; 4] = [10, 0, 0, 1];
+
+fn hello_frame(node: &str) -> Vec<u8> {
+    crate::frame::encode(&Message::Hello(Hello {
+        node: node.into(),
+        service: "web".into(),
+        address: "10.0.0.1:8080".into(),
+        zone: "z1".into(),
+        version: "1.2.3".into(),
+    }))
+    .expect("frames")
+}
+
+fn peer(node: &str) -> Peer {
+    Peer {
+        identity: node.into(),
+        source: SOURCE.into(),
+        grant: Grant {
+            services: vec!["web".into()],
+            ..Grant::default()
+        },
+    }
+}
+
+fn report(seq: u32) -> Vec<u8> {
+    wire::encode(&Message::Report(Report {
+        seq,
+        cpu: 0.5,
+        inflight: 2,
+        capacity: 0,
+        error_rate: None,
+        state: NodeState::Serving,
+    }))
+    .expect("encodes")
+}
+
+fn assignment(weight: f64) -> Assignment {
+    Assignment {
+        weight,
+        cycle: 3,
+        draining: false,
+        load: 0.5,
+        inflight_trusted: true,
+    }
+}
+
+/// A trunk opened both ways.
+fn open(server: TrunkServerConfig, client: TrunkClientConfig) -> (TrunkServer, TrunkClient) {
+    let mut s = TrunkServer::new(server);
+    let mut c = TrunkClient::new(client);
+    let events = s
+        .handle_control(&c.open_frame().expect("open"))
+        .expect("takes the open");
+    assert!(matches!(&events[..], [TrunkServerEvent::Open { relay, .. }] if relay == "relay-1"));
+    let events = c
+        .handle_control(&s.opened().expect("opened"))
+        .expect("takes opened");
+    assert!(matches!(&events[..], [TrunkClientEvent::Opened { replica, .. }] if replica == "a"));
+    assert!(c.is_open());
+    (s, c)
+}
+
+fn defaults() -> (TrunkServer, TrunkClient) {
+    open(
+        TrunkServerConfig::new("a", ServerConfig::new(2000)),
+        TrunkClientConfig::new("relay-1"),
+    )
+}
+
+/// Attaches `node` from the client and admits it at the server: its slot, and what
+/// the client heard.
+fn attach(
+    s: &mut TrunkServer,
+    c: &mut TrunkClient,
+    node: &str,
+    t0: Instant,
+) -> (Slot, TrunkClientEvent) {
+    let (slot, frame) = c
+        .attach(t0, &hello_frame(node), vec![vec![0x30; 10]], SOURCE.into())
+        .expect("attach");
+    let events = s.handle_control(&frame).expect("takes the attach");
+    assert!(
+        matches!(&events[..], [TrunkServerEvent::AttachRequested { slot: got, .. }] if *got == slot)
+    );
+    let frame = match s.admit(slot, peer("web-1"), t0).expect("admits") {
+        Admission::Hello(h) => {
+            assert_eq!(h.node, node);
+            s.welcome(slot).expect("welcome")
+        }
+        Admission::Refused { frame, .. } => frame,
+    };
+    let mut events = c.handle_control(&frame).expect("takes the answer");
+    assert_eq!(events.len(), 1);
+    (slot, events.remove(0))
+}
+
+#[test]
+fn reports_go_in_batches_and_replies_come_back_per_slot() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    let mut slots = Vec::new();
+    for _ in 0..3 {
+        let (slot, event) = attach(&mut s, &mut c, "web-1", t0);
+        match event {
+            TrunkClientEvent::Attached { welcome, .. } => assert_eq!(welcome.interval_ms, 2000),
+            other => panic!("{other:?}"),
+        }
+        assert!(c.is_attached(slot));
+        slots.push(slot);
+    }
+    assert_eq!(slots, [0, 1, 2], "slots count up from 0");
+    for (i, slot) in slots.iter().enumerate() {
+        let sent = c
+            .push_report(t0, *slot, &report(i as u32 + 1))
+            .expect("push");
+        assert!(sent.is_none(), "the batch is not full");
+    }
+    let due = c.poll_timeout().expect("a batch waits");
+    assert_eq!(due, t0 + Duration::from_millis(5));
+    assert_eq!(
+        c.handle_timeout(t0 + Duration::from_millis(4)),
+        Expired::default()
+    );
+    let batch = c
+        .handle_timeout(due)
+        .batch
+        .expect("flushed after the delay");
+    assert!(c.poll_timeout().is_none());
+    let events = s.handle_datagram(&batch).expect("takes the batch");
+    assert_eq!(events.len(), 3);
+    for e in &events {
+        assert!(matches!(e.event, Ok(ServerEvent::Report(_))), "{e:?}");
+        assert_eq!(
+            s.reply(e.slot, &assignment(e.slot as f64)).expect("reply"),
+            None
+        );
+    }
+    let replies = s.take_replies().expect("replies");
+    assert!(s.take_replies().is_none());
+    let entries = c.handle_datagram(&replies).expect("takes replies");
+    assert_eq!(entries.len(), 3);
+    for e in entries {
+        match wire::decode(e.message) {
+            Ok(Message::Reply(r)) => {
+                assert_eq!(r.weight, e.slot as f32);
+                assert_eq!(r.interval_ms, 2000);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // The same report again is reordered by the slot's own session.
+    c.push_report(t0, 0, &report(1)).expect("push");
+    let batch = c.flush().expect("batch");
+    let events = s.handle_datagram(&batch).expect("takes");
+    assert!(matches!(events[0].event, Ok(ServerEvent::Reordered { .. })));
+}
+
+#[test]
+fn a_full_batch_leaves_at_once() {
+    let t0 = Instant::now();
+    let client = TrunkClientConfig {
+        max_batch_bytes: 100,
+        ..TrunkClientConfig::new("relay-1")
+    };
+    let (mut s, mut c) = open(TrunkServerConfig::new("a", ServerConfig::new(1000)), client);
+    let (slot, _) = attach(&mut s, &mut c, "web-1", t0);
+    let mut full = None;
+    let mut seq = 1;
+    while full.is_none() {
+        full = c.push_report(t0, slot, &report(seq)).expect("push");
+        seq += 1;
+    }
+    let full = full.expect("full");
+    assert!(full.len() <= 100 && full.len() + report(seq).len() + 2 > 100);
+    assert!(c.poll_timeout().is_some(), "the next batch has begun");
+    let events = s.handle_datagram(&full).expect("takes");
+    assert_eq!(events.len(), seq as usize - 2);
+}
+
+#[test]
+fn a_hello_for_another_node_is_rejected_and_the_slot_is_gone() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    let (slot, event) = attach(&mut s, &mut c, "web-2", t0);
+    match event {
+        TrunkClientEvent::Rejected { reject, .. } => {
+            assert_eq!(reject.reason, RejectReason::IdentityMismatch)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.slot_count(), 0);
+    assert_eq!(c.slot_count(), 0);
+    assert!(matches!(
+        c.push_report(t0, slot, &report(1)),
+        Err(TrunkClientError::UnknownSlot(_))
+    ));
+    // The driver's own refusal: the slot is gone too, and says why.
+    let (slot, frame) = c
+        .attach(t0, &hello_frame("web-1"), vec![vec![1]], SOURCE.into())
+        .expect("attach");
+    s.handle_control(&frame).expect("takes");
+    assert!(matches!(
+        s.admit(slot, peer("web-1"), t0),
+        Ok(Admission::Hello(_))
+    ));
+    let frame = s
+        .reject(slot, RejectReason::NotOwner, "replica b")
+        .expect("reject");
+    match &c.handle_control(&frame).expect("takes")[..] {
+        [TrunkClientEvent::Rejected { reject, .. }] => {
+            assert_eq!(reject.reason, RejectReason::NotOwner);
+            assert_eq!(reject.detail, "replica b");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.slot_count(), 0);
+}
+
+#[test]
+fn an_unanswered_attach_times_out_and_its_late_answer_is_counted() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    let (slot, frame) = c
+        .attach(t0, &hello_frame("web-1"), vec![vec![1]], SOURCE.into())
+        .expect("attach");
+    s.handle_control(&frame).expect("takes");
+    let deadline = c.poll_timeout().expect("the attach's deadline");
+    assert_eq!(deadline, t0 + Duration::from_secs(5));
+    let expired = c.handle_timeout(deadline);
+    assert_eq!(expired.timed_out, [slot]);
+    assert!(expired.batch.is_none());
+    // The detach reaches the primary, which forgets the slot.
+    let events = s
+        .handle_control(&expired.control)
+        .expect("takes the detach");
+    assert_eq!(events, [TrunkServerEvent::DetachRequested { slot }]);
+    assert!(matches!(
+        s.admit(slot, peer("web-1"), t0),
+        Err(TrunkServerError::Slot { .. })
+    ));
+    // A late answer from a primary that had not seen the detach yet.
+    let late = to_relay(&ToRelay::Attached {
+        slot,
+        welcome: crate::frame::encode(&Message::Welcome(Welcome { interval_ms: 1000 }))
+            .expect("frames"),
+    })
+    .expect("encodes");
+    assert_eq!(c.handle_control(&late).expect("not fatal"), []);
+    assert_eq!(c.unknown_slots(), 1);
+    assert!(c.is_open());
+    // The next slot is new.
+    let (next, _) = attach(&mut s, &mut c, "web-1", t0);
+    assert_eq!(next, slot + 1);
+}
+
+#[test]
+fn detaches_go_both_ways_and_late_entries_are_counted() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    let (a, _) = attach(&mut s, &mut c, "web-1", t0);
+    let (b, _) = attach(&mut s, &mut c, "web-1", t0);
+    c.push_report(t0, a, &report(1)).expect("push");
+    let frame = s.detach(a, close::MOVED, "moved to b").expect("detach");
+    let batch = c.flush().expect("batch");
+    match &c.handle_control(&frame).expect("takes")[..] {
+        [TrunkClientEvent::Detached { slot, code, .. }] => {
+            assert_eq!((*slot, *code), (a, close::MOVED))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(s.handle_datagram(&batch).expect("takes").is_empty());
+    assert_eq!(s.unknown_slots(), 1);
+    let frame = c.detach(b).expect("detach");
+    assert_eq!(
+        s.handle_control(&frame).expect("takes"),
+        [TrunkServerEvent::DetachRequested { slot: b }]
+    );
+    assert_eq!((s.slot_count(), c.slot_count()), (0, 0));
+    assert!(matches!(
+        s.detach(b, 0, ""),
+        Err(TrunkServerError::Slot { .. })
+    ));
+    assert!(matches!(c.detach(b), Err(TrunkClientError::UnknownSlot(_))));
+}
+
+#[test]
+fn slot_limits_hold_at_both_ends() {
+    let t0 = Instant::now();
+    let server = TrunkServerConfig {
+        max_slots: 1,
+        ..TrunkServerConfig::new("a", ServerConfig::new(1000))
+    };
+    let (mut s, mut c) = open(server, TrunkClientConfig::new("relay-1"));
+    attach(&mut s, &mut c, "web-1", t0);
+    assert!(matches!(
+        c.attach(t0, &hello_frame("web-1"), vec![vec![1]], SOURCE.into()),
+        Err(TrunkClientError::SlotsFull(1))
+    ));
+    // A relay that does not keep the limit is refused by the primary.
+    let attach = |slot| {
+        encode_control(&ToPrimary::Attach(Attach {
+            slot,
+            hello: hello_frame("web-1"),
+            chain: vec![vec![1]],
+            source: SOURCE.into(),
+        }))
+        .expect("encodes")
+    };
+    match &s.handle_control(&attach(5)).expect("takes")[..] {
+        [TrunkServerEvent::Refused { slot: 5, .. }] => {}
+        other => panic!("{other:?}"),
+    }
+    // A slot used before ends the trunk.
+    assert!(matches!(
+        s.handle_control(&attach(5)),
+        Err(TrunkServerError::SlotNotNew { slot: 5, last: 5 })
+    ));
+    assert_eq!(s.close_code(), Some(close::PROTOCOL));
+    assert!(matches!(
+        s.handle_control(&[]),
+        Err(TrunkServerError::Closed)
+    ));
+}
+
+#[test]
+fn frames_out_of_order_end_the_trunk() {
+    let mut s = TrunkServer::new(TrunkServerConfig::new("a", ServerConfig::new(1000)));
+    let detach = encode_control(&ToPrimary::Detach { slot: 1 }).expect("encodes");
+    assert!(matches!(
+        s.handle_control(&detach),
+        Err(TrunkServerError::Unexpected(_))
+    ));
+    assert!(s.close_code().is_some());
+    let mut c = TrunkClient::new(TrunkClientConfig::new("relay-1"));
+    assert!(matches!(
+        c.attach(Instant::now(), &[], vec![], SOURCE.into()),
+        Err(TrunkClientError::NotOpen)
+    ));
+    let closed = to_relay(&ToRelay::Closed(Reject {
+        reason: RejectReason::LimitReached,
+        detail: "full".into(),
+    }))
+    .expect("encodes");
+    assert!(matches!(
+        &c.handle_control(&closed).expect("takes")[..],
+        [TrunkClientEvent::Closed(_)]
+    ));
+    assert!(c.is_closed());
+    assert!(matches!(
+        c.handle_control(&[]),
+        Err(TrunkClientError::Closed)
+    ));
+}
+
+#[test]
+fn too_many_bad_batches_close_the_trunk() {
+    let server = TrunkServerConfig {
+        max_bad_batches: 3,
+        ..TrunkServerConfig::new("a", ServerConfig::new(1000))
+    };
+    let (mut s, _) = open(server, TrunkClientConfig::new("relay-1"));
+    assert!(matches!(
+        s.handle_datagram(b"x"),
+        Err(TrunkServerError::BadBatch(_))
+    ));
+    assert!(matches!(
+        s.handle_datagram(&[]),
+        Err(TrunkServerError::BadBatch(_))
+    ));
+    assert!(matches!(
+        s.handle_datagram(&[1, 1, 0, 1, 9]),
+        Err(TrunkServerError::TooManyBadBatches { count: 3, .. })
+    ));
+    assert_eq!(s.close_code(), Some(close::PROTOCOL));
+}
+
+proptest! {
+    #[test]
+    fn hostile_bytes_never_panic_either_end(
+        control in proptest::collection::vec(any::<u8>(), 0..512),
+        datagram in proptest::collection::vec(any::<u8>(), 0..512),
+    ) {
+        let t0 = Instant::now();
+        let (mut s, mut c) = defaults();
+        let _ = attach(&mut s, &mut c, "web-1", t0);
+        let _ = s.handle_datagram(&datagram);
+        let _ = c.handle_datagram(&datagram);
+        let _ = s.handle_control(&control);
+        let _ = c.handle_control(&control);
+        let _ = c.handle_timeout(t0 + Duration::from_secs(60));
+    }
+}
