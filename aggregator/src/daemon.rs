@@ -286,7 +286,8 @@ impl Daemon {
             ),
         ));
         let app = crate::api::router(state.clone());
-        let listener = crate::api::listener::Limited::new(listener, state.clone());
+        let listener =
+            crate::api::listener::Limited::new(listener, state.metrics.clone(), &state.limits);
         tasks.push(supervisor.spawn("HTTP API", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP API stopped");

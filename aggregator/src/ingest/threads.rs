@@ -137,7 +137,7 @@ pub(crate) async fn start(
         started(&endpoints);
         return Err(ThreadsError::Start { index, source });
     }
-    let watcher = tokio::spawn(ingest.revocation.clone().watch(state));
+    let watcher = tokio::spawn(ingest.revocation.clone().watch(state.metrics.clone()));
     Ok(Threads {
         endpoints,
         addr: bound,
