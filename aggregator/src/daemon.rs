@@ -216,13 +216,15 @@ impl Daemon {
         let store_writer = crate::store::writer(state.clone());
 
         let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
+        let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
         let quic = Arc::new(
             crate::ingest::threads::start(
                 server,
                 cfg.quic,
                 cfg.quic_threads,
-                state.clone(),
+                state.metrics.clone(),
                 ingest,
+                local,
             )
             .await?,
         );
