@@ -13,11 +13,12 @@
 
 use crate::sample::{Sample, SampleError, Sampler};
 use crate::shared::Shared;
+use ballast_shared::reconnect::{host_part, Backoff};
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{
     self, Assignment, ClientConfig, ClientError, ClientEvent, ClientSession, Measurement,
 };
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -87,41 +88,6 @@ pub(crate) enum SessionError {
     Timeout,
 }
 
-/// Jittered exponential backoff ("full jitter"): each wait is uniform between zero and
-/// a ceiling that doubles per failure up to `max`.
-#[derive(Debug, Clone)]
-pub(crate) struct Backoff {
-    base: Duration,
-    max: Duration,
-    failures: u32,
-}
-
-impl Backoff {
-    /// A backoff starting at `base` and capped at `max`.
-    pub(crate) fn new(base: Duration, max: Duration) -> Self {
-        Backoff {
-            base,
-            max,
-            failures: 0,
-        }
-    }
-
-    /// The next wait.
-    pub(crate) fn next_delay(&mut self, rng: &mut impl Rng) -> Duration {
-        let ceiling = self
-            .base
-            .saturating_mul(1u32 << self.failures.min(16))
-            .min(self.max);
-        self.failures = self.failures.saturating_add(1);
-        ceiling.mul_f64(rng.gen_range(0.0..=1.0))
-    }
-
-    /// Back to the shortest wait, after a good session.
-    pub(crate) fn reset(&mut self) {
-        self.failures = 0;
-    }
-}
-
 /// Runs until `shutdown` turns true.
 pub(crate) async fn run(
     shared: Arc<Shared>,
@@ -188,11 +154,6 @@ async fn resolve(target: &str) -> Result<SocketAddr, SessionError> {
         .ok()
         .and_then(|mut addrs| addrs.next())
         .ok_or_else(|| SessionError::Resolve(target.to_string()))
-}
-
-fn host_part(target: &str) -> &str {
-    let host = target.rsplit_once(':').map(|(h, _)| h).unwrap_or(target);
-    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// One connection's life. `Ok(true)`: it was established and then ended; `Ok(false)`:
@@ -517,29 +478,6 @@ pub(crate) async fn measure(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::SeedableRng;
-
-    #[test]
-    fn backoff_grows_caps_and_resets() {
-        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let waits: Vec<Duration> = (0..20).map(|_| b.next_delay(&mut rng)).collect();
-        assert!(waits.iter().all(|w| *w <= Duration::from_secs(5)));
-        assert!(waits[0] <= Duration::from_millis(100));
-        assert!(
-            waits[10..].iter().any(|w| *w > Duration::from_secs(1)),
-            "{waits:?}"
-        );
-        b.reset();
-        assert!(b.next_delay(&mut rng) <= Duration::from_millis(100));
-    }
-
-    #[test]
-    fn server_name_is_the_host_part() {
-        assert_eq!(host_part("agg.example:7400"), "agg.example");
-        assert_eq!(host_part("[::1]:7400"), "::1");
-        assert_eq!(host_part("127.0.0.1:7400"), "127.0.0.1");
-    }
 
     /// An in-flight source that blocks, like a scrape whose DNS lookup hangs, until
     /// the test sends it a count.

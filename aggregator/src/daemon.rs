@@ -216,13 +216,15 @@ impl Daemon {
         let store_writer = crate::store::writer(state.clone());
 
         let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
+        let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
         let quic = Arc::new(
             crate::ingest::threads::start(
                 server,
                 cfg.quic,
                 cfg.quic_threads,
-                state.clone(),
+                state.metrics.clone(),
                 ingest,
+                local,
             )
             .await?,
         );
@@ -286,7 +288,8 @@ impl Daemon {
             ),
         ));
         let app = crate::api::router(state.clone());
-        let listener = crate::api::listener::Limited::new(listener, state.clone());
+        let listener =
+            crate::api::listener::Limited::new(listener, state.metrics.clone(), &state.limits);
         tasks.push(supervisor.spawn("HTTP API", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP API stopped");

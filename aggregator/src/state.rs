@@ -19,8 +19,9 @@ pub struct State {
     pub clock: Clock,
     /// The balancing core.
     balancer: Mutex<Balancer>,
-    /// Counters.
-    pub metrics: Metrics,
+    /// Counters; shared with the parts of the daemon that need nothing else of the state
+    /// (the QUIC threads, the revocation list's watcher, the HTTP listener).
+    pub metrics: Arc<Metrics>,
     /// Where weights persist.
     pub store: Arc<dyn RoutingStore>,
     /// How the store's writer is doing, for `/healthz`.
@@ -107,7 +108,7 @@ impl State {
         State {
             clock,
             balancer: Mutex::new(balancer),
-            metrics: Metrics::new(),
+            metrics: Arc::new(Metrics::new()),
             store,
             store_status: crate::store::StoreStatus::default(),
             published: tokio::sync::watch::channel(Arc::new(first)).0,

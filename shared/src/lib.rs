@@ -4,6 +4,7 @@
 pub mod config;
 pub mod frame;
 pub mod pki;
+pub mod reconnect;
 pub mod session;
 pub mod tls;
 pub mod trunk;

@@ -3,7 +3,8 @@
 //! headers, or a watcher that stops reading, holds a connection for a bounded time,
 //! and no number of them can take more than the cap.
 
-use crate::state::State;
+use crate::config::limits::Limits;
+use crate::metrics::Metrics;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -20,17 +21,24 @@ use tokio::time::{Instant, Sleep};
 pub(crate) struct Limited {
     inner: TcpListener,
     permits: Arc<Semaphore>,
-    state: Arc<State>,
+    /// Where refusals and cut-off connections are counted.
+    metrics: Arc<Metrics>,
+    /// How long a connection has for its first response to start.
+    first: Duration,
+    /// How long a connection may then go without a byte either way.
+    idle: Duration,
 }
 
 impl Limited {
-    /// Limits `inner` by the state's `[limits]`.
-    pub(crate) fn new(inner: TcpListener, state: Arc<State>) -> Self {
-        let permits = Arc::new(Semaphore::new(state.limits.http_max_connections));
+    /// Limits `inner` by `limits`, counting what it refuses or cuts off in `metrics`.
+    pub(crate) fn new(inner: TcpListener, metrics: Arc<Metrics>, limits: &Limits) -> Self {
+        let permits = Arc::new(Semaphore::new(limits.http_max_connections));
         Limited {
             inner,
             permits,
-            state,
+            metrics,
+            first: Duration::from_millis(limits.http_request_timeout_ms),
+            idle: Duration::from_millis(limits.http_idle_timeout_ms),
         }
     }
 }
@@ -44,7 +52,7 @@ impl axum::serve::Listener for Limited {
             let permit = match self.permits.clone().try_acquire_owned() {
                 Ok(p) => p,
                 Err(_) => {
-                    self.state.metrics.refuse_http("connections");
+                    self.metrics.refuse_http("connections");
                     match self.permits.clone().acquire_owned().await {
                         Ok(p) => p,
                         // The semaphore is never closed.
@@ -55,7 +63,9 @@ impl axum::serve::Listener for Limited {
             match self.inner.accept().await {
                 Ok((stream, addr)) => {
                     let _ = stream.set_nodelay(true);
-                    return (Guarded::new(stream, permit, self.state.clone()), addr);
+                    let guarded =
+                        Guarded::new(stream, permit, self.metrics.clone(), self.first, self.idle);
+                    return (guarded, addr);
                 }
                 Err(e) => {
                     // Out of descriptors, say: wait a little rather than spin.
@@ -78,7 +88,7 @@ impl axum::serve::Listener for Limited {
 pub(crate) struct Guarded {
     stream: TcpStream,
     _permit: OwnedSemaphorePermit,
-    state: Arc<State>,
+    metrics: Arc<Metrics>,
     deadline: Pin<Box<Sleep>>,
     /// Whether a response has started: until then reads do not extend the deadline.
     answered: bool,
@@ -86,13 +96,17 @@ pub(crate) struct Guarded {
 }
 
 impl Guarded {
-    fn new(stream: TcpStream, permit: OwnedSemaphorePermit, state: Arc<State>) -> Self {
-        let first = Duration::from_millis(state.limits.http_request_timeout_ms);
-        let idle = Duration::from_millis(state.limits.http_idle_timeout_ms);
+    fn new(
+        stream: TcpStream,
+        permit: OwnedSemaphorePermit,
+        metrics: Arc<Metrics>,
+        first: Duration,
+        idle: Duration,
+    ) -> Self {
         Guarded {
             stream,
             _permit: permit,
-            state,
+            metrics,
             deadline: Box::pin(tokio::time::sleep(first)),
             answered: false,
             idle,
@@ -141,7 +155,7 @@ impl Guarded {
         } else {
             "request_timeout"
         };
-        self.state.metrics.refuse_http(reason);
+        self.metrics.refuse_http(reason);
         Some(io::Error::new(
             io::ErrorKind::TimedOut,
             format!("HTTP connection cut off: {reason}"),

@@ -21,7 +21,10 @@
 //! runs on every change under the cluster's prefix (an etcd watch) and twice a second,
 //! so a bucket whose owner died is claimed as soon as etcd deletes the key.
 
-use super::{cluster_prefix, member_key, owner_key, preferred, Ownership};
+use super::{
+    cluster_prefix, config_key, member_key, owner_key, parse_view, preferred, ClusterKv, OwnerKey,
+    Ownership, View,
+};
 use crate::config::ClusterConfig;
 use crate::state::State;
 use crate::store::etcd::EtcdStore;
@@ -51,15 +54,6 @@ pub(crate) struct Replica {
     lease_ttl_s: u32,
     /// Turns true when the daemon shuts down: the replica hands its buckets on at once.
     stop: tokio::sync::watch::Receiver<bool>,
-}
-
-/// What one reading of the cluster's keys says.
-#[derive(Debug, Default)]
-struct View {
-    /// Live replicas and the QUIC address each takes agents at.
-    members: BTreeMap<String, String>,
-    /// Each held bucket's owner, its key's create revision and lease.
-    owners: BTreeMap<u32, (String, i64, i64)>,
 }
 
 impl Replica {
@@ -289,7 +283,7 @@ impl Replica {
         prefix: &str,
         me: &str,
     ) -> Result<(), String> {
-        let config = format!("{}config", cluster_prefix(prefix, &self.cluster));
+        let config = config_key(prefix, &self.cluster);
         let buckets = self.ownership.buckets().to_string();
         let txn = Txn::new()
             .when(vec![Compare::create_revision(
@@ -442,24 +436,13 @@ impl Replica {
                 client.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
             )
             .await?;
-        let mut view = View::default();
-        for kv in resp.kvs() {
-            let (Ok(key), Ok(value)) = (kv.key_str(), kv.value_str()) else {
-                continue;
-            };
-            let Some(rest) = key.strip_prefix(&prefix) else {
-                continue;
-            };
-            if let Some(member) = rest.strip_prefix("members/") {
-                view.members.insert(member.to_string(), value.to_string());
-            } else if let Some(bucket) = rest.strip_prefix("owners/") {
-                if let Ok(b) = bucket.parse::<u32>() {
-                    view.owners
-                        .insert(b, (value.to_string(), kv.create_revision(), kv.lease()));
-                }
-            }
-        }
-        Ok(view)
+        let kvs = resp.kvs().iter().map(|kv| ClusterKv {
+            key: kv.key(),
+            value: kv.value(),
+            create_revision: kv.create_revision(),
+            lease: kv.lease(),
+        });
+        Ok(parse_view(&prefix, kvs))
     }
 
     /// Brings what this replica holds in line with what it should (see
@@ -487,7 +470,11 @@ impl Replica {
             let want = preferred(view.members.keys().map(String::as_str), b) == Some(&me);
             let key = owner_key(&prefix, &self.cluster, b);
             match view.owners.get(&b) {
-                Some((owner, rev, key_lease)) if *owner == me && *key_lease == lease => {
+                Some(OwnerKey {
+                    replica: owner,
+                    create_revision: rev,
+                    lease: key_lease,
+                }) if *owner == me && *key_lease == lease => {
                     if want {
                         // Held: taken over already, or claimed by a pass whose
                         // takeover failed, and taken over now.
@@ -508,7 +495,11 @@ impl Replica {
                         );
                     }
                 }
-                Some((owner, rev, _)) if *owner == me => {
+                Some(OwnerKey {
+                    replica: owner,
+                    create_revision: rev,
+                    ..
+                }) if *owner == me => {
                     // Ours from an earlier lease, which is ending: free it now.
                     if self.ownership.lost(b) {
                         lost.push(b);
@@ -516,7 +507,7 @@ impl Replica {
                     let txn = release(key, *rev);
                     self.bounded("release", client.txn(txn)).await?;
                 }
-                Some((owner, _, _)) => {
+                Some(OwnerKey { replica: owner, .. }) => {
                     if self.ownership.lost(b) {
                         lost.push(b);
                     }

@@ -7,10 +7,12 @@
 //! no unknown services, against the services that have a file.
 
 mod limits;
+pub(crate) mod local;
 mod policy;
 pub(crate) mod quic;
 mod revocation;
 pub(crate) mod threads;
+pub(crate) mod upstream;
 
 pub use policy::PolicyError;
 pub use threads::ThreadsError;

@@ -4,21 +4,21 @@
 //! claim, the welcome or reject, reordered reports, the reply to each report, what a
 //! fault costs) are the sans-IO [`ServerSession`], shared with the agent's side of the
 //! protocol; this module is its async driver: the connection, the peer's grant from
-//! its certificate and the policy, the hello's deadline, the metrics, the calls into
-//! the balancer, which all go through [`balance`], and the end of a connection whose
-//! certificate is revoked or expires. Faults are counted and never reach other
+//! its certificate and the policy, the hello's deadline, the caps, the rate limit and
+//! the silence rule, the metrics, and the end of a connection whose certificate is
+//! revoked or expires. What serves an admitted agent and its reports is the driver's
+//! [`Upstream`] ([`super::upstream`]): the aggregator's own balancer
+//! ([`super::local::Local`]) or another. Faults are counted and never reach other
 //! connections: each has its own task and a bad one is closed.
 
 use super::revocation::Verdict;
+use super::upstream::{Admitted, Arrival, Downstream, Forwarded, Link, Upstream};
 use super::Ingest;
-use crate::state::State;
-use ballast_balance::{BalanceError, Observation, Published};
+use crate::metrics::Metrics;
 use ballast_shared::session::driver::{now, until};
-use ballast_shared::session::{
-    Assignment, Peer, ServerConfig, ServerError, ServerEvent, ServerSession,
-};
+use ballast_shared::session::{Peer, ServerConfig, ServerError, ServerEvent, ServerSession};
 use ballast_shared::tls::{CertInfo, CertificateDer};
-use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
+use ballast_shared::wire::Reject;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,14 +40,19 @@ const HANDSHAKE_ALERTS: [(u8, &str); 5] = [
 ];
 
 /// Accepts connections until the endpoint closes, each served by a task of its own on
-/// the caller's runtime.
-pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: Arc<Ingest>) {
+/// the caller's runtime, its agent by `upstream`.
+pub(crate) async fn serve<U: Upstream>(
+    endpoint: quinn::Endpoint,
+    metrics: Arc<Metrics>,
+    ingest: Arc<Ingest>,
+    upstream: Arc<U>,
+) {
     while let Some(incoming) = endpoint.accept().await {
         let Some(slot) = ingest.connections.open(ingest.limits.quic_max_connections) else {
             // Refused before any cryptography: the cap is the whole point.
             tracing::debug!(open = ingest.connections.total(), remote = %incoming.remote_address(),
                 "agent connection refused: at the connection limit");
-            state.metrics.reject_connection("connections");
+            metrics.reject_connection("connections");
             incoming.refuse();
             continue;
         };
@@ -55,12 +60,13 @@ pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: 
             // A stateless round trip proves the source address before a handshake is
             // spent on it; the client comes back with the token.
             if incoming.retry().is_err() {
-                state.metrics.reject_connection("retry");
+                metrics.reject_connection("retry");
             }
             continue;
         }
-        let state = state.clone();
+        let metrics = metrics.clone();
         let ingest = ingest.clone();
+        let upstream = upstream.clone();
         tokio::spawn(async move {
             let mut slot = slot;
             let conn = match incoming.await {
@@ -70,13 +76,13 @@ pub(crate) async fn serve(endpoint: quinn::Endpoint, state: Arc<State>, ingest: 
                     // here.
                     let reason = handshake_reason(&e);
                     tracing::info!(error = %e, reason, "agent handshake failed");
-                    state.metrics.reject_connection(reason);
+                    metrics.reject_connection(reason);
                     return;
                 }
             };
-            state.metrics.connections_open.inc();
-            let result = handle(&conn, &state, &ingest, &mut slot).await;
-            state.metrics.connections_open.dec();
+            metrics.connections_open.inc();
+            let result = handle(&conn, &metrics, &ingest, &*upstream, &mut slot).await;
+            metrics.connections_open.dec();
             if let Err(reason) = result {
                 tracing::debug!(remote = %conn.remote_address(), reason, "agent connection ended");
             }
@@ -118,17 +124,18 @@ fn peer_of(
     Ok((peer, chain, info.not_after_unix_s))
 }
 
-async fn handle(
+async fn handle<U: Upstream>(
     conn: &quinn::Connection,
-    state: &State,
+    metrics: &Metrics,
     ingest: &Ingest,
+    upstream: &U,
     slot: &mut super::limits::Slot,
 ) -> Result<(), &'static str> {
     let (peer, chain, not_after_unix_s) = match peer_of(conn, ingest) {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "client certificate carries no identity");
-            state.metrics.reject_connection("no_identity");
+            metrics.reject_connection("no_identity");
             conn.close(close::REJECTED.into(), b"no identity");
             return Err("no identity");
         }
@@ -136,7 +143,7 @@ async fn handle(
     let per_node = ingest.limits.quic_max_connections_per_identity;
     if !slot.claim(&peer.identity, per_node) {
         tracing::warn!(node = %peer.identity, limit = per_node, "connection refused: the node holds too many");
-        state.metrics.reject_connection("identity_connections");
+        metrics.reject_connection("identity_connections");
         conn.close(
             close::REJECTED.into(),
             b"too many connections for this node",
@@ -146,10 +153,12 @@ async fn handle(
     // Subscribed before the first check, so that a list put in force after the
     // handshake is never missed.
     let mut revocations = ingest.revocation.subscribe();
-    if let Some(end) = credentials_end(conn, state, ingest, &peer.identity, &chain) {
+    if let Some(end) = credentials_end(conn, metrics, ingest, &peer.identity, &chain) {
         return Err(end);
     }
-    let config = ServerConfig::new(state.report_interval_ms);
+    // The report interval is the upstream's, set when it admits the hello: until then
+    // the session sends nothing that carries one.
+    let config = ServerConfig::new(0);
     let mut session = ServerSession::new(peer, config, now());
     let (mut send, mut recv) = loop {
         tokio::select! {
@@ -159,7 +168,7 @@ async fn handle(
             },
             _ = until(session.poll_timeout()) => {
                 if let Err(e) = session.handle_timeout(now()) {
-                    return Err(fault(conn, state, &session, &e));
+                    return Err(fault(conn, metrics, &session, &e));
                 }
             }
         }
@@ -170,7 +179,7 @@ async fn handle(
             r = recv.read(&mut buf) => r,
             _ = until(session.poll_timeout()) => {
                 if let Err(e) = session.handle_timeout(now()) {
-                    return Err(fault(conn, state, &session, &e));
+                    return Err(fault(conn, metrics, &session, &e));
                 }
                 continue;
             }
@@ -183,40 +192,31 @@ async fn handle(
         match event {
             Ok(Some(ServerEvent::Hello(h))) => break h,
             Ok(Some(ServerEvent::Refused { reject, frame })) => {
-                return refuse(conn, state, session.identity(), &mut send, reject, frame).await
+                return refuse(conn, metrics, session.identity(), &mut send, reject, frame).await
             }
             Ok(_) => continue,
-            Err(e) => return Err(fault(conn, state, &session, &e)),
+            Err(e) => return Err(fault(conn, metrics, &session, &e)),
         }
     };
-    // Subscribed before ownership is checked, so that a loss after the check is seen.
-    let mut losses = state.ownership.as_ref().map(|o| o.watch_losses());
-    let not_owner = state
-        .ownership
-        .as_ref()
-        .filter(|o| !o.owns(&hello.service))
-        .map(|o| (RejectReason::NotOwner, o.refusal(&hello.service)));
-    let refused = match (not_owner, unconfigured(state, ingest, &hello.service)) {
-        (Some(refusal), _) => Some(refusal),
-        (None, Some(detail)) => Some((RejectReason::UnknownService, detail)),
-        (None, None) => match balance(state, &hello, Ask::Register) {
-            Answer::Refused(reason, detail) => Some((reason, detail)),
-            _ => None,
-        },
+    let arrival = Arrival {
+        peer: session.peer(),
+        chain: &chain,
+        remote: conn.remote_address(),
+        hello: &hello,
     };
-    let welcome = match refused {
-        Some((reason, detail)) => {
-            let reject = Reject { reason, detail };
+    let (interval_ms, mut link) = match upstream.admit(arrival).await {
+        Ok(Admitted { interval_ms, link }) => (interval_ms, link),
+        Err(reject) => {
             return match session.reject(reject.reason, reject.detail.clone()) {
                 Ok(frame) => {
-                    refuse(conn, state, session.identity(), &mut send, reject, frame).await
+                    refuse(conn, metrics, session.identity(), &mut send, reject, frame).await
                 }
                 Err(_) => Err("reject failed"),
             };
         }
-        None => session.welcome(),
     };
-    let Ok(welcome) = welcome else {
+    session.set_interval_ms(interval_ms);
+    let Ok(welcome) = session.welcome() else {
         return Err("welcome failed");
     };
     if send.write_all(&welcome).await.is_err() {
@@ -227,10 +227,8 @@ async fn handle(
 
     let expired = tokio::time::sleep(expires_in(not_after_unix_s));
     tokio::pin!(expired);
-    let silence_limit = super::limits::report_timeout(
-        ingest.limits.quic_report_timeout_ms,
-        state.report_interval_ms,
-    );
+    let silence_limit =
+        super::limits::report_timeout(ingest.limits.quic_report_timeout_ms, interval_ms);
     let silence = tokio::time::sleep(silence_limit);
     tokio::pin!(silence);
     let mut rate = super::limits::Rate::new(
@@ -238,9 +236,6 @@ async fn handle(
         std::time::Instant::now(),
     );
     let mut watching = true;
-    let mut published = Publication::new(state.subscribe());
-    // A cluster replica that loses the service closes the connection, so that the
-    // agent goes on to the replica that took it over.
     loop {
         let bytes = tokio::select! {
             read = conn.read_datagram() => match read {
@@ -249,7 +244,7 @@ async fn handle(
             },
             _ = &mut silence => {
                 tracing::info!(node = %hello.node, after = ?silence_limit, "connection closed: no report");
-                state.metrics.reject_connection("no_reports");
+                metrics.reject_connection("no_reports");
                 conn.close(close::NORMAL.into(), b"no report");
                 return Err("no report");
             }
@@ -259,25 +254,28 @@ async fn handle(
                     watching = false;
                     continue;
                 }
-                match credentials_end(conn, state, ingest, &hello.node, &chain) {
+                match credentials_end(conn, metrics, ingest, &hello.node, &chain) {
                     Some(end) => return Err(end),
                     None => continue,
                 }
             }
-            Some(()) = lost(&mut losses) => {
-                if state.ownership.as_ref().is_some_and(|o| !o.owns(&hello.service)) {
+            down = link.next() => match down {
+                Downstream::Reply(reply) => {
+                    let _ = conn.send_datagram(reply);
+                    continue;
+                }
+                Downstream::Close(close) => {
                     tracing::info!(node = %hello.node, service = %hello.service,
-                        "connection closed: the service moved to another replica");
-                    state.metrics.reject_connection("moved");
-                    conn.close(close::MOVED.into(), b"service moved to another replica");
+                        reason = close.reason, "connection closed: {}", close.detail);
+                    metrics.reject_connection(close.reason);
+                    conn.close(close.code.into(), close.detail.as_bytes());
                     return Ok(());
                 }
-                continue;
-            }
+            },
             _ = &mut expired => {
                 let left = expires_in(not_after_unix_s);
                 if left.is_zero() {
-                    return Err(close_for(conn, state, &hello.node, Verdict::Expired));
+                    return Err(close_for(conn, metrics, &hello.node, Verdict::Expired));
                 }
                 expired.as_mut().reset(tokio::time::Instant::now() + left);
                 continue;
@@ -285,7 +283,7 @@ async fn handle(
         };
         if !rate.take(std::time::Instant::now()) {
             // Dropped unread: a flood never reaches the decoder or the balancer's lock.
-            state.metrics.reject("rate_limited");
+            metrics.reject("rate_limited");
             continue;
         }
         match session.handle_datagram(&bytes) {
@@ -293,15 +291,15 @@ async fn handle(
                 silence
                     .as_mut()
                     .reset(tokio::time::Instant::now() + silence_limit);
-                match balance(state, &hello, Ask::Report(&report, &mut published)) {
-                    Answer::Assigned {
+                match link.report(&report, &bytes) {
+                    Forwarded::Assigned {
                         assignment,
                         accepted,
                     } => {
                         if accepted {
-                            state.metrics.reports_accepted.inc();
+                            metrics.reports_accepted.inc();
                         } else {
-                            state.metrics.reject("reordered");
+                            metrics.reject("reordered");
                         }
                         // Answered even when another session of the node got ahead, so
                         // that this one still hears its weight.
@@ -309,35 +307,20 @@ async fn handle(
                             let _ = conn.send_datagram(reply.into());
                         }
                     }
-                    Answer::Reregistered => state.metrics.reject("unknown_endpoint"),
-                    Answer::Refused(reason, _) => state.metrics.reject(&reason.to_string()),
-                    Answer::Registered => {}
+                    Forwarded::Queued => {}
+                    Forwarded::Refused(reason) => metrics.reject(&reason.to_string()),
+                    Forwarded::Dropped(reason) => metrics.reject(reason),
                 }
             }
-            Ok(ServerEvent::Reordered { .. }) => state.metrics.reject("reordered"),
+            Ok(ServerEvent::Reordered { .. }) => metrics.reject("reordered"),
             Ok(_) => {}
             Err(e) => {
-                let reason = fault(conn, state, &session, &e);
+                let reason = fault(conn, metrics, &session, &e);
                 if session.close_code().is_some() {
                     return Err(reason);
                 }
             }
         }
-    }
-}
-
-/// Resolves when the replica has lost a bucket since the last call; never for a lone
-/// aggregator, or once the ownership is gone with the daemon.
-async fn lost(losses: &mut Option<tokio::sync::watch::Receiver<u64>>) -> Option<()> {
-    match losses {
-        Some(rx) => match rx.changed().await {
-            Ok(()) => Some(()),
-            Err(_) => {
-                *losses = None;
-                std::future::pending().await
-            }
-        },
-        None => std::future::pending().await,
     }
 }
 
@@ -360,14 +343,14 @@ fn expires_in(not_after_unix_s: i64) -> Duration {
 /// force changed since the handshake); the reason, if it did.
 fn credentials_end(
     conn: &quinn::Connection,
-    state: &State,
+    metrics: &Metrics,
     ingest: &Ingest,
     node: &str,
     chain: &[CertificateDer<'static>],
 ) -> Option<&'static str> {
     match ingest.revocation.verdict(chain) {
         Verdict::Valid => None,
-        v => Some(close_for(conn, state, node, v)),
+        v => Some(close_for(conn, metrics, node, v)),
     }
 }
 
@@ -375,7 +358,7 @@ fn credentials_end(
 /// why, and counts it.
 fn close_for(
     conn: &quinn::Connection,
-    state: &State,
+    metrics: &Metrics,
     node: &str,
     verdict: Verdict,
 ) -> &'static str {
@@ -384,49 +367,26 @@ fn close_for(
         Verdict::Expired | Verdict::Valid => (close::EXPIRED, "expired", b"certificate expired"),
     };
     tracing::warn!(%node, reason, "closing the connection of a node whose certificate is no longer valid");
-    state.metrics.reject_connection(reason);
+    metrics.reject_connection(reason);
     conn.close(code.into(), text);
     reason
-}
-
-/// Why a hello for `service` is refused as unknown before it reaches the balancer:
-/// with a config directory that accepts no unknown services, a service without a file
-/// (a deleted file's tombstone still counts as one, as does a file refused for a
-/// mistake: its team configured the service).
-fn unconfigured(state: &State, ingest: &Ingest, service: &str) -> Option<String> {
-    if !ingest.require_service_file {
-        return None;
-    }
-    let file = crate::config::dir::file_name(service);
-    let known = state.config_dir().as_ref().is_some_and(|status| {
-        status.configs.merged().services.contains_key(service)
-            || status.configs.errors().contains_key(&file)
-    });
-    if known {
-        None
-    } else {
-        Some(format!(
-            "service {service:?} has no file {file} in the config directory, and this \
-             aggregator accepts no unknown services (accept_unknown_services = false)"
-        ))
-    }
 }
 
 /// Counts a fault of the session, and closes the connection when the session ended
 /// over it. Returns the fault in words, for the log.
 fn fault(
     conn: &quinn::Connection,
-    state: &State,
+    metrics: &Metrics,
     session: &ServerSession,
     e: &ServerError,
 ) -> &'static str {
     match e {
-        ServerError::HelloTimeout(_) => state.metrics.reject_connection("hello_timeout"),
+        ServerError::HelloTimeout(_) => metrics.reject_connection("hello_timeout"),
         ServerError::TooManyBadDatagrams { .. } => {
-            state.metrics.reject(e.label());
-            state.metrics.reject_connection("malformed");
+            metrics.reject(e.label());
+            metrics.reject_connection("malformed");
         }
-        _ => state.metrics.reject(e.label()),
+        _ => metrics.reject(e.label()),
     }
     if let Some(code) = session.close_code() {
         conn.close(code.into(), e.to_string().as_bytes());
@@ -437,14 +397,14 @@ fn fault(
 /// Sends a reject, counts it by reason, and closes the connection.
 async fn refuse(
     conn: &quinn::Connection,
-    state: &State,
+    metrics: &Metrics,
     identity: &str,
     send: &mut quinn::SendStream,
     reject: Reject,
     frame: Vec<u8>,
 ) -> Result<(), &'static str> {
     tracing::warn!(%identity, reason = %reject.reason, detail = %reject.detail, "hello rejected");
-    state.metrics.reject(&reject.reason.to_string());
+    metrics.reject(&reject.reason.to_string());
     let _ = send.write_all(&frame).await;
     let _ = send.finish();
     // Give the reject a moment to leave before the close overtakes it.
@@ -453,174 +413,213 @@ async fn refuse(
     Err("rejected")
 }
 
-/// What ingest asks of the balancer.
-enum Ask<'a> {
-    /// Register the node a hello names, or refresh it.
-    Register,
-    /// Record a report, and look up what the reply tells the node.
-    Report(&'a Report, &'a mut Publication),
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::upstream::Close;
+    use ballast_shared::frame;
+    use ballast_shared::pki::Ca;
+    use ballast_shared::wire::{Hello, Message, NodeState, Reply, Report};
+    use bytes::Bytes;
+    use std::net::SocketAddr;
+    use tokio::sync::mpsc;
 
-/// What the last publication assigns one connection's node, looked up once per
-/// publication rather than once per report: a report then costs no search of the
-/// published endpoints, only a check that no newer publication came out.
-struct Publication {
-    latest: tokio::sync::watch::Receiver<Arc<Published>>,
-    /// The lookup in the publication `latest` has seen: `None` until it is made, then
-    /// the node's assignment, or `None` within when the publication does not hold it.
-    looked_up: Option<Option<Assignment>>,
-}
-
-impl Publication {
-    fn new(latest: tokio::sync::watch::Receiver<Arc<Published>>) -> Publication {
-        Publication {
-            latest,
-            looked_up: None,
-        }
+    /// What the queueing upstream saw of its agent.
+    #[derive(Debug)]
+    struct Seen {
+        node: String,
+        leaf: Vec<u8>,
+        remote: SocketAddr,
     }
 
-    /// The node's assignment in the latest publication, if that holds it.
-    fn assignment(&mut self, hello: &Hello) -> Option<Assignment> {
-        // An error means the daemon's sender is gone: the last value still stands.
-        if self.latest.has_changed().unwrap_or(false) {
-            self.looked_up = None;
-        }
-        if let Some(found) = self.looked_up {
-            return found;
-        }
-        let published = self.latest.borrow_and_update();
-        let found = published
-            .service(&hello.service)
-            .and_then(|svc| Some((svc, svc.endpoints.get(hello.node.as_str())?)))
-            .map(|(svc, e)| Assignment {
-                weight: e.weight,
-                cycle: svc.cycle,
-                draining: e.draining,
-                load: e.load,
-                inflight_trusted: e.inflight_trusted,
+    /// An upstream that hands reports on, as a relay's does: every report is queued,
+    /// and what goes back to the agent comes from the test through `Link::next`.
+    struct Queueing {
+        seen: mpsc::UnboundedSender<Seen>,
+        reports: mpsc::UnboundedSender<Vec<u8>>,
+        downstream: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Downstream>>>,
+    }
+
+    struct QueueingLink {
+        reports: mpsc::UnboundedSender<Vec<u8>>,
+        downstream: mpsc::UnboundedReceiver<Downstream>,
+    }
+
+    impl Upstream for Queueing {
+        type Link = QueueingLink;
+
+        async fn admit(&self, arrival: Arrival<'_>) -> Result<Admitted<QueueingLink>, Reject> {
+            let _ = self.seen.send(Seen {
+                node: arrival.hello.node.clone(),
+                leaf: arrival
+                    .chain
+                    .first()
+                    .map(|c| c.to_vec())
+                    .unwrap_or_default(),
+                remote: arrival.remote,
             });
-        drop(published);
-        self.looked_up = Some(found);
-        found
-    }
-}
-
-/// The balancer's answer.
-enum Answer {
-    /// The node is registered.
-    Registered,
-    /// The report is recorded (`accepted`), or the balancer already had a newer one
-    /// from another session of the node; either way, what the reply tells the node.
-    Assigned {
-        assignment: Assignment,
-        accepted: bool,
-    },
-    /// The endpoint had expired while connected (a very long stall): registered again,
-    /// and the report dropped.
-    Reregistered,
-    /// Refused: the service is not served here, or a limit would be passed.
-    Refused(RejectReason, String),
-}
-
-/// The refusal a registration error amounts to.
-fn refusal(e: BalanceError) -> Answer {
-    let reason = match e {
-        BalanceError::Limit { .. } => RejectReason::LimitReached,
-        BalanceError::AddressInUse { .. } => RejectReason::AddressNotAllowed,
-        BalanceError::UnknownService(_) | BalanceError::UnknownEndpoint { .. } => {
-            RejectReason::UnknownService
-        }
-    };
-    Answer::Refused(reason, e.to_string())
-}
-
-/// Every call ingest makes into the balancer, in one place: registering a node and
-/// recording its reports. The reply's weight comes from the last publication, as every
-/// feed's does, so an agent's HAProxy agent-check answers what xDS and the store say;
-/// only a node registered since then, not yet published, hears the balancer's own
-/// starting weight.
-fn balance(state: &State, hello: &Hello, ask: Ask<'_>) -> Answer {
-    let now = state.clock.now();
-    let mut balancer = state.balancer();
-    // Checked under the balancer's lock: a cluster replica lets go of a service (under
-    // the same lock) only after it stopped owning it, so a registration that passes
-    // here is swept with the service, and none can bring a lost service back.
-    let not_owner = || {
-        (!state.balances(&hello.service)).then(|| {
-            let detail = state
-                .ownership
-                .as_ref()
-                .map(|o| o.refusal(&hello.service))
-                .unwrap_or_default();
-            Answer::Refused(RejectReason::NotOwner, detail)
-        })
-    };
-    let register = |b: &mut ballast_balance::Balancer| {
-        b.register(
-            now,
-            &hello.service,
-            &hello.node,
-            &hello.address,
-            &hello.zone,
-        )
-    };
-    match ask {
-        Ask::Register => match not_owner() {
-            Some(refused) => refused,
-            None => match register(&mut balancer) {
-                Ok(()) => Answer::Registered,
-                Err(e) => refusal(e),
-            },
-        },
-        Ask::Report(report, published) => {
-            match balancer.observe(now, &hello.service, &hello.node, observation(report)) {
-                Ok(a) => {
-                    drop(balancer);
-                    let assignment = match published.assignment(hello) {
-                        Some(assignment) => assignment,
-                        None => Assignment {
-                            weight: a.weight,
-                            cycle: a.cycle,
-                            draining: a.draining,
-                            load: a.load,
-                            inflight_trusted: a.inflight_trusted,
-                        },
-                    };
-                    Answer::Assigned {
-                        assignment,
-                        accepted: a.accepted,
-                    }
-                }
-                // Forgotten while connected (a long stall, or another node took its
-                // address): registered again if it still may be, else refused.
-                Err(BalanceError::UnknownEndpoint { .. }) => match not_owner() {
-                    Some(refused) => refused,
-                    None => match register(&mut balancer) {
-                        Ok(()) => Answer::Reregistered,
-                        Err(e) => refusal(e),
-                    },
+            let downstream = self
+                .downstream
+                .lock()
+                .expect("lock")
+                .take()
+                .expect("one agent");
+            Ok(Admitted {
+                interval_ms: 2000,
+                link: QueueingLink {
+                    reports: self.reports.clone(),
+                    downstream,
                 },
-                // Reports never create anything, so no limit can refuse one; an
-                // unknown service is one removed since the hello.
-                Err(
-                    e @ (BalanceError::UnknownService(_)
-                    | BalanceError::Limit { .. }
-                    | BalanceError::AddressInUse { .. }),
-                ) => refusal(e),
+            })
+        }
+    }
+
+    impl Link for QueueingLink {
+        fn report(&mut self, _report: &Report, raw: &[u8]) -> Forwarded {
+            let _ = self.reports.send(raw.to_vec());
+            Forwarded::Queued
+        }
+
+        async fn next(&mut self) -> Downstream {
+            match self.downstream.recv().await {
+                Some(d) => d,
+                None => std::future::pending().await,
             }
         }
     }
-}
 
-/// The balancer's view of a wire report: the conversion belongs to ingest, so that the
-/// core knows nothing of the wire.
-fn observation(r: &ballast_shared::wire::Report) -> Observation {
-    Observation {
-        seq: Some(r.seq),
-        cpu: f64::from(r.cpu),
-        inflight: r.inflight,
-        capacity: r.capacity,
-        error_rate: r.error_rate.map(f64::from),
-        draining: r.state == ballast_shared::wire::NodeState::Draining,
+    #[tokio::test]
+    async fn a_queued_report_is_answered_when_the_upstream_replies_and_it_may_close() {
+        let ca = Ca::generate("test CA").expect("CA");
+        let server = ca
+            .issue_server(&["localhost".to_string()])
+            .expect("server certificate");
+        let ca_certs = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
+        let cfg = crate::config::Config::default();
+        let (server_config, ingest) = super::super::setup(
+            &cfg,
+            server.identity("server").expect("identity"),
+            &ca_certs,
+        )
+        .expect("ingest");
+        let endpoint =
+            quinn::Endpoint::server(server_config, SocketAddr::from(([127, 0, 0, 1], 0)))
+                .expect("server endpoint");
+        let addr = endpoint.local_addr().expect("address");
+        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        let (reports_tx, mut reports) = mpsc::unbounded_channel();
+        let (down, down_rx) = mpsc::unbounded_channel();
+        let upstream = Arc::new(Queueing {
+            seen: seen_tx,
+            reports: reports_tx,
+            downstream: std::sync::Mutex::new(Some(down_rx)),
+        });
+        let metrics = Arc::new(Metrics::new());
+        tokio::spawn(serve(
+            endpoint.clone(),
+            metrics.clone(),
+            Arc::new(ingest),
+            upstream,
+        ));
+
+        let node = ca
+            .issue_node("n1", &["web".to_string()])
+            .expect("node certificate");
+        let client_config = ballast_shared::tls::client_config(
+            node.pem.identity("node").expect("node identity"),
+            &ca_certs,
+        )
+        .expect("client config");
+        let mut client =
+            quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).expect("client");
+        client.set_default_client_config(client_config);
+        let conn = client
+            .connect(addr, "localhost")
+            .expect("connect")
+            .await
+            .expect("handshake");
+        let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+        let hello = Hello {
+            node: "n1".into(),
+            service: "web".into(),
+            address: "127.0.0.1:8080".into(),
+            zone: String::new(),
+            version: "test".into(),
+        };
+        frame::write(&mut send, &Message::Hello(hello))
+            .await
+            .expect("hello");
+        let _ = send.finish();
+        match frame::read(&mut recv).await.expect("answer") {
+            Message::Welcome(w) => assert_eq!(w.interval_ms, 2000),
+            other => panic!("not welcomed: {other:?}"),
+        }
+        let seen = seen.recv().await.expect("admitted");
+        assert_eq!(seen.node, "n1");
+        let leaf = ballast_shared::tls::certs_from_pem(&node.pem.cert, "node").expect("leaf");
+        assert_eq!(seen.leaf, leaf[0].to_vec());
+        assert_eq!(seen.remote, client.local_addr().expect("client address"));
+
+        let report = Report {
+            seq: 1,
+            cpu: 0.5,
+            inflight: 3,
+            capacity: 0,
+            error_rate: None,
+            state: NodeState::Serving,
+        };
+        let raw = ballast_shared::wire::encode(&Message::Report(report)).expect("encode");
+        conn.send_datagram(Bytes::from(raw.clone()))
+            .expect("report");
+        let forwarded = tokio::time::timeout(Duration::from_secs(5), reports.recv())
+            .await
+            .expect("handed on in time")
+            .expect("handed on");
+        assert_eq!(
+            forwarded, raw,
+            "the report's datagram is handed on as it came"
+        );
+
+        // The upstream's reply, later, reaches the agent as it is.
+        let reply = Reply {
+            weight: 1.5,
+            cycle: 7,
+            interval_ms: 2000,
+            draining: false,
+            load: 0.5,
+            inflight_trusted: true,
+        };
+        let reply = Bytes::from(
+            ballast_shared::wire::encode(&Message::Reply(reply)).expect("encode reply"),
+        );
+        down.send(Downstream::Reply(reply.clone())).expect("reply");
+        let got = tokio::time::timeout(Duration::from_secs(5), conn.read_datagram())
+            .await
+            .expect("a reply in time")
+            .expect("a reply");
+        assert_eq!(got, reply);
+
+        // And its close ends the connection with its code.
+        down.send(Downstream::Close(Close {
+            code: close::MOVED,
+            reason: "moved",
+            detail: "service moved".into(),
+        }))
+        .expect("close");
+        let closed = tokio::time::timeout(Duration::from_secs(5), conn.closed())
+            .await
+            .expect("closed in time");
+        match closed {
+            quinn::ConnectionError::ApplicationClosed(c) => {
+                assert_eq!(c.error_code, quinn::VarInt::from_u32(close::MOVED));
+            }
+            other => panic!("closed otherwise: {other}"),
+        }
+        assert_eq!(
+            metrics.reports_accepted.get(),
+            0,
+            "counted by the upstream, not here"
+        );
+        endpoint.close(quinn::VarInt::from_u32(close::NORMAL), b"done");
     }
 }

@@ -7,8 +7,7 @@
 //! changes, and closes itself if the certificate is now revoked.
 
 use super::IngestError;
-use crate::metrics::Reason;
-use crate::state::State;
+use crate::metrics::{Metrics, Reason};
 use ballast_shared::tls::{self, CertificateDer, CertificateRevocationListDer, ClientVerifier};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -135,7 +134,7 @@ impl Revocation {
     /// Watches the list's file until the task ends: a changed file is read and put in
     /// force, then every live connection checks its certificate again. A file that is
     /// unusable, or gone, leaves the list in force as it was.
-    pub(super) async fn watch(self: Arc<Self>, state: Arc<State>) {
+    pub(super) async fn watch(self: Arc<Self>, metrics: Arc<Metrics>) {
         let Some(path) = self.path.clone() else {
             return std::future::pending().await;
         };
@@ -152,7 +151,7 @@ impl Revocation {
                     if !complained {
                         tracing::warn!(crl = %path.display(), error = %e,
                             "cannot read the certificate revocation list; the list in force stays");
-                        count(&state, "error");
+                        count(&metrics, "error");
                         complained = true;
                     }
                     continue;
@@ -170,7 +169,7 @@ impl Revocation {
                     // whatever the stamp says.
                     if !complained {
                         tracing::error!(error = %e, "certificate revocation list refused; the list in force stays");
-                        count(&state, "error");
+                        count(&metrics, "error");
                         complained = true;
                     }
                     last_stamp = None;
@@ -186,21 +185,20 @@ impl Revocation {
             if let Err(e) = self.verifier.set_crls(crls) {
                 tracing::error!(crl = %path.display(), error = %e,
                     "certificate revocation list refused; the list in force stays");
-                count(&state, "error");
+                count(&metrics, "error");
                 last_bytes = bytes;
                 continue;
             }
             last_bytes = bytes;
             tracing::info!(crl = %path.display(), "certificate revocation list reloaded; live connections are checked again");
-            count(&state, "applied");
+            count(&metrics, "applied");
             self.generation.send_modify(|g| *g = g.wrapping_add(1));
         }
     }
 }
 
-fn count(state: &State, outcome: &str) {
-    state
-        .metrics
+fn count(metrics: &Metrics, outcome: &str) {
+    metrics
         .crl_reloads
         .get_or_create(&Reason {
             reason: outcome.to_string(),

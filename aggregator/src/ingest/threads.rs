@@ -13,8 +13,9 @@
 //! The rest of the daemon (the cycle, the feeds, the HTTP API) stays on the daemon's
 //! runtime; the two meet in the shared state, as before.
 
+use super::upstream::Upstream;
 use super::Ingest;
-use crate::state::State;
+use crate::metrics::Metrics;
 use std::net::{SocketAddr, UdpSocket};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -73,14 +74,15 @@ impl Drop for Running {
 }
 
 /// Binds `count` sockets to `addr` and starts a thread for each that accepts and serves
-/// agents' connections until its endpoint is closed. Runs in the daemon's runtime,
-/// where it starts the revocation list's watcher.
-pub(crate) async fn start(
+/// agents' connections until its endpoint is closed, each agent by `upstream`. Runs in
+/// the daemon's runtime, where it starts the revocation list's watcher.
+pub(crate) async fn start<U: Upstream>(
     server: quinn::ServerConfig,
     addr: SocketAddr,
     count: usize,
-    state: Arc<State>,
+    metrics: Arc<Metrics>,
     ingest: Ingest,
+    upstream: Arc<U>,
 ) -> Result<Threads, ThreadsError> {
     let count = count.max(1);
     let sockets = bind(addr, count)?;
@@ -107,14 +109,17 @@ pub(crate) async fn start(
     for (index, socket) in sockets.into_iter().enumerate() {
         let (ready, endpoint) = oneshot::channel();
         let running = Running(counter.clone());
-        let (server, state, ingest) = (server.clone(), state.clone(), ingest.clone());
+        let (server, metrics, ingest) = (server.clone(), metrics.clone(), ingest.clone());
+        let upstream = upstream.clone();
         let config = config.clone();
         let panicked = panicked.clone();
         std::thread::Builder::new()
             .name(format!("ballast-quic-{index}"))
             .spawn(move || {
                 let _running = running;
-                let run = AssertUnwindSafe(|| serve(socket, config, server, state, ingest, ready));
+                let run = AssertUnwindSafe(|| {
+                    serve(socket, config, server, metrics, ingest, upstream, ready)
+                });
                 if let Err(panic) = std::panic::catch_unwind(run) {
                     let message = crate::supervise::panic_message(panic.as_ref());
                     tracing::error!(thread = index, %message, "a QUIC thread panicked");
@@ -137,7 +142,7 @@ pub(crate) async fn start(
         started(&endpoints);
         return Err(ThreadsError::Start { index, source });
     }
-    let watcher = tokio::spawn(ingest.revocation.clone().watch(state));
+    let watcher = tokio::spawn(ingest.revocation.clone().watch(metrics));
     Ok(Threads {
         endpoints,
         addr: bound,
@@ -149,12 +154,13 @@ pub(crate) async fn start(
 
 /// One thread's life: its runtime, its endpoint on `socket`, serving until the endpoint
 /// is closed, then a short wait for its connections' close to go out.
-fn serve(
+fn serve<U: Upstream>(
     socket: UdpSocket,
     config: quinn::EndpointConfig,
     server: quinn::ServerConfig,
-    state: Arc<State>,
+    metrics: Arc<Metrics>,
     ingest: Arc<Ingest>,
+    upstream: Arc<U>,
     ready: oneshot::Sender<std::io::Result<quinn::Endpoint>>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -180,7 +186,7 @@ fn serve(
         if ready.send(Ok(endpoint.clone())).is_err() {
             return;
         }
-        super::quic::serve(endpoint.clone(), state, ingest).await;
+        super::quic::serve(endpoint.clone(), metrics, ingest, upstream).await;
         let _ = tokio::time::timeout(DRAIN, endpoint.wait_idle()).await;
     });
 }

@@ -1,0 +1,117 @@
+//! The seam between an agent's connection and what serves the agent behind it.
+//!
+//! The connection's driver ([`super::quic`]) keeps everything that is the connection's
+//! own, in one place whatever serves the agent: the certificate and the policy's grant,
+//! the hello and its deadline, the connection caps, the rate limit, the silence rule,
+//! and the end of a connection whose certificate is revoked or expires. What is done
+//! with an admitted agent and its reports is an [`Upstream`]'s: the aggregator's own
+//! balancer ([`super::local::Local`]), or another process the reports are handed on to,
+//! whose answers then come back later through [`Link::next`].
+
+use ballast_shared::session::{Assignment, Peer};
+use ballast_shared::tls::CertificateDer;
+use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
+use bytes::Bytes;
+use std::borrow::Cow;
+use std::future::Future;
+use std::net::SocketAddr;
+
+/// An agent whose hello the session has accepted, as the upstream is asked to admit
+/// it: who it is by its certificate, and what it says of itself.
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code)] // the local upstream reads only the hello; upstreams that hand agents on need the rest
+pub(crate) struct Arrival<'a> {
+    /// The identity its certificate names, its source address and what it may claim.
+    pub(crate) peer: &'a Peer,
+    /// Its certificate chain as presented, leaf first (DER): for an upstream that must
+    /// have it checked again elsewhere.
+    pub(crate) chain: &'a [CertificateDer<'static>],
+    /// The connection's source address and port.
+    pub(crate) remote: SocketAddr,
+    /// Its hello.
+    pub(crate) hello: &'a Hello,
+}
+
+/// An admitted agent: the report interval its welcome gives it, and the link its
+/// reports go through.
+#[derive(Debug)]
+pub(crate) struct Admitted<L> {
+    /// The report interval the agent is told to use, in milliseconds. The connection's
+    /// silence rule is counted from it too.
+    pub(crate) interval_ms: u32,
+    /// Where the agent's reports go, and its replies come from, until the connection
+    /// ends; dropped when it ends.
+    pub(crate) link: L,
+}
+
+/// What serves the agents that a connection driver admits.
+pub(crate) trait Upstream: Send + Sync + 'static {
+    /// One admitted agent's link.
+    type Link: Link;
+
+    /// Admits the agent of a hello the session accepted (its claims are within its
+    /// grant): checks that the agent is served here and registers it; or the reject
+    /// the agent is sent.
+    fn admit(
+        &self,
+        arrival: Arrival<'_>,
+    ) -> impl Future<Output = Result<Admitted<Self::Link>, Reject>> + Send;
+}
+
+/// One admitted agent's path to what serves it. Dropping it lets go of the agent
+/// there.
+pub(crate) trait Link: Send + 'static {
+    /// Takes a report the session accepted, with the datagram it came in (`raw`).
+    /// Called for every report on the connection's task: it must not block, and the
+    /// aggregator's own link allocates nothing and takes no lock beyond the
+    /// balancer's.
+    fn report(&mut self, report: &Report, raw: &[u8]) -> Forwarded;
+
+    /// The next thing to tell the agent that is not an answer [`Link::report`] gave
+    /// at once: a reply to a report handed on earlier, or the end of the connection.
+    /// Pending for as long as there is none; it may never resolve. Cancel-safe: the
+    /// driver drops it whenever something else happens first, and calls it again.
+    fn next(&mut self) -> impl Future<Output = Downstream> + Send;
+}
+
+/// What became of a report.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Forwarded {
+    /// Recorded (`accepted`), or a newer one from another session of the node was
+    /// already; either way the reply tells the agent `assignment`.
+    Assigned {
+        /// What the reply tells the agent.
+        assignment: Assignment,
+        /// Whether this report was recorded.
+        accepted: bool,
+    },
+    /// Handed on: its reply, if any, comes through [`Link::next`].
+    #[allow(dead_code)] // constructed by upstreams that hand reports on
+    Queued,
+    /// Refused for `reason`, unanswered: counted as a rejected report.
+    Refused(RejectReason),
+    /// Dropped unanswered, counted as a rejected report for the reason named.
+    Dropped(&'static str),
+}
+
+/// What an upstream tells the agent later.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Downstream {
+    /// A reply datagram, encoded, to send to the agent as it is.
+    #[allow(dead_code)] // constructed by upstreams that hand reports on
+    Reply(Bytes),
+    /// The connection is to be closed.
+    Close(Close),
+}
+
+/// How and why an upstream ends a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Close {
+    /// The application close code ([`super::quic::close`]): it tells the agent what to
+    /// do next (MOVED: try the next aggregator).
+    pub(crate) code: u32,
+    /// The reason the close is counted under in `ballast_connections_rejected_total`.
+    pub(crate) reason: &'static str,
+    /// The close's text, for the agent's log and this one's.
+    pub(crate) detail: Cow<'static, str>,
+}
