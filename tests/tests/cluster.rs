@@ -11,6 +11,7 @@
 use ballast_aggregator::cluster::{bucket_of, owner_key, preferred, FEED_BEHIND_AFTER};
 use ballast_aggregator::store::chunks::Manifest;
 use ballast_balance::ServiceSnapshot;
+use ballast_tests::harness::cluster::{converged_to_speeds, largest_change, weights, ClusterKeys};
 use ballast_tests::harness::netns::Netns;
 use ballast_tests::*;
 use std::collections::BTreeMap;
@@ -20,6 +21,11 @@ const PREFIX: &str = "/ballast-cluster";
 const CLUSTER: &str = "lab";
 /// The shipped defaults of `[cluster]`.
 const BUCKETS: u32 = 64;
+const KEYS: ClusterKeys = ClusterKeys {
+    prefix: PREFIX,
+    name: CLUSTER,
+    buckets: BUCKETS,
+};
 const LEASE_TTL: Duration = Duration::from_secs(3);
 const SERVICES: [&str; 3] = ["alpha", "beta", "gamma"];
 const PER_SERVICE: usize = 4;
@@ -31,70 +37,6 @@ fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
             .etcd(&etcd.endpoint(), PREFIX)
             .cluster(CLUSTER, name),
     )
-}
-
-/// The replica holding `service`'s bucket, as etcd says.
-fn owner(etcd: &Etcd, service: &str) -> Option<String> {
-    etcd.get(&owner_key(PREFIX, CLUSTER, bucket_of(service, BUCKETS)))
-}
-
-/// Waits until a replica other than `first` owns `service`, and names it.
-fn new_owner(etcd: &Etcd, service: &str, first: &str) -> String {
-    wait_for(
-        Duration::from_secs(20),
-        &format!("another owner of {service} than {first}"),
-        || match owner(etcd, service) {
-            Some(o) if o != first => Ok(o),
-            o => Err(format!("{o:?}")),
-        },
-    )
-}
-
-/// `service` as its owner last stored it.
-fn stored(etcd: &Etcd, service: &str) -> Option<ServiceSnapshot> {
-    let value = etcd.get(&format!("{PREFIX}/services/{service}"))?;
-    Some(serde_json::from_str(&value).unwrap_or_else(|e| panic!("{service}: {e}: {value}")))
-}
-
-/// Every bucket's owner.
-fn owners(etcd: &Etcd) -> BTreeMap<String, String> {
-    let out = etcd
-        .try_ctl(&[
-            "get",
-            "--prefix",
-            &format!("{PREFIX}/cluster/{CLUSTER}/owners/"),
-        ])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let lines: Vec<&str> = out.lines().collect();
-    lines
-        .chunks(2)
-        .filter_map(|kv| Some((kv.first()?.to_string(), kv.get(1)?.to_string())))
-        .collect()
-}
-
-fn weights(s: &ServiceSnapshot) -> BTreeMap<String, f64> {
-    s.endpoints
-        .iter()
-        .map(|(n, e)| (n.clone(), e.weight))
-        .collect()
-}
-
-fn largest_change(a: &ServiceSnapshot, b: &ServiceSnapshot) -> f64 {
-    let (wa, wb) = (weights(a), weights(b));
-    wa.iter()
-        .map(|(n, w)| (w - wb.get(n).copied().unwrap_or(0.0)).abs())
-        .fold(0.0, f64::max)
-}
-
-/// The values `service`'s key took, in order, as a watch from revision 1 saw them.
-fn history(watch: &Watch, service: &str) -> Vec<ServiceSnapshot> {
-    let key = format!("{PREFIX}/services/{service}");
-    watch
-        .events()
-        .into_iter()
-        .filter(|e| e.kind == "PUT" && e.key == key)
-        .map(|e| serde_json::from_str(&e.value).unwrap_or_else(|err| panic!("{err}: {e:?}")))
-        .collect()
 }
 
 /// Twelve agents in three services, each told of every replica, starting at a
@@ -119,34 +61,9 @@ fn fleet(pki: &Pki, replicas: &[Aggregator]) -> Vec<Agent> {
     agents
 }
 
-/// Whether `s`'s weights are within 10 % of its agents' speeds (1 to 4, over their
-/// mean): converged, as a balanced fleet of these speeds is.
-fn converged_to_speeds(s: &ServiceSnapshot) -> Result<(), String> {
-    let w = weights(s);
-    let mean_speed = (1..=PER_SERVICE).sum::<usize>() as f64 / PER_SERVICE as f64;
-    let near = w.len() == PER_SERVICE
-        && w.iter().all(|(node, w)| {
-            let i: f64 = node
-                .rsplit('-')
-                .next()
-                .and_then(|i| i.parse().ok())
-                .unwrap_or(-9.0);
-            let want = (1.0 + i) / mean_speed;
-            (w - want).abs() <= 0.1 * want
-        });
-    near.then_some(()).ok_or(format!("{w:?}"))
-}
-
 /// Waits until every service is owned, stored with its whole fleet, and converged.
 fn wait_balanced(etcd: &Etcd, timeout: Duration) {
-    wait_for(timeout, "every service owned, stored and converged", || {
-        for service in SERVICES {
-            owner(etcd, service).ok_or(format!("{service} has no owner"))?;
-            let s = stored(etcd, service).ok_or(format!("{service} not stored"))?;
-            converged_to_speeds(&s).map_err(|e| format!("{service}: {e}"))?;
-        }
-        Ok(())
-    });
+    KEYS.wait_balanced(etcd, &SERVICES, PER_SERVICE, timeout);
 }
 
 #[test]
@@ -162,7 +79,7 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
 
     // Every replica serves every service, owned or not, as its owner stored it.
     for service in SERVICES {
-        let s = stored(&etcd, service).expect("stored");
+        let s = KEYS.stored(&etcd, service).expect("stored");
         for (i, r) in replicas.iter().enumerate() {
             wait_for(
                 Duration::from_secs(10),
@@ -181,19 +98,19 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
 
     // A few more writes of the service to be failed over give a normal cycle's change.
     let service = "alpha";
-    let first = owner(&etcd, service).expect("owner");
-    let before_count = history(&watch, service).len();
+    let first = KEYS.owner(&etcd, service).expect("owner");
+    let before_count = KEYS.history(&watch, service).len();
     wait_for(
         Duration::from_secs(30),
         "three more writes of alpha",
         || {
-            let n = history(&watch, service).len();
+            let n = KEYS.history(&watch, service).len();
             (n >= before_count + 3)
                 .then_some(())
                 .ok_or(format!("{n} writes"))
         },
     );
-    let before = history(&watch, service);
+    let before = KEYS.history(&watch, service);
     let normal = before
         .windows(2)
         .rev()
@@ -206,10 +123,10 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
         .iter()
         .position(|n| *n == first)
         .expect("the owner is a replica");
-    let last = stored(&etcd, service).expect("stored");
+    let last = KEYS.stored(&etcd, service).expect("stored");
     replicas[victim].kill();
     let killed = Instant::now();
-    let next = new_owner(&etcd, service, &first);
+    let next = KEYS.new_owner(&etcd, service, &first);
     let took = killed.elapsed();
     // The lease lapses at most its time to live after the last renewal, which was
     // within a third of it before the kill; etcd sweeps expired leases every 500 ms,
@@ -228,7 +145,7 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
         Duration::from_secs(20),
         "alpha written by its new owner",
         || {
-            let s = stored(&etcd, service).ok_or("not stored")?;
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
             (s.version > last.version)
                 .then_some(s.clone())
                 .ok_or(format!("version {} cycle {}", s.version, s.cycle))
@@ -245,7 +162,7 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
         weights(&resumed)
     );
     // No weight reset: still converged.
-    if let Err(w) = converged_to_speeds(&resumed) {
+    if let Err(w) = converged_to_speeds(&resumed, PER_SERVICE) {
         panic!("weights reset across the failover: {w}");
     }
 
@@ -278,17 +195,7 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
 
     // One writer at a time: every service's stored versions only ever grow.
     for service in SERVICES {
-        let h = history(&watch, service);
-        for pair in h.windows(2) {
-            assert!(
-                pair[1].version > pair[0].version && pair[1].cycle >= pair[0].cycle,
-                "{service} went from version {} cycle {} to version {} cycle {}",
-                pair[0].version,
-                pair[0].cycle,
-                pair[1].version,
-                pair[1].cycle
-            );
-        }
+        KEYS.assert_one_writer(&watch, service);
     }
 
     // etcd goes away: the replicas stop balancing and give up their buckets once
@@ -358,7 +265,7 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
     etcd.restart();
     let cycles: BTreeMap<&str, u64> = SERVICES
         .iter()
-        .map(|s| (*s, stored(&etcd, s).expect("stored").cycle))
+        .map(|s| (*s, KEYS.stored(&etcd, s).expect("stored").cycle))
         .collect();
     let back = Instant::now();
     wait_for(
@@ -366,8 +273,9 @@ fn a_killed_owner_hands_its_services_on_with_their_weights_and_an_etcd_outage_fr
         "every service owned and written again",
         || {
             for service in SERVICES {
-                owner(&etcd, service).ok_or(format!("{service} has no owner"))?;
-                let s = stored(&etcd, service).ok_or("not stored")?;
+                KEYS.owner(&etcd, service)
+                    .ok_or(format!("{service} has no owner"))?;
+                let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
                 if s.cycle <= cycles[service] {
                     return Err(format!("{service} still at cycle {}", s.cycle));
                 }
@@ -392,18 +300,18 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
     let _agents = fleet(&pki, &replicas);
     wait_balanced(&etcd, Duration::from_secs(90));
     let service = "beta";
-    let first = owner(&etcd, service).expect("owner");
+    let first = KEYS.owner(&etcd, service).expect("owner");
     let victim = names.iter().position(|n| *n == first).expect("a replica");
-    let last = stored(&etcd, service).expect("stored");
+    let last = KEYS.stored(&etcd, service).expect("stored");
 
     // Frozen for longer than its lease: to the others it is dead.
     replicas[victim].pause();
-    let next = new_owner(&etcd, service, &first);
+    let next = KEYS.new_owner(&etcd, service, &first);
     let taken = wait_for(
         Duration::from_secs(30),
         "beta written by its successor",
         || {
-            let s = stored(&etcd, service).ok_or("not stored")?;
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
             (s.version > last.version)
                 .then_some(s.clone())
                 .ok_or(format!("version {}", s.version))
@@ -427,8 +335,8 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
         Duration::from_secs(30),
         "beta back at its first owner",
         || {
-            let o = owner(&etcd, service);
-            let s = stored(&etcd, service).ok_or("not stored")?;
+            let o = KEYS.owner(&etcd, service);
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
             (o.as_deref() == Some(first.as_str()) && s.version > taken.version + 1)
                 .then_some(())
                 .ok_or(format!("owner {o:?}, version {}", s.version))
@@ -442,7 +350,7 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
     );
 
     // One writer at a time throughout: every stored version is newer than the last.
-    let h = history(&watch, service);
+    let h = KEYS.history(&watch, service);
     for pair in h.windows(2) {
         assert!(
             pair[1].version > pair[0].version,
@@ -456,7 +364,12 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
     wait_for(
         Duration::from_secs(30),
         "beta converged after two handovers",
-        || converged_to_speeds(&stored(&etcd, service).ok_or("not stored")?),
+        || {
+            converged_to_speeds(
+                &KEYS.stored(&etcd, service).ok_or("not stored")?,
+                PER_SERVICE,
+            )
+        },
     );
 }
 
@@ -526,14 +439,14 @@ fn a_replica_cut_off_from_etcd_stops_writing_says_so_and_hands_its_service_on() 
     let watch = etcd.watch(PREFIX);
     let _agents = fleet(&pki, &replicas);
     wait_balanced(&etcd, Duration::from_secs(90));
-    assert_eq!(owner(&etcd, service).as_deref(), Some(cut_name));
+    assert_eq!(KEYS.owner(&etcd, service).as_deref(), Some(cut_name));
     assert_eq!(cluster_health(&replicas[cut]).map(|h| h.0), Ok(true));
-    let last = stored(&etcd, service).expect("stored");
+    let last = KEYS.stored(&etcd, service).expect("stored");
 
     ns.set_rules(&Netns::drop_tcp_to(ns.host_ip(), etcd.client_port()));
     let partitioned = Instant::now();
     // etcd lets the lease lapse and another replica claims the bucket.
-    let next = new_owner(&etcd, service, cut_name);
+    let next = KEYS.new_owner(&etcd, service, cut_name);
     let took = partitioned.elapsed();
     // As for a killed owner: the time to live and two cycles, 1 s more for a loaded
     // machine; the lease was last renewed up to a third of it before the cut.
@@ -564,13 +477,13 @@ fn a_replica_cut_off_from_etcd_stops_writing_says_so_and_hands_its_service_on() 
         Duration::from_secs(20),
         "alpha written by its new owner",
         || {
-            let s = stored(&etcd, service).ok_or("not stored")?;
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
             (s.version > last.version)
                 .then_some(s.clone())
                 .ok_or(format!("version {}", s.version))
         },
     );
-    if let Err(w) = converged_to_speeds(&resumed) {
+    if let Err(w) = converged_to_speeds(&resumed, PER_SERVICE) {
         panic!("weights reset across the partition: {w}");
     }
     // Still serving alpha as last published: frozen, not emptied, and behind what
@@ -581,7 +494,7 @@ fn a_replica_cut_off_from_etcd_stops_writing_says_so_and_hands_its_service_on() 
         Duration::from_secs(10),
         "the new owner to write past what the cut replica serves",
         || {
-            let s = stored(&etcd, service).ok_or("not stored")?;
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
             (s.version > frozen.version)
                 .then_some(())
                 .ok_or(format!("stored {} served {}", s.version, frozen.version))
@@ -603,17 +516,17 @@ fn a_replica_cut_off_from_etcd_stops_writing_says_so_and_hands_its_service_on() 
     wait_for(
         Duration::from_secs(30),
         &format!("{cut_name} following etcd and owning alpha again"),
-        || match (cluster_health(&replicas[cut])?, owner(&etcd, service)) {
+        || match (cluster_health(&replicas[cut])?, KEYS.owner(&etcd, service)) {
             ((true, n), Some(o)) if n > 0 && o == cut_name => Ok(()),
             (h, o) => Err(format!("health {h:?}, owner {o:?}")),
         },
     );
-    let back = stored(&etcd, service).expect("stored");
+    let back = KEYS.stored(&etcd, service).expect("stored");
     wait_for(
         Duration::from_secs(30),
         "alpha written by its first owner again",
         || {
-            let s = stored(&etcd, service).ok_or("not stored")?;
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
             (s.version > back.version)
                 .then_some(())
                 .ok_or(format!("version {}", s.version))
@@ -694,7 +607,7 @@ fn a_service_too_large_for_one_etcd_request_is_served_whole_by_every_replica() {
     let manifest = Manifest::parse(etcd.get(&key).expect("big's key").as_bytes())
         .expect("big's key holds a manifest");
     assert!(manifest.chunks >= 2, "{manifest:?}");
-    let owner = owner(&etcd, "big").expect("an owner");
+    let owner = KEYS.owner(&etcd, "big").expect("an owner");
     eprintln!(
         "large service: {} endpoints, {} bytes in {} chunks, written by {owner} and served \
          whole by every replica",
@@ -730,7 +643,7 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
         Duration::from_secs(30),
         "every bucket owned by three",
         || {
-            let now = owners(&etcd);
+            let now = KEYS.owners(&etcd);
             (now == three)
                 .then_some(())
                 .ok_or(format!("{} owned", now.len()))
@@ -742,7 +655,7 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
         Duration::from_secs(30),
         "every bucket owned by four",
         || {
-            let now = owners(&etcd);
+            let now = KEYS.owners(&etcd);
             (now == four).then_some(()).ok_or(format!(
                 "{} differ",
                 now.iter().filter(|(k, v)| four.get(*k) != Some(v)).count()
@@ -782,7 +695,7 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
         "r3 did not stop cleanly: {status}"
     );
     wait_for(LEASE_TTL, "r3's buckets back with the other three", || {
-        let now = owners(&etcd);
+        let now = KEYS.owners(&etcd);
         (now == three).then_some(()).ok_or(format!(
             "{} differ",
             now.iter().filter(|(k, v)| three.get(*k) != Some(v)).count()
