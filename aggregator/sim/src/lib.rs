@@ -9,4 +9,5 @@
 
 pub mod demo;
 pub mod loadgen;
+pub mod procstat;
 pub mod simulate;

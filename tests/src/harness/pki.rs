@@ -215,8 +215,9 @@ impl Pki {
         dir
     }
 
-    /// This CA, loaded from its files, to issue what `certs` will not.
-    fn ca(&self) -> Ca {
+    /// This CA, loaded from its files, to issue what `certs` will not, or many
+    /// certificates at once (a bench's thousands of agents).
+    pub fn ca(&self) -> Ca {
         let read = |f: &str| std::fs::read_to_string(self.dir().join(f)).expect("read the CA");
         Ca::from_pem(&read("ca.pem"), &read("ca.key")).expect("load the CA")
     }

@@ -146,6 +146,11 @@ impl Relay {
         }
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
+    }
+
     /// Its name.
     pub fn name(&self) -> &str {
         &self.opts.name
