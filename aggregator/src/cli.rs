@@ -24,6 +24,10 @@ pub struct Cli {
 pub enum Command {
     /// Run the aggregator daemon (the default).
     Run(RunArgs),
+    /// Run a relay: agents connect to it as to an aggregator, and it hands their hellos
+    /// and reports on to the cluster replica that owns each agent's service. Needs
+    /// --etcd and --cluster (or [store.etcd] and [cluster]).
+    Relay(RelayArgs),
     /// Certificates for a first deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -160,9 +164,9 @@ pub enum CertsCommand {
     },
 }
 
-/// The daemon's settings; each overrides the configuration file.
+/// The settings the daemon and the relay share; each overrides the configuration file.
 #[derive(Args, Clone, Default)]
-pub struct RunArgs {
+pub struct CommonArgs {
     /// TOML configuration file.
     #[arg(long, short, env = "BALLAST_CONFIG", global = true)]
     pub config: Option<PathBuf>,
@@ -172,22 +176,9 @@ pub struct RunArgs {
     /// TCP address of the HTTP API.
     #[arg(long, env = "BALLAST_HTTP")]
     pub http: Option<SocketAddr>,
-    /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC (off by default).
-    #[arg(long, env = "BALLAST_XDS")]
-    pub xds: Option<SocketAddr>,
-    /// How the xDS port is secured: `tls` (the default, with the server certificate),
-    /// `mutual` (clients need a certificate from the CA) or `plaintext`.
-    #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
-    pub xds_tls: Option<crate::config::XdsTls>,
     /// Directory with ca.pem, server.pem and server.key.
     #[arg(long, env = "BALLAST_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
-    /// Per-service config directory (`<service>.toml` files), merged live.
-    #[arg(long, env = "BALLAST_CONFIG_DIR")]
-    pub config_dir: Option<PathBuf>,
-    /// Routing store file.
-    #[arg(long, env = "BALLAST_STORE")]
-    pub store: Option<PathBuf>,
     /// Keep weights in etcd at these endpoints (comma-separated URLs) instead of the
     /// store file. Needs a binary built with the `etcd` feature.
     #[arg(long, env = "BALLAST_ETCD", value_delimiter = ',')]
@@ -211,10 +202,42 @@ pub struct RunArgs {
     /// File holding the etcd user's password (one line).
     #[arg(long, env = "BALLAST_ETCD_PASSWORD_FILE")]
     pub etcd_password_file: Option<PathBuf>,
-    /// Run as one replica of the named cluster: replicas on the same etcd share the
-    /// services, each served by one of them at a time. Needs --etcd or [store.etcd].
+    /// Run as one replica of the named cluster (a relay: serve that cluster's agents):
+    /// replicas on the same etcd share the services, each served by one of them at a
+    /// time. Needs --etcd or [store.etcd].
     #[arg(long, env = "BALLAST_CLUSTER")]
     pub cluster: Option<String>,
+    /// Authorization policy file: the services, networks and host names node identity
+    /// patterns may claim, beyond what their certificates name.
+    #[arg(long, env = "BALLAST_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// Certificate revocation list (PEM), reloaded when it changes.
+    #[arg(long, env = "BALLAST_CRL")]
+    pub crl: Option<PathBuf>,
+    /// Log as JSON lines.
+    #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
+    pub log_json: bool,
+}
+
+/// The daemon's settings; each overrides the configuration file.
+#[derive(Args, Clone, Default)]
+pub struct RunArgs {
+    /// The settings the relay has too.
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC (off by default).
+    #[arg(long, env = "BALLAST_XDS")]
+    pub xds: Option<SocketAddr>,
+    /// How the xDS port is secured: `tls` (the default, with the server certificate),
+    /// `mutual` (clients need a certificate from the CA) or `plaintext`.
+    #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
+    pub xds_tls: Option<crate::config::XdsTls>,
+    /// Per-service config directory (`<service>.toml` files), merged live.
+    #[arg(long, env = "BALLAST_CONFIG_DIR")]
+    pub config_dir: Option<PathBuf>,
+    /// Routing store file.
+    #[arg(long, env = "BALLAST_STORE")]
+    pub store: Option<PathBuf>,
     /// This replica's name in its cluster (default: host name and QUIC port).
     #[arg(long, env = "BALLAST_REPLICA")]
     pub replica: Option<String>,
@@ -227,14 +250,21 @@ pub struct RunArgs {
     /// Report interval agents are told to use, in milliseconds.
     #[arg(long, env = "BALLAST_REPORT_INTERVAL_MS")]
     pub report_interval_ms: Option<u32>,
-    /// Authorization policy file: the services, networks and host names node identity
-    /// patterns may claim, beyond what their certificates name.
-    #[arg(long, env = "BALLAST_POLICY")]
-    pub policy: Option<PathBuf>,
-    /// Certificate revocation list (PEM), reloaded when it changes.
-    #[arg(long, env = "BALLAST_CRL")]
-    pub crl: Option<PathBuf>,
-    /// Log as JSON lines.
-    #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
-    pub log_json: bool,
+}
+
+/// The relay's settings; each overrides the configuration file.
+#[derive(Args, Clone, Default)]
+pub struct RelayArgs {
+    /// The settings the daemon has too. --tls-dir holds the identity agents see;
+    /// --etcd, --etcd-prefix and --cluster say where the cluster's owners are read.
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Directory with the relay's own client identity for trunks to the replicas:
+    /// ca.pem, relay.pem and relay.key (`ballast-aggregator certs relay DIR NAME`
+    /// writes them to DIR/relays/NAME).
+    #[arg(long, env = "BALLAST_RELAY_TLS_DIR")]
+    pub relay_tls_dir: Option<PathBuf>,
+    /// The relay's name, told to the replicas (default: host name and QUIC port).
+    #[arg(long, env = "BALLAST_RELAY_NAME")]
+    pub name: Option<String>,
 }

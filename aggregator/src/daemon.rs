@@ -369,7 +369,7 @@ fn host_name() -> Option<String> {
 /// A replica's name when none is configured: the host's name and the QUIC port, which
 /// tell replicas on one host apart.
 #[cfg(feature = "etcd")]
-fn default_replica_name(port: u16) -> String {
+pub(crate) fn default_replica_name(port: u16) -> String {
     let host = host_name().unwrap_or_else(|| "replica".to_string());
     let host: String = host
         .chars()

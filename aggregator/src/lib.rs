@@ -15,6 +15,7 @@ pub mod feed;
 pub mod fuzzing;
 pub mod ingest;
 pub mod metrics;
+pub mod relay;
 pub mod state;
 pub mod store;
 pub mod supervise;

@@ -2,10 +2,13 @@
 //! library.
 
 use anyhow::{Context, Result};
-use ballast_aggregator::cli::{CertsCommand, Cli, ClientArgs, Command, ConfigCommand, RunArgs};
+use ballast_aggregator::cli::{
+    CertsCommand, Cli, ClientArgs, Command, CommonArgs, ConfigCommand, RelayArgs, RunArgs,
+};
 use ballast_aggregator::client::{self, Client};
 use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
+use ballast_aggregator::relay::Relay;
 use ballast_shared::config::init_logging;
 use clap::Parser;
 use std::process::ExitCode;
@@ -14,11 +17,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         None => run(cli.run),
-        Some(Command::Run(args)) => run(RunArgs {
-            config: args.config.or(cli.run.config),
-            log_json: args.log_json || cli.run.log_json,
-            ..args
-        }),
+        Some(Command::Run(mut args)) => {
+            inherit(&mut args.common, &cli.run.common);
+            run(args)
+        }
+        Some(Command::Relay(mut args)) => {
+            inherit(&mut args.common, &cli.run.common);
+            relay(args)
+        }
         Some(Command::Certs(CertsCommand::Init {
             dir,
             nodes,
@@ -62,7 +68,17 @@ fn main() -> ExitCode {
     }
 }
 
-fn config(args: &RunArgs) -> Result<Config> {
+/// The global flags given before the subcommand, where the subcommand has none.
+fn inherit(args: &mut CommonArgs, global: &CommonArgs) {
+    if args.config.is_none() {
+        args.config.clone_from(&global.config);
+    }
+    args.log_json |= global.log_json;
+}
+
+/// The configuration file named by `args`, or the defaults, with the flags both
+/// commands share applied; not validated yet.
+fn common_config(args: &CommonArgs) -> Result<Config> {
     let mut cfg = match &args.config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
@@ -73,20 +89,8 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.http {
         cfg.http = v;
     }
-    if let Some(v) = args.xds {
-        cfg.xds = Some(v);
-    }
-    if let Some(v) = args.xds_tls {
-        cfg.xds_tls = v;
-    }
     if let Some(dir) = &args.tls_dir {
         cfg.tls = TlsFiles::in_dir(dir, "server");
-    }
-    if let Some(dir) = &args.config_dir {
-        cfg.service_config.dir = Some(dir.clone());
-    }
-    if let Some(v) = &args.store {
-        cfg.store.path = v.clone();
     }
     if let Some(endpoints) = &args.etcd {
         cfg.store
@@ -115,6 +119,29 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(name) = &args.cluster {
         cfg.cluster.get_or_insert_with(Default::default).name = name.clone();
     }
+    if let Some(v) = &args.policy {
+        cfg.authorization.policy = Some(v.clone());
+    }
+    if let Some(v) = &args.crl {
+        cfg.authorization.crl = Some(v.clone());
+    }
+    Ok(cfg)
+}
+
+fn config(args: &RunArgs) -> Result<Config> {
+    let mut cfg = common_config(&args.common)?;
+    if let Some(v) = args.xds {
+        cfg.xds = Some(v);
+    }
+    if let Some(v) = args.xds_tls {
+        cfg.xds_tls = v;
+    }
+    if let Some(dir) = &args.config_dir {
+        cfg.service_config.dir = Some(dir.clone());
+    }
+    if let Some(v) = &args.store {
+        cfg.store.path = v.clone();
+    }
     if let Some(replica) = &args.replica {
         cfg.cluster
             .as_mut()
@@ -130,11 +157,20 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
     }
-    if let Some(v) = &args.policy {
-        cfg.authorization.policy = Some(v.clone());
+    cfg.validate().context("configuration")?;
+    Ok(cfg)
+}
+
+/// The relay's configuration: the shared flags, then its own; a `[relay]` table with
+/// its defaults if the file has none.
+fn relay_config(args: &RelayArgs) -> Result<Config> {
+    let mut cfg = common_config(&args.common)?;
+    let relay = cfg.relay.get_or_insert_with(Default::default);
+    if let Some(dir) = &args.relay_tls_dir {
+        relay.tls = TlsFiles::in_dir(dir, "relay");
     }
-    if let Some(v) = &args.crl {
-        cfg.authorization.crl = Some(v.clone());
+    if let Some(name) = &args.name {
+        relay.name = Some(name.clone());
     }
     cfg.validate().context("configuration")?;
     Ok(cfg)
@@ -152,7 +188,7 @@ fn etcd_table<'a>(
 }
 
 fn run(args: RunArgs) -> Result<ExitCode> {
-    init_logging(args.log_json, "info");
+    init_logging(args.common.log_json, "info");
     let cfg = config(&args)?;
     let (identity, ca) = daemon::load_tls(&cfg)
         .context("loading TLS files (create them with `ballast-aggregator certs init DIR`)")?;
@@ -179,6 +215,33 @@ fn run(args: RunArgs) -> Result<ExitCode> {
                     "stopping: a task the daemon needs has ended; exiting non-zero so that \
                      the service manager restarts it");
                 daemon.shutdown().await;
+                eprintln!("ballast-aggregator: {end}");
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    })
+}
+
+fn relay(args: RelayArgs) -> Result<ExitCode> {
+    init_logging(args.common.log_json, "info");
+    let cfg = relay_config(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut relay = Relay::start(&cfg).await?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let failed = tokio::select! {
+            _ = tokio::signal::ctrl_c() => None,
+            _ = term.recv() => None,
+            end = relay.failed() => Some(end),
+        };
+        tracing::info!("stopping");
+        relay.shutdown().await;
+        match failed {
+            None => Ok(ExitCode::SUCCESS),
+            Some(end) => {
                 eprintln!("ballast-aggregator: {end}");
                 Ok(ExitCode::FAILURE)
             }
@@ -271,7 +334,7 @@ fn check(path: &std::path::Path) -> Result<ExitCode> {
 const CHECK_UNUSABLE: u8 = 2;
 
 fn config_check(dir: &std::path::Path, args: &RunArgs) -> Result<ExitCode> {
-    let defaults = match &args.config {
+    let defaults = match &args.common.config {
         Some(path) => match Config::load(path) {
             Ok(cfg) => cfg.balance,
             Err(e) => {

@@ -195,11 +195,21 @@ pub fn client_config(
     identity: Identity,
     server_ca: &[CertificateDer<'static>],
 ) -> Result<quinn::ClientConfig, TlsError> {
+    client_config_with_alpns(identity, server_ca, &[crate::ALPN])
+}
+
+/// A client QUIC config as [`client_config`]'s that offers the protocols `alpns`
+/// (a relay's trunks offer [`crate::trunk::RELAY_ALPN`]).
+pub fn client_config_with_alpns(
+    identity: Identity,
+    server_ca: &[CertificateDer<'static>],
+    alpns: &[&[u8]],
+) -> Result<quinn::ClientConfig, TlsError> {
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(roots(server_ca)?)
         .with_client_auth_cert(identity.chain, identity.key)?;
-    tls.alpn_protocols = vec![crate::ALPN.to_vec()];
+    tls.alpn_protocols = alpns.iter().map(|a| a.to_vec()).collect();
     let mut cfg = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(tls)?));
     cfg.transport_config(Arc::new(transport()));
     Ok(cfg)

@@ -176,6 +176,84 @@ impl ClusterConfig {
     }
 }
 
+/// The relay (`[relay]`, `ballast-aggregator relay`): agents connect to it as to an
+/// aggregator, and it hands each agent on over a trunk to the cluster replica that
+/// owns its service. It needs `[cluster] name` and `[store.etcd]`, where it reads the
+/// owners.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RelayConfig {
+    /// The relay's name, told to the replicas; by default the host name and the QUIC
+    /// port.
+    pub name: Option<String>,
+    /// The relay's own client identity for its trunks (`ballast-aggregator certs relay`
+    /// writes it): the CA the replicas' server certificates are checked against, and
+    /// the relay certificate and key.
+    pub tls: TlsFiles,
+    /// The name the replicas' certificates are checked against; by default the host
+    /// part of each replica's advertised address.
+    pub server_name: Option<String>,
+    /// How long the first report of a batch waits for others, in milliseconds.
+    pub batch_delay_ms: u64,
+    /// How long the owner has to answer an agent's attach, in milliseconds (agents
+    /// wait 3 s for their welcome).
+    pub attach_timeout_ms: u64,
+    /// How long an agent whose owner went away is held, answered from its last reply,
+    /// until a new owner takes it, in milliseconds; then it is closed with MOVED.
+    pub failover_hold_ms: u64,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            name: None,
+            tls: TlsFiles::in_dir(Path::new("/etc/ballast/relay-tls"), "relay"),
+            server_name: None,
+            batch_delay_ms: 2,
+            attach_timeout_ms: 2000,
+            failover_hold_ms: 10_000,
+        }
+    }
+}
+
+impl RelayConfig {
+    fn validate(&self) -> Result<(), InvalidSetting> {
+        if let Some(name) = &self.name {
+            if name.is_empty() || !ballast_shared::wire::is_valid_name(name) {
+                return Err(InvalidSetting::new(
+                    "relay.name",
+                    format!("{name:?} is not a valid name"),
+                ));
+            }
+        }
+        if self.server_name.as_deref() == Some("") {
+            return Err(InvalidSetting::new(
+                "relay.server_name",
+                "must not be empty",
+            ));
+        }
+        if self.batch_delay_ms > 1000 {
+            return Err(InvalidSetting::new(
+                "relay.batch_delay_ms",
+                "must be at most 1000",
+            ));
+        }
+        if !(100..=60_000).contains(&self.attach_timeout_ms) {
+            return Err(InvalidSetting::new(
+                "relay.attach_timeout_ms",
+                "must be between 100 and 60000",
+            ));
+        }
+        if self.failover_hold_ms > 600_000 {
+            return Err(InvalidSetting::new(
+                "relay.failover_hold_ms",
+                "must be at most 600000",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The load-balancing policy the xDS Clusters carry (`xds_lb_policy`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -523,6 +601,9 @@ pub struct Config {
     /// Replicas sharing services through etcd; none by default (one aggregator serves
     /// everything).
     pub cluster: Option<ClusterConfig>,
+    /// The relay's settings (`ballast-aggregator relay`); none by default. Ignored by
+    /// `run`.
+    pub relay: Option<RelayConfig>,
 }
 
 impl Default for Config {
@@ -543,6 +624,7 @@ impl Default for Config {
             authorization: AuthorizationConfig::default(),
             limits: limits::Limits::default(),
             cluster: None,
+            relay: None,
         }
     }
 }
@@ -605,6 +687,23 @@ impl Config {
                 ));
             }
         }
+        if let Some(relay) = &self.relay {
+            relay.validate()?;
+            if self.cluster.is_none() {
+                return Err(InvalidSetting::new(
+                    "relay",
+                    "a relay serves the agents of one cluster: it needs [cluster] name \
+                     (or --cluster)",
+                ));
+            }
+            if self.store.etcd.is_none() {
+                return Err(InvalidSetting::new(
+                    "relay",
+                    "a relay reads its cluster's owners from etcd: it needs [store.etcd] \
+                     (or --etcd)",
+                ));
+            }
+        }
         self.service_config.validate()?;
         self.limits.validate()?;
         self.authorization.validate()?;
@@ -630,6 +729,44 @@ mod tests {
         let err =
             Config::parse("[balance]\nmissing_threshold = 2.0\n", "agg.toml").expect_err("range");
         assert!(err.to_string().contains("missing_threshold"), "{err}");
+    }
+
+    #[test]
+    fn a_relay_needs_a_cluster_and_etcd() {
+        let cfg = Config::parse(
+            "[store.etcd]\n[cluster]\nname = \"prod\"\n[relay]\nname = \"relay-1\"\n",
+            "t",
+        )
+        .expect("parses");
+        let relay = cfg.relay.expect("relay");
+        assert_eq!(relay.name.as_deref(), Some("relay-1"));
+        assert_eq!(
+            (
+                relay.batch_delay_ms,
+                relay.attach_timeout_ms,
+                relay.failover_hold_ms
+            ),
+            (2, 2000, 10_000)
+        );
+        for (body, why) in [
+            ("[store.etcd]\n[relay]\n", "relay needs [cluster] name"),
+            (
+                "[cluster]\nname = \"prod\"\n[relay]\n",
+                "relay needs [store.etcd]",
+            ),
+            (
+                "[store.etcd]\n[cluster]\nname = \"p\"\n[relay]\nattach_timeout_ms = 5\n",
+                "relay.attach_timeout_ms",
+            ),
+            (
+                "[store.etcd]\n[cluster]\nname = \"p\"\n[relay]\nname = \"a b\"\n",
+                "relay.name",
+            ),
+        ] {
+            let err = Config::parse(body, "t").expect_err(why).to_string();
+            let want = why.rsplit(' ').next().unwrap_or(why);
+            assert!(err.contains(want), "{why}: {err}");
+        }
     }
 
     #[test]

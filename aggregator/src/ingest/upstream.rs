@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 /// An agent whose hello the session has accepted, as the upstream is asked to admit
 /// it: who it is by its certificate, and what it says of itself.
 #[derive(Debug, Clone, Copy)]
-#[allow(dead_code)] // the local upstream reads only the hello; upstreams that hand agents on need the rest
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // read by the relay, which needs etcd
 pub(crate) struct Arrival<'a> {
     /// The identity its certificate names, its source address and what it may claim.
     pub(crate) peer: &'a Peer,
@@ -86,7 +86,8 @@ pub(crate) enum Forwarded {
         accepted: bool,
     },
     /// Handed on: its reply, if any, comes through [`Link::next`].
-    #[allow(dead_code)] // constructed by upstreams that hand reports on
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    // constructed by the relay, which needs etcd
     Queued,
     /// Refused for `reason`, unanswered: counted as a rejected report.
     Refused(RejectReason),
@@ -98,7 +99,8 @@ pub(crate) enum Forwarded {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Downstream {
     /// A reply datagram, encoded, to send to the agent as it is.
-    #[allow(dead_code)] // constructed by upstreams that hand reports on
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    // constructed by the relay, which needs etcd
     Reply(Bytes),
     /// The connection is to be closed.
     Close(Close),

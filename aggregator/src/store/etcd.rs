@@ -233,7 +233,7 @@ fn setup_error(setting: &str, reason: impl std::fmt::Display) -> StoreError {
 
 /// The client's options from `cfg`: timeouts, TLS and the user, with the files they
 /// name read and checked now.
-fn connect_options(cfg: &EtcdConfig) -> Result<ConnectOptions, StoreError> {
+pub(crate) fn connect_options(cfg: &EtcdConfig) -> Result<ConnectOptions, StoreError> {
     let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
         .with_timeout(Duration::from_millis(cfg.request_timeout_ms))

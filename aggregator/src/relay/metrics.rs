@@ -1,0 +1,126 @@
+//! The relay's own Prometheus metrics, under `ballast_relay_`. The agent-facing
+//! driver's (`ballast_connections_open`, `ballast_connections_rejected_total`,
+//! `ballast_reports_rejected_total`) are the aggregator's [`crate::metrics::Metrics`],
+//! served beside these.
+
+use crate::metrics::Reason;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Every counter the relay keeps of its own.
+pub struct RelayMetrics {
+    registry: Registry,
+    /// Agents' reports handed to a trunk.
+    pub reports_forwarded: Counter,
+    /// Agents' reports not handed on, by reason (`failover`: a newer one replaced it
+    /// while its agent was rehoming; `stale`: too old once the new owner took the
+    /// agent; `no_owner`; `trunk_full`).
+    pub reports_dropped: Family<Reason, Counter>,
+    /// Replies from the primaries sent on to agents.
+    pub replies_forwarded: Counter,
+    /// Replies sent to agents from their last reply while they were rehoming.
+    pub replies_cached: Counter,
+    /// Agents moved to another replica without their connection ending.
+    pub rehomed: Counter,
+    /// Agents the relay could not attach to an owner, by reason (`no_owner`,
+    /// `trunk_down`, `timeout`, `slots_full`, or the primary's reject reason).
+    pub attach_refused: Family<Reason, Counter>,
+    /// Trunks open now.
+    pub trunks_open: Gauge,
+}
+
+impl Default for RelayMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RelayMetrics {
+    /// Registers every metric under the `ballast_relay` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("ballast_relay");
+        let m = RelayMetrics {
+            registry: Registry::default(),
+            reports_forwarded: Counter::default(),
+            reports_dropped: Family::default(),
+            replies_forwarded: Counter::default(),
+            replies_cached: Counter::default(),
+            rehomed: Counter::default(),
+            attach_refused: Family::default(),
+            trunks_open: Gauge::default(),
+        };
+        registry.register(
+            "reports_forwarded",
+            "Agents' reports handed to a trunk",
+            m.reports_forwarded.clone(),
+        );
+        registry.register(
+            "reports_dropped",
+            "Agents' reports not handed on, by reason",
+            m.reports_dropped.clone(),
+        );
+        registry.register(
+            "replies_forwarded",
+            "Primaries' replies sent on to agents",
+            m.replies_forwarded.clone(),
+        );
+        registry.register(
+            "replies_cached",
+            "Replies sent to rehoming agents from their last reply",
+            m.replies_cached.clone(),
+        );
+        registry.register(
+            "rehomed",
+            "Agents moved to another replica without their connection ending",
+            m.rehomed.clone(),
+        );
+        registry.register(
+            "attach_refused",
+            "Agents not attached to an owner, by reason",
+            m.attach_refused.clone(),
+        );
+        registry.register("trunks_open", "Trunks open now", m.trunks_open.clone());
+        RelayMetrics { registry, ..m }
+    }
+
+    /// Counts a report dropped for `reason`.
+    pub fn drop_report(&self, reason: &str) {
+        self.reports_dropped
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts an attach refused for `reason`.
+    pub fn refuse_attach(&self, reason: &str) {
+        self.attach_refused
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// The registry in Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The driver's metrics and the relay's in one exposition: the first's end marker
+/// dropped, so that there is one at the end.
+pub fn exposition(driver: &crate::metrics::Metrics, relay: &RelayMetrics) -> String {
+    let first = driver.encode();
+    let mut out = first
+        .strip_suffix("# EOF\n")
+        .map(str::to_string)
+        .unwrap_or(first);
+    out.push_str(&relay.encode());
+    out
+}

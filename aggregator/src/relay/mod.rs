@@ -1,0 +1,267 @@
+//! The relay (`ballast-aggregator relay`): agents connect to it exactly as to an
+//! aggregator, and it hands each one on to the cluster replica that owns the agent's
+//! service, over one QUIC connection per replica (a trunk) that carries many agents'
+//! hellos and reports, batched, and brings their replies back.
+//!
+//! The agent-facing side is the aggregator's own ingest driver (hello, certificate and
+//! policy, rate limit, silence rule, revocation and expiry) with the relay's
+//! [`upstream::RelayUpstream`]; where each service is served comes from etcd
+//! ([`routes`]); the trunks are [`trunk`]'s. Needs the `etcd` feature.
+
+#[cfg(feature = "etcd")]
+mod http;
+pub mod metrics;
+#[cfg(feature = "etcd")]
+pub mod routes;
+#[cfg(feature = "etcd")]
+mod trunk;
+#[cfg(feature = "etcd")]
+mod upstream;
+
+use crate::config::Config;
+use crate::supervise::TaskEnd;
+use std::net::SocketAddr;
+
+/// Why the relay could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// This build has no etcd client.
+    #[error(
+        "a relay reads its cluster's owners from etcd, but this ballast-aggregator was built \
+         without the etcd feature (build with `--features ballast-aggregator/etcd`)"
+    )]
+    NoEtcd,
+    /// The configuration has no `[relay]`, `[cluster]` or `[store.etcd]` table.
+    #[error("a relay needs {0} in its configuration")]
+    Missing(&'static str),
+    /// A TLS file is unusable.
+    #[error("{what}: {source}")]
+    Tls {
+        /// Which identity.
+        what: &'static str,
+        /// The cause.
+        source: ballast_shared::tls::TlsError,
+    },
+    /// The agent-facing ingest could not be set up.
+    #[error(transparent)]
+    Ingest(#[from] crate::ingest::IngestError),
+    /// The QUIC threads could not start.
+    #[error(transparent)]
+    Threads(#[from] crate::ingest::ThreadsError),
+    /// A socket could not be bound.
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        /// Which socket.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The etcd settings are unusable.
+    #[cfg(feature = "etcd")]
+    #[error(transparent)]
+    Routes(#[from] routes::RoutesError),
+}
+
+/// A running relay.
+pub struct Relay {
+    /// The bound QUIC address agents connect to.
+    pub quic_addr: SocketAddr,
+    /// The bound HTTP address (`/healthz`, `/metrics`).
+    pub http_addr: SocketAddr,
+    #[cfg(feature = "etcd")]
+    running: running::Running,
+}
+
+impl Relay {
+    /// Starts the relay `cfg` describes (its `[relay]`, `[cluster]` and
+    /// `[store.etcd]` tables).
+    #[cfg(not(feature = "etcd"))]
+    pub async fn start(_cfg: &Config) -> Result<Relay, RelayError> {
+        Err(RelayError::NoEtcd)
+    }
+
+    /// Starts the relay `cfg` describes (its `[relay]`, `[cluster]` and
+    /// `[store.etcd]` tables).
+    #[cfg(feature = "etcd")]
+    pub async fn start(cfg: &Config) -> Result<Relay, RelayError> {
+        running::start(cfg).await
+    }
+
+    /// Waits until a task the relay needs ends (it must not before shutdown), and
+    /// says which and how.
+    pub async fn failed(&mut self) -> TaskEnd {
+        #[cfg(feature = "etcd")]
+        return self.running.ends.next().await;
+        #[cfg(not(feature = "etcd"))]
+        std::future::pending().await
+    }
+
+    /// Stops: agents see their connections close, and go to their next address.
+    pub async fn shutdown(self) {
+        #[cfg(feature = "etcd")]
+        self.running.shutdown().await;
+    }
+}
+
+#[cfg(feature = "etcd")]
+mod running {
+    use super::http::{router, Status};
+    use super::metrics::RelayMetrics;
+    use super::trunk::{Dialer, Trunks, RELAY_ALPN};
+    use super::upstream::{RelayUpstream, Settings};
+    use super::{Relay, RelayError};
+    use crate::config::Config;
+    use crate::ingest::threads::Threads;
+    use crate::supervise::{Ends, Supervisor};
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// What a running relay holds.
+    pub(super) struct Running {
+        pub(super) ends: Ends,
+        supervisor: Supervisor,
+        quic: Arc<Threads>,
+        client: quinn::Endpoint,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+    }
+
+    pub(super) async fn start(cfg: &Config) -> Result<Relay, RelayError> {
+        let relay = cfg.relay.clone().unwrap_or_default();
+        let cluster = cfg
+            .cluster
+            .as_ref()
+            .ok_or(RelayError::Missing("[cluster]"))?;
+        let etcd = cfg
+            .store
+            .etcd
+            .as_ref()
+            .ok_or(RelayError::Missing("[store.etcd]"))?;
+        let name = relay
+            .name
+            .clone()
+            .unwrap_or_else(|| crate::daemon::default_replica_name(cfg.quic.port()));
+        let tls = |what, source| RelayError::Tls { what, source };
+        let (identity, client_ca) =
+            crate::daemon::load_tls(cfg).map_err(|e| tls("the agent-facing identity (tls)", e))?;
+        let relay_identity = relay
+            .tls
+            .identity()
+            .map_err(|e| tls("the relay's identity (relay.tls)", e))?;
+        let relay_ca = relay
+            .tls
+            .ca_certs()
+            .map_err(|e| tls("the relay's CA (relay.tls.ca)", e))?;
+        let client =
+            ballast_shared::tls::client_config_with_alpns(relay_identity, &relay_ca, &[RELAY_ALPN])
+                .map_err(|e| tls("the relay's client configuration", e))?;
+        let (server, ingest) = crate::ingest::setup(cfg, identity, &client_ca)?;
+
+        let (supervisor, ends) = crate::supervise::supervisor();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let relay_metrics = Arc::new(RelayMetrics::new());
+        let (follower, routes, freshness) = super::routes::follower(etcd, &cluster.name)?;
+        let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
+
+        let any: SocketAddr = if cfg.quic.is_ipv6() {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        };
+        let endpoint = quinn::Endpoint::client(any).map_err(|source| RelayError::Bind {
+            what: "the trunks' QUIC client",
+            addr: any,
+            source,
+        })?;
+        let trunks = Trunks::new(Dialer {
+            relay: name.clone(),
+            endpoint: endpoint.clone(),
+            client,
+            server_name: relay.server_name.clone(),
+            batch_delay: Duration::from_millis(relay.batch_delay_ms),
+            attach_timeout: Duration::from_millis(relay.attach_timeout_ms),
+            routes: routes.clone(),
+            metrics: relay_metrics.clone(),
+        });
+        tasks.push(supervisor.spawn("trunks", trunks.clone().run()));
+        let upstream = Arc::new(RelayUpstream::new(
+            routes.clone(),
+            trunks.clone(),
+            relay_metrics.clone(),
+            Settings {
+                attach_timeout: Duration::from_millis(relay.attach_timeout_ms),
+                failover_hold: Duration::from_millis(relay.failover_hold_ms),
+            },
+        ));
+        let quic = Arc::new(
+            crate::ingest::threads::start(
+                server,
+                cfg.quic,
+                cfg.quic_threads,
+                metrics.clone(),
+                ingest,
+                upstream,
+            )
+            .await?,
+        );
+        let quic_addr = quic.addr;
+        let threads = quic.clone();
+        tasks.push(supervisor.spawn("QUIC ingest", async move {
+            threads.ended().await;
+        }));
+
+        let bind = |source| RelayError::Bind {
+            what: "HTTP",
+            addr: cfg.http,
+            source,
+        };
+        let listener = tokio::net::TcpListener::bind(cfg.http)
+            .await
+            .map_err(bind)?;
+        let http_addr = listener.local_addr().map_err(bind)?;
+        let app = router(Arc::new(Status {
+            name: name.clone(),
+            metrics: metrics.clone(),
+            relay_metrics,
+            routes,
+            freshness,
+            trunks,
+        }));
+        let listener = crate::api::listener::Limited::new(listener, metrics, &cfg.limits);
+        tasks.push(supervisor.spawn("HTTP", async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "HTTP stopped");
+            }
+        }));
+        tracing::info!(%name, cluster = %cluster.name, %quic_addr, %http_addr, "relay serving");
+        Ok(Relay {
+            quic_addr,
+            http_addr,
+            running: Running {
+                ends,
+                supervisor,
+                quic,
+                client: endpoint,
+                tasks,
+            },
+        })
+    }
+
+    impl Running {
+        pub(super) async fn shutdown(self) {
+            self.supervisor.stop();
+            self.quic
+                .close(crate::ingest::quic::close::NORMAL, b"shutting down");
+            for t in &self.tasks {
+                t.abort();
+            }
+            self.client.close(
+                quinn::VarInt::from_u32(crate::ingest::quic::close::NORMAL),
+                b"relay stopping",
+            );
+            self.quic.stopped().await;
+        }
+    }
+}
