@@ -63,6 +63,18 @@ pub struct Metrics {
     pub connections_rejected: Family<Reason, Counter>,
     /// Agent connections open now.
     pub connections_open: Gauge,
+    /// Trunks from relays open now.
+    pub trunks_open: Gauge,
+    /// Agents attached through trunks now (slots welcomed and not yet detached).
+    pub trunk_slots: Gauge,
+    /// Slots the primary detached, or lost with their trunk, by reason (`moved`,
+    /// `revoked`, `expired`, `no_reports`, `protocol`, `relay_gone`).
+    pub trunk_detached: Family<Reason, Counter>,
+    /// Batches of reports received on trunks.
+    pub trunk_batches: Counter,
+    /// Reports received in trunks' batches: divided by `trunk_batches`, the entries per
+    /// batch.
+    pub trunk_reports: Counter,
     /// Certificate revocation list reloads, by outcome (`applied`, `error`).
     pub crl_reloads: Family<Reason, Counter>,
     /// Cycles run, by service.
@@ -166,6 +178,11 @@ impl Metrics {
             reports_rejected: Family::default(),
             connections_rejected: Family::default(),
             connections_open: Gauge::default(),
+            trunks_open: Gauge::default(),
+            trunk_slots: Gauge::default(),
+            trunk_detached: Family::default(),
+            trunk_batches: Counter::default(),
+            trunk_reports: Counter::default(),
             crl_reloads: Family::default(),
             cycles: Family::default(),
             cycles_skipped: Family::default(),
@@ -217,6 +234,31 @@ impl Metrics {
             "connections_open",
             "Agent connections open",
             m.connections_open.clone(),
+        );
+        registry.register(
+            "trunks_open",
+            "Trunks from relays open",
+            m.trunks_open.clone(),
+        );
+        registry.register(
+            "trunk_slots",
+            "Agents attached through trunks from relays",
+            m.trunk_slots.clone(),
+        );
+        registry.register(
+            "trunk_detached",
+            "Agents behind relays detached by this aggregator or lost with their trunk, by reason",
+            m.trunk_detached.clone(),
+        );
+        registry.register(
+            "trunk_batches",
+            "Batches of reports received on trunks",
+            m.trunk_batches.clone(),
+        );
+        registry.register(
+            "trunk_reports",
+            "Reports received in trunks' batches",
+            m.trunk_reports.clone(),
         );
         registry.register(
             "crl_reloads",
@@ -355,6 +397,15 @@ impl Metrics {
     /// Counts a refused or faulty connection.
     pub(crate) fn reject_connection(&self, reason: &str) {
         self.connections_rejected
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a slot of a trunk detached for `reason`.
+    pub(crate) fn detach_slot(&self, reason: &str) {
+        self.trunk_detached
             .get_or_create(&Reason {
                 reason: reason.to_string(),
             })

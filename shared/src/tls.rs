@@ -170,10 +170,21 @@ pub fn server_config(
 }
 
 /// The aggregator's QUIC config: TLS 1.3, each client certificate checked by
-/// `verifier` (keep a clone of the `Arc` to give it new revocation lists).
+/// `verifier` (keep a clone of the `Arc` to give it new revocation lists); agents'
+/// ALPN only.
 pub fn server_config_with(
     identity: Identity,
     verifier: Arc<ClientVerifier>,
+) -> Result<quinn::ServerConfig, TlsError> {
+    server_config_for(identity, verifier, &[crate::ALPN])
+}
+
+/// [`server_config_with`], offering the application protocols `alpns` (the client's
+/// choice among them is the connection's `handshake_data`).
+pub fn server_config_for(
+    identity: Identity,
+    verifier: Arc<ClientVerifier>,
+    alpns: &[&[u8]],
 ) -> Result<quinn::ServerConfig, TlsError> {
     let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -184,7 +195,7 @@ pub fn server_config_with(
     // rarely; a full handshake each time costs nothing that matters.
     tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     tls.send_tls13_tickets = 0;
-    tls.alpn_protocols = vec![crate::ALPN.to_vec()];
+    tls.alpn_protocols = alpns.iter().map(|a| a.to_vec()).collect();
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(tls)?));
     cfg.transport_config(Arc::new(transport()));
     Ok(cfg)

@@ -31,6 +31,9 @@ pub struct Limits {
     /// How long an established connection may go without a report before it is
     /// closed, in milliseconds; at least five report intervals are always allowed.
     pub quic_report_timeout_ms: u64,
+    /// Agents one relay's trunk may hold attached at once; more attaches are refused
+    /// (`limit_reached`).
+    pub trunk_max_slots: u32,
     /// Open xDS (ADS) streams in all; more are refused with `RESOURCE_EXHAUSTED`.
     pub xds_max_streams: usize,
     /// Concurrent HTTP/2 streams on one xDS connection.
@@ -64,6 +67,7 @@ impl Default for Limits {
             quic_retry: true,
             quic_max_datagrams_per_second: 50,
             quic_report_timeout_ms: 30_000,
+            trunk_max_slots: 100_000,
             xds_max_streams: 10_000,
             xds_max_streams_per_connection: 16,
             xds_max_request_bytes: 4 * 1024 * 1024,
@@ -79,7 +83,7 @@ impl Default for Limits {
 impl Limits {
     /// Checks that every limit admits something.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
-        let positive: [(&str, u64); 15] = [
+        let positive: [(&str, u64); 16] = [
             ("max_services", self.max_services as u64),
             (
                 "max_endpoints_per_service",
@@ -96,6 +100,7 @@ impl Limits {
                 u64::from(self.quic_max_datagrams_per_second),
             ),
             ("quic_report_timeout_ms", self.quic_report_timeout_ms),
+            ("trunk_max_slots", u64::from(self.trunk_max_slots)),
             ("xds_max_streams", self.xds_max_streams as u64),
             (
                 "xds_max_streams_per_connection",

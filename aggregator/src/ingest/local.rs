@@ -6,7 +6,7 @@
 //! ends its connection with MOVED when the replica loses the service, so that the
 //! agent goes on to the replica that took it over.
 
-use super::upstream::{Admitted, Arrival, Close, Downstream, Forwarded, Link, Upstream};
+use super::upstream::{Admitted, Arrival, Close, Downstream, Forwarded, Link, Trunk, Upstream};
 use super::Ingest;
 use crate::state::State;
 use ballast_balance::{BalanceError, Balancer, Millis, Observation, Published};
@@ -32,6 +32,24 @@ impl Local {
             state,
             require_service_file: ingest.require_service_file,
         }
+    }
+
+    /// The replica's name, told to relays; `aggregator` for a lone one.
+    pub(super) fn replica(&self) -> &str {
+        self.state
+            .ownership
+            .as_ref()
+            .map_or("aggregator", |o| o.replica())
+    }
+
+    /// The report interval agents are told to use, in milliseconds.
+    pub(super) fn report_interval_ms(&self) -> u32 {
+        self.state.report_interval_ms
+    }
+
+    /// Moves whenever this replica loses a bucket; `None` for a lone aggregator.
+    pub(super) fn losses(&self) -> Option<watch::Receiver<u64>> {
+        self.state.ownership.as_ref().map(|o| o.watch_losses())
     }
 
     /// The admission, which needs nothing to wait for.
@@ -102,6 +120,10 @@ impl Upstream for Local {
     ) -> impl Future<Output = Result<Admitted<LocalLink>, Reject>> + Send {
         std::future::ready(self.admit_now(arrival.hello))
     }
+
+    fn trunk(&self, trunk: Trunk<'_>) -> impl Future<Output = Result<(), &'static str>> + Send {
+        super::trunk::serve(self, trunk)
+    }
 }
 
 /// One agent registered with this aggregator's balancer.
@@ -144,7 +166,7 @@ impl Link for LocalLink {
 
 /// Resolves when the replica has lost a bucket since the last call; never for a lone
 /// aggregator, or once the ownership is gone with the daemon. Cancel-safe.
-async fn lost(losses: &mut Option<watch::Receiver<u64>>) {
+pub(super) async fn lost(losses: &mut Option<watch::Receiver<u64>>) {
     match losses {
         Some(rx) => {
             if rx.changed().await.is_err() {

@@ -12,6 +12,7 @@ mod policy;
 pub(crate) mod quic;
 mod revocation;
 pub(crate) mod threads;
+mod trunk;
 pub(crate) mod upstream;
 
 pub use policy::PolicyError;
@@ -58,13 +59,33 @@ pub(crate) struct Ingest {
     connections: Arc<limits::Connections>,
 }
 
+/// What an aggregator's QUIC server offers: agents' connections and relays' trunks.
+pub(crate) const AGGREGATOR_ALPNS: [&[u8]; 2] =
+    [ballast_shared::ALPN, ballast_shared::trunk::RELAY_ALPN];
+
+/// What a server that takes agents only offers (a relay's, facing its agents).
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // the relay's, which needs etcd
+pub(crate) const AGENT_ALPNS: [&[u8]; 1] = [ballast_shared::ALPN];
+
 /// Loads the policy and the revocation list named in `cfg` and builds the QUIC server
 /// configuration whose handshakes check client certificates against `client_ca` and
-/// the revocation list. A bad policy or list stops the start with its reason.
+/// the revocation list, offering agents' connections and relays' trunks
+/// ([`AGGREGATOR_ALPNS`]). A bad policy or list stops the start with its reason.
 pub(crate) fn setup(
     cfg: &Config,
     identity: Identity,
     client_ca: &[CertificateDer<'static>],
+) -> Result<(quinn::ServerConfig, Ingest), IngestError> {
+    setup_with(cfg, identity, client_ca, &AGGREGATOR_ALPNS)
+}
+
+/// [`setup`], its server offering the application protocols `alpns` only: a server
+/// that takes no trunks offers [`AGENT_ALPNS`].
+pub(crate) fn setup_with(
+    cfg: &Config,
+    identity: Identity,
+    client_ca: &[CertificateDer<'static>],
+    alpns: &[&[u8]],
 ) -> Result<(quinn::ServerConfig, Ingest), IngestError> {
     if !cfg.service_config.accept_unknown_services && cfg.service_config.dir.is_none() {
         return Err(crate::config::InvalidSetting::new(
@@ -89,7 +110,7 @@ pub(crate) fn setup(
         auth.crl.clone(),
         std::time::Duration::from_millis(auth.crl_check_ms),
     )?);
-    let mut server = tls::server_config_with(identity, revocation.verifier())?;
+    let mut server = tls::server_config_for(identity, revocation.verifier(), alpns)?;
     // The aggregator sends no keep-alives: a connection is kept alive by its agent,
     // so one whose agent went quiet times out instead of being held open from here.
     let mut transport = tls::transport();

@@ -12,7 +12,7 @@
 //! connections: each has its own task and a bad one is closed.
 
 use super::revocation::Verdict;
-use super::upstream::{Admitted, Arrival, Downstream, Forwarded, Link, Upstream};
+use super::upstream::{Admitted, Arrival, Downstream, Forwarded, Link, Trunk, Upstream};
 use super::Ingest;
 use crate::metrics::Metrics;
 use ballast_shared::session::driver::{now, until};
@@ -80,6 +80,18 @@ pub(crate) async fn serve<U: Upstream>(
                     return;
                 }
             };
+            if is_trunk(&conn) {
+                let trunk = Trunk {
+                    conn: &conn,
+                    metrics: &metrics,
+                    ingest: &ingest,
+                    place: &mut slot,
+                };
+                if let Err(reason) = upstream.trunk(trunk).await {
+                    tracing::debug!(remote = %conn.remote_address(), reason, "trunk ended");
+                }
+                return;
+            }
             metrics.connections_open.inc();
             let result = handle(&conn, &metrics, &ingest, &*upstream, &mut slot).await;
             metrics.connections_open.dec();
@@ -104,24 +116,36 @@ fn handshake_reason(e: &quinn::ConnectionError) -> &'static str {
     "handshake"
 }
 
-/// Who the peer of `conn` is and what it may claim, from its certificate and the
-/// policy; with its chain, and when its certificate expires.
-fn peer_of(
+/// Whether `conn` negotiated the relays' protocol: a trunk, not an agent.
+fn is_trunk(conn: &quinn::Connection) -> bool {
+    conn.handshake_data()
+        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|d| d.protocol)
+        .is_some_and(|p| p == ballast_shared::trunk::RELAY_ALPN)
+}
+
+/// The certificate of a peer: its chain as presented (leaf first) and what its leaf
+/// says.
+pub(super) fn certificate_of(
     conn: &quinn::Connection,
-    ingest: &Ingest,
-) -> Result<(Peer, Vec<CertificateDer<'static>>, i64), ballast_shared::tls::TlsError> {
+) -> Result<(Vec<CertificateDer<'static>>, CertInfo), ballast_shared::tls::TlsError> {
     let chain = ballast_shared::tls::peer_chain(conn)?;
     let leaf = chain
         .first()
         .ok_or(ballast_shared::tls::TlsError::NoIdentity)?;
     let info = CertInfo::parse(leaf)?;
+    Ok((chain, info))
+}
+
+/// Who an agent with the certificate `info` is, and what it may claim from `source`
+/// under the policy.
+pub(super) fn peer(ingest: &Ingest, info: CertInfo, source: std::net::IpAddr) -> Peer {
     let grant = ingest.policy.grant(&info.identity, &info.services);
-    let peer = Peer {
+    Peer {
         identity: info.identity,
-        source: conn.remote_address().ip(),
+        source,
         grant,
-    };
-    Ok((peer, chain, info.not_after_unix_s))
+    }
 }
 
 async fn handle<U: Upstream>(
@@ -131,8 +155,8 @@ async fn handle<U: Upstream>(
     upstream: &U,
     slot: &mut super::limits::Slot,
 ) -> Result<(), &'static str> {
-    let (peer, chain, not_after_unix_s) = match peer_of(conn, ingest) {
-        Ok(p) => p,
+    let (chain, info) = match certificate_of(conn) {
+        Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "client certificate carries no identity");
             metrics.reject_connection("no_identity");
@@ -140,22 +164,19 @@ async fn handle<U: Upstream>(
             return Err("no identity");
         }
     };
-    let per_node = ingest.limits.quic_max_connections_per_identity;
-    if !slot.claim(&peer.identity, per_node) {
-        tracing::warn!(node = %peer.identity, limit = per_node, "connection refused: the node holds too many");
-        metrics.reject_connection("identity_connections");
+    if info.has_role(ballast_shared::pki::RELAY_ROLE) {
+        // A relay never registers as a node: its certificate vouches for agents.
+        tracing::warn!(relay = %info.identity, "a relay's certificate connected as an agent");
+        metrics.reject_connection("relay_as_agent");
         conn.close(
             close::REJECTED.into(),
-            b"too many connections for this node",
+            b"a relay certificate is not an agent's",
         );
-        return Err("too many connections for this node");
+        return Err("relay as agent");
     }
-    // Subscribed before the first check, so that a list put in force after the
-    // handshake is never missed.
-    let mut revocations = ingest.revocation.subscribe();
-    if let Some(end) = credentials_end(conn, metrics, ingest, &peer.identity, &chain) {
-        return Err(end);
-    }
+    let not_after_unix_s = info.not_after_unix_s;
+    let peer = peer(ingest, info, conn.remote_address().ip());
+    let mut revocations = admit_identity(conn, metrics, ingest, slot, &peer.identity, &chain)?;
     // The report interval is the upstream's, set when it admits the hello: until then
     // the session sends nothing that carries one.
     let config = ServerConfig::new(0);
@@ -324,13 +345,44 @@ async fn handle<U: Upstream>(
     }
 }
 
+/// Counts the connection as `identity`'s (a node's or a relay's) and checks its
+/// certificate under the revocation list in force; closes it, with the reason, if it
+/// is over the per-node cap or its certificate is no longer good. The receiver that
+/// sees the list's changes from before the check on.
+pub(super) fn admit_identity(
+    conn: &quinn::Connection,
+    metrics: &Metrics,
+    ingest: &Ingest,
+    slot: &mut super::limits::Slot,
+    identity: &str,
+    chain: &[CertificateDer<'static>],
+) -> Result<tokio::sync::watch::Receiver<u64>, &'static str> {
+    let per_node = ingest.limits.quic_max_connections_per_identity;
+    if !slot.claim(identity, per_node) {
+        tracing::warn!(node = %identity, limit = per_node, "connection refused: the node holds too many");
+        metrics.reject_connection("identity_connections");
+        conn.close(
+            close::REJECTED.into(),
+            b"too many connections for this node",
+        );
+        return Err("too many connections for this node");
+    }
+    // Subscribed before the first check, so that a list put in force after the
+    // handshake is never missed.
+    let revocations = ingest.revocation.subscribe();
+    match credentials_end(conn, metrics, ingest, identity, chain) {
+        Some(end) => Err(end),
+        None => Ok(revocations),
+    }
+}
+
 /// The longest a connection's expiry timer is set for; a later expiry sets it again
 /// when it fires (and the wall clock may have moved meanwhile).
 const EXPIRY_TIMER_MAX: Duration = Duration::from_secs(24 * 3600);
 
 /// How long until a certificate valid until `not_after_unix_s` expires: zero if it
 /// has, and at most [`EXPIRY_TIMER_MAX`].
-fn expires_in(not_after_unix_s: i64) -> Duration {
+pub(super) fn expires_in(not_after_unix_s: i64) -> Duration {
     let now_ms = i64::try_from(ballast_shared::unix_ms()).unwrap_or(i64::MAX);
     let left_ms = not_after_unix_s
         .saturating_mul(1000)
@@ -356,7 +408,7 @@ fn credentials_end(
 
 /// Closes a connection whose certificate is no longer good, with the code that says
 /// why, and counts it.
-fn close_for(
+pub(super) fn close_for(
     conn: &quinn::Connection,
     metrics: &Metrics,
     node: &str,

@@ -112,22 +112,33 @@ impl Revocation {
 
     /// What `chain` (leaf first) is worth under the list in force now.
     pub(super) fn verdict(&self, chain: &[CertificateDer<'static>]) -> Verdict {
+        self.judge(chain).unwrap_or_else(|e| {
+            // Nothing else can have changed since the handshake: the CAs stay.
+            tracing::debug!(error = %e, "a live certificate checked again");
+            Verdict::Valid
+        })
+    }
+
+    /// What `chain` (leaf first), checked as a handshake would check it now, is worth;
+    /// or why no handshake would take it at all (another CA, a certificate that does
+    /// not parse or is not for a client): for a chain that no handshake here has
+    /// checked, a relayed agent's.
+    pub(super) fn judge(
+        &self,
+        chain: &[CertificateDer<'static>],
+    ) -> Result<Verdict, quinn::rustls::Error> {
         use quinn::rustls::{CertificateError as C, Error as E};
         let now = ballast_shared::unix_ms() / 1000;
         match self.verifier.check(chain, now) {
-            Ok(()) => Verdict::Valid,
-            Err(E::InvalidCertificate(C::Revoked)) => Verdict::Revoked,
+            Ok(()) => Ok(Verdict::Valid),
+            Err(E::InvalidCertificate(C::Revoked)) => Ok(Verdict::Revoked),
             Err(E::InvalidCertificate(
                 C::Expired
                 | C::ExpiredContext { .. }
                 | C::NotValidYet
                 | C::NotValidYetContext { .. },
-            )) => Verdict::Expired,
-            // Nothing else can have changed since the handshake: the CAs stay.
-            Err(e) => {
-                tracing::debug!(error = %e, "a live certificate checked again");
-                Verdict::Valid
-            }
+            )) => Ok(Verdict::Expired),
+            Err(e) => Err(e),
         }
     }
 

@@ -56,6 +56,31 @@ pub(crate) trait Upstream: Send + Sync + 'static {
         &self,
         arrival: Arrival<'_>,
     ) -> impl Future<Output = Result<Admitted<Self::Link>, Reject>> + Send;
+
+    /// Serves a connection that negotiated the relays' protocol (a trunk) until it
+    /// ends; the reason it ended, for the log, if not cleanly. An upstream that takes
+    /// no trunks closes it (a server that offers no such protocol never gets one).
+    fn trunk(&self, trunk: Trunk<'_>) -> impl Future<Output = Result<(), &'static str>> + Send {
+        trunk.metrics.reject_connection("trunks_not_served");
+        trunk.conn.close(
+            ballast_shared::session::close::REJECTED.into(),
+            b"no trunks are taken here",
+        );
+        std::future::ready(Err("no trunks are taken here"))
+    }
+}
+
+/// A connection that negotiated the relays' protocol, as the driver hands it on, with
+/// what serves it.
+pub(crate) struct Trunk<'a> {
+    /// The connection.
+    pub(crate) conn: &'a quinn::Connection,
+    /// The daemon's metrics.
+    pub(crate) metrics: &'a crate::metrics::Metrics,
+    /// The policy, the revocation list and the limits.
+    pub(crate) ingest: &'a super::Ingest,
+    /// The connection's place among the open ones, to claim for the relay's identity.
+    pub(crate) place: &'a mut super::limits::Slot,
 }
 
 /// One admitted agent's path to what serves it. Dropping it lets go of the agent

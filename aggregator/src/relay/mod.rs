@@ -157,7 +157,8 @@ mod running {
         let client =
             ballast_shared::tls::client_config_with_alpns(relay_identity, &relay_ca, &[RELAY_ALPN])
                 .map_err(|e| tls("the relay's client configuration", e))?;
-        let (server, ingest) = crate::ingest::setup(cfg, identity, &client_ca)?;
+        let (server, ingest) =
+            crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::AGENT_ALPNS)?;
 
         let (supervisor, ends) = crate::supervise::supervisor();
         let metrics = Arc::new(crate::metrics::Metrics::new());

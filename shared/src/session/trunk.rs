@@ -340,6 +340,26 @@ impl TrunkServer {
         }
     }
 
+    /// Refuses a requested slot before its hello is read (its chain or source is
+    /// refused): the `Rejected` frame. The slot is gone.
+    pub fn refuse_attach(
+        &mut self,
+        slot: Slot,
+        reason: RejectReason,
+        detail: &str,
+    ) -> Result<Vec<u8>, TrunkServerError> {
+        self.check_open()?;
+        if !matches!(self.slots.get(&slot), Some(ServerSlot::Requested { .. })) {
+            return Err(TrunkServerError::Slot {
+                slot,
+                wanted: "requested",
+            });
+        }
+        self.slots.remove(&slot);
+        let detail = server::truncate(detail.to_string(), server::MAX_DETAIL);
+        rejected(slot, Reject { reason, detail })
+    }
+
     /// Welcomes the admitted slot: the `Attached` frame, with its session's welcome.
     pub fn welcome(&mut self, slot: Slot) -> Result<Vec<u8>, TrunkServerError> {
         let session = self.session_of(slot)?;

@@ -398,3 +398,36 @@ proptest! {
         let _ = c.handle_timeout(t0 + Duration::from_secs(60));
     }
 }
+
+#[test]
+fn a_requested_slot_can_be_refused_before_its_hello_is_read() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    let (slot, frame) = c
+        .attach(
+            t0,
+            &hello_frame("web-1"),
+            vec![vec![0x30; 10]],
+            SOURCE.into(),
+        )
+        .expect("attach");
+    s.handle_control(&frame).expect("takes the attach");
+    let frame = s
+        .refuse_attach(slot, RejectReason::IdentityMismatch, "chain refused")
+        .expect("refuses");
+    match &c.handle_control(&frame).expect("takes")[..] {
+        [TrunkClientEvent::Rejected { slot: got, reject }] => {
+            assert_eq!(*got, slot);
+            assert_eq!(reject.reason, RejectReason::IdentityMismatch);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.slot_count(), 0);
+    assert!(
+        matches!(
+            s.refuse_attach(slot, RejectReason::IdentityMismatch, ""),
+            Err(TrunkServerError::Slot { .. })
+        ),
+        "gone"
+    );
+}

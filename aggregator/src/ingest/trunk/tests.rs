@@ -1,0 +1,376 @@
+//! A relay's trunk against the QUIC server in-process: attaches, replies, refusals.
+
+use super::*;
+use crate::ingest::quic::serve;
+use crate::metrics::Reason;
+use crate::state::State;
+use ballast_balance::Balancer;
+use ballast_shared::pki::{Ca, RelaySpec};
+use ballast_shared::session::trunk::{TrunkClientConfig, TrunkClientEvent};
+use ballast_shared::session::TrunkClient;
+use ballast_shared::trunk::RELAY_ALPN;
+use ballast_shared::wire::{Hello, Message, NodeState, Report};
+use std::sync::Arc;
+
+const LOCALHOST: [u8; 4] = [127, 0, 0, 1];
+const WAIT: Duration = Duration::from_secs(5);
+
+/// An aggregator's QUIC server on a port of its own, serving its own balancer.
+struct Primary {
+    ca: Ca,
+    ca_certs: Vec<CertificateDer<'static>>,
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    endpoint: quinn::Endpoint,
+}
+
+impl Primary {
+    async fn start() -> Primary {
+        let ca = Ca::generate("test CA").expect("CA");
+        let server = ca
+            .issue_server(&["localhost".to_string()])
+            .expect("server certificate");
+        let ca_certs = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
+        let cfg = crate::config::Config::default();
+        let (server_config, ingest) = crate::ingest::setup(
+            &cfg,
+            server.identity("server").expect("identity"),
+            &ca_certs,
+        )
+        .expect("ingest");
+        let endpoint = quinn::Endpoint::server(server_config, SocketAddr::from((LOCALHOST, 0)))
+            .expect("server endpoint");
+        let addr = endpoint.local_addr().expect("address");
+        let clock = crate::clock::Clock::start();
+        let balancer = Balancer::new(ballast_balance::Params::default(), clock.now());
+        let store = Arc::new(crate::store::file::FileStore::new(
+            std::env::temp_dir().join("ballast-trunk-test-never-written.json"),
+        ));
+        let state = Arc::new(State::new(balancer, store, clock, 1000));
+        let local = Arc::new(Local::new(state, &ingest));
+        let metrics = Arc::new(Metrics::new());
+        tokio::spawn(serve(
+            endpoint.clone(),
+            metrics.clone(),
+            Arc::new(ingest),
+            local,
+        ));
+        Primary {
+            ca,
+            ca_certs,
+            addr,
+            metrics,
+            endpoint,
+        }
+    }
+
+    /// A connection with `identity`, asking for `alpn`: the handshake's outcome.
+    async fn connect(
+        &self,
+        identity: ballast_shared::tls::Identity,
+        alpn: &[u8],
+    ) -> Result<quinn::Connection, quinn::ConnectionError> {
+        let config =
+            ballast_shared::tls::client_config_with_alpns(identity, &self.ca_certs, &[alpn])
+                .expect("client config");
+        let mut client = quinn::Endpoint::client(SocketAddr::from((LOCALHOST, 0))).expect("client");
+        client.set_default_client_config(config);
+        client
+            .connect(self.addr, "localhost")
+            .expect("connect")
+            .await
+    }
+
+    fn relay_identity(&self, name: &str) -> ballast_shared::tls::Identity {
+        let spec = RelaySpec::new(name, Duration::from_secs(3600)).expect("spec");
+        let relay = self.ca.issue_relay(&spec).expect("relay certificate");
+        relay.pem.identity("relay").expect("relay identity")
+    }
+
+    fn rejected(&self, reason: &str) -> u64 {
+        self.metrics
+            .connections_rejected
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .get()
+    }
+}
+
+/// The leaf of node `node`'s certificate from `ca`, for service `web` (DER).
+fn chain_of(ca: &Ca, node: &str) -> Vec<Vec<u8>> {
+    let issued = ca.issue_node(node, &["web".to_string()]).expect("node");
+    let certs = ballast_shared::tls::certs_from_pem(&issued.pem.cert, "node").expect("leaf");
+    certs.into_iter().map(|c| c.to_vec()).collect()
+}
+
+fn hello(node: &str, port: u16) -> Vec<u8> {
+    ballast_shared::frame::encode(&Message::Hello(Hello {
+        node: node.into(),
+        service: "web".into(),
+        address: format!("127.0.0.1:{port}"),
+        zone: String::new(),
+        version: "test".into(),
+    }))
+    .expect("hello")
+}
+
+fn report(seq: u32) -> Vec<u8> {
+    ballast_shared::wire::encode(&Message::Report(Report {
+        seq,
+        cpu: 0.5,
+        inflight: 3,
+        capacity: 0,
+        error_rate: None,
+        state: NodeState::Serving,
+    }))
+    .expect("report")
+}
+
+/// A relay's end of an open trunk.
+struct Relay {
+    conn: quinn::Connection,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    client: TrunkClient,
+}
+
+impl Relay {
+    async fn open(primary: &Primary) -> Relay {
+        let conn = primary
+            .connect(primary.relay_identity("relay-1"), RELAY_ALPN)
+            .await
+            .expect("handshake");
+        let (mut send, recv) = conn.open_bi().await.expect("control stream");
+        let client = TrunkClient::new(TrunkClientConfig::new("relay-1"));
+        send.write_all(&client.open_frame().expect("open"))
+            .await
+            .expect("sent");
+        let mut relay = Relay {
+            conn,
+            send,
+            recv,
+            client,
+        };
+        match &relay.events().await[..] {
+            [TrunkClientEvent::Opened { replica, .. }] => assert_eq!(replica, "aggregator"),
+            other => panic!("not opened: {other:?}"),
+        }
+        relay
+    }
+
+    /// The next control events.
+    async fn events(&mut self) -> Vec<TrunkClientEvent> {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = tokio::time::timeout(WAIT, self.recv.read(&mut buf))
+                .await
+                .expect("a frame in time")
+                .expect("read")
+                .expect("the stream is open");
+            let events = self
+                .client
+                .handle_control(buf.get(..n).expect("read"))
+                .expect("frames");
+            if !events.is_empty() {
+                return events;
+            }
+        }
+    }
+
+    async fn attach(&mut self, hello: &[u8], chain: Vec<Vec<u8>>) -> TrunkClientEvent {
+        let (_, frame) = self
+            .client
+            .attach(Instant::now(), hello, chain, IpAddr::from(LOCALHOST))
+            .expect("attach");
+        self.send.write_all(&frame).await.expect("sent");
+        let mut events = self.events().await;
+        assert_eq!(events.len(), 1, "{events:?}");
+        events.remove(0)
+    }
+}
+
+#[tokio::test]
+async fn a_relay_attaches_agents_and_hears_their_weights_and_bad_attaches_are_refused() {
+    let primary = Primary::start().await;
+    let mut relay = Relay::open(&primary).await;
+    let mut slots = Vec::new();
+    for (i, node) in ["n1", "n2", "n3"].into_iter().enumerate() {
+        let port = 8080 + u16::try_from(i).expect("small");
+        match relay
+            .attach(&hello(node, port), chain_of(&primary.ca, node))
+            .await
+        {
+            TrunkClientEvent::Attached { slot, welcome } => {
+                assert_eq!(welcome.interval_ms, 1000);
+                slots.push(slot);
+            }
+            other => panic!("{node} not attached: {other:?}"),
+        }
+    }
+    assert_eq!(primary.metrics.trunks_open.get(), 1);
+    assert_eq!(primary.metrics.trunk_slots.get(), 3);
+
+    // One batch of three reports; one batch of three replies back.
+    let now = Instant::now();
+    for slot in &slots {
+        assert!(relay
+            .client
+            .push_report(now, *slot, &report(1))
+            .expect("push")
+            .is_none());
+    }
+    let batch = relay.client.flush().expect("a batch");
+    relay.conn.send_datagram(batch.into()).expect("sent");
+    let replies = tokio::time::timeout(WAIT, relay.conn.read_datagram())
+        .await
+        .expect("replies in time")
+        .expect("replies");
+    let entries = relay.client.handle_datagram(&replies).expect("replies");
+    assert_eq!(
+        entries.iter().map(|e| e.slot).collect::<Vec<_>>(),
+        slots,
+        "one reply per report, in one batch"
+    );
+    for entry in entries {
+        match ballast_shared::wire::decode(entry.message).expect("a reply") {
+            Message::Reply(r) => assert!(r.weight > 0.0, "{r:?}"),
+            other => panic!("not a reply: {other:?}"),
+        }
+    }
+    assert_eq!(primary.metrics.trunk_batches.get(), 1);
+    assert_eq!(primary.metrics.trunk_reports.get(), 3);
+    assert_eq!(primary.metrics.reports_accepted.get(), 3);
+
+    // A hello that claims another node than its chain: the slot is rejected.
+    match relay
+        .attach(&hello("n9", 8090), chain_of(&primary.ca, "n4"))
+        .await
+    {
+        TrunkClientEvent::Rejected { reject, .. } => {
+            assert_eq!(reject.reason, RejectReason::IdentityMismatch)
+        }
+        other => panic!("not rejected: {other:?}"),
+    }
+    // A chain from another CA: rejected too.
+    let foreign = Ca::generate("foreign CA").expect("CA");
+    match relay
+        .attach(&hello("n5", 8091), chain_of(&foreign, "n5"))
+        .await
+    {
+        TrunkClientEvent::Rejected { reject, .. } => {
+            assert!(reject.detail.contains("certificate refused"), "{reject:?}")
+        }
+        other => panic!("not rejected: {other:?}"),
+    }
+    assert_eq!(primary.rejected("unknown_ca"), 1);
+    // A relay's certificate is no agent's.
+    let relay_chain = {
+        let spec = RelaySpec::new("relay-2", Duration::from_secs(3600)).expect("spec");
+        let issued = primary.ca.issue_relay(&spec).expect("relay");
+        ballast_shared::tls::certs_from_pem(&issued.pem.cert, "relay")
+            .expect("leaf")
+            .into_iter()
+            .map(|c| c.to_vec())
+            .collect()
+    };
+    match relay.attach(&hello("relay-2", 8092), relay_chain).await {
+        TrunkClientEvent::Rejected { .. } => {}
+        other => panic!("not rejected: {other:?}"),
+    }
+    assert_eq!(primary.rejected("relay_as_agent"), 1);
+    // The trunk stays open, its agents attached.
+    assert!(relay.client.is_open());
+    assert_eq!(primary.metrics.trunk_slots.get(), 3);
+    assert!(relay.conn.close_reason().is_none());
+
+    // The relay goes: its agents go with it.
+    relay.conn.close(0u32.into(), b"bye");
+    for _ in 0..50 {
+        if primary.metrics.trunks_open.get() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(primary.metrics.trunks_open.get(), 0);
+    assert_eq!(primary.metrics.trunk_slots.get(), 0);
+    assert_eq!(
+        primary
+            .metrics
+            .trunk_detached
+            .get_or_create(&Reason {
+                reason: "relay_gone".into()
+            })
+            .get(),
+        3
+    );
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+/// Waits for `conn` to be closed as refused.
+async fn refused(conn: &quinn::Connection) {
+    let closed = tokio::time::timeout(WAIT, conn.closed())
+        .await
+        .expect("closed in time");
+    assert!(
+        matches!(&closed, quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(close::REJECTED)),
+        "{closed}"
+    );
+}
+
+#[tokio::test]
+async fn a_node_cannot_open_a_trunk_nor_a_relay_connect_as_an_agent() {
+    let primary = Primary::start().await;
+    let node = primary
+        .ca
+        .issue_node("n1", &["web".to_string()])
+        .expect("node");
+    let conn = primary
+        .connect(node.pem.identity("node").expect("identity"), RELAY_ALPN)
+        .await
+        .expect("handshake");
+    refused(&conn).await;
+    assert_eq!(primary.rejected("not_relay"), 1);
+
+    let conn = primary
+        .connect(primary.relay_identity("relay-1"), ballast_shared::ALPN)
+        .await
+        .expect("handshake");
+    refused(&conn).await;
+    assert_eq!(primary.rejected("relay_as_agent"), 1);
+    assert_eq!(primary.metrics.trunks_open.get(), 0);
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+#[test]
+fn batches_fit_a_datagram_and_the_protocol() {
+    assert_eq!(batch_limit(None), 1200);
+    assert_eq!(batch_limit(Some(1452)), 1452);
+    assert_eq!(
+        batch_limit(Some(1 << 20)),
+        u32::try_from(MAX_BATCH).expect("small")
+    );
+}
+
+#[test]
+fn refused_chains_are_told_apart() {
+    use quinn::rustls::{CertificateError as C, Error as E};
+    assert!(chain_refusal(Ok(Verdict::Valid)).is_none());
+    let code = |j| chain_refusal(j).map(|(code, reason, _)| (code, reason));
+    assert_eq!(
+        code(Ok(Verdict::Revoked)),
+        Some((close::REVOKED, "revoked"))
+    );
+    assert_eq!(
+        code(Ok(Verdict::Expired)),
+        Some((close::EXPIRED, "expired"))
+    );
+    assert_eq!(
+        code(Err(E::InvalidCertificate(C::UnknownIssuer))),
+        Some((close::REJECTED, "unknown_ca"))
+    );
+    assert_eq!(
+        code(Err(E::InvalidCertificate(C::BadEncoding))),
+        Some((close::REJECTED, "bad_certificate"))
+    );
+}
