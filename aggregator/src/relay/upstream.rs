@@ -32,6 +32,14 @@ pub(crate) const BUFFERED_MAX_AGE: Duration = Duration::from_secs(1);
 /// How long a rehoming link waits before it asks an owner again after a refusal.
 const RETRY_EVERY: Duration = Duration::from_millis(250);
 
+/// How long an attached agent's report may wait for the primary's reply before the
+/// relay answers its next one from the last reply. A primary answers each batch as it
+/// takes it, in milliseconds; one that stays silent this long is stalled or gone
+/// (a killed process's trunk looks open until QUIC's idle timeout), and the agent's
+/// own silence rule would otherwise close its connection before the routes name
+/// the replica that takes the service over.
+const REPLY_GRACE: Duration = Duration::from_millis(500);
+
 /// The relay's settings for its agents.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
@@ -166,6 +174,7 @@ impl Upstream for RelayUpstream {
                             down: a.down,
                         },
                         last_reply: None,
+                        unanswered_since: None,
                         outbox: None,
                     };
                     return Ok(Admitted {
@@ -173,8 +182,16 @@ impl Upstream for RelayUpstream {
                         link,
                     });
                 }
-                Err(AttachError::Rejected(r)) if r.reason == RejectReason::NotOwner && !retried => {
-                    // The routes were stale: the next ones may name the owner.
+                Err(
+                    AttachError::Rejected(Reject {
+                        reason: RejectReason::NotOwner,
+                        ..
+                    })
+                    | AttachError::TrunkDown
+                    | AttachError::Timeout,
+                ) if !retried => {
+                    // The routes were stale, or name a replica that is gone and not yet
+                    // replaced: the next ones may name the owner.
                     retried = true;
                     let _ =
                         tokio::time::timeout(self.settings.attach_timeout, routes.changed()).await;
@@ -230,8 +247,11 @@ pub(crate) struct RelayLink {
     metrics: Arc<RelayMetrics>,
     settings: Settings,
     state: State,
-    /// The primary's last reply, answered from while rehoming.
+    /// The primary's last reply, answered from while rehoming or while the primary is
+    /// silent.
     last_reply: Option<Bytes>,
+    /// Since when a report forwarded to the primary has gone unanswered.
+    unanswered_since: Option<Instant>,
     /// A reply to send the agent at once.
     outbox: Option<Bytes>,
 }
@@ -259,6 +279,7 @@ impl RelayLink {
         if matches!(self.state, State::Attached { .. }) {
             let now = Instant::now();
             tracing::info!(service = %self.agent.service, "the agent's owner is gone; rehoming");
+            self.unanswered_since = None;
             self.state = State::Rehoming {
                 since: now,
                 buffered: None,
@@ -317,7 +338,13 @@ impl Link for RelayLink {
         let bytes = Bytes::copy_from_slice(raw);
         if let State::Attached { slot, trunk, .. } = &self.state {
             match trunk.try_send(Command::Report { slot: *slot, bytes }) {
-                Ok(()) => return Forwarded::Queued,
+                Ok(()) => {
+                    let since = *self.unanswered_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > REPLY_GRACE {
+                        self.answer_from_cache();
+                    }
+                    return Forwarded::Queued;
+                }
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     self.metrics.drop_report("trunk_full");
                     return Forwarded::Dropped("trunk_full");
@@ -350,6 +377,7 @@ impl Link for RelayLink {
                         d = down.recv() => match d {
                             Some(Down::Reply(reply)) => {
                                 self.metrics.replies_forwarded.inc();
+                                self.unanswered_since = None;
                                 self.last_reply = Some(reply.clone());
                                 return Downstream::Reply(reply);
                             }
@@ -449,11 +477,16 @@ impl RelayLink {
                 self.metrics.drop_report("failover");
             }
         }
+        self.answer_from_cache();
+        Forwarded::Queued
+    }
+
+    /// Answers the agent's report with the primary's last reply, if there was one.
+    fn answer_from_cache(&mut self) {
         if let Some(reply) = &self.last_reply {
             self.metrics.replies_cached.inc();
             self.outbox = Some(reply.clone());
         }
-        Forwarded::Queued
     }
 }
 

@@ -1,0 +1,365 @@
+//! Agents behind relays, in front of aggregator replicas sharing services through a
+//! real etcd, with the shipped cluster defaults (64 buckets, a 3 s lease) and relay
+//! defaults: three replicas, two relays, twelve agents in three services, each agent
+//! told of both relays only. The replicas hold the relays' trunks, not the agents'
+//! connections, and balance every service; when the owner of a service is killed,
+//! its agents stay connected to their relays while another replica takes the service
+//! over with its weights, and a proxyless gRPC client of a replica that is not the
+//! owner sees the new owner's versions; a killed relay's agents go on through the
+//! other relay.
+
+use ballast_tests::harness::ads::xds_aggregator_opts;
+use ballast_tests::harness::cluster::{converged_to_speeds, largest_change, ClusterKeys};
+use ballast_tests::harness::grpc::{require_grpcio, Backends, XdsClient};
+use ballast_tests::*;
+use std::time::{Duration, Instant};
+
+const PREFIX: &str = "/ballast-relayed";
+const CLUSTER: &str = "edge";
+const KEYS: ClusterKeys = ClusterKeys {
+    prefix: PREFIX,
+    name: CLUSTER,
+    buckets: 64,
+};
+/// The shipped lease.
+const LEASE_TTL: Duration = Duration::from_secs(3);
+/// The replicas' cycle (`xds_aggregator_opts`).
+const CYCLE: Duration = Duration::from_millis(300);
+const SERVICES: [&str; 3] = ["alpha", "beta", "gamma"];
+const PER_SERVICE: usize = 4;
+
+fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
+    Aggregator::start(
+        pki,
+        xds_aggregator_opts()
+            .etcd(&etcd.endpoint(), PREFIX)
+            .cluster(CLUSTER, name),
+    )
+}
+
+fn relay(pki: &Pki, etcd: &Etcd, name: &str) -> Relay {
+    Relay::start(pki, RelayOpts::new(name, &etcd.endpoint(), PREFIX, CLUSTER))
+}
+
+/// Twelve agents in three services, each told of both relays and nothing else, half
+/// of them starting at each. `alpha`'s nodes register the addresses of `backends`.
+fn fleet(pki: &Pki, any: &Aggregator, relays: &[Relay], backends: &Backends) -> Vec<Agent> {
+    let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
+    let mut agents = Vec::new();
+    for service in SERVICES {
+        let nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("{service}-{i}")).collect();
+        pki.issue_nodes_for(
+            service,
+            &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        for (i, node) in nodes.iter().enumerate() {
+            let mut opts = AgentOpts::new(service, node).speed(1.0 + i as f64);
+            let mut list = addrs.clone();
+            list.rotate_left(i % addrs.len());
+            opts.aggregators = Some(list);
+            if service == "alpha" {
+                opts.address = Some(backends.address(node));
+            }
+            agents.push(Agent::start(pki, any, opts));
+        }
+    }
+    agents
+}
+
+/// The sum of a metric over the replicas that are still running.
+fn total(replicas: &[Aggregator], skip: Option<usize>, name: &str) -> f64 {
+    replicas
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != skip)
+        .map(|(_, r)| r.counter(name, &[]))
+        .sum()
+}
+
+#[test]
+fn agents_behind_relays_stay_connected_while_a_killed_owner_hands_their_service_on() {
+    require_etcd();
+    require_grpcio();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let names = ["r0", "r1", "r2"];
+    let mut replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
+    let relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let watch = etcd.watch(&format!("{PREFIX}/services/"));
+    let alpha_nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("alpha-{i}")).collect();
+    let backends = Backends::start(
+        &alpha_nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+        dir.path(),
+    );
+    let agents = fleet(&pki, &replicas[0], &relays, &backends);
+    KEYS.wait_balanced(&etcd, &SERVICES, PER_SERVICE, Duration::from_secs(90));
+
+    // The replicas hold the relays' trunks, not the agents: every agent is connected to
+    // a relay, each replica has at most one trunk from each relay, and the slots on
+    // them are the twelve agents.
+    let relay_addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
+    for a in &agents {
+        let s = a.status();
+        assert!(
+            s.connected_to
+                .as_ref()
+                .is_some_and(|c| relay_addrs.contains(c)),
+            "{} is connected to {:?}, not a relay",
+            a.node(),
+            s.connected_to
+        );
+    }
+    wait_for(
+        Duration::from_secs(10),
+        "twelve slots on the replicas",
+        || {
+            let slots = total(&replicas, None, "ballast_trunk_slots");
+            (slots == (SERVICES.len() * PER_SERVICE) as f64)
+                .then_some(())
+                .ok_or(format!("{slots} slots"))
+        },
+    );
+    for (i, r) in replicas.iter().enumerate() {
+        let trunks = r.counter("ballast_trunks_open", &[]);
+        let direct = r.counter("ballast_connections_open", &[]);
+        assert!(
+            trunks <= 2.0 && direct <= trunks,
+            "{}: {trunks} trunks, {direct} connections",
+            names[i]
+        );
+    }
+
+    // A proxyless gRPC client of a replica that does not own alpha reaches every
+    // backend of alpha.
+    let service = "alpha";
+    let first = KEYS.owner(&etcd, service).expect("alpha has an owner");
+    let watcher = names
+        .iter()
+        .position(|n| *n != first)
+        .expect("another replica");
+    let mut client = XdsClient::start(
+        &replicas[watcher].xds(),
+        service,
+        "relay-client",
+        None,
+        dir.path(),
+    );
+    let warm = client.round(200, Duration::from_secs(30));
+    assert!(
+        warm.errors.is_empty() && warm.counts.len() == PER_SERVICE,
+        "before the kill: {warm:?}\n{}",
+        client.stderr_tail()
+    );
+
+    // A few more writes of alpha give a normal cycle's change.
+    let before_count = KEYS.history(&watch, service).len();
+    wait_for(
+        Duration::from_secs(30),
+        "three more writes of alpha",
+        || {
+            let n = KEYS.history(&watch, service).len();
+            (n >= before_count + 3)
+                .then_some(())
+                .ok_or(format!("{n} writes"))
+        },
+    );
+    let before = KEYS.history(&watch, service);
+    let normal = before
+        .windows(2)
+        .rev()
+        .take(5)
+        .map(|w| largest_change(&w[0], &w[1]))
+        .fold(0.0, f64::max);
+    let statuses: Vec<_> = agents.iter().map(|a| a.status()).collect();
+    let rehomed_before: f64 = relays
+        .iter()
+        .map(|r| r.counter("ballast_relay_rehomed_total", &[]))
+        .sum();
+
+    // SIGKILL alpha's owner.
+    let victim = names
+        .iter()
+        .position(|n| *n == first)
+        .expect("the owner is a replica");
+    let last = KEYS.stored(&etcd, service).expect("stored");
+    replicas[victim].kill();
+    let killed = Instant::now();
+    let next = KEYS.new_owner(&etcd, service, &first);
+    let took = killed.elapsed();
+    // The lease lapses at most its time to live after the last renewal; the goal is
+    // the time to live and two cycles, and 1 s more for a loaded 2-core machine.
+    let bound = LEASE_TTL + 2 * CYCLE + Duration::from_secs(1);
+    assert!(
+        took <= bound,
+        "alpha went to {next} {took:?} after its owner {first} died (bound {bound:?})"
+    );
+    let resumed = wait_for(
+        Duration::from_secs(20),
+        "alpha written by its new owner",
+        || {
+            let s = KEYS.stored(&etcd, service).ok_or("not stored")?;
+            (s.version > last.version)
+                .then_some(s.clone())
+                .ok_or(format!("version {} cycle {}", s.version, s.cycle))
+        },
+    );
+    let jump = largest_change(&last, &resumed);
+    let allowed = (3.0 * normal).max(0.1);
+    assert!(
+        jump <= allowed,
+        "weights moved by {jump:.3} across the failover (a normal cycle: {normal:.3})"
+    );
+    if let Err(w) = converged_to_speeds(&resumed, PER_SERVICE) {
+        panic!("weights reset across the failover: {w}");
+    }
+    eprintln!(
+        "relayed failover: {first} killed, {next} owns alpha after {took:?}; weights moved \
+         by at most {jump:.3} (a normal cycle: {normal:.3})"
+    );
+
+    // Its agents never left their relays: same relay, no failed connection attempt,
+    // and their weights keep coming (from the new owner, through the relay).
+    let relayed = |a: &Agent| a.node().starts_with("alpha");
+    for (a, before) in agents.iter().zip(&statuses).filter(|(a, _)| relayed(a)) {
+        let now = a.status();
+        assert_eq!(
+            now.connected_to,
+            before.connected_to,
+            "{} changed connection across the failover; the relays' logs:\n{}\n{}",
+            a.node(),
+            relays[0].log_tail(40),
+            relays[1].log_tail(40)
+        );
+        assert_eq!(
+            now.connect_failures,
+            before.connect_failures,
+            "{} failed to connect across the failover",
+            a.node()
+        );
+    }
+    let rehomed: f64 = relays
+        .iter()
+        .map(|r| r.counter("ballast_relay_rehomed_total", &[]))
+        .sum();
+    assert!(
+        rehomed >= rehomed_before + PER_SERVICE as f64,
+        "the relays rehomed {} agents, not alpha's {PER_SERVICE}",
+        rehomed - rehomed_before
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "alpha's agents weighted by the new owner",
+        || {
+            for a in agents.iter().filter(|a| relayed(a)) {
+                let s = a.status();
+                let fresh = s.weight_cycle.is_some_and(|c| c > resumed.cycle);
+                if !fresh {
+                    return Err(format!("{}: cycle {:?}", a.node(), s.weight_cycle));
+                }
+            }
+            Ok(())
+        },
+    );
+
+    // The gRPC client sees the new owner's versions: a drain published by the new
+    // owner takes the drained backend out of its calls.
+    let drained = &alpha_nodes[1];
+    let drainer = agents
+        .iter()
+        .find(|a| a.node() == drained)
+        .expect("the agent");
+    assert!(drainer.drain().ok, "drain refused");
+    wait_for(
+        Duration::from_secs(30),
+        "the client of a non-owner to stop calling the drained backend",
+        || {
+            let probe = client.round(100, Duration::from_secs(5));
+            if probe.errors.is_empty() && !probe.counts.contains_key(drained.as_str()) {
+                Ok(())
+            } else {
+                Err(format!("{probe:?}"))
+            }
+        },
+    );
+
+    // One writer at a time: every service's stored versions only ever grow.
+    for service in SERVICES {
+        KEYS.assert_one_writer(&watch, service);
+    }
+    eprintln!(
+        "relayed failover: drain seen by the gRPC client {:?} after the kill",
+        killed.elapsed()
+    );
+}
+
+#[test]
+fn a_killed_relays_agents_go_on_through_the_other() {
+    require_etcd();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let names = ["r0", "r1"];
+    let replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
+    let mut relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let watch = etcd.watch(&format!("{PREFIX}/services/"));
+    let alpha_nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("alpha-{i}")).collect();
+    let backends = Backends::start(
+        &alpha_nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+        dir.path(),
+    );
+    let agents = fleet(&pki, &replicas[0], &relays, &backends);
+    KEYS.wait_balanced(&etcd, &SERVICES, PER_SERVICE, Duration::from_secs(90));
+    let survivor = relays[1].quic_addr().to_string();
+
+    relays[0].kill();
+    let killed = Instant::now();
+    for a in &agents {
+        wait_for(
+            Duration::from_secs(15),
+            &format!("{} through the other relay", a.node()),
+            || {
+                let s = a.status();
+                (s.connected_to.as_deref() == Some(survivor.as_str()))
+                    .then_some(())
+                    .ok_or(format!("{:?}", s.connected_to))
+            },
+        );
+    }
+    eprintln!(
+        "relay killed: every agent through the other relay {:?} later",
+        killed.elapsed()
+    );
+    // The replicas let go of the dead relay's slots, and hold one per agent again.
+    wait_for(
+        Duration::from_secs(15),
+        "twelve slots on one relay's trunks",
+        || {
+            let slots = total(&replicas, None, "ballast_trunk_slots");
+            let trunks = total(&replicas, None, "ballast_trunks_open");
+            (slots == (SERVICES.len() * PER_SERVICE) as f64 && trunks <= names.len() as f64)
+                .then_some(())
+                .ok_or(format!("{slots} slots on {trunks} trunks"))
+        },
+    );
+    // And every service goes on being balanced and written.
+    let writes: Vec<usize> = SERVICES
+        .iter()
+        .map(|s| KEYS.history(&watch, s).len())
+        .collect();
+    wait_for(
+        Duration::from_secs(20),
+        "every service written again",
+        || {
+            for (s, n) in SERVICES.iter().zip(&writes) {
+                let h = KEYS.history(&watch, s);
+                let last = h.last().ok_or("not stored")?;
+                if h.len() < n + 2 {
+                    return Err(format!("{s}: {} writes", h.len()));
+                }
+                converged_to_speeds(last, PER_SERVICE)?;
+            }
+            Ok(())
+        },
+    );
+}
