@@ -80,7 +80,8 @@ fn inherit(args: &mut CommonArgs, global: &CommonArgs) {
 /// commands share applied; not validated yet.
 fn common_config(args: &CommonArgs) -> Result<Config> {
     let mut cfg = match &args.config {
-        Some(path) => Config::load(path)?,
+        // Checked once the flags are in (each command's own config does it).
+        Some(path) => Config::read(path)?,
         None => Config::default(),
     };
     if let Some(v) = args.quic {
@@ -157,7 +158,7 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
     }
-    cfg.validate().context("configuration")?;
+    cfg.validate().with_context(|| origin(&args.common))?;
     Ok(cfg)
 }
 
@@ -172,8 +173,16 @@ fn relay_config(args: &RelayArgs) -> Result<Config> {
     if let Some(name) = &args.name {
         relay.name = Some(name.clone());
     }
-    cfg.validate().context("configuration")?;
+    cfg.validate().with_context(|| origin(&args.common))?;
     Ok(cfg)
+}
+
+/// Where a command's configuration came from, for its errors.
+fn origin(args: &CommonArgs) -> String {
+    match &args.config {
+        Some(path) => format!("configuration ({} and the flags)", path.display()),
+        None => "configuration (the flags and the defaults)".to_string(),
+    }
 }
 
 /// The `[store.etcd]` table an etcd flag amends: one must be configured already.

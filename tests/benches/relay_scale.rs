@@ -16,7 +16,7 @@
 //! ```sh
 //! cargo build --release --workspace --bins --features ballast-aggregator/etcd
 //! cargo bench -p ballast-tests --features ballast-aggregator/etcd --bench relay_scale
-//! # -- --agents N --hz H --seconds S to change the pattern
+//! # -- --agents N --hz H --seconds S to change the pattern, --batch-delay-ms MS the relay's
 //! ```
 //!
 //! It prints a table and one line, `relay scale:`, which `docs/scale.md` keeps with
@@ -141,10 +141,13 @@ fn main() {
             .report_interval_ms(interval_ms)
             .cycle_ms(1000),
     );
-    let relay = Relay::start(
-        &pki,
-        RelayOpts::new("relay-bench", &etcd.endpoint(), PREFIX, CLUSTER),
-    );
+    // `--batch-delay-ms` sets the relay's `[relay] batch_delay_ms`; 0 keeps its default.
+    let batch_delay_ms = arg("--batch-delay-ms", 0);
+    let mut relay_opts = RelayOpts::new("relay-bench", &etcd.endpoint(), PREFIX, CLUSTER);
+    if batch_delay_ms > 0 {
+        relay_opts = relay_opts.config(&format!("[relay]\nbatch_delay_ms = {batch_delay_ms}\n"));
+    }
+    let relay = Relay::start(&pki, relay_opts);
 
     let ca = pki.ca();
     let t = Instant::now();
