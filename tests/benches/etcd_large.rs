@@ -25,15 +25,6 @@ use std::time::{Duration, Instant};
 const PREFIX: &str = "/ballast-bench";
 const SERVICE: &str = "big";
 
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().unwrap_or_else(|e| panic!("{name} {v}: {e}")))
-        .unwrap_or(default)
-}
-
 /// etcd's database size in bytes, as `etcdctl endpoint status` says.
 fn db_size(etcd: &Etcd) -> u64 {
     let out = etcd
@@ -46,8 +37,8 @@ fn db_size(etcd: &Etcd) -> u64 {
 }
 
 fn main() {
-    let endpoints = usize::try_from(arg("--endpoints", 100_000)).unwrap_or(100_000);
-    let seconds = arg("--seconds", 30);
+    let endpoints = usize::try_from(bench_arg("--endpoints", 100_000)).unwrap_or(100_000);
+    let seconds = bench_arg("--seconds", 30);
     require_etcd();
     let etcd = Etcd::start();
 

@@ -32,15 +32,6 @@ const PREFIX: &str = "/ballast-relay-bench";
 const CLUSTER: &str = "bench";
 const SERVICE: &str = "bench";
 
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().unwrap_or_else(|e| panic!("{name} {v}: {e}")))
-        .unwrap_or(default)
-}
-
 /// One measured window.
 #[derive(Debug, Default, Clone, Copy)]
 struct Window {
@@ -126,9 +117,9 @@ fn per_report_us(cpu: f64, reports: f64) -> f64 {
 }
 
 fn main() {
-    let agents = usize::try_from(arg("--agents", 2_000)).unwrap_or(2_000);
-    let hz = u32::try_from(arg("--hz", 1)).unwrap_or(1);
-    let seconds = arg("--seconds", 20) as f64;
+    let agents = usize::try_from(bench_arg("--agents", 2_000)).unwrap_or(2_000);
+    let hz = u32::try_from(bench_arg("--hz", 1)).unwrap_or(1);
+    let seconds = bench_arg("--seconds", 20) as f64;
     require_etcd();
     let etcd = Etcd::start();
     let pki = Pki::new();
@@ -142,7 +133,7 @@ fn main() {
             .cycle_ms(1000),
     );
     // `--batch-delay-ms` sets the relay's `[relay] batch_delay_ms`; 0 keeps its default.
-    let batch_delay_ms = arg("--batch-delay-ms", 0);
+    let batch_delay_ms = bench_arg("--batch-delay-ms", 0);
     let mut relay_opts = RelayOpts::new("relay-bench", &etcd.endpoint(), PREFIX, CLUSTER);
     if batch_delay_ms > 0 {
         relay_opts = relay_opts.config(&format!("[relay]\nbatch_delay_ms = {batch_delay_ms}\n"));

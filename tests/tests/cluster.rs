@@ -11,7 +11,9 @@
 use ballast_aggregator::cluster::{bucket_of, owner_key, preferred, FEED_BEHIND_AFTER};
 use ballast_aggregator::store::chunks::Manifest;
 use ballast_balance::ServiceSnapshot;
-use ballast_tests::harness::cluster::{converged_to_speeds, largest_change, weights, ClusterKeys};
+use ballast_tests::harness::cluster::{
+    self, converged_to_speeds, largest_change, weights, ClusterKeys,
+};
 use ballast_tests::harness::netns::Netns;
 use ballast_tests::*;
 use std::collections::BTreeMap;
@@ -43,22 +45,7 @@ fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
 /// different one so that most first meet a replica that refuses them.
 fn fleet(pki: &Pki, replicas: &[Aggregator]) -> Vec<Agent> {
     let addrs: Vec<String> = replicas.iter().map(|a| a.quic_addr().to_string()).collect();
-    let mut agents = Vec::new();
-    for service in SERVICES {
-        let nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("{service}-{i}")).collect();
-        pki.issue_nodes_for(
-            service,
-            &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
-        for (i, node) in nodes.iter().enumerate() {
-            let mut opts = AgentOpts::new(service, node).speed(1.0 + i as f64);
-            let mut list = addrs.clone();
-            list.rotate_left(i % addrs.len());
-            opts.aggregators = Some(list);
-            agents.push(Agent::start(pki, &replicas[0], opts));
-        }
-    }
-    agents
+    cluster::fleet(pki, &replicas[0], &addrs, &SERVICES, PER_SERVICE, |_| None)
 }
 
 /// Waits until every service is owned, stored with its whole fleet, and converged.

@@ -9,7 +9,7 @@
 //! other relay.
 
 use ballast_tests::harness::ads::xds_aggregator_opts;
-use ballast_tests::harness::cluster::{converged_to_speeds, largest_change, ClusterKeys};
+use ballast_tests::harness::cluster::{self, converged_to_speeds, largest_change, ClusterKeys};
 use ballast_tests::harness::grpc::{require_grpcio, Backends, XdsClient};
 use ballast_tests::*;
 use std::time::{Duration, Instant};
@@ -45,25 +45,9 @@ fn relay(pki: &Pki, etcd: &Etcd, name: &str) -> Relay {
 /// of them starting at each. `alpha`'s nodes register the addresses of `backends`.
 fn fleet(pki: &Pki, any: &Aggregator, relays: &[Relay], backends: &Backends) -> Vec<Agent> {
     let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
-    let mut agents = Vec::new();
-    for service in SERVICES {
-        let nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("{service}-{i}")).collect();
-        pki.issue_nodes_for(
-            service,
-            &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
-        );
-        for (i, node) in nodes.iter().enumerate() {
-            let mut opts = AgentOpts::new(service, node).speed(1.0 + i as f64);
-            let mut list = addrs.clone();
-            list.rotate_left(i % addrs.len());
-            opts.aggregators = Some(list);
-            if service == "alpha" {
-                opts.address = Some(backends.address(node));
-            }
-            agents.push(Agent::start(pki, any, opts));
-        }
-    }
-    agents
+    cluster::fleet(pki, any, &addrs, &SERVICES, PER_SERVICE, |node| {
+        node.starts_with("alpha-").then(|| backends.address(node))
+    })
 }
 
 /// The sum of a metric over the replicas that are still running.

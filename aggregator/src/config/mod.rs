@@ -644,7 +644,7 @@ impl Config {
     /// that amends it (with command-line flags) and then calls [`Config::validate`] on
     /// the result, since a file may leave to the flags what its checks need.
     pub fn read(path: &Path) -> Result<Config, ConfigError> {
-        Ok(ballast_shared::config::load_toml(path)?)
+        ballast_shared::config::load_toml(path)
     }
 
     /// Reads, parses and validates a file.

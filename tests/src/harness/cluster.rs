@@ -1,7 +1,10 @@
 //! What a cluster of replicas keeps in etcd, read the way the cluster tests check it:
 //! which replica owns a service, what its owner stored, and the history of its values.
 
+use super::agent::{Agent, AgentOpts};
+use super::aggregator::Aggregator;
 use super::etcd::{Etcd, Watch};
+use super::pki::Pki;
 use super::wait::wait_for;
 use ballast_aggregator::cluster::{bucket_of, owner_key};
 use ballast_balance::ServiceSnapshot;
@@ -151,4 +154,35 @@ pub fn converged_to_speeds(s: &ServiceSnapshot, per_service: usize) -> Result<()
             (w - want).abs() <= 0.1 * want
         });
     near.then_some(()).ok_or(format!("{w:?}"))
+}
+
+/// `per_service` agents in each of `services`, node `NAME-i` at speed `1 + i`, each
+/// told of every address in `addrs` (replicas or relays), agent `i` starting at the
+/// `i`-th, so that they spread. `address` may give a node the address it registers
+/// (a real backend's); `any` is an aggregator of the cluster, for the agents' defaults.
+pub fn fleet(
+    pki: &Pki,
+    any: &Aggregator,
+    addrs: &[String],
+    services: &[&str],
+    per_service: usize,
+    address: impl Fn(&str) -> Option<String>,
+) -> Vec<Agent> {
+    let mut agents = Vec::new();
+    for service in services {
+        let nodes: Vec<String> = (0..per_service).map(|i| format!("{service}-{i}")).collect();
+        pki.issue_nodes_for(
+            service,
+            &nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        for (i, node) in nodes.iter().enumerate() {
+            let mut opts = AgentOpts::new(service, node).speed(1.0 + i as f64);
+            let mut list = addrs.to_vec();
+            list.rotate_left(i % addrs.len().max(1));
+            opts.aggregators = Some(list);
+            opts.address = address(node);
+            agents.push(Agent::start(pki, any, opts));
+        }
+    }
+    agents
 }

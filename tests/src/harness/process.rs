@@ -257,6 +257,18 @@ pub fn unix_request(
     Ok(out)
 }
 
+/// A bench's numeric option: the value after `name` among the process's arguments
+/// (`-- --agents 500`), or `default`. Panics, naming it, on a value that is no number:
+/// a bench is run by hand.
+pub fn bench_arg(name: &str, default: u64) -> u64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.parse().unwrap_or_else(|e| panic!("{name} {v}: {e}")))
+        .unwrap_or(default)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
