@@ -54,6 +54,9 @@ pub enum ThreadsError {
 pub(crate) struct Threads {
     /// Each thread's endpoint, to close them all at shutdown.
     endpoints: Vec<quinn::Endpoint>,
+    /// Each thread's runtime, for work that belongs beside its connections.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // the relay's, which needs etcd
+    runtimes: Vec<tokio::runtime::Handle>,
     /// The bound address, its port resolved.
     pub(crate) addr: SocketAddr,
     /// How many threads still run.
@@ -98,6 +101,7 @@ pub(crate) async fn start<U: Upstream>(
     // once that its connection is gone there, and connects again.
     let config = quinn::EndpointConfig::default();
     let mut endpoints: Vec<quinn::Endpoint> = Vec::with_capacity(count);
+    let mut runtimes = Vec::with_capacity(count);
     let started = |endpoints: &[quinn::Endpoint]| {
         for e in endpoints {
             e.close(
@@ -131,8 +135,9 @@ pub(crate) async fn start<U: Upstream>(
                 ThreadsError::Start { index, source }
             })?;
         let source = match endpoint.await {
-            Ok(Ok(e)) => {
+            Ok(Ok((e, runtime))) => {
                 endpoints.push(e);
+                runtimes.push(runtime);
                 continue;
             }
             Ok(Err(source)) => source,
@@ -145,6 +150,7 @@ pub(crate) async fn start<U: Upstream>(
     let watcher = tokio::spawn(ingest.revocation.clone().watch(metrics));
     Ok(Threads {
         endpoints,
+        runtimes,
         addr: bound,
         running,
         panicked,
@@ -161,7 +167,7 @@ fn serve<U: Upstream>(
     metrics: Arc<Metrics>,
     ingest: Arc<Ingest>,
     upstream: Arc<U>,
-    ready: oneshot::Sender<std::io::Result<quinn::Endpoint>>,
+    ready: oneshot::Sender<std::io::Result<(quinn::Endpoint, tokio::runtime::Handle)>>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -183,7 +189,8 @@ fn serve<U: Upstream>(
                     return;
                 }
             };
-        if ready.send(Ok(endpoint.clone())).is_err() {
+        let runtime = tokio::runtime::Handle::current();
+        if ready.send(Ok((endpoint.clone(), runtime))).is_err() {
             return;
         }
         super::quic::serve(endpoint.clone(), metrics, ingest, upstream).await;
@@ -254,6 +261,13 @@ impl Threads {
         if let Some(message) = panicked {
             std::panic::resume_unwind(Box::new(message));
         }
+    }
+
+    /// The first thread's runtime: work spawned there runs beside that thread's
+    /// connections, and hands them data with no wake-up of another thread.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // the relay's, which needs etcd
+    pub(crate) fn runtime(&self) -> Option<&tokio::runtime::Handle> {
+        self.runtimes.first()
     }
 
     /// Closes every endpoint: agents see the connection close.

@@ -186,7 +186,6 @@ mod running {
             routes: routes.clone(),
             metrics: relay_metrics.clone(),
         });
-        tasks.push(supervisor.spawn("trunks", trunks.clone().run()));
         let upstream = Arc::new(RelayUpstream::new(
             routes.clone(),
             trunks.clone(),
@@ -207,6 +206,20 @@ mod running {
             )
             .await?,
         );
+        // The trunks run beside the agents' connections, on the (first) QUIC thread:
+        // a report then reaches its trunk, and a reply its agent, with no wake-up of
+        // another thread (with several QUIC threads, the others' agents still hop).
+        let running = match quic.runtime() {
+            Some(rt) => rt.spawn(trunks.clone().run()),
+            None => tokio::spawn(trunks.clone().run()),
+        };
+        tasks.push(supervisor.spawn("trunks", async move {
+            if let Err(e) = running.await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        }));
         let quic_addr = quic.addr;
         let threads = quic.clone();
         tasks.push(supervisor.spawn("QUIC ingest", async move {
