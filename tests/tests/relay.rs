@@ -1,13 +1,15 @@
 //! Agents behind relays, in front of aggregator replicas sharing services through a
 //! real etcd, with the shipped cluster defaults (64 buckets, a 3 s lease) and relay
-//! defaults: three replicas, two relays, twelve agents in three services, each agent
+//! defaults: three replicas, two relays, thirty agents in three services, each agent
 //! told of both relays only. The replicas hold the relays' trunks, not the agents'
 //! connections, and balance every service; when the owner of a service is killed,
 //! its agents stay connected to their relays while another replica takes the service
 //! over with its weights, and a proxyless gRPC client of a replica that is not the
 //! owner sees the new owner's versions; a killed relay's agents go on through the
-//! other relay.
+//! other relay; a fourth replica takes its buckets, and only the agents of the services
+//! in them move, to it, without leaving their relays.
 
+use ballast_aggregator::cluster::{bucket_of, preferred};
 use ballast_tests::harness::ads::xds_aggregator_opts;
 use ballast_tests::harness::cluster::{self, converged_to_speeds, largest_change, ClusterKeys};
 use ballast_tests::harness::grpc::{require_grpcio, Backends, XdsClient};
@@ -26,7 +28,7 @@ const LEASE_TTL: Duration = Duration::from_secs(3);
 /// The replicas' cycle (`xds_aggregator_opts`).
 const CYCLE: Duration = Duration::from_millis(300);
 const SERVICES: [&str; 3] = ["alpha", "beta", "gamma"];
-const PER_SERVICE: usize = 4;
+const PER_SERVICE: usize = 10;
 
 fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
     Aggregator::start(
@@ -41,7 +43,7 @@ fn relay(pki: &Pki, etcd: &Etcd, name: &str) -> Relay {
     Relay::start(pki, RelayOpts::new(name, &etcd.endpoint(), PREFIX, CLUSTER))
 }
 
-/// Twelve agents in three services, each told of both relays and nothing else, half
+/// Thirty agents in three services, each told of both relays and nothing else, half
 /// of them starting at each. `alpha`'s nodes register the addresses of `backends`.
 fn fleet(pki: &Pki, any: &Aggregator, relays: &[Relay], backends: &Backends) -> Vec<Agent> {
     let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
@@ -81,7 +83,7 @@ fn agents_behind_relays_stay_connected_while_a_killed_owner_hands_their_service_
 
     // The replicas hold the relays' trunks, not the agents: every agent is connected to
     // a relay, each replica has at most one trunk from each relay, and the slots on
-    // them are the twelve agents.
+    // them are the thirty agents.
     let relay_addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
     for a in &agents {
         let s = a.status();
@@ -346,4 +348,123 @@ fn a_killed_relays_agents_go_on_through_the_other() {
             Ok(())
         },
     );
+}
+
+#[test]
+fn a_new_replica_takes_its_buckets_and_only_their_agents_move_to_it() {
+    require_etcd();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let names = ["r0", "r1", "r2"];
+    let mut replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
+    let relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let watch = etcd.watch(&format!("{PREFIX}/services/"));
+    let alpha_nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("alpha-{i}")).collect();
+    let backends = Backends::start(
+        &alpha_nodes.iter().map(String::as_str).collect::<Vec<_>>(),
+        dir.path(),
+    );
+    let agents = fleet(&pki, &replicas[0], &relays, &backends);
+    KEYS.wait_balanced(&etcd, &SERVICES, PER_SERVICE, Duration::from_secs(90));
+
+    // A fourth replica whose name rendezvous hashing ranks first for some of the
+    // services' buckets, not all: the names fix which.
+    let owner_among = |members: &[&str], service: &str| {
+        preferred(members.iter().copied(), bucket_of(service, KEYS.buckets))
+            .expect("a member")
+            .to_string()
+    };
+    let newcomer = (3..40)
+        .map(|i| format!("r{i}"))
+        .find(|n| {
+            let four = [names[0], names[1], names[2], n.as_str()];
+            let won = SERVICES
+                .iter()
+                .filter(|s| owner_among(&four, s) == *n)
+                .count();
+            won > 0 && won < SERVICES.len()
+        })
+        .expect("a name that wins some services");
+    let four = [names[0], names[1], names[2], newcomer.as_str()];
+    let moving: Vec<&str> = SERVICES
+        .iter()
+        .copied()
+        .filter(|s| owner_among(&four, s) == newcomer)
+        .collect();
+    let statuses: Vec<_> = agents.iter().map(|a| a.status()).collect();
+    let rehomed = || -> f64 {
+        relays
+            .iter()
+            .map(|r| r.counter("ballast_relay_rehomed_total", &[]))
+            .sum()
+    };
+    let rehomed_before = rehomed();
+    let writes: Vec<usize> = SERVICES
+        .iter()
+        .map(|s| KEYS.history(&watch, s).len())
+        .collect();
+
+    replicas.push(replica(&pki, &etcd, &newcomer));
+    for service in SERVICES {
+        let want = owner_among(&four, service);
+        wait_for(
+            Duration::from_secs(30),
+            &format!("{service} owned by {want}"),
+            || match KEYS.owner(&etcd, service) {
+                Some(o) if o == want => Ok(()),
+                o => Err(format!("{o:?}")),
+            },
+        );
+    }
+    // The moved services are balanced and written by the newcomer, with the weights
+    // they had, and every service goes on being written.
+    wait_for(
+        Duration::from_secs(30),
+        "every service written again",
+        || {
+            for (s, n) in SERVICES.iter().zip(&writes) {
+                let h = KEYS.history(&watch, s);
+                let last = h.last().ok_or("not stored")?;
+                if h.len() < n + 2 {
+                    return Err(format!("{s}: {} writes", h.len()));
+                }
+                converged_to_speeds(last, PER_SERVICE).map_err(|e| format!("{s}: {e}"))?;
+            }
+            Ok(())
+        },
+    );
+    // The relays rehomed exactly the moved services' agents; no agent left its relay.
+    let moved_agents = (moving.len() * PER_SERVICE) as f64;
+    wait_for(
+        Duration::from_secs(15),
+        "the moved services' agents rehomed",
+        || {
+            let n = rehomed() - rehomed_before;
+            (n == moved_agents)
+                .then_some(())
+                .ok_or(format!("{n} rehomed, {moved_agents} to move"))
+        },
+    );
+    for (a, before) in agents.iter().zip(&statuses) {
+        let now = a.status();
+        assert_eq!(
+            (now.connected_to.as_ref(), now.connect_failures),
+            (before.connected_to.as_ref(), before.connect_failures),
+            "{} changed connection when {newcomer} joined",
+            a.node()
+        );
+    }
+    let slots = replicas
+        .last()
+        .expect("the newcomer")
+        .counter("ballast_trunk_slots", &[]);
+    assert_eq!(
+        slots, moved_agents,
+        "{newcomer} holds {slots} agents, not the {moved_agents} of {moving:?}"
+    );
+    for service in SERVICES {
+        KEYS.assert_one_writer(&watch, service);
+    }
+    eprintln!("a new replica: {newcomer} took {moving:?}; {moved_agents} agents rehomed");
 }
