@@ -7,7 +7,11 @@
 //! - CPU-µs per report at the primary, relayed (reports reach it batched over one
 //!   trunk) and direct (one datagram per report, one connection per agent), and the
 //!   reports per batch on the trunk;
-//! - memory per agent connection at the relay (VmRSS before and after connecting).
+//! - memory per agent connection at the relay (VmRSS before and after connecting);
+//! - the time from a drain to the node's state in etcd and at an xDS client of the
+//!   primary, for a real agent behind the relay and one straight to the primary: a
+//!   drain goes out at once in a report, so it times the report's way through the
+//!   relay, the primary's next cycle, and the publication's way to etcd and to xDS.
 //!
 //! The primary is one replica of a cluster (it owns every bucket) and the relay finds
 //! it through etcd, as in a deployment. The runs go relayed, direct, relayed, direct,
@@ -24,7 +28,9 @@
 
 use ballast_sim::loadgen::{node_name, Load, Target};
 use ballast_sim::procstat::{cpu_seconds, status_mib};
+use ballast_tests::harness::ads::EdsWatch;
 use ballast_tests::*;
+use envoy_types::pb::envoy::config::core::v3::HealthStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -108,6 +114,66 @@ async fn run(
     w
 }
 
+/// Whether `node`'s state in etcd and at the xDS client is draining (`want`), each.
+fn seen(etcd: &Etcd, eds: &EdsWatch, node: &str, address: &str, want: bool) -> (bool, bool) {
+    let stored = etcd
+        .get(&format!("{PREFIX}/services/{SERVICE}"))
+        .and_then(|v| serde_json::from_str::<ballast_balance::ServiceSnapshot>(&v).ok())
+        .and_then(|s| s.endpoints.get(node).map(|e| e.draining))
+        == Some(want);
+    let draining = HealthStatus::Draining as i32;
+    let xds = eds.latest().and_then(|r| {
+        let e = r.endpoints().ok()?;
+        e.get(address).map(|lb| lb.health_status == draining)
+    }) == Some(want);
+    (stored, xds)
+}
+
+/// Drains and undrains `agent` `flips` times in all, one flip every three seconds, and
+/// returns how long each took to show in etcd and at the xDS client, in milliseconds.
+fn flip_times(etcd: &Etcd, eds: &EdsWatch, agent: &Agent, flips: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut to_etcd, mut to_xds) = (Vec::new(), Vec::new());
+    let node = agent.node().to_string();
+    let address = agent
+        .opts()
+        .address
+        .clone()
+        .unwrap_or_else(|| panic!("{node} has no address"));
+    for i in 0..flips {
+        let want = i % 2 == 0;
+        let t = Instant::now();
+        let ok = if want {
+            agent.drain().ok
+        } else {
+            agent.undrain().ok
+        };
+        assert!(ok, "{node}: the agent refused to flip");
+        let (mut e, mut x) = (None, None);
+        while (e.is_none() || x.is_none()) && t.elapsed() < Duration::from_secs(10) {
+            let (stored, served) = seen(etcd, eds, &node, &address, want);
+            if stored && e.is_none() {
+                e = Some(t.elapsed().as_secs_f64() * 1e3);
+            }
+            if served && x.is_none() {
+                x = Some(t.elapsed().as_secs_f64() * 1e3);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        to_etcd.push(e.unwrap_or_else(|| panic!("{node}: flip {i} never reached etcd")));
+        to_xds.push(x.unwrap_or_else(|| panic!("{node}: flip {i} never reached xDS")));
+        std::thread::sleep(Duration::from_secs(3).saturating_sub(t.elapsed()));
+    }
+    (to_etcd, to_xds)
+}
+
+/// Median and largest of `v`.
+fn median_max(v: &[f64]) -> (f64, f64) {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let median = v.get(v.len() / 2).copied().unwrap_or(f64::NAN);
+    (median, v.last().copied().unwrap_or(f64::NAN))
+}
+
 fn per_report_us(cpu: f64, reports: f64) -> f64 {
     if reports > 0.0 {
         cpu * 1e6 / reports
@@ -126,11 +192,14 @@ fn main() {
     let interval_ms = (1000 / hz.max(1)).max(100);
     let primary = Aggregator::start(
         &pki,
-        AggregatorOpts::default()
-            .etcd(&etcd.endpoint(), PREFIX)
-            .cluster(CLUSTER, "p0")
-            .report_interval_ms(interval_ms)
-            .cycle_ms(1000),
+        AggregatorOpts {
+            xds: true,
+            ..AggregatorOpts::default()
+                .etcd(&etcd.endpoint(), PREFIX)
+                .cluster(CLUSTER, "p0")
+                .report_interval_ms(interval_ms)
+                .cycle_ms(1000)
+        },
     );
     // `--batch-delay-ms` sets the relay's `[relay] batch_delay_ms`; 0 keeps its default.
     let batch_delay_ms = bench_arg("--batch-delay-ms", 0);
@@ -277,4 +346,37 @@ fn main() {
         sum(&relayed, |w| w.accepted) > 0.0 && sum(&direct, |w| w.accepted) > 0.0,
         "no report was counted"
     );
+
+    // From a drain to etcd and to xDS: two real agents behind the relay, two straight
+    // to the primary (a service of one endpoint drains too, but keeps another
+    // serving), each pair flipping its first agent.
+    let flips = usize::try_from(bench_arg("--flips", 10)).unwrap_or(10);
+    let eds = EdsWatch::start(primary.xds(), SERVICE);
+    let mut lines = Vec::new();
+    for (path, addr) in [
+        ("relayed", relay.quic_addr()),
+        ("direct", primary.quic_addr()),
+    ] {
+        let probes: Vec<Agent> = (0..2)
+            .map(|i| {
+                let mut opts = AgentOpts::new(SERVICE, &format!("probe-{path}-{i}"));
+                opts.aggregators = Some(vec![addr.to_string()]);
+                opts.interval_ms = 1000;
+                Agent::start(&pki, &primary, opts)
+            })
+            .collect();
+        for p in &probes {
+            p.wait_weight(Duration::from_secs(20));
+        }
+        let (to_etcd, to_xds) = flip_times(&etcd, &eds, &probes[0], flips);
+        let (e50, emax) = median_max(&to_etcd);
+        let (x50, xmax) = median_max(&to_xds);
+        lines.push(format!(
+            "{path}: a drain reached etcd in {e50:.0} ms (median; at most {emax:.0}) and the \
+             xDS client in {x50:.0} ms (at most {xmax:.0}), {flips} flips"
+        ));
+    }
+    for l in &lines {
+        println!("relay scale, drain to weight: {l}");
+    }
 }

@@ -131,7 +131,9 @@ fn agents_behind_relays_stay_connected_while_a_killed_owner_hands_their_service_
         None,
         dir.path(),
     );
-    let warm = client.round(200, Duration::from_secs(30));
+    // Enough calls that the lightest backend (1 of 55 shares of the weight) is
+    // reached: about 18 of them.
+    let warm = client.round(1000, Duration::from_secs(30));
     assert!(
         warm.errors.is_empty() && warm.counts.len() == PER_SERVICE,
         "before the kill: {warm:?}\n{}",
@@ -250,7 +252,8 @@ fn agents_behind_relays_stay_connected_while_a_killed_owner_hands_their_service_
 
     // The gRPC client sees the new owner's versions: a drain published by the new
     // owner takes the drained backend out of its calls.
-    let drained = &alpha_nodes[1];
+    // The heaviest backend (10 of 55 shares): a round without it means the drain.
+    let drained = &alpha_nodes[PER_SERVICE - 1];
     let drainer = agents
         .iter()
         .find(|a| a.node() == drained)
@@ -260,7 +263,7 @@ fn agents_behind_relays_stay_connected_while_a_killed_owner_hands_their_service_
         Duration::from_secs(30),
         "the client of a non-owner to stop calling the drained backend",
         || {
-            let probe = client.round(100, Duration::from_secs(5));
+            let probe = client.round(200, Duration::from_secs(5));
             if probe.errors.is_empty() && !probe.counts.contains_key(drained.as_str()) {
                 Ok(())
             } else {
