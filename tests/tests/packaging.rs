@@ -24,6 +24,7 @@ const AGENT_FILES: &[&str] = &[
 const AGGREGATOR_FILES: &[&str] = &[
     "/usr/bin/ballast-aggregator",
     "/usr/lib/systemd/system/ballast-aggregator.service",
+    "/usr/lib/systemd/system/ballast-relay.service",
     "/usr/lib/sysusers.d/ballast-aggregator.conf",
     "/etc/ballast/aggregator.toml",
     "/etc/default/ballast-aggregator",
@@ -95,6 +96,13 @@ fn both_debs_install_into_a_scratch_root_with_files_users_enabled_units_and_a_wo
         let wants = format!("/etc/systemd/system/multi-user.target.wants/{unit}");
         assert!(root.exists(&wants), "{unit} is not enabled: no {wants}");
     }
+    // The relay's unit is there for the hosts of a cluster's relay tier, and left off:
+    // beside the aggregator it would take the same ports.
+    let relay_wants = "/etc/systemd/system/multi-user.target.wants/ballast-relay.service";
+    assert!(
+        !root.exists(relay_wants),
+        "the relay's unit was enabled on install: {relay_wants}"
+    );
 
     // The installed binaries run.
     let version = root.ok(&["ballast-agent", "--version"]);
@@ -104,17 +112,22 @@ fn both_debs_install_into_a_scratch_root_with_files_users_enabled_units_and_a_wo
     );
     root.ok(&["ballast-aggregator", "--version"]);
 
-    // Both units pass systemd's own checks, with their binaries and man pages in place.
+    // The units pass systemd's own checks, with their binaries and man pages in place.
     root.ok(&[
         "systemd-analyze",
         "verify",
         "/usr/lib/systemd/system/ballast-agent.service",
         "/usr/lib/systemd/system/ballast-aggregator.service",
+        "/usr/lib/systemd/system/ballast-relay.service",
     ]);
 
     // And their sandboxes stay tight: systemd's exposure score (0 to 10, where "OK" is
     // below 4.5) was 1.6 for the agent and 1.2 for the aggregator when written.
-    for unit in ["ballast-agent.service", "ballast-aggregator.service"] {
+    for unit in [
+        "ballast-agent.service",
+        "ballast-aggregator.service",
+        "ballast-relay.service",
+    ] {
         let path = format!("/usr/lib/systemd/system/{unit}");
         let report = root.ok(&["systemd-analyze", "security", "--offline=true", &path]);
         let exposure: f64 = report
