@@ -26,12 +26,16 @@ struct Primary {
 
 impl Primary {
     async fn start() -> Primary {
+        Primary::start_with(crate::config::Config::default(), 1000).await
+    }
+
+    /// A primary with `cfg`, asking its agents for a report every `interval_ms`.
+    async fn start_with(cfg: crate::config::Config, interval_ms: u32) -> Primary {
         let ca = Ca::generate("test CA").expect("CA");
         let server = ca
             .issue_server(&["localhost".to_string()])
             .expect("server certificate");
         let ca_certs = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
-        let cfg = crate::config::Config::default();
         let (server_config, ingest) = crate::ingest::setup(
             &cfg,
             server.identity("server").expect("identity"),
@@ -46,7 +50,7 @@ impl Primary {
         let store = Arc::new(crate::store::file::FileStore::new(
             std::env::temp_dir().join("ballast-trunk-test-never-written.json"),
         ));
-        let state = Arc::new(State::new(balancer, store, clock, 1000));
+        let state = Arc::new(State::new(balancer, store, clock, interval_ms));
         let local = Arc::new(Local::new(state, &ingest));
         let metrics = Arc::new(Metrics::new());
         tokio::spawn(serve(
@@ -85,6 +89,15 @@ impl Primary {
         let spec = RelaySpec::new(name, Duration::from_secs(3600)).expect("spec");
         let relay = self.ca.issue_relay(&spec).expect("relay certificate");
         relay.pem.identity("relay").expect("relay identity")
+    }
+
+    fn detached(&self, reason: &str) -> u64 {
+        self.metrics
+            .trunk_detached
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .get()
     }
 
     fn rejected(&self, reason: &str) -> u64 {
@@ -133,6 +146,8 @@ struct Relay {
     send: quinn::SendStream,
     recv: quinn::RecvStream,
     client: TrunkClient,
+    /// The most slots the primary said it takes.
+    max_slots: u32,
 }
 
 impl Relay {
@@ -151,9 +166,15 @@ impl Relay {
             send,
             recv,
             client,
+            max_slots: 0,
         };
         match &relay.events().await[..] {
-            [TrunkClientEvent::Opened { replica, .. }] => assert_eq!(replica, "aggregator"),
+            [TrunkClientEvent::Opened {
+                replica, max_slots, ..
+            }] => {
+                assert_eq!(replica, "aggregator");
+                relay.max_slots = *max_slots;
+            }
             other => panic!("not opened: {other:?}"),
         }
         relay
@@ -304,6 +325,100 @@ async fn a_relay_attaches_agents_and_hears_their_weights_and_bad_attaches_are_re
             .get(),
         3
     );
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+#[tokio::test]
+async fn a_full_trunk_refuses_attaches_and_a_silent_slot_is_detached() {
+    let mut cfg = crate::config::Config::default();
+    cfg.limits.trunk_max_slots = 1;
+    // The silence rule's floor, five report intervals, decides: one second.
+    cfg.limits.quic_report_timeout_ms = 1;
+    let primary = Primary::start_with(cfg, 200).await;
+    let mut relay = Relay::open(&primary).await;
+    assert_eq!(
+        relay.max_slots, 1,
+        "the trunk's limit as the primary told it"
+    );
+    let slot = match relay
+        .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
+        .await
+    {
+        TrunkClientEvent::Attached { slot, welcome } => {
+            assert_eq!(welcome.interval_ms, 200);
+            slot
+        }
+        other => panic!("n1 not attached: {other:?}"),
+    };
+    // The relay's own machine holds to the limit it was told...
+    assert!(matches!(
+        relay.client.attach(
+            Instant::now(),
+            &hello("n2", 8081),
+            chain_of(&primary.ca, "n2"),
+            IpAddr::from(LOCALHOST)
+        ),
+        Err(ballast_shared::session::trunk::TrunkClientError::SlotsFull(
+            1
+        ))
+    ));
+    // ...and a relay that does not is refused the slot, not the trunk.
+    let attach = ballast_shared::trunk::encode_control(&ballast_shared::trunk::ToPrimary::Attach(
+        ballast_shared::trunk::Attach {
+            slot: slot + 1,
+            hello: hello("n2", 8081),
+            chain: chain_of(&primary.ca, "n2"),
+            source: IpAddr::from(LOCALHOST),
+        },
+    ))
+    .expect("attach frame");
+    relay.send.write_all(&attach).await.expect("sent");
+    let mut reader = ballast_shared::trunk::ControlReader::<ballast_shared::trunk::ToRelay>::new();
+    let mut buf = [0u8; 4096];
+    let answer = loop {
+        let n = tokio::time::timeout(WAIT, relay.recv.read(&mut buf))
+            .await
+            .expect("an answer in time")
+            .expect("read")
+            .expect("the stream is open");
+        let mut frames = reader.push(buf.get(..n).expect("read")).expect("frames");
+        if !frames.is_empty() {
+            assert_eq!(frames.len(), 1, "{frames:?}");
+            break frames.remove(0);
+        }
+    };
+    match answer {
+        ballast_shared::trunk::ToRelay::Rejected { slot: s, reject } => {
+            assert_eq!(s, slot + 1);
+            assert_eq!(reject.reason, RejectReason::LimitReached);
+        }
+        other => panic!("the attach over the limit was not refused: {other:?}"),
+    }
+    assert_eq!(
+        primary
+            .metrics
+            .reports_rejected
+            .get_or_create(&Reason {
+                reason: "limit_reached".into()
+            })
+            .get(),
+        1
+    );
+    assert_eq!(primary.metrics.trunk_slots.get(), 1);
+    assert!(relay.conn.close_reason().is_none(), "the trunk stays open");
+
+    // n1 never reports: a second (five intervals) later, its slot is detached as a
+    // direct agent's connection would be closed.
+    match &relay.events().await[..] {
+        [TrunkClientEvent::Detached { slot: s, code, .. }] => {
+            assert_eq!(*s, slot);
+            assert_eq!(*code, close::NORMAL);
+        }
+        other => panic!("the silent slot was not detached: {other:?}"),
+    }
+    assert_eq!(primary.detached("no_reports"), 1);
+    assert_eq!(primary.metrics.trunk_slots.get(), 0);
+    assert!(relay.conn.close_reason().is_none(), "the trunk stays open");
     primary.endpoint.close(0u32.into(), b"done");
 }
 
