@@ -31,7 +31,11 @@ impl Primary {
 
     /// A primary with `cfg`, asking its agents for a report every `interval_ms`.
     async fn start_with(cfg: crate::config::Config, interval_ms: u32) -> Primary {
-        let ca = Ca::generate("test CA").expect("CA");
+        Primary::start_from(Ca::generate("test CA").expect("CA"), cfg, interval_ms).await
+    }
+
+    /// A primary whose certificates come from `ca`.
+    async fn start_from(ca: Ca, cfg: crate::config::Config, interval_ms: u32) -> Primary {
         let server = ca
             .issue_server(&["localhost".to_string()])
             .expect("server certificate");
@@ -44,6 +48,10 @@ impl Primary {
         .expect("ingest");
         let endpoint = quinn::Endpoint::server(server_config, SocketAddr::from((LOCALHOST, 0)))
             .expect("server endpoint");
+        let ingest = Arc::new(ingest);
+        let metrics = Arc::new(Metrics::new());
+        // The revocation list's file watched, as the daemon's QUIC threads watch it.
+        tokio::spawn(ingest.revocation.clone().watch(metrics.clone()));
         let addr = endpoint.local_addr().expect("address");
         let clock = crate::clock::Clock::start();
         let balancer = Balancer::new(ballast_balance::Params::default(), clock.now());
@@ -52,13 +60,7 @@ impl Primary {
         ));
         let state = Arc::new(State::new(balancer, store, clock, interval_ms));
         let local = Arc::new(Local::new(state, &ingest));
-        let metrics = Arc::new(Metrics::new());
-        tokio::spawn(serve(
-            endpoint.clone(),
-            metrics.clone(),
-            Arc::new(ingest),
-            local,
-        ));
+        tokio::spawn(serve(endpoint.clone(), metrics.clone(), ingest, local));
         Primary {
             ca,
             ca_certs,
@@ -420,6 +422,68 @@ async fn a_full_trunk_refuses_attaches_and_a_silent_slot_is_detached() {
     assert_eq!(primary.metrics.trunk_slots.get(), 0);
     assert!(relay.conn.close_reason().is_none(), "the trunk stays open");
     primary.endpoint.close(0u32.into(), b"done");
+}
+
+#[tokio::test]
+async fn a_revoked_agent_is_detached_from_the_trunk_and_the_others_stay() {
+    let ca = Ca::generate("test CA").expect("CA");
+    let dir = std::env::temp_dir().join(format!("ballast-trunk-crl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("directory");
+    let crl = dir.join("crl.pem");
+    std::fs::write(&crl, ca.revocation_list(&[], 1).expect("empty list")).expect("written");
+    let mut cfg = crate::config::Config::default();
+    cfg.authorization.crl = Some(crl.clone());
+    cfg.authorization.crl_check_ms = 100;
+    let primary = Primary::start_from(ca, cfg, 1000).await;
+    let mut relay = Relay::open(&primary).await;
+    let mut slots = Vec::new();
+    let mut chains = Vec::new();
+    for (i, node) in ["n1", "n2"].into_iter().enumerate() {
+        let chain = chain_of(&primary.ca, node);
+        chains.push(chain.clone());
+        let port = 8080 + u16::try_from(i).expect("small");
+        match relay.attach(&hello(node, port), chain).await {
+            TrunkClientEvent::Attached { slot, .. } => slots.push(slot),
+            other => panic!("{node} not attached: {other:?}"),
+        }
+    }
+    let first = chains.first().and_then(|c| c.first()).expect("n1's leaf");
+    let serial = CertInfo::parse(&CertificateDer::from(first.clone()))
+        .expect("n1's certificate")
+        .serial;
+    let revoked = ballast_shared::pki::Revoked {
+        serial,
+        revoked_unix_s: i64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_secs(),
+        )
+        .expect("in range"),
+    };
+    let list = primary.ca.revocation_list(&[revoked], 2).expect("list");
+    std::fs::write(&crl, list).expect("written");
+
+    match &relay.events().await[..] {
+        [TrunkClientEvent::Detached { slot, code, .. }] => {
+            assert_eq!(Some(slot), slots.first(), "n1's slot");
+            assert_eq!(*code, close::REVOKED);
+        }
+        other => panic!("the revoked agent was not detached: {other:?}"),
+    }
+    assert_eq!(primary.detached("revoked"), 1);
+    assert_eq!(primary.metrics.trunk_slots.get(), 1, "n2 stays attached");
+    assert!(relay.conn.close_reason().is_none(), "the trunk stays open");
+    // n1 cannot come back through the trunk: its attach is refused as revoked.
+    match relay
+        .attach(&hello("n1", 8080), chains.first().cloned().expect("n1"))
+        .await
+    {
+        TrunkClientEvent::Detached { code, .. } => assert_eq!(code, close::REVOKED),
+        other => panic!("a revoked agent attached again: {other:?}"),
+    }
+    primary.endpoint.close(0u32.into(), b"done");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Waits for `conn` to be closed as refused.
