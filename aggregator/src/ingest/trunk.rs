@@ -38,6 +38,12 @@ const SWEEP: Duration = Duration::from_secs(1);
 /// How long a relay has to open its control stream and send its open.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a write on the control stream may wait for the relay to read. A relay
+/// that stops reading would otherwise hold the trunk's task, and with it the checks
+/// of its certificate, its slots' silence and its batches, while its connection
+/// stays alive.
+const CONTROL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// One agent attached through the trunk.
 struct Agent {
     /// Where its reports go.
@@ -152,6 +158,28 @@ fn chain_refusal(
     }
 }
 
+/// Writes `frames` on the control stream; a relay that reads none of it for
+/// [`CONTROL_WRITE_TIMEOUT`] loses its trunk (`trunk_stalled`).
+async fn write(
+    send: &mut quinn::SendStream,
+    conn: &quinn::Connection,
+    metrics: &Metrics,
+    frames: impl IntoIterator<Item = Vec<u8>>,
+) -> Result<(), End> {
+    for frame in frames {
+        match tokio::time::timeout(CONTROL_WRITE_TIMEOUT, send.write_all(&frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err("control stream closed"),
+            Err(_) => {
+                metrics.reject_connection("trunk_stalled");
+                conn.close(close::PROTOCOL.into(), b"the relay stopped reading");
+                return Err("the relay stopped reading");
+            }
+        }
+    }
+    Ok(())
+}
+
 struct Driver<'a> {
     conn: &'a quinn::Connection,
     metrics: &'a Metrics,
@@ -203,11 +231,7 @@ impl Driver<'_> {
                         for event in events {
                             opened |= matches!(event, TrunkServerEvent::Open { .. });
                             let frames = self.on_control(event).await;
-                            for frame in frames {
-                                if send.write_all(&frame).await.is_err() {
-                                    return Err("control stream closed");
-                                }
-                            }
+                            write(&mut send, conn, self.metrics, frames).await?;
                         }
                     }
                     Ok(None) | Err(_) => {
@@ -218,11 +242,7 @@ impl Driver<'_> {
                 read = conn.read_datagram() => match read {
                     Ok(batch) => {
                         let frames = self.on_batch(&batch)?;
-                        for frame in frames {
-                            if send.write_all(&frame).await.is_err() {
-                                return Err("control stream closed");
-                            }
-                        }
+                        write(&mut send, conn, self.metrics, frames).await?;
                     }
                     Err(_) => return Ok(()),
                 },
@@ -235,11 +255,7 @@ impl Driver<'_> {
                     if expires_in(self.relay_not_after).is_zero() {
                         return Err(close_for(conn, self.metrics, &self.relay, Verdict::Expired));
                     }
-                    for frame in self.sweep() {
-                        if send.write_all(&frame).await.is_err() {
-                            return Err("control stream closed");
-                        }
-                    }
+                    write(&mut send, conn, self.metrics, self.sweep()).await?;
                 }
                 changed = revocations.changed(), if watching => {
                     if changed.is_err() {
@@ -252,18 +268,10 @@ impl Driver<'_> {
                     {
                         return Err(close_for(conn, self.metrics, &self.relay, v));
                     }
-                    for frame in self.recheck() {
-                        if send.write_all(&frame).await.is_err() {
-                            return Err("control stream closed");
-                        }
-                    }
+                    write(&mut send, conn, self.metrics, self.recheck()).await?;
                 }
                 () = lost(&mut losses) => {
-                    for frame in self.moved() {
-                        if send.write_all(&frame).await.is_err() {
-                            return Err("control stream closed");
-                        }
-                    }
+                    write(&mut send, conn, self.metrics, self.moved()).await?;
                 }
             }
         }

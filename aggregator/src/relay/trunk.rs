@@ -34,6 +34,20 @@ const COMMAND_QUEUE: usize = 8192;
 /// The largest control read.
 const READ_CHUNK: usize = 16 * 1024;
 
+/// How long a write on the control stream may wait for the primary to read: a
+/// primary that stops reading would otherwise hold the trunk's task, its replies and
+/// its timers, while the connection itself looks alive.
+const CONTROL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a primary has to answer the trunk's open.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often slots whose agent's link is gone without its detach are let go.
+const SWEEP: Duration = Duration::from_secs(1);
+
+/// The most attaches held for a trunk that is not open yet; more are refused.
+const MAX_WAITING: usize = 4096;
+
 /// What a link asks of a trunk.
 #[derive(Debug)]
 pub(crate) enum Command {
@@ -89,6 +103,15 @@ pub(crate) enum AttachError {
     /// The trunk has as many slots as the primary takes.
     #[error("the trunk to the owner is full")]
     SlotsFull,
+    /// The primary ended the slot before it was attached, as it closes a direct
+    /// connection (a revoked or expired certificate): `code` is that close's.
+    #[error("the owner closed the agent's slot: {reason}")]
+    Closed {
+        /// The close code a direct connection would get.
+        code: u32,
+        /// Why, for people.
+        reason: String,
+    },
 }
 
 impl AttachError {
@@ -99,6 +122,7 @@ impl AttachError {
             AttachError::TrunkDown => "trunk_down".into(),
             AttachError::Timeout => "timeout".into(),
             AttachError::SlotsFull => "slots_full".into(),
+            AttachError::Closed { code, .. } => super::upstream::close_reason(*code).into(),
         }
     }
 }
@@ -217,6 +241,9 @@ impl Trunks {
         open: Arc<AtomicBool>,
     ) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        // Slot numbers go on rising across the trunk's connections: a command for a
+        // slot of a lost connection can then name no agent of the next one.
+        let mut next_slot: Slot = 0;
         loop {
             let address = self.dialer.routes.borrow().members.get(&replica).cloned();
             let Some(address) = address else {
@@ -231,15 +258,20 @@ impl Trunks {
                 tracing::info!(%replica, "the replica left the cluster; its trunk ends");
                 return;
             };
-            let mut session = Session::new(&self.dialer, &replica, &address);
+            let mut session = Session::new(&self.dialer, &replica, &address, next_slot);
             let ended = session.run(&mut commands, &open).await;
+            next_slot = session.next_slot;
             if open.swap(false, Ordering::Relaxed) {
                 self.dialer.metrics.trunks_open.dec();
                 backoff.reset();
             }
             session.lose();
-            if ended == Ended::Stopped {
-                return;
+            match ended {
+                Ended::Stopped => return,
+                // A new address is dialled at once: the old one's failures say
+                // nothing of it.
+                Ended::Moved => continue,
+                Ended::Failed(_) => {}
             }
             let wait = backoff.next_delay(&mut rand::thread_rng());
             if let Ended::Failed(error) = &ended {
@@ -291,16 +323,22 @@ struct Session<'a> {
     address: &'a str,
     slots: HashMap<Slot, mpsc::UnboundedSender<Down>>,
     pending: HashMap<Slot, Pending>,
+    /// Attaches that came before the primary's `Opened`, carried out once it comes.
+    waiting: Vec<Command>,
+    /// The number the next slot gets.
+    next_slot: Slot,
 }
 
 impl<'a> Session<'a> {
-    fn new(dialer: &'a Dialer, replica: &'a str, address: &'a str) -> Self {
+    fn new(dialer: &'a Dialer, replica: &'a str, address: &'a str, next_slot: Slot) -> Self {
         Session {
             dialer,
             replica,
             address,
             slots: HashMap::new(),
             pending: HashMap::new(),
+            waiting: Vec::new(),
+            next_slot,
         }
     }
 
@@ -311,6 +349,9 @@ impl<'a> Session<'a> {
         }
         for (_, (_, answer)) in self.pending.drain() {
             let _ = answer.send(Err(AttachError::TrunkDown));
+        }
+        for cmd in self.waiting.drain(..) {
+            refuse(cmd);
         }
     }
 
@@ -337,6 +378,8 @@ impl<'a> Session<'a> {
 
     /// Dials and drives the trunk until it ends.
     async fn run(&mut self, commands: &mut mpsc::Receiver<Command>, open: &AtomicBool) -> Ended {
+        let mut routes = self.dialer.routes.clone();
+        routes.mark_unchanged();
         let conn = tokio::select! {
             c = self.connect() => match c {
                 Ok(c) => c,
@@ -344,6 +387,9 @@ impl<'a> Session<'a> {
             },
             // Attaches are not held while dialling: their agents try their next address.
             () = drain(commands) => return Ended::Stopped,
+            // An address that changes while it is dialled is given up at once, not
+            // after the handshake's timeout.
+            () = moved(&mut routes, self.replica, self.address) => return Ended::Moved,
         };
         let ended = self.drive(&conn, commands, open).await;
         conn.close(
@@ -366,7 +412,8 @@ impl<'a> Session<'a> {
             batch_delay: self.dialer.batch_delay,
             attach_timeout: self.dialer.attach_timeout,
             max_batch_bytes: max_batch,
-        });
+        })
+        .starting_at(self.next_slot);
         let (mut send, mut recv) = match conn.open_bi().await {
             Ok(s) => s,
             Err(e) => return fail("opening the control stream", &e),
@@ -375,11 +422,15 @@ impl<'a> Session<'a> {
             Ok(f) => f,
             Err(e) => return fail("the open frame", &e),
         };
-        if let Err(e) = send.write_all(&frame).await {
+        if let Err(e) = write(&mut send, &frame).await {
             return fail("writing the open frame", &e);
         }
         let mut routes = self.dialer.routes.clone();
         let mut buf = vec![0u8; READ_CHUNK];
+        let opened_by = tokio::time::sleep(OPEN_TIMEOUT);
+        tokio::pin!(opened_by);
+        let mut sweep = tokio::time::interval(SWEEP);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let mut control: Vec<u8> = Vec::new();
             tokio::select! {
@@ -396,6 +447,11 @@ impl<'a> Session<'a> {
                         for event in events {
                             if let Some(end) = self.event(&mut client, event, open, &mut control) {
                                 return end;
+                            }
+                        }
+                        if client.is_open() {
+                            for cmd in std::mem::take(&mut self.waiting) {
+                                self.command(&mut client, conn, cmd, &mut control);
                             }
                         }
                     }
@@ -418,19 +474,14 @@ impl<'a> Session<'a> {
                     }
                     control.extend(expired.control);
                 }
-                changed = routes.changed() => {
-                    let moved = changed.is_err() || routes
-                        .borrow_and_update()
-                        .members
-                        .get(self.replica)
-                        .is_none_or(|a| a != self.address);
-                    if moved {
-                        return Ended::Moved;
-                    }
+                _ = sweep.tick() => self.sweep(&mut client, &mut control),
+                () = &mut opened_by, if !client.is_open() => {
+                    return Ended::Failed(format!("no answer to the open in {OPEN_TIMEOUT:?}"));
                 }
+                () = moved(&mut routes, self.replica, self.address) => return Ended::Moved,
             }
             if !control.is_empty() {
-                if let Err(e) = send.write_all(&control).await {
+                if let Err(e) = write(&mut send, &control).await {
                     return fail("writing the control stream", &e);
                 }
             }
@@ -446,6 +497,14 @@ impl<'a> Session<'a> {
         control: &mut Vec<u8>,
     ) {
         match cmd {
+            // Dialled, not yet opened: one round trip to wait, not a refusal.
+            cmd @ Command::Attach { .. } if !client.is_open() && !client.is_closed() => {
+                if self.waiting.len() < MAX_WAITING {
+                    self.waiting.push(cmd);
+                } else {
+                    refuse(cmd);
+                }
+            }
             Command::Attach {
                 hello,
                 chain,
@@ -454,6 +513,7 @@ impl<'a> Session<'a> {
                 answer,
             } => match client.attach(now(), &hello, chain, source) {
                 Ok((slot, frame)) => {
+                    self.next_slot = client.next_slot();
                     control.extend(frame);
                     self.pending.insert(slot, (down, answer));
                 }
@@ -493,8 +553,12 @@ impl<'a> Session<'a> {
         match event {
             TrunkClientEvent::Opened { replica, .. } => {
                 if replica != self.replica {
-                    tracing::warn!(expected = %self.replica, %replica,
-                        "the primary names itself otherwise than the cluster does");
+                    // Another replica at this one's address (a stale route, or an
+                    // address reused): its agents would be refused there one by one.
+                    return Some(Ended::Failed(format!(
+                        "the primary at {} is {replica:?}, not {:?}",
+                        self.address, self.replica
+                    )));
                 }
                 if !open.swap(true, Ordering::Relaxed) {
                     self.dialer.metrics.trunks_open.inc();
@@ -530,11 +594,29 @@ impl<'a> Session<'a> {
                 if let Some(down) = self.slots.remove(&slot) {
                     let _ = down.send(Down::Detached { code, reason });
                 } else if let Some((_, answer)) = self.pending.remove(&slot) {
-                    let _ = answer.send(Err(AttachError::TrunkDown));
+                    let _ = answer.send(Err(AttachError::Closed { code, reason }));
                 }
             }
         }
         None
+    }
+
+    /// Detaches the slots whose link is gone without a detach (one dropped from a full
+    /// queue, or a link dropped mid-rehoming), so that neither end holds them until
+    /// the primary's silence rule.
+    fn sweep(&mut self, client: &mut TrunkClient, control: &mut Vec<u8>) {
+        let gone: Vec<Slot> = self
+            .slots
+            .iter()
+            .filter(|(_, down)| down.is_closed())
+            .map(|(slot, _)| *slot)
+            .collect();
+        for slot in gone {
+            self.slots.remove(&slot);
+            if let Ok(frame) = client.detach(slot) {
+                control.extend(frame);
+            }
+        }
     }
 
     /// Hands a batch of replies to the slots' links.
@@ -562,9 +644,41 @@ impl<'a> Session<'a> {
     }
 }
 
+/// Writes `bytes` on the control stream, unless the primary has not read for
+/// [`CONTROL_WRITE_TIMEOUT`].
+async fn write(send: &mut quinn::SendStream, bytes: &[u8]) -> Result<(), String> {
+    match tokio::time::timeout(CONTROL_WRITE_TIMEOUT, send.write_all(bytes)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "the primary read nothing for {CONTROL_WRITE_TIMEOUT:?}"
+        )),
+    }
+}
+
+/// Returns once the routes give `replica` another address than `address`, or none.
+async fn moved(routes: &mut watch::Receiver<Arc<Routes>>, replica: &str, address: &str) {
+    loop {
+        if routes.changed().await.is_err() {
+            return;
+        }
+        let gone = routes
+            .borrow_and_update()
+            .members
+            .get(replica)
+            .is_none_or(|a| a != address);
+        if gone {
+            return;
+        }
+    }
+}
+
 /// Refuses every command until the relay stops (the commands' sender is gone).
 async fn drain(commands: &mut mpsc::Receiver<Command>) {
     while let Some(cmd) = commands.recv().await {
         refuse(cmd);
     }
 }
+
+#[cfg(test)]
+mod tests;

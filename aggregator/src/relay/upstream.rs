@@ -200,6 +200,16 @@ impl Upstream for RelayUpstream {
                     self.metrics.refuse_attach(&r.reason.to_string());
                     return Err(r);
                 }
+                Err(e @ AttachError::Closed { .. }) => {
+                    // The owner refused the agent's certificate (revoked, expired),
+                    // which this relay's own list did not yet say: no other replica
+                    // will take it either.
+                    self.metrics.refuse_attach(&e.label());
+                    return Err(Reject {
+                        reason: RejectReason::IdentityMismatch,
+                        detail: format!("the owner of service {service:?} refused the agent: {e}"),
+                    });
+                }
                 Err(e) => {
                     self.metrics.refuse_attach(&e.label());
                     return Err(Reject {
@@ -257,7 +267,7 @@ pub(crate) struct RelayLink {
 }
 
 /// The reason a close with `code` from the primary is counted under.
-fn close_reason(code: u32) -> &'static str {
+pub(super) fn close_reason(code: u32) -> &'static str {
     match code {
         close::MOVED => "moved",
         close::REVOKED => "revoked",
@@ -435,6 +445,17 @@ impl Link for RelayLink {
                                 if let Some(a) = in_flight.take() {
                                     self.rehomed(a, attached, kept);
                                 }
+                            }
+                            Err(AttachError::Closed { code, reason }) => {
+                                // The new owner refused the agent's certificate.
+                                self.metrics.refuse_attach(close_reason(code));
+                                return Downstream::Close(Close {
+                                    code,
+                                    reason: close_reason(code),
+                                    detail: Cow::Owned(format!(
+                                        "the new owner closed the agent's slot: {reason}"
+                                    )),
+                                });
                             }
                             Err(AttachError::Rejected(r)) if r.reason != RejectReason::NotOwner => {
                                 self.metrics.refuse_attach(&r.reason.to_string());

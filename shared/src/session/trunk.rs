@@ -24,7 +24,7 @@ use crate::trunk::{
     ToPrimary, ToRelay, TrunkError, MAX_TEXT,
 };
 use crate::wire::{Hello, Message, Reject, RejectReason, Welcome};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -672,6 +672,9 @@ pub struct TrunkClient {
     phase: ClientPhase,
     reader: ControlReader<ToRelay>,
     slots: BTreeMap<Slot, ClientSlot>,
+    /// The slots of `slots` still pending, so that time is checked against the few
+    /// attaches in flight rather than every slot.
+    pending: BTreeSet<Slot>,
     next_slot: Slot,
     reports: BatchEncoder,
     first_at: Option<Instant>,
@@ -687,10 +690,25 @@ impl TrunkClient {
             phase: ClientPhase::Opening,
             reader: ControlReader::new(),
             slots: BTreeMap::new(),
+            pending: BTreeSet::new(),
             next_slot: 0,
             first_at: None,
             unknown: 0,
         }
+    }
+
+    /// The same trunk numbering its slots from `first` on: a relay that dials a
+    /// replica again goes on from the previous connection's [`TrunkClient::next_slot`],
+    /// so that a slot number never names two agents, even in a command sent for the
+    /// lost connection and read after the new one opened.
+    pub fn starting_at(mut self, first: Slot) -> Self {
+        self.next_slot = first;
+        self
+    }
+
+    /// The number the next attach gets.
+    pub fn next_slot(&self) -> Slot {
+        self.next_slot
     }
 
     /// The `Open` frame, first on the control stream.
@@ -731,12 +749,14 @@ impl TrunkClient {
         self.next_slot = next;
         let deadline = now.checked_add(self.config.attach_timeout).unwrap_or(now);
         self.slots.insert(slot, ClientSlot::Pending { deadline });
+        self.pending.insert(slot);
         Ok((slot, frame))
     }
 
     /// Detaches a slot whose agent is gone: the `Detach` frame.
     pub fn detach(&mut self, slot: Slot) -> Result<Vec<u8>, TrunkClientError> {
         self.check_open()?;
+        self.pending.remove(&slot);
         if self.slots.remove(&slot).is_none() {
             return Err(TrunkClientError::UnknownSlot(slot));
         }
@@ -783,10 +803,13 @@ impl TrunkClient {
         let batch = self
             .first_at
             .map(|t| t.checked_add(self.config.batch_delay).unwrap_or(t));
-        let attach = self.slots.values().filter_map(|s| match s {
-            ClientSlot::Pending { deadline } => Some(*deadline),
-            ClientSlot::Attached => None,
-        });
+        let attach = self
+            .pending
+            .iter()
+            .filter_map(|slot| match self.slots.get(slot) {
+                Some(ClientSlot::Pending { deadline }) => Some(*deadline),
+                Some(ClientSlot::Attached) | None => None,
+            });
         batch.into_iter().chain(attach).min()
     }
 
@@ -804,12 +827,15 @@ impl TrunkClient {
             out.batch = self.flush();
         }
         out.timed_out = self
-            .slots
+            .pending
             .iter()
-            .filter(|(_, s)| matches!(s, ClientSlot::Pending { deadline } if now >= *deadline))
-            .map(|(slot, _)| *slot)
+            .filter(|slot| {
+                matches!(self.slots.get(slot), Some(ClientSlot::Pending { deadline }) if now >= *deadline)
+            })
+            .copied()
             .collect();
         for slot in &out.timed_out {
+            self.pending.remove(slot);
             self.slots.remove(slot);
             if let Ok(frame) = encode_control(&ToPrimary::Detach { slot: *slot }) {
                 out.control.extend(frame);
@@ -846,6 +872,7 @@ impl TrunkClient {
             (_, ToRelay::Closed(reject)) => {
                 self.phase = ClientPhase::Closed;
                 self.slots.clear();
+                self.pending.clear();
                 Ok(Some(TrunkClientEvent::Closed(reject)))
             }
             (
@@ -893,6 +920,7 @@ impl TrunkClient {
             return Ok(None);
         }
         self.slots.insert(slot, ClientSlot::Attached);
+        self.pending.remove(&slot);
         Ok(Some(TrunkClientEvent::Attached { slot, welcome }))
     }
 
@@ -900,6 +928,7 @@ impl TrunkClient {
     fn take_pending(&mut self, slot: Slot) -> bool {
         if matches!(self.slots.get(&slot), Some(ClientSlot::Pending { .. })) {
             self.slots.remove(&slot);
+            self.pending.remove(&slot);
             return true;
         }
         self.unknown = self.unknown.saturating_add(1);
@@ -908,6 +937,7 @@ impl TrunkClient {
 
     /// Removes a slot: whether there was one (else it is counted).
     fn take_any(&mut self, slot: Slot) -> bool {
+        self.pending.remove(&slot);
         let found = self.slots.remove(&slot).is_some();
         if !found {
             self.unknown = self.unknown.saturating_add(1);
@@ -973,6 +1003,7 @@ impl TrunkClient {
     fn fail(&mut self, e: TrunkClientError) -> TrunkClientError {
         self.phase = ClientPhase::Closed;
         self.slots.clear();
+        self.pending.clear();
         self.first_at = None;
         self.reports.take();
         e

@@ -431,3 +431,58 @@ fn a_requested_slot_can_be_refused_before_its_hello_is_read() {
         "gone"
     );
 }
+
+#[test]
+fn a_trunk_dialled_again_numbers_its_slots_on_from_the_last_connection() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    let (first, _) = attach(&mut s, &mut c, "web-1", t0);
+    let (second, _) = attach(&mut s, &mut c, "web-1", t0);
+    assert_eq!((first, second), (0, 1));
+    // The connection is lost; the next one, to a fresh server, goes on from slot 2,
+    // so that a report still addressed to slot 0 or 1 can name no new agent.
+    let next = c.next_slot();
+    let mut s = TrunkServer::new(TrunkServerConfig::new("a", ServerConfig::new(2000)));
+    let mut c = TrunkClient::new(TrunkClientConfig::new("relay-1")).starting_at(next);
+    s.handle_control(&c.open_frame().expect("open"))
+        .expect("takes the open");
+    c.handle_control(&s.opened().expect("opened"))
+        .expect("takes opened");
+    let (third, event) = attach(&mut s, &mut c, "web-1", t0);
+    assert_eq!(third, 2);
+    assert!(
+        matches!(event, TrunkClientEvent::Attached { .. }),
+        "{event:?}"
+    );
+    assert!(matches!(
+        c.push_report(t0, first, &report(1)),
+        Err(TrunkClientError::UnknownSlot(0))
+    ));
+}
+
+#[test]
+fn only_attaches_in_flight_set_a_deadline() {
+    let t0 = Instant::now();
+    let (mut s, mut c) = defaults();
+    for _ in 0..3 {
+        let (_, event) = attach(&mut s, &mut c, "web-1", t0);
+        assert!(
+            matches!(event, TrunkClientEvent::Attached { .. }),
+            "{event:?}"
+        );
+    }
+    assert_eq!(c.poll_timeout(), None, "attached slots have no deadline");
+    let t1 = t0 + Duration::from_secs(1);
+    let (pending, _) = c
+        .attach(t1, &hello_frame("web-4"), vec![vec![1]], SOURCE.into())
+        .expect("attach");
+    assert_eq!(c.poll_timeout(), Some(t1 + Duration::from_secs(5)));
+    assert!(c
+        .handle_timeout(t1 + Duration::from_secs(4))
+        .timed_out
+        .is_empty());
+    let expired = c.handle_timeout(t1 + Duration::from_secs(5));
+    assert_eq!(expired.timed_out, [pending]);
+    assert_eq!(c.poll_timeout(), None);
+    assert_eq!(c.slot_count(), 3);
+}
