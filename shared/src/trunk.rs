@@ -242,13 +242,20 @@ impl ControlMessage for ToPrimary {
 
 impl Attach {
     fn check(&self) -> Result<(), TrunkError> {
-        within("hello", self.hello.len(), MAX_FRAMED_MESSAGE)?;
-        if self.chain.is_empty() || self.chain.len() > MAX_CHAIN_CERTS {
-            return Err(TrunkError::ChainLength(self.chain.len()));
-        }
-        let bytes = self.chain.iter().map(Vec::len).sum();
-        within("certificate chain", bytes, MAX_CHAIN_BYTES)
+        check_attach(&self.hello, &self.chain)
     }
+}
+
+/// Whether an agent with this framed hello and certificate chain can be attached
+/// through a trunk: a relay asks before it tries, so that an agent whose chain the
+/// protocol cannot carry is refused for that, not for a trunk that seems down.
+pub fn check_attach(hello: &[u8], chain: &[Vec<u8>]) -> Result<(), TrunkError> {
+    within("hello", hello.len(), MAX_FRAMED_MESSAGE)?;
+    if chain.is_empty() || chain.len() > MAX_CHAIN_CERTS {
+        return Err(TrunkError::ChainLength(chain.len()));
+    }
+    let bytes = chain.iter().map(Vec::len).sum();
+    within("certificate chain", bytes, MAX_CHAIN_BYTES)
 }
 
 impl ControlMessage for ToRelay {

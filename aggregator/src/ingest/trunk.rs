@@ -335,6 +335,7 @@ impl Driver<'_> {
             }
             Err(e) => {
                 tracing::debug!(relay = %self.relay, slot, error = %e, "attach not admitted");
+                self.metrics.reject("trunk_slot");
                 return None;
             }
         };

@@ -283,7 +283,7 @@ impl Trunks {
                 tokio::select! {
                     () = &mut sleep => break,
                     cmd = commands.recv() => match cmd {
-                        Some(cmd) => refuse(cmd),
+                        Some(cmd) => refuse(cmd, &self.dialer.metrics),
                         None => return,
                     }
                 }
@@ -293,9 +293,15 @@ impl Trunks {
 }
 
 /// Answers a command the trunk cannot carry out now.
-fn refuse(cmd: Command) {
-    if let Command::Attach { answer, .. } = cmd {
-        let _ = answer.send(Err(AttachError::TrunkDown));
+fn refuse(cmd: Command, metrics: &RelayMetrics) {
+    match cmd {
+        Command::Attach { answer, .. } => {
+            let _ = answer.send(Err(AttachError::TrunkDown));
+        }
+        // A report for a slot of a trunk that is down: its link hears of the loss
+        // and holds its agent's reports from then on.
+        Command::Report { .. } => metrics.drop_report("trunk_down"),
+        Command::Detach { .. } => {}
     }
 }
 
@@ -351,7 +357,7 @@ impl<'a> Session<'a> {
             let _ = answer.send(Err(AttachError::TrunkDown));
         }
         for cmd in self.waiting.drain(..) {
-            refuse(cmd);
+            refuse(cmd, &self.dialer.metrics);
         }
     }
 
@@ -386,7 +392,7 @@ impl<'a> Session<'a> {
                 Err(e) => return Ended::Failed(e),
             },
             // Attaches are not held while dialling: their agents try their next address.
-            () = drain(commands) => return Ended::Stopped,
+            () = drain(commands, &self.dialer.metrics) => return Ended::Stopped,
             // An address that changes while it is dialled is given up at once, not
             // after the handshake's timeout.
             () = moved(&mut routes, self.replica, self.address) => return Ended::Moved,
@@ -502,7 +508,7 @@ impl<'a> Session<'a> {
                 if self.waiting.len() < MAX_WAITING {
                     self.waiting.push(cmd);
                 } else {
-                    refuse(cmd);
+                    refuse(cmd, &self.dialer.metrics);
                 }
             }
             Command::Attach {
@@ -531,7 +537,8 @@ impl<'a> Session<'a> {
                         let _ = conn.send_datagram(batch.into());
                     }
                 }
-                Err(_) => self.dialer.metrics.drop_report("stale"),
+                Err(TrunkClientError::UnknownSlot(_)) => self.dialer.metrics.drop_report("stale"),
+                Err(_) => self.dialer.metrics.drop_report("trunk_down"),
             },
             Command::Detach { slot } => {
                 self.slots.remove(&slot);
@@ -674,9 +681,9 @@ async fn moved(routes: &mut watch::Receiver<Arc<Routes>>, replica: &str, address
 }
 
 /// Refuses every command until the relay stops (the commands' sender is gone).
-async fn drain(commands: &mut mpsc::Receiver<Command>) {
+async fn drain(commands: &mut mpsc::Receiver<Command>, metrics: &RelayMetrics) {
     while let Some(cmd) = commands.recv().await {
-        refuse(cmd);
+        refuse(cmd, metrics);
     }
 }
 

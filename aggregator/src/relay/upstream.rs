@@ -140,6 +140,15 @@ impl Upstream for RelayUpstream {
             chain: arrival.chain.iter().map(|c| c.to_vec()).collect(),
             source: arrival.remote.ip(),
         };
+        if let Err(e) = ballast_shared::trunk::check_attach(&agent.hello, &agent.chain) {
+            tracing::warn!(node = %arrival.peer.identity, %service, error = %e,
+                "the agent cannot be handed on through a trunk");
+            self.metrics.refuse_attach("too_large");
+            return Err(Reject {
+                reason: RejectReason::IdentityMismatch,
+                detail: format!("the relay cannot hand the agent on: {e}"),
+            });
+        }
         tracing::debug!(node = %arrival.peer.identity, %service, "attaching an agent");
         let mut routes = self.routes.clone();
         let mut retried = false;

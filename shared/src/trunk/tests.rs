@@ -334,3 +334,32 @@ proptest! {
         let _ = read_all::<ToPrimary>(&frame, 5);
     }
 }
+
+#[test]
+fn a_relay_can_tell_before_it_tries_whether_an_agent_fits_an_attach() {
+    let hello = vec![0u8; 64];
+    let leaf = vec![0x30; 1200];
+    assert!(check_attach(&hello, std::slice::from_ref(&leaf)).is_ok());
+    assert!(check_attach(&hello, &vec![leaf.clone(); MAX_CHAIN_CERTS]).is_ok());
+    assert!(matches!(
+        check_attach(&hello, &vec![leaf.clone(); MAX_CHAIN_CERTS + 1]),
+        Err(TrunkError::ChainLength(5))
+    ));
+    assert!(matches!(
+        check_attach(&hello, &[]),
+        Err(TrunkError::ChainLength(0))
+    ));
+    let big = vec![
+        vec![0x30; MAX_CHAIN_BYTES / 2 + 1],
+        vec![0x30; MAX_CHAIN_BYTES / 2],
+    ];
+    assert!(check_attach(&hello, &big).is_err());
+    // What it refuses is what an attach frame would fail to carry.
+    let attach = ToPrimary::Attach(Attach {
+        slot: 0,
+        hello,
+        chain: big,
+        source: std::net::IpAddr::from([127, 0, 0, 1]),
+    });
+    assert!(encode_control(&attach).is_err());
+}
