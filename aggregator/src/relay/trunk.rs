@@ -11,6 +11,7 @@
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
 use ballast_shared::reconnect::{host_part, Backoff};
+use ballast_shared::session::close;
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::trunk::{
     TrunkClient, TrunkClientConfig, TrunkClientError, TrunkClientEvent,
@@ -122,8 +123,20 @@ impl AttachError {
             AttachError::TrunkDown => "trunk_down".into(),
             AttachError::Timeout => "timeout".into(),
             AttachError::SlotsFull => "slots_full".into(),
-            AttachError::Closed { code, .. } => super::upstream::close_reason(*code).into(),
+            AttachError::Closed { code, .. } => close_reason(*code).into(),
         }
+    }
+}
+
+/// The reason a close with `code` from the primary is counted under.
+pub(super) fn close_reason(code: u32) -> &'static str {
+    match code {
+        close::MOVED => "moved",
+        close::REVOKED => "revoked",
+        close::EXPIRED => "expired",
+        close::PROTOCOL => "protocol",
+        close::NORMAL => "no_reports",
+        _ => "upstream_closed",
     }
 }
 
@@ -397,11 +410,8 @@ impl<'a> Session<'a> {
             // after the handshake's timeout.
             () = moved(&mut routes, self.replica, self.address) => return Ended::Moved,
         };
-        let ended = self.drive(&conn, commands, open).await;
-        conn.close(
-            quinn::VarInt::from_u32(ballast_shared::session::close::NORMAL),
-            b"trunk ends",
-        );
+        let ended = self.drive(&conn, commands, open, &mut routes).await;
+        conn.close(quinn::VarInt::from_u32(close::NORMAL), b"trunk ends");
         ended
     }
 
@@ -410,6 +420,7 @@ impl<'a> Session<'a> {
         conn: &quinn::Connection,
         commands: &mut mpsc::Receiver<Command>,
         open: &AtomicBool,
+        routes: &mut watch::Receiver<Arc<Routes>>,
     ) -> Ended {
         let fail = |what: &str, e: &dyn std::fmt::Display| Ended::Failed(format!("{what}: {e}"));
         let max_batch = conn.max_datagram_size().unwrap_or(1200).min(MAX_BATCH);
@@ -431,7 +442,6 @@ impl<'a> Session<'a> {
         if let Err(e) = write(&mut send, &frame).await {
             return fail("writing the open frame", &e);
         }
-        let mut routes = self.dialer.routes.clone();
         let mut buf = vec![0u8; READ_CHUNK];
         let opened_by = tokio::time::sleep(OPEN_TIMEOUT);
         tokio::pin!(opened_by);
@@ -484,7 +494,7 @@ impl<'a> Session<'a> {
                 () = &mut opened_by, if !client.is_open() => {
                     return Ended::Failed(format!("no answer to the open in {OPEN_TIMEOUT:?}"));
                 }
-                () = moved(&mut routes, self.replica, self.address) => return Ended::Moved,
+                () = moved(routes, self.replica, self.address) => return Ended::Moved,
             }
             if !control.is_empty() {
                 if let Err(e) = write(&mut send, &control).await {

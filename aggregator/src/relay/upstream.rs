@@ -14,7 +14,7 @@
 
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
-use super::trunk::{AttachError, Attached, Command, Down, Trunks};
+use super::trunk::{close_reason, AttachError, Attached, Command, Down, Trunks};
 use crate::ingest::upstream::{Admitted, Arrival, Close, Downstream, Forwarded, Link, Upstream};
 use ballast_shared::session::close;
 use ballast_shared::wire::{Message, Reject, RejectReason, Report};
@@ -273,18 +273,6 @@ pub(crate) struct RelayLink {
     unanswered_since: Option<Instant>,
     /// A reply to send the agent at once.
     outbox: Option<Bytes>,
-}
-
-/// The reason a close with `code` from the primary is counted under.
-pub(super) fn close_reason(code: u32) -> &'static str {
-    match code {
-        close::MOVED => "moved",
-        close::REVOKED => "revoked",
-        close::EXPIRED => "expired",
-        close::PROTOCOL => "protocol",
-        close::NORMAL => "no_reports",
-        _ => "upstream_closed",
-    }
 }
 
 impl RelayLink {

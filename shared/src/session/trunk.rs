@@ -653,12 +653,6 @@ pub enum TrunkClientError {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ClientSlot {
-    Pending { deadline: Instant },
-    Attached,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ClientPhase {
     Opening,
     Open { max_slots: u32 },
@@ -671,10 +665,11 @@ pub struct TrunkClient {
     config: TrunkClientConfig,
     phase: ClientPhase,
     reader: ControlReader<ToRelay>,
-    slots: BTreeMap<Slot, ClientSlot>,
-    /// The slots of `slots` still pending, so that time is checked against the few
-    /// attaches in flight rather than every slot.
-    pending: BTreeSet<Slot>,
+    /// The attached slots.
+    attached: BTreeSet<Slot>,
+    /// The slots attaching, each with the deadline of the primary's answer: kept apart,
+    /// so that time is checked against the few attaches in flight, not every slot.
+    pending: BTreeMap<Slot, Instant>,
     next_slot: Slot,
     reports: BatchEncoder,
     first_at: Option<Instant>,
@@ -689,8 +684,8 @@ impl TrunkClient {
             config,
             phase: ClientPhase::Opening,
             reader: ControlReader::new(),
-            slots: BTreeMap::new(),
-            pending: BTreeSet::new(),
+            attached: BTreeSet::new(),
+            pending: BTreeMap::new(),
             next_slot: 0,
             first_at: None,
             unknown: 0,
@@ -732,7 +727,7 @@ impl TrunkClient {
         let ClientPhase::Open { max_slots } = self.phase else {
             return Err(self.not_open());
         };
-        if self.slots.len() >= usize::try_from(max_slots).unwrap_or(usize::MAX) {
+        if self.slot_count() >= usize::try_from(max_slots).unwrap_or(usize::MAX) {
             return Err(TrunkClientError::SlotsFull(max_slots));
         }
         let slot = self.next_slot;
@@ -748,16 +743,15 @@ impl TrunkClient {
         let frame = encode_control(&ToPrimary::Attach(attach)).map_err(TrunkClientError::Encode)?;
         self.next_slot = next;
         let deadline = now.checked_add(self.config.attach_timeout).unwrap_or(now);
-        self.slots.insert(slot, ClientSlot::Pending { deadline });
-        self.pending.insert(slot);
+        self.pending.insert(slot, deadline);
         Ok((slot, frame))
     }
 
     /// Detaches a slot whose agent is gone: the `Detach` frame.
     pub fn detach(&mut self, slot: Slot) -> Result<Vec<u8>, TrunkClientError> {
         self.check_open()?;
-        self.pending.remove(&slot);
-        if self.slots.remove(&slot).is_none() {
+        let attaching = self.pending.remove(&slot).is_some();
+        if !self.attached.remove(&slot) && !attaching {
             return Err(TrunkClientError::UnknownSlot(slot));
         }
         encode_control(&ToPrimary::Detach { slot }).map_err(TrunkClientError::Encode)
@@ -772,7 +766,7 @@ impl TrunkClient {
         report: &[u8],
     ) -> Result<Option<Vec<u8>>, TrunkClientError> {
         self.check_open()?;
-        if self.slots.get(&slot) != Some(&ClientSlot::Attached) {
+        if !self.attached.contains(&slot) {
             return Err(TrunkClientError::UnknownSlot(slot));
         }
         if self
@@ -803,14 +797,10 @@ impl TrunkClient {
         let batch = self
             .first_at
             .map(|t| t.checked_add(self.config.batch_delay).unwrap_or(t));
-        let attach = self
-            .pending
-            .iter()
-            .filter_map(|slot| match self.slots.get(slot) {
-                Some(ClientSlot::Pending { deadline }) => Some(*deadline),
-                Some(ClientSlot::Attached) | None => None,
-            });
-        batch.into_iter().chain(attach).min()
+        batch
+            .into_iter()
+            .chain(self.pending.values().copied())
+            .min()
     }
 
     /// Lets time pass: the batch whose delay is over, and the attaches that timed out
@@ -829,14 +819,11 @@ impl TrunkClient {
         out.timed_out = self
             .pending
             .iter()
-            .filter(|slot| {
-                matches!(self.slots.get(slot), Some(ClientSlot::Pending { deadline }) if now >= *deadline)
-            })
-            .copied()
+            .filter(|(_, deadline)| now >= **deadline)
+            .map(|(slot, _)| *slot)
             .collect();
         for slot in &out.timed_out {
             self.pending.remove(slot);
-            self.slots.remove(slot);
             if let Ok(frame) = encode_control(&ToPrimary::Detach { slot: *slot }) {
                 out.control.extend(frame);
             }
@@ -871,7 +858,7 @@ impl TrunkClient {
         match (self.phase, msg) {
             (_, ToRelay::Closed(reject)) => {
                 self.phase = ClientPhase::Closed;
-                self.slots.clear();
+                self.attached.clear();
                 self.pending.clear();
                 Ok(Some(TrunkClientEvent::Closed(reject)))
             }
@@ -915,20 +902,17 @@ impl TrunkClient {
             Ok(_) => return Err(TrunkClientError::BadWelcome(ProtocolError::StreamEnded)),
             Err(e) => return Err(TrunkClientError::BadWelcome(e)),
         };
-        if !matches!(self.slots.get(&slot), Some(ClientSlot::Pending { .. })) {
+        if self.pending.remove(&slot).is_none() {
             self.unknown = self.unknown.saturating_add(1);
             return Ok(None);
         }
-        self.slots.insert(slot, ClientSlot::Attached);
-        self.pending.remove(&slot);
+        self.attached.insert(slot);
         Ok(Some(TrunkClientEvent::Attached { slot, welcome }))
     }
 
     /// Removes a pending slot: whether there was one (else it is counted).
     fn take_pending(&mut self, slot: Slot) -> bool {
-        if matches!(self.slots.get(&slot), Some(ClientSlot::Pending { .. })) {
-            self.slots.remove(&slot);
-            self.pending.remove(&slot);
+        if self.pending.remove(&slot).is_some() {
             return true;
         }
         self.unknown = self.unknown.saturating_add(1);
@@ -937,8 +921,8 @@ impl TrunkClient {
 
     /// Removes a slot: whether there was one (else it is counted).
     fn take_any(&mut self, slot: Slot) -> bool {
-        self.pending.remove(&slot);
-        let found = self.slots.remove(&slot).is_some();
+        let attaching = self.pending.remove(&slot).is_some();
+        let found = self.attached.remove(&slot) || attaching;
         if !found {
             self.unknown = self.unknown.saturating_add(1);
         }
@@ -955,7 +939,7 @@ impl TrunkClient {
         let mut entries =
             decode_batch(bytes, BatchKind::Replies).map_err(TrunkClientError::BadBatch)?;
         let before = entries.len();
-        entries.retain(|e| self.slots.get(&e.slot) == Some(&ClientSlot::Attached));
+        entries.retain(|e| self.attached.contains(&e.slot));
         let dropped = u64::try_from(before - entries.len()).unwrap_or(u64::MAX);
         self.unknown = self.unknown.saturating_add(dropped);
         Ok(entries)
@@ -963,12 +947,12 @@ impl TrunkClient {
 
     /// Whether `slot` is attached.
     pub fn is_attached(&self, slot: Slot) -> bool {
-        self.slots.get(&slot) == Some(&ClientSlot::Attached)
+        self.attached.contains(&slot)
     }
 
     /// How many slots are attached or attaching.
     pub fn slot_count(&self) -> usize {
-        self.slots.len()
+        self.attached.len() + self.pending.len()
     }
 
     /// How many answers and entries named a slot that was gone.
@@ -1002,7 +986,7 @@ impl TrunkClient {
 
     fn fail(&mut self, e: TrunkClientError) -> TrunkClientError {
         self.phase = ClientPhase::Closed;
-        self.slots.clear();
+        self.attached.clear();
         self.pending.clear();
         self.first_at = None;
         self.reports.take();
