@@ -215,6 +215,12 @@ impl Daemon {
         // restored services) as what the store holds, and writes every change after it.
         let store_writer = crate::store::writer(state.clone());
 
+        let xds_tls = xds_tls(cfg, &identity, client_ca)?;
+        if let Some(revocation) = xds_tls.as_ref().and_then(|t| t.revocation.clone()) {
+            // The agents' listener watches the same file and counts its reloads.
+            let uncounted = Arc::new(crate::metrics::Metrics::new());
+            supervisor.spawn("xDS revocation list", revocation.watch(uncounted));
+        }
         let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
         let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
         let quic = Arc::new(
@@ -255,7 +261,7 @@ impl Daemon {
                     listener,
                     state.clone(),
                     cfg.xds_lb_policy,
-                    xds_tls(cfg)?,
+                    xds_tls,
                     &supervisor,
                 )
                 .map_err(bind_error)?;
@@ -397,28 +403,27 @@ fn default_advertise(quic: std::net::SocketAddr) -> String {
     }
 }
 
-/// The xDS port's TLS, from the aggregator's own certificate, key and CA, as
-/// `xds_tls` asks; `None` for plaintext.
-fn xds_tls(cfg: &Config) -> Result<Option<tonic::transport::ServerTlsConfig>, DaemonError> {
-    use crate::config::XdsTls;
-    use tonic::transport::{Certificate, Identity as TonicIdentity, ServerTlsConfig};
-    let read = |path: &std::path::Path| {
-        std::fs::read(path).map_err(|source| DaemonError::XdsTls {
-            path: path.display().to_string(),
-            source,
-        })
+/// The xDS port's TLS, from the aggregator's own certificate and key, as `xds_tls`
+/// asks; `None` for plaintext. In `mutual` mode client certificates are checked
+/// against `client_ca` and the revocation list (`authorization.crl`), as the agents'
+/// are.
+fn xds_tls(
+    cfg: &Config,
+    identity: &Identity,
+    client_ca: &[CertificateDer<'static>],
+) -> Result<Option<crate::feed::xds::XdsTls>, DaemonError> {
+    use crate::config::XdsTls as Mode;
+    let revocation = match cfg.xds_tls {
+        Mode::Plaintext => return Ok(None),
+        Mode::Tls => None,
+        Mode::Mutual => Some(Arc::new(crate::ingest::revocation::Revocation::load(
+            client_ca,
+            cfg.authorization.crl.clone(),
+            Duration::from_millis(cfg.authorization.crl_check_ms),
+        )?)),
     };
-    let server = || -> Result<ServerTlsConfig, DaemonError> {
-        let identity = TonicIdentity::from_pem(read(&cfg.tls.cert)?, read(&cfg.tls.key)?);
-        Ok(ServerTlsConfig::new()
-            .identity(identity)
-            .timeout(Duration::from_secs(10)))
-    };
-    Ok(match cfg.xds_tls {
-        XdsTls::Plaintext => None,
-        XdsTls::Tls => Some(server()?),
-        XdsTls::Mutual => Some(server()?.client_ca_root(Certificate::from_pem(read(&cfg.tls.ca)?))),
-    })
+    let tls = crate::feed::xds::XdsTls::new(identity.clone(), revocation).map_err(TlsError::from)?;
+    Ok(Some(tls))
 }
 
 /// The cycle loop's tick at most: services may override the cycle length, so the loop

@@ -116,6 +116,14 @@ pub struct Metrics {
     pub xds_streams: Gauge,
     /// xDS streams and requests refused for a limit, by reason.
     pub xds_refused: Family<Reason, Counter>,
+    /// TCP connections to the xDS listener open now, TLS handshakes included.
+    pub xds_connections: Gauge,
+    /// Bytes the open xDS streams keep for their subscriptions and clients' nodes, as
+    /// `xds_max_stream_bytes` counts them.
+    pub xds_stream_bytes: Gauge,
+    /// NACK warnings left out of the log by its rate limit (every NACK is still
+    /// counted in `xds_nacks`).
+    pub xds_nack_logs_suppressed: Counter,
     /// HTTP connections and watch streams refused or cut off for a limit, by reason.
     pub http_refused: Family<Reason, Counter>,
     /// HTTP watch (server-sent) events sent, by service.
@@ -204,6 +212,9 @@ impl Metrics {
             xds_nacks: Family::default(),
             xds_streams: Gauge::default(),
             xds_refused: Family::default(),
+            xds_connections: Gauge::default(),
+            xds_stream_bytes: Gauge::default(),
+            xds_nack_logs_suppressed: Counter::default(),
             http_refused: Family::default(),
             watch_events: Family::default(),
             watch_streams: Gauge::default(),
@@ -356,6 +367,21 @@ impl Metrics {
             "xds_refused",
             "xDS streams and requests refused for a limit, by reason",
             m.xds_refused.clone(),
+        );
+        registry.register(
+            "xds_connections",
+            "TCP connections to the xDS listener open, TLS handshakes included",
+            m.xds_connections.clone(),
+        );
+        registry.register(
+            "xds_stream_bytes",
+            "Bytes the open xDS streams keep for subscriptions and client nodes",
+            m.xds_stream_bytes.clone(),
+        );
+        registry.register(
+            "xds_nack_logs_suppressed",
+            "NACK warnings left out of the log by its rate limit",
+            m.xds_nack_logs_suppressed.clone(),
         );
         registry.register(
             "http_refused",

@@ -1,12 +1,13 @@
-//! Scenario: the xDS port carries TLS by default, and mutual TLS on request.
+//! Scenario: the xDS port's TLS modes.
 //!
-//! 1. **Default (`tls`).** A real aggregator with `--xds` and no TLS flag serves ADS
-//!    over TLS with its server certificate. A client that speaks plaintext, or that
+//! 1. **`--xds-tls tls`.** A real aggregator serves ADS over TLS with its server
+//!    certificate and asks no client certificate. A client that speaks plaintext, or that
 //!    trusts another CA (an attacker's server would need a certificate from it), gets
 //!    no endpoint; a client that trusts the aggregator's CA gets the service's
 //!    ClusterLoadAssignment, and so does a proxyless `grpcio` client bootstrapped with
 //!    `channel_creds` of type `tls` and the CA file: its calls reach every backend.
-//! 2. **`--xds-tls mutual`.** A client without a certificate is refused; a `grpcio`
+//! 2. **`--xds-tls mutual`** (the shipped default). A client without a certificate is
+//!    refused; a `grpcio`
 //!    client with a certificate from the aggregator's CA
 //!    (`certificate_file`/`private_key_file` in its bootstrap) is served.
 //! 3. **`--xds-tls plaintext`**, asked for explicitly, serves plaintext clients.
@@ -62,12 +63,16 @@ fn fleet(pki: &Pki, agg: &Aggregator, service: &str, backends: &Backends) -> Vec
 }
 
 #[test]
-fn the_xds_port_is_tls_by_default_and_checks_the_server() {
+fn the_xds_port_with_tls_checks_the_server() {
     const SERVICE: &str = "xdstls";
     require_grpcio();
     let dir = tempfile::tempdir().expect("temporary directory");
     let pki = Pki::new();
-    let agg = Aggregator::start(&pki, xds_aggregator_opts());
+    let opts = AggregatorOpts {
+        xds_tls: XdsTls::Tls,
+        ..xds_aggregator_opts()
+    };
+    let agg = Aggregator::start(&pki, opts);
     let nodes = node_names(SERVICE, SPEEDS.len());
     let names: Vec<&str> = nodes.iter().map(String::as_str).collect();
     let backends = Backends::start(&names, dir.path());
@@ -75,10 +80,7 @@ fn the_xds_port_is_tls_by_default_and_checks_the_server() {
     agg.wait_for_endpoints(SERVICE, SPEEDS.len(), Duration::from_secs(15));
 
     let good = agg.xds();
-    assert!(
-        good.ca.is_some(),
-        "the harness's default is the shipped default: TLS"
-    );
+    assert!(good.ca.is_some(), "TLS: the client checks the server");
     assert_eq!(served(good.clone(), SERVICE), Ok(SPEEDS.len()));
 
     let plaintext = XdsTarget {

@@ -1,7 +1,8 @@
 //! The HTTP API's listener, with its limits: a cap on open connections, a deadline for
-//! a connection's first request, and an idle timeout. A client that trickles its
-//! headers, or a watcher that stops reading, holds a connection for a bounded time,
-//! and no number of them can take more than the cap.
+//! every request on a connection (the first and each one after it), and an idle
+//! timeout. A client that trickles its headers, on a new connection or on one that
+//! has had its answers, or a watcher that stops reading, holds a connection for a
+//! bounded time, and no number of them can take more than the cap.
 
 use crate::config::limits::Limits;
 use crate::metrics::Metrics;
@@ -23,8 +24,8 @@ pub(crate) struct Limited {
     permits: Arc<Semaphore>,
     /// Where refusals and cut-off connections are counted.
     metrics: Arc<Metrics>,
-    /// How long a connection has for its first response to start.
-    first: Duration,
+    /// How long each request has, from its first byte, for its response to start.
+    request: Duration,
     /// How long a connection may then go without a byte either way.
     idle: Duration,
 }
@@ -37,7 +38,7 @@ impl Limited {
             inner,
             permits,
             metrics,
-            first: Duration::from_millis(limits.http_request_timeout_ms),
+            request: Duration::from_millis(limits.http_request_timeout_ms),
             idle: Duration::from_millis(limits.http_idle_timeout_ms),
         }
     }
@@ -64,7 +65,7 @@ impl axum::serve::Listener for Limited {
                 Ok((stream, addr)) => {
                     let _ = stream.set_nodelay(true);
                     let guarded =
-                        Guarded::new(stream, permit, self.metrics.clone(), self.first, self.idle);
+                        Guarded::new(stream, permit, self.metrics.clone(), self.request, self.idle);
                     return (guarded, addr);
                 }
                 Err(e) => {
@@ -81,17 +82,30 @@ impl axum::serve::Listener for Limited {
     }
 }
 
+/// Where a connection is between requests, for its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// A request is being read: from the accept, or from the first byte after a
+    /// response. Reads do not move the deadline: the whole request head must come
+    /// within `http_request_timeout_ms`, so no request can be trickled in.
+    Request,
+    /// A response is being written (a watch stream's, say); each write moves the
+    /// deadline `http_idle_timeout_ms` on.
+    Responding,
+}
+
 /// One accepted connection, holding its place under the cap, cut off when it misses
-/// its deadline: its first response must start within `http_request_timeout_ms` of
-/// the accept, and after that a byte must move either way every
+/// its deadline: every request on it (the first and each one after a response) must
+/// have its response started within `http_request_timeout_ms` of its first byte,
+/// and between requests, or while a response is written, a byte must move every
 /// `http_idle_timeout_ms`.
 pub(crate) struct Guarded {
     stream: TcpStream,
     _permit: OwnedSemaphorePermit,
     metrics: Arc<Metrics>,
     deadline: Pin<Box<Sleep>>,
-    /// Whether a response has started: until then reads do not extend the deadline.
-    answered: bool,
+    phase: Phase,
+    request: Duration,
     idle: Duration,
 }
 
@@ -100,29 +114,39 @@ impl Guarded {
         stream: TcpStream,
         permit: OwnedSemaphorePermit,
         metrics: Arc<Metrics>,
-        first: Duration,
+        request: Duration,
         idle: Duration,
     ) -> Self {
         Guarded {
             stream,
             _permit: permit,
             metrics,
-            deadline: Box::pin(tokio::time::sleep(first)),
-            answered: false,
+            deadline: Box::pin(tokio::time::sleep(request)),
+            phase: Phase::Request,
+            request,
             idle,
         }
     }
 
-    /// Moves the deadline on after progress: reads count only once a response has
-    /// started, so a first request cannot be trickled in.
-    fn progressed(&mut self, wrote: bool) {
-        self.answered |= wrote;
-        if self.answered {
-            let next = Instant::now() + self.idle;
-            // Resetting the timer on every small read costs more than it buys.
-            if next > self.deadline.deadline() + Duration::from_millis(250) {
-                self.deadline.as_mut().reset(next);
-            }
+    /// After bytes were read: the first after a response begins the next request,
+    /// whose deadline runs from now and is not moved by the rest of it.
+    fn read_some(&mut self) {
+        if self.phase == Phase::Responding {
+            self.phase = Phase::Request;
+            self.deadline.as_mut().reset(Instant::now() + self.request);
+        }
+    }
+
+    /// After bytes were written: a response is under way, and may go on while bytes
+    /// keep moving.
+    fn wrote_some(&mut self) {
+        let next = Instant::now() + self.idle;
+        if self.phase == Phase::Request {
+            self.phase = Phase::Responding;
+            self.deadline.as_mut().reset(next);
+        } else if next > self.deadline.deadline() + Duration::from_millis(250) {
+            // Resetting the timer on every small write costs more than it buys.
+            self.deadline.as_mut().reset(next);
         }
     }
 
@@ -141,7 +165,7 @@ impl Guarded {
     /// Moves the deadline on after a write of `n` bytes.
     fn wrote(&mut self, r: &io::Result<usize>) {
         if matches!(r, Ok(n) if *n > 0) {
-            self.progressed(true);
+            self.wrote_some();
         }
     }
 
@@ -150,10 +174,9 @@ impl Guarded {
         if self.deadline.as_mut().poll(cx).is_pending() {
             return None;
         }
-        let reason = if self.answered {
-            "idle_timeout"
-        } else {
-            "request_timeout"
+        let reason = match self.phase {
+            Phase::Request => "request_timeout",
+            Phase::Responding => "idle_timeout",
         };
         self.metrics.refuse_http(reason);
         Some(io::Error::new(
@@ -172,7 +195,7 @@ impl AsyncRead for Guarded {
         let before = buf.filled().len();
         let poll = Pin::new(&mut self.stream).poll_read(cx, buf);
         if poll.is_ready() && buf.filled().len() > before {
-            self.progressed(false);
+            self.read_some();
         }
         self.guard(cx, poll)
     }

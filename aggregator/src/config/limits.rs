@@ -36,12 +36,27 @@ pub struct Limits {
     pub trunk_max_slots: u32,
     /// Open xDS (ADS) streams in all; more are refused with `RESOURCE_EXHAUSTED`.
     pub xds_max_streams: usize,
+    /// Open xDS streams from one source address; more are refused with
+    /// `RESOURCE_EXHAUSTED`.
+    pub xds_max_streams_per_source: usize,
+    /// TCP connections to the xDS listener in all; more are closed at once, before
+    /// any TLS.
+    pub xds_max_connections: usize,
+    /// TCP connections to the xDS listener from one source address.
+    pub xds_max_connections_per_source: usize,
     /// Concurrent HTTP/2 streams on one xDS connection.
     pub xds_max_streams_per_connection: u32,
     /// The largest xDS request accepted, in bytes.
     pub xds_max_request_bytes: usize,
     /// The most resource names one xDS request may subscribe to.
     pub xds_max_resource_names: usize,
+    /// The most resource names one xDS stream may keep subscribed, over all types.
+    pub xds_max_names_per_stream: usize,
+    /// The most bytes one xDS stream may keep for its subscriptions and its client's
+    /// node: each name's length and a fixed cost per name, the node id and zone.
+    pub xds_max_stream_bytes: usize,
+    /// The longest `node.id`, and the longest `node.locality.zone`, in bytes.
+    pub xds_max_node_bytes: usize,
     /// Open HTTP API connections; more wait in the kernel's backlog.
     pub http_max_connections: usize,
     /// How long an HTTP connection may take to send its first request, in
@@ -51,7 +66,9 @@ pub struct Limits {
     /// milliseconds. Watch streams send a keep-alive every 15 s, so a watcher that
     /// reads is never idle; one that stops reading is.
     pub http_idle_timeout_ms: u64,
-    /// Open watch streams (`?watch=true`); more are refused with 503.
+    /// Open watch streams (`?watch=true`); more are refused with 503. Below
+    /// `http_max_connections`, so that watchers cannot take every connection from
+    /// `/healthz` and `/metrics`.
     pub watch_max_streams: usize,
 }
 
@@ -69,13 +86,19 @@ impl Default for Limits {
             quic_report_timeout_ms: 30_000,
             trunk_max_slots: 100_000,
             xds_max_streams: 10_000,
+            xds_max_streams_per_source: 256,
+            xds_max_connections: 4096,
+            xds_max_connections_per_source: 64,
             xds_max_streams_per_connection: 16,
-            xds_max_request_bytes: 4 * 1024 * 1024,
-            xds_max_resource_names: 20_000,
+            xds_max_request_bytes: 1024 * 1024,
+            xds_max_resource_names: 10_000,
+            xds_max_names_per_stream: 10_000,
+            xds_max_stream_bytes: 256 * 1024,
+            xds_max_node_bytes: 1024,
             http_max_connections: 1024,
             http_request_timeout_ms: 10_000,
             http_idle_timeout_ms: 60_000,
-            watch_max_streams: 1024,
+            watch_max_streams: 768,
         }
     }
 }
@@ -83,7 +106,7 @@ impl Default for Limits {
 impl Limits {
     /// Checks that every limit admits something.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
-        let positive: [(&str, u64); 16] = [
+        let positive: [(&str, u64); 22] = [
             ("max_services", self.max_services as u64),
             (
                 "max_endpoints_per_service",
@@ -102,6 +125,21 @@ impl Limits {
             ("quic_report_timeout_ms", self.quic_report_timeout_ms),
             ("trunk_max_slots", u64::from(self.trunk_max_slots)),
             ("xds_max_streams", self.xds_max_streams as u64),
+            (
+                "xds_max_streams_per_source",
+                self.xds_max_streams_per_source as u64,
+            ),
+            ("xds_max_connections", self.xds_max_connections as u64),
+            (
+                "xds_max_connections_per_source",
+                self.xds_max_connections_per_source as u64,
+            ),
+            (
+                "xds_max_names_per_stream",
+                self.xds_max_names_per_stream as u64,
+            ),
+            ("xds_max_stream_bytes", self.xds_max_stream_bytes as u64),
+            ("xds_max_node_bytes", self.xds_max_node_bytes as u64),
             (
                 "xds_max_streams_per_connection",
                 u64::from(self.xds_max_streams_per_connection),
@@ -125,6 +163,16 @@ impl Limits {
             return Err(InvalidSetting::new(
                 "limits.xds_max_request_bytes",
                 "must be at least 1024",
+            ));
+        }
+        if self.watch_max_streams >= self.http_max_connections {
+            return Err(InvalidSetting::new(
+                "limits.watch_max_streams",
+                format!(
+                    "must be below http_max_connections ({}): watch streams hold their \
+                     connections, and /healthz and /metrics need one",
+                    self.http_max_connections
+                ),
             ));
         }
         Ok(())
@@ -157,5 +205,24 @@ mod tests {
             l.validate().map_err(|e| e.setting),
             Err("limits.watch_max_streams".to_string())
         );
+    }
+
+    #[test]
+    fn watch_streams_must_leave_connections_for_the_rest_of_the_api() {
+        let at = Limits {
+            http_max_connections: 64,
+            watch_max_streams: 64,
+            ..Limits::default()
+        };
+        let err = at.validate().expect_err("as many watches as connections");
+        assert_eq!(err.setting, "limits.watch_max_streams");
+        assert!(err.reason.contains("http_max_connections (64)"), "{err}");
+        let below = Limits {
+            watch_max_streams: 63,
+            ..at
+        };
+        assert_eq!(below.validate(), Ok(()));
+        let d = Limits::default();
+        assert!(d.watch_max_streams < d.http_max_connections);
     }
 }

@@ -276,10 +276,14 @@ pub enum LbPolicy {
 pub enum XdsTls {
     /// TLS with the aggregator's server certificate (`tls.cert`, `tls.key`): clients
     /// check it against the CA, so an on-path attacker cannot rewrite the weights.
-    #[default]
+    /// Any client that reaches the port may read them: for clients that cannot
+    /// present a certificate.
     Tls,
-    /// TLS, and clients must present a certificate signed by the aggregator's CA
-    /// (`tls.ca`): only known proxies may read the endpoint lists.
+    /// The default: TLS, and clients must present a certificate signed by the
+    /// aggregator's CA (`tls.ca`), checked against the revocation list
+    /// (`authorization.crl`) as agents' are: only known proxies may read the endpoint
+    /// lists, and nobody else can hold streams open.
+    #[default]
     Mutual,
     /// No TLS: anyone who can reach the port reads every endpoint, and anyone on the
     /// path can rewrite them. Only for a port bound to loopback or a trusted network.

@@ -10,7 +10,7 @@ mod limits;
 pub(crate) mod local;
 mod policy;
 pub(crate) mod quic;
-mod revocation;
+pub(crate) mod revocation;
 pub(crate) mod threads;
 mod trunk;
 pub(crate) mod upstream;

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 /// What a certificate is worth now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Verdict {
+pub(crate) enum Verdict {
     /// Still good.
     Valid,
     /// On the revocation list in force.
@@ -26,7 +26,7 @@ pub(super) enum Verdict {
 }
 
 /// The revocation list in force and where it comes from.
-pub(super) struct Revocation {
+pub(crate) struct Revocation {
     verifier: Arc<ClientVerifier>,
     path: Option<PathBuf>,
     check_every: Duration,
@@ -72,7 +72,7 @@ fn read_crls(
 impl Revocation {
     /// The verifier for certificates from `client_ca`, with the list in `path` if one
     /// is configured, checked for changes every `check_every`.
-    pub(super) fn load(
+    pub(crate) fn load(
         client_ca: &[CertificateDer<'static>],
         path: Option<PathBuf>,
         check_every: Duration,
@@ -101,17 +101,17 @@ impl Revocation {
     }
 
     /// The handshake's verifier.
-    pub(super) fn verifier(&self) -> Arc<ClientVerifier> {
+    pub(crate) fn verifier(&self) -> Arc<ClientVerifier> {
         self.verifier.clone()
     }
 
     /// A receiver that sees every change of the list from now on.
-    pub(super) fn subscribe(&self) -> watch::Receiver<u64> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
         self.generation.subscribe()
     }
 
     /// What `chain` (leaf first) is worth under the list in force now.
-    pub(super) fn verdict(&self, chain: &[CertificateDer<'static>]) -> Verdict {
+    pub(crate) fn verdict(&self, chain: &[CertificateDer<'static>]) -> Verdict {
         self.judge(chain).unwrap_or_else(|e| {
             // Nothing else can have changed since the handshake: the CAs stay.
             tracing::debug!(error = %e, "a live certificate checked again");
@@ -145,7 +145,7 @@ impl Revocation {
     /// Watches the list's file until the task ends: a changed file is read and put in
     /// force, then every live connection checks its certificate again. A file that is
     /// unusable, or gone, leaves the list in force as it was.
-    pub(super) async fn watch(self: Arc<Self>, metrics: Arc<Metrics>) {
+    pub(crate) async fn watch(self: Arc<Self>, metrics: Arc<Metrics>) {
         let Some(path) = self.path.clone() else {
             return std::future::pending().await;
         };

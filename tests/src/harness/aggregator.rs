@@ -76,7 +76,9 @@ pub struct AggregatorOpts {
     pub config_toml: Option<String>,
     /// `--xds` on a free loopback port.
     pub xds: bool,
-    /// `--xds-tls`; the shipped default (`tls`) passes no flag.
+    /// `--xds-tls`, always passed. The harness's default is `tls` (server
+    /// certificate only), which the tests' clients use unless they ask for more; the
+    /// shipped default is `mutual`.
     pub xds_tls: XdsTls,
     /// `--etcd ENDPOINTS --etcd-prefix PREFIX`: weights in etcd instead of the file.
     pub etcd: Option<(String, String)>,
@@ -99,7 +101,7 @@ impl Default for AggregatorOpts {
             report_interval_ms: 500,
             config_toml: None,
             xds: false,
-            xds_tls: XdsTls::default(),
+            xds_tls: XdsTls::Tls,
             etcd: None,
             config_dir: None,
             log_json: false,
@@ -255,15 +257,12 @@ impl Aggregator {
             .arg(self.opts.report_interval_ms.to_string());
         if let Some(xds) = self.xds {
             cmd.arg("--xds").arg(xds.to_string());
-            match self.opts.xds_tls {
-                XdsTls::Tls => {}
-                XdsTls::Mutual => {
-                    cmd.args(["--xds-tls", "mutual"]);
-                }
-                XdsTls::Plaintext => {
-                    cmd.args(["--xds-tls", "plaintext"]);
-                }
-            }
+            let mode = match self.opts.xds_tls {
+                XdsTls::Tls => "tls",
+                XdsTls::Mutual => "mutual",
+                XdsTls::Plaintext => "plaintext",
+            };
+            cmd.args(["--xds-tls", mode]);
         }
         if let Some((endpoints, prefix)) = &self.opts.etcd {
             cmd.args(["--etcd", endpoints, "--etcd-prefix", prefix]);

@@ -38,10 +38,12 @@
 //! and to the publications, and sends each stream the newest contents when its client
 //! can take them, never a queue of versions.
 
+pub mod conn;
 pub mod protocol;
 pub mod resources;
 pub mod server;
 
+pub use conn::XdsTls;
 pub use server::XdsServer;
 
 /// The configured policy, as the Clusters carry it; the config owns the setting.

@@ -25,6 +25,7 @@
 //! pile up per slow client. The request task and the outbound side share the
 //! protocol state ([`StreamState`], sans-IO) under a mutex that no await holds.
 
+use super::conn::{Acceptor, Full, Place, Places, XdsTls};
 use super::protocol::{StreamState, Verdict};
 use super::resources::{ResourceType, Snapshot};
 use super::LbPolicy;
@@ -40,10 +41,9 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 use futures_util::stream::BoxStream;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
-use tokio::sync::{oneshot, watch, Notify};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tonic::{Request, Response, Status, Streaming};
 
 /// How long [`XdsServer::stop`] waits for streams to close before it cuts them.
@@ -80,22 +80,21 @@ impl XdsServer {
     }
 
     /// Like [`XdsServer::start`], over TLS when `tls` is given, with its tasks
-    /// watched by `supervisor`. Fails if the TLS configuration is unusable.
+    /// watched by `supervisor`.
     pub fn start_supervised(
         listener: tokio::net::TcpListener,
         state: Arc<State>,
         policy: LbPolicy,
-        tls: Option<tonic::transport::ServerTlsConfig>,
+        tls: Option<XdsTls>,
         supervisor: &Supervisor,
     ) -> std::io::Result<XdsServer> {
         let addr = listener.local_addr()?;
-        let state_tls = if tls.is_some() { "on" } else { "off" };
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = tls {
-            builder = builder
-                .tls_config(tls)
-                .map_err(|e| std::io::Error::other(format!("xDS TLS: {e}")))?;
-        }
+        let state_tls = match &tls {
+            None => "off",
+            Some(t) if t.revocation.is_some() => "mutual",
+            Some(_) => "on",
+        };
+        let builder = tonic::transport::Server::builder();
         let (shutdown, shutdown_rx) = watch::channel(false);
         let first = build(&state.published(), policy, &Snapshot::default());
         let (snapshots, snapshots_rx) = watch::channel(Arc::new(first));
@@ -104,15 +103,28 @@ impl XdsServer {
             publish(state.clone(), policy, snapshots, shutdown_rx.clone()),
         );
         let limits = state.limits.clone();
+        let acceptor = Acceptor {
+            listener,
+            tls,
+            places: Arc::new(Places::default()),
+            max: limits.xds_max_connections,
+            per_source: limits.xds_max_connections_per_source,
+            metrics: state.metrics.clone(),
+        };
         let ads = Ads {
             state,
             snapshots: snapshots_rx,
             shutdown: shutdown_rx.clone(),
-            open: Arc::new(AtomicUsize::new(0)),
+            open: Arc::new(Places::default()),
+            nack_log: Arc::new(Mutex::new(NackLog::default())),
         };
-        let mut stop = shutdown_rx;
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut stop = shutdown_rx.clone();
+        let (conns, conns_rx) = mpsc::channel(64);
+        let accepting = supervisor.spawn("xDS listener", acceptor.run(conns, shutdown_rx));
+        let incoming = futures_util::stream::unfold(conns_rx, |mut rx| async move {
+            let conn = rx.recv().await?;
+            Some((Ok::<_, std::io::Error>(conn), rx))
+        });
         let server = supervisor.spawn("xDS server", async move {
             let result = builder
                 // Streams live for hours: find dead clients without waiting for TCP.
@@ -126,6 +138,7 @@ impl XdsServer {
                     async move { stopping(&mut stop).await },
                 )
                 .await;
+            accepting.abort();
             if let Err(e) = result {
                 tracing::error!(error = %e, "xDS server stopped");
             }
@@ -194,28 +207,46 @@ struct Ads {
     state: Arc<State>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     shutdown: watch::Receiver<bool>,
-    /// Streams open, against `limits.xds_max_streams`.
-    open: Arc<AtomicUsize>,
+    /// Streams open, against `limits.xds_max_streams` and
+    /// `limits.xds_max_streams_per_source`.
+    open: Arc<Places>,
+    /// The NACK warnings' rate limit, over every stream.
+    nack_log: Arc<Mutex<NackLog>>,
 }
 
-/// Holds one place among the open streams for as long as the stream's request side
-/// lives.
-struct StreamSlot(Arc<AtomicUsize>);
+/// NACK warnings logged at most in one [`NACK_LOG_WINDOW`]: a client that rejects
+/// every response, on many streams, cannot fill the log.
+const NACK_LOG_BURST: u32 = 10;
 
-impl StreamSlot {
-    /// A place, if fewer than `max` are taken.
-    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<StreamSlot> {
-        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < max).then_some(n + 1)
-        })
-        .ok()
-        .map(|_| StreamSlot(open.clone()))
-    }
+/// The window of [`NACK_LOG_BURST`].
+const NACK_LOG_WINDOW: Duration = Duration::from_secs(60);
+
+/// The NACK warnings' rate limit: at most [`NACK_LOG_BURST`] in a window; the first
+/// one logged after some were left out says how many.
+#[derive(Debug, Default)]
+struct NackLog {
+    window: Option<Instant>,
+    logged: u32,
+    suppressed: u64,
 }
 
-impl Drop for StreamSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+impl NackLog {
+    /// Whether a warning may be logged at `now`, and then how many were left out
+    /// before it.
+    fn admit(&mut self, now: Instant) -> Option<u64> {
+        if self
+            .window
+            .is_none_or(|start| now.saturating_duration_since(start) >= NACK_LOG_WINDOW)
+        {
+            self.window = Some(now);
+            self.logged = 0;
+        }
+        if self.logged >= NACK_LOG_BURST {
+            self.suppressed += 1;
+            return None;
+        }
+        self.logged += 1;
+        Some(std::mem::take(&mut self.suppressed))
     }
 }
 
@@ -246,19 +277,34 @@ impl AggregatedDiscoveryService for Ads {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
         let peer = request.remote_addr();
-        let max = self.state.limits.xds_max_streams;
-        let Some(slot) = StreamSlot::take(&self.open, max) else {
-            self.state.metrics.refuse_xds("streams");
-            tracing::warn!(?peer, max, "xDS stream refused: too many open streams");
-            return Err(Status::resource_exhausted(format!(
-                "this xDS server has {max} streams open, its limit"
-            )));
+        let limits = &self.state.limits;
+        let (max, per_source) = (limits.xds_max_streams, limits.xds_max_streams_per_source);
+        let slot = match self
+            .open
+            .take(peer.map(|p| p.ip()), max, per_source)
+        {
+            Ok(slot) => slot,
+            Err(Full::All) => {
+                self.state.metrics.refuse_xds("streams");
+                tracing::debug!(?peer, max, "xDS stream refused: too many open streams");
+                return Err(Status::resource_exhausted(format!(
+                    "this xDS server has {max} streams open, its limit"
+                )));
+            }
+            Err(Full::Source) => {
+                self.state.metrics.refuse_xds("source_streams");
+                tracing::debug!(?peer, per_source, "xDS stream refused: too many from its address");
+                return Err(Status::resource_exhausted(format!(
+                    "{per_source} xDS streams are open from this address, the limit"
+                )));
+            }
         };
         let shared = Arc::new(Shared {
             session: Mutex::new(Session {
                 protocol: StreamState::new(),
                 node: None,
                 ended: None,
+                kept: Kept::default(),
             }),
             wake: Notify::new(),
         });
@@ -269,6 +315,7 @@ impl AggregatedDiscoveryService for Ads {
             shutdown: self.shutdown.clone(),
             peer,
             alive,
+            nack_log: self.nack_log.clone(),
             _slot: slot,
         };
         tokio::spawn(requests.run(request.into_inner()));
@@ -319,6 +366,43 @@ struct Session {
     /// How the request side ended, once it has: `Ok` when the client closed its side,
     /// else the status to end the stream with.
     ended: Option<Result<(), Status>>,
+    /// What the stream keeps, against `xds_max_names_per_stream` and
+    /// `xds_max_stream_bytes`.
+    kept: Kept,
+}
+
+/// What one stream keeps for its client: names per type, and bytes in all.
+#[derive(Debug, Default)]
+struct Kept {
+    /// Names subscribed, by type ([`ResourceType`] as index), and their bytes as
+    /// [`name_bytes`] counts them.
+    names: [(usize, usize); 4],
+    /// The node id's and zone's bytes.
+    node: usize,
+}
+
+impl Kept {
+    fn names(&self) -> usize {
+        self.names.iter().map(|(n, _)| n).sum()
+    }
+
+    fn bytes(&self) -> usize {
+        self.node + self.names.iter().map(|(_, b)| b).sum::<usize>()
+    }
+}
+
+/// What a kept name costs beyond its bytes: its `String` and its place in the set,
+/// rounded up, so that the bytes counted are close to the memory held.
+pub(crate) const NAME_OVERHEAD: usize = 64;
+
+/// The names a request subscribes to (without `*`), and their bytes as a stream
+/// keeps them. A name repeated in the request is counted each time: the request is
+/// refused a little early rather than allowed a little late.
+fn name_bytes(names: &[String]) -> (usize, usize) {
+    names
+        .iter()
+        .filter(|n| *n != "*")
+        .fold((0, 0), |(n, b), name| (n + 1, b + name.len() + NAME_OVERHEAD))
 }
 
 impl Session {
@@ -352,7 +436,8 @@ struct AdsStream {
     peer: Option<SocketAddr>,
     /// Closed when tonic drops the outbound side: the client is gone.
     alive: oneshot::Sender<()>,
-    _slot: StreamSlot,
+    nack_log: Arc<Mutex<NackLog>>,
+    _slot: Place,
 }
 
 impl AdsStream {
@@ -362,6 +447,9 @@ impl AdsStream {
         let outcome = self.serve(&mut requests).await;
         self.state.metrics.xds_streams.dec();
         let mut session = self.shared.lock();
+        // What it kept goes with the request side; the outbound side only reads it.
+        let kept = std::mem::take(&mut session.kept);
+        self.state.metrics.xds_stream_bytes.dec_by(gauge(kept.bytes()));
         match &outcome {
             Ok(()) => {
                 tracing::debug!(peer = ?self.peer, node = %session.node_id(), "xDS stream closed")
@@ -391,7 +479,7 @@ impl AdsStream {
                                 req.resource_names.len()
                             )));
                         }
-                        self.on_request(req);
+                        self.on_request(req)?;
                         self.shared.wake.notify_one();
                     }
                     Ok(None) => return Ok(()),
@@ -406,22 +494,60 @@ impl AdsStream {
         }
     }
 
-    fn on_request(&self, req: DiscoveryRequest) {
+    /// Applies one request; an error ends the stream (a limit it broke).
+    fn on_request(&self, req: DiscoveryRequest) -> Result<(), Status> {
+        let limits = &self.state.limits;
         let mut session = self.shared.lock();
         if session.node.is_none() {
             if let Some(node) = &req.node {
                 let zone = node.locality.as_ref().map_or("", |l| l.zone.as_str());
+                let max = limits.xds_max_node_bytes;
+                if node.id.len() > max || zone.len() > max {
+                    self.state.metrics.refuse_xds("node");
+                    return Err(Status::invalid_argument(format!(
+                        "node id of {} bytes, zone of {}; the limit is {max} each",
+                        node.id.len(),
+                        zone.len()
+                    )));
+                }
                 tracing::debug!(peer = ?self.peer, node = %node.id, zone, "xDS client");
                 session.node = Some(ClientNode {
                     id: node.id.clone(),
                     zone: zone.to_string(),
                 });
+                session.kept.node = node.id.len() + zone.len();
+                self.state
+                    .metrics
+                    .xds_stream_bytes
+                    .inc_by(gauge(session.kept.node));
             }
         }
         let Some(t) = ResourceType::from_type_url(&req.type_url) else {
             tracing::debug!(node = %session.node_id(), type_url = %req.type_url, "xDS request for a type not served; ignored");
-            return;
+            return Ok(());
         };
+        // The request replaces the type's subscription: what the stream would keep
+        // then is what it keeps for the other types and this request's names.
+        let (names, bytes) = name_bytes(&req.resource_names);
+        let before = session.kept.names[t as usize];
+        let (all_names, all_bytes) = (
+            session.kept.names() - before.0 + names,
+            session.kept.bytes() - before.1 + bytes,
+        );
+        if all_names > limits.xds_max_names_per_stream {
+            self.state.metrics.refuse_xds("stream_names");
+            return Err(Status::resource_exhausted(format!(
+                "this stream would subscribe {all_names} names; the limit is {}",
+                limits.xds_max_names_per_stream
+            )));
+        }
+        if all_bytes > limits.xds_max_stream_bytes {
+            self.state.metrics.refuse_xds("stream_bytes");
+            return Err(Status::resource_exhausted(format!(
+                "this stream would keep {all_bytes} bytes of names; the limit is {}",
+                limits.xds_max_stream_bytes
+            )));
+        }
         let error = req
             .error_detail
             .as_ref()
@@ -430,14 +556,33 @@ impl AdsStream {
             session
                 .protocol
                 .on_request(t, &req.resource_names, &req.response_nonce, error);
+        if verdict != Verdict::Stale {
+            session.kept.names[t as usize] = (names, bytes);
+            let metric = &self.state.metrics.xds_stream_bytes;
+            metric.inc_by(gauge(bytes));
+            metric.dec_by(gauge(before.1));
+        }
         match verdict {
             Verdict::Stale => {
                 tracing::debug!(node = %session.node_id(), r#type = t.label(), nonce = %req.response_nonce, "stale xDS request ignored");
             }
             Verdict::Nack { version, message } => {
-                tracing::warn!(node = %session.node_id(), peer = ?self.peer, r#type = t.label(), %version,
-                    accepted = ?session.protocol.get(t).and_then(|s| s.acked.as_deref()),
-                    error = %message, "xDS client rejected resources (NACK); it keeps its last accepted version");
+                let admitted = self
+                    .nack_log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .admit(Instant::now());
+                match admitted {
+                    Some(suppressed) => {
+                        tracing::warn!(node = %session.node_id(), peer = ?self.peer, r#type = t.label(), %version,
+                            accepted = ?session.protocol.get(t).and_then(|s| s.acked.as_deref()),
+                            error = %message, suppressed_before = suppressed,
+                            "xDS client rejected resources (NACK); it keeps its last accepted version");
+                    }
+                    None => {
+                        self.state.metrics.xds_nack_logs_suppressed.inc();
+                    }
+                }
                 self.state
                     .metrics
                     .xds_nacks
@@ -448,9 +593,10 @@ impl AdsStream {
                 tracing::debug!(node = %session.node_id(), r#type = t.label(), %version, "xDS ACK");
             }
             Verdict::Subscribe => {
-                tracing::debug!(node = %session.node_id(), r#type = t.label(), names = ?req.resource_names, "xDS subscription");
+                tracing::debug!(node = %session.node_id(), r#type = t.label(), names = req.resource_names.len(), "xDS subscription");
             }
         }
+        Ok(())
     }
 }
 
@@ -536,6 +682,7 @@ impl Outbound {
             protocol,
             node,
             ended,
+            ..
         } = &mut *session;
         let zone = node.as_ref().map_or("", |n| n.zone.as_str());
         for t in PUSH_ORDER {
@@ -566,4 +713,9 @@ impl Outbound {
             None => Step::Wait,
         }
     }
+}
+
+/// A byte count as the gauges take it.
+fn gauge(bytes: usize) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }
