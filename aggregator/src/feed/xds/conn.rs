@@ -78,11 +78,6 @@ impl Places {
         })
     }
 
-    /// Places taken now, in all.
-    #[cfg(test)]
-    pub(crate) fn taken(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|p| p.into_inner()).total
-    }
 }
 
 /// One place, given back when dropped.

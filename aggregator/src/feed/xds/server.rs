@@ -224,7 +224,7 @@ const NACK_LOG_WINDOW: Duration = Duration::from_secs(60);
 /// The NACK warnings' rate limit: at most [`NACK_LOG_BURST`] in a window; the first
 /// one logged after some were left out says how many.
 #[derive(Debug, Default)]
-struct NackLog {
+pub(super) struct NackLog {
     window: Option<Instant>,
     logged: u32,
     suppressed: u64,
@@ -233,7 +233,7 @@ struct NackLog {
 impl NackLog {
     /// Whether a warning may be logged at `now`, and then how many were left out
     /// before it.
-    fn admit(&mut self, now: Instant) -> Option<u64> {
+    pub(super) fn admit(&mut self, now: Instant) -> Option<u64> {
         if self
             .window
             .is_none_or(|start| now.saturating_duration_since(start) >= NACK_LOG_WINDOW)
