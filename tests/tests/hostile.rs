@@ -566,3 +566,223 @@ fn quic_floods_from_a_valid_certificate_are_capped_while_the_fleet_is_balanced()
 /// How much the aggregator's resident memory may grow under the QUIC floods: at most
 /// 200 connections (the cap set here) hold state at a time.
 const QUIC_RSS_BOUND_MB: f64 = 80.0;
+
+/// What `xds_max_stream_bytes` (256 KiB by default) times the streams one address may
+/// hold (200 here) allows the streams to keep, in MB: the documented bound.
+const XDS_KEPT_BOUND_MB: f64 = 200.0 * 256.0 / 1024.0;
+/// Beyond that: each stream's HTTP/2 and protocol state (16 KB measured for the
+/// streams that never read above), requests being decoded, and the allocator's
+/// keeping of what they freed. Measured: see docs/security.md.
+const XDS_NAMES_MARGIN_MB: f64 = 40.0;
+
+/// `n` names of 100 bytes, tagged so that no two streams share them.
+fn long_names(tag: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{tag}-{i:08}-{}", "n".repeat(100))[..100].to_string()).collect()
+}
+
+/// Opens `streams` ADS streams on one connection, each subscribing `per_type` names
+/// of 100 bytes for each of `types`; returns those still open after their requests
+/// were sent, and how the others ended.
+async fn subscribing(
+    xds: XdsTarget,
+    streams: usize,
+    tag: usize,
+    types: &'static [ResourceType],
+    per_type: usize,
+) -> (Vec<Held>, Vec<tonic::Status>) {
+    let channel = xds.channel().await.unwrap_or_else(|e| panic!("{e}"));
+    let mut client = AggregatedDiscoveryServiceClient::new(channel);
+    let mut held = Vec::new();
+    let mut ended = Vec::new();
+    for i in 0..streams {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let node = format!("names-{tag}-{i}");
+        let open = client.stream_aggregated_resources(ReceiverStream::new(rx));
+        let mut resp = match tokio::time::timeout(Duration::from_secs(30), open).await {
+            Ok(Ok(resp)) => resp.into_inner(),
+            Ok(Err(status)) => {
+                ended.push(status);
+                continue;
+            }
+            Err(_) => panic!("stream {i} of connection {tag}: no answer within 30 s"),
+        };
+        for t in types {
+            let req = DiscoveryRequest {
+                resource_names: long_names(&format!("{node}-{}", t.label()), per_type),
+                ..wildcard(*t, &node)
+            };
+            if tx.send(req).await.is_err() {
+                break;
+            }
+        }
+        // Over the bound, the stream ends at once; under it, it stays open.
+        match tokio::time::timeout(Duration::from_millis(300), async {
+            loop {
+                match resp.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return tonic::Status::ok("closed"),
+                    Err(s) => return s,
+                }
+            }
+        })
+        .await
+        {
+            Ok(status) => ended.push(status),
+            Err(_) => held.push((tx, resp)),
+        }
+    }
+    (held, ended)
+}
+
+#[test]
+fn xds_streams_subscribing_many_names_are_held_to_the_documented_memory_bound() {
+    const SERVICE: &str = "namesflood";
+    let pki = Pki::new();
+    let mut opts = xds_aggregator_opts();
+    opts.config_toml = Some("[limits]\nxds_max_streams_per_source = 200\n".to_string());
+    let agg = Aggregator::start(&pki, opts);
+    let nodes = node_names(SERVICE, SPEEDS.len());
+    let _agents = start_speeds(&pki, &agg, SERVICE, &nodes, &SPEEDS, |_, _| {});
+    wait_for(Duration::from_secs(30), "the fleet to converge", || {
+        converged(&agg, SERVICE, 8, 1.1).map(|_| ())
+    });
+    let pid = agg.pid().expect("running");
+    let rss_before = rss_mb(pid);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let xds = agg.xds();
+    const AT: &[ResourceType] = &[ResourceType::Listener, ResourceType::Cluster];
+    const OVER: &[ResourceType] = &[
+        ResourceType::Listener,
+        ResourceType::Cluster,
+        ResourceType::Route,
+        ResourceType::Endpoints,
+    ];
+    let (held, ended) = rt.block_on(async move {
+        let mut tasks = Vec::new();
+        // 13 connections of 16 streams, 208 in all from one address: 7 of them
+        // (112 streams) keep two types of 700 names each, just under the bound; 6
+        // (96 streams) ask for four types of 6,000 names each, 2.4 MB, and are cut
+        // off at their first request.
+        for c in 0..13 {
+            let (types, per_type) = if c < 7 { (AT, 700) } else { (OVER, 6000) };
+            tasks.push(tokio::spawn(subscribing(xds.clone(), 16, c, types, per_type)));
+        }
+        let mut held = Vec::new();
+        let mut ended = Vec::new();
+        for t in tasks {
+            let (h, e) = t.await.expect("a flood task");
+            held.extend(h);
+            ended.extend(e);
+        }
+        (held, ended)
+    });
+    let kept_bytes = agg.counter("ballast_xds_stream_bytes", &[]);
+    let rss_after = rss_mb(pid);
+    eprintln!(
+        "xDS names flood: RSS {rss_before:.1} MB -> {rss_after:.1} MB with {} streams held, {} ended; \
+         {:.1} MB kept (ballast_xds_stream_bytes); refused: stream_bytes {}, source_streams {}",
+        held.len(),
+        ended.len(),
+        kept_bytes / 1e6,
+        agg.counter("ballast_xds_refused_total", &[("reason", "stream_bytes")]),
+        agg.counter("ballast_xds_refused_total", &[("reason", "source_streams")]),
+    );
+    // A stream cut off after the client stopped waiting for it counts as held here.
+    assert!(held.len() >= 112, "{} held: {:?}", held.len(), ended.first());
+    wait_for(Duration::from_secs(10), "the streams over the bound to end", || {
+        match agg.counter("ballast_xds_streams", &[]) {
+            n if n == 112.0 => Ok(()),
+            n => Err(format!("{n} streams open")),
+        }
+    });
+    assert!(
+        ended
+            .iter()
+            .all(|s| s.code() == tonic::Code::ResourceExhausted),
+        "{:?}",
+        ended.iter().find(|s| s.code() != tonic::Code::ResourceExhausted)
+    );
+    assert_eq!(
+        agg.counter("ballast_xds_refused_total", &[("reason", "stream_bytes")]),
+        96.0
+    );
+    assert!(kept_bytes <= 112.0 * 256.0 * 1024.0, "{kept_bytes} bytes kept");
+    assert!(
+        rss_after - rss_before < XDS_KEPT_BOUND_MB + XDS_NAMES_MARGIN_MB,
+        "RSS {rss_before:.1} MB -> {rss_after:.1} MB; the bound is {XDS_KEPT_BOUND_MB} MB kept \
+         and a margin of {XDS_NAMES_MARGIN_MB} MB"
+    );
+    // The fleet is still balanced.
+    wait_for(
+        Duration::from_secs(15),
+        "the fleet balanced during the names flood",
+        || converged(&agg, SERVICE, 8, 1.15).map(|_| ()),
+    );
+    drop(held);
+    drop(rt);
+}
+
+#[test]
+fn a_request_trickled_after_an_answered_one_is_cut_off_at_the_request_deadline() {
+    let pki = Pki::new();
+    let opts = AggregatorOpts {
+        config_toml: Some(
+            "[limits]\nhttp_max_connections = 32\nhttp_request_timeout_ms = 1500\n\
+             http_idle_timeout_ms = 3000\nwatch_max_streams = 2\n"
+                .to_string(),
+        ),
+        ..AggregatorOpts::default()
+    };
+    let agg = Aggregator::start(&pki, opts);
+    let mut s = TcpStream::connect(agg.http_addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("the first request");
+    let mut buf = [0u8; 4096];
+    let n = loop {
+        match s.read(&mut buf) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => panic!("the first response: {e}"),
+        }
+    };
+    let first = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(first.starts_with("HTTP/1.1 "), "{first}");
+    assert!(!first.contains("connection: close"), "{first}");
+    // The next request, one byte per 200 ms, for at most 8 s: bytes move all the
+    // while, but the request never completes.
+    let line = b"GET /v1/services HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let started = Instant::now();
+    let mut cut = None;
+    for b in line.iter().take(40) {
+        if s.write_all(&[*b]).is_err() {
+            cut = Some(started.elapsed());
+            break;
+        }
+        match s.read(&mut buf) {
+            Ok(_) => {
+                cut = Some(started.elapsed());
+                break;
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => {
+                cut = Some(started.elapsed());
+                break;
+            }
+        }
+    }
+    let cut = cut.expect("the trickled second request was never cut off");
+    eprintln!("second request cut off after {cut:?}");
+    assert!(cut < Duration::from_millis(2500), "cut off after {cut:?}");
+    assert_eq!(
+        agg.counter("ballast_http_refused_total", &[("reason", "request_timeout")]),
+        1.0
+    );
+}
