@@ -175,3 +175,49 @@ fn plaintext_is_served_when_asked_for() {
     assert!(target.ca.is_none());
     assert_eq!(served(target, SERVICE), Ok(2));
 }
+
+#[test]
+fn mutual_tls_checks_the_revocation_list_and_closes_revoked_clients() {
+    const SERVICE: &str = "xdscrl";
+    let pki = Pki::new();
+    // The list exists before the start: revoke a certificate nobody uses.
+    pki.node_tls_dir("nobody");
+    pki.revoke("nobody");
+    let opts = AggregatorOpts {
+        xds_tls: XdsTls::Mutual,
+        config_toml: Some(format!(
+            "[authorization]\ncrl = {:?}\ncrl_check_ms = 200\n",
+            pki.crl_path()
+        )),
+        ..xds_aggregator_opts()
+    };
+    let agg = Aggregator::start(&pki, opts);
+    let _agents = start_fleet(&pki, &agg, SERVICE, 2, &[1.0]);
+    agg.wait_for_endpoints(SERVICE, 2, Duration::from_secs(15));
+    let with = |id: &str| {
+        let dir = pki.node_tls_dir(id);
+        XdsTarget {
+            client: Some((dir.join("node.pem"), dir.join("node.key"))),
+            ..agg.xds()
+        }
+    };
+    let watch = EdsWatch::start(with("proxy-1"), SERVICE);
+    wait_for(Duration::from_secs(15), "proxy-1 served", || {
+        watch.latest().map(|_| ()).ok_or_else(|| "no response yet".to_string())
+    });
+    pki.revoke("proxy-1");
+    wait_for(Duration::from_secs(10), "proxy-1's live stream closed", || {
+        match watch.ended() {
+            Some(_) => Ok(()),
+            None => Err("still open".to_string()),
+        }
+    });
+    assert_eq!(
+        agg.counter("ballast_xds_refused_total", &[("reason", "revoked")]),
+        1.0
+    );
+    let why = served(with("proxy-1"), SERVICE).expect_err("a revoked client was served");
+    assert!(why.starts_with(STOPPED), "{why}");
+    assert!(agg.counter("ballast_xds_refused_total", &[("reason", "tls")]) >= 1.0);
+    assert_eq!(served(with("proxy-2"), SERVICE), Ok(2));
+}
