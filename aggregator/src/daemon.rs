@@ -422,7 +422,8 @@ fn xds_tls(
             Duration::from_millis(cfg.authorization.crl_check_ms),
         )?)),
     };
-    let tls = crate::feed::xds::XdsTls::new(identity.clone(), revocation).map_err(TlsError::from)?;
+    let tls =
+        crate::feed::xds::XdsTls::new(identity.clone(), revocation).map_err(TlsError::from)?;
     Ok(Some(tls))
 }
 

@@ -118,9 +118,8 @@ fn xds_streams_that_never_read_and_oversized_requests_leave_the_fleet_balanced()
     let pki = Pki::new();
     let mut opts = xds_aggregator_opts();
     // All from one address: the caps per source are raised to let the cap in all bite.
-    opts.config_toml = Some(
-        "[limits]\nxds_max_streams = 900\nxds_max_streams_per_source = 1000\n".to_string(),
-    );
+    opts.config_toml =
+        Some("[limits]\nxds_max_streams = 900\nxds_max_streams_per_source = 1000\n".to_string());
     let agg = Aggregator::start(&pki, opts);
     let nodes = node_names(SERVICE, SPEEDS.len());
     let _agents = start_speeds(&pki, &agg, SERVICE, &nodes, &SPEEDS, |_, _| {});
@@ -329,12 +328,14 @@ fn slow_http_clients_are_cut_off_and_capped_while_the_api_answers() {
 
     // While they trickle, the API answers (a connection frees every 1.5 s at worst):
     // asked only once every slow client holds its connection and has sent a byte.
-    wait_for(Duration::from_secs(5), "the slow clients to connect", || {
-        match trickling.load(std::sync::atomic::Ordering::SeqCst) {
+    wait_for(
+        Duration::from_secs(5),
+        "the slow clients to connect",
+        || match trickling.load(std::sync::atomic::Ordering::SeqCst) {
             100 => Ok(()),
             n => Err(format!("{n} of 100 trickling")),
-        }
-    });
+        },
+    );
     for _ in 0..3 {
         let t = Instant::now();
         let services = agg.services();
@@ -580,7 +581,9 @@ const XDS_NAMES_MARGIN_MB: f64 = 40.0;
 
 /// `n` names of 100 bytes, tagged so that no two streams share them.
 fn long_names(tag: &str, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("{tag}-{i:08}-{}", "n".repeat(100))[..100].to_string()).collect()
+    (0..n)
+        .map(|i| format!("{tag}-{i:08}-{}", "n".repeat(100))[..100].to_string())
+        .collect()
 }
 
 /// Opens `streams` ADS streams on one connection, each subscribing `per_type` names
@@ -672,7 +675,13 @@ fn xds_streams_subscribing_many_names_are_held_to_the_documented_memory_bound() 
         // off at their first request.
         for c in 0..13 {
             let (types, per_type) = if c < 7 { (AT, 700) } else { (OVER, 6000) };
-            tasks.push(tokio::spawn(subscribing(xds.clone(), 16, c, types, per_type)));
+            tasks.push(tokio::spawn(subscribing(
+                xds.clone(),
+                16,
+                c,
+                types,
+                per_type,
+            )));
         }
         let mut held = Vec::new();
         let mut ended = Vec::new();
@@ -695,25 +704,37 @@ fn xds_streams_subscribing_many_names_are_held_to_the_documented_memory_bound() 
         agg.counter("ballast_xds_refused_total", &[("reason", "source_streams")]),
     );
     // A stream cut off after the client stopped waiting for it counts as held here.
-    assert!(held.len() >= 112, "{} held: {:?}", held.len(), ended.first());
-    wait_for(Duration::from_secs(10), "the streams over the bound to end", || {
-        match agg.counter("ballast_xds_streams", &[]) {
+    assert!(
+        held.len() >= 112,
+        "{} held: {:?}",
+        held.len(),
+        ended.first()
+    );
+    wait_for(
+        Duration::from_secs(10),
+        "the streams over the bound to end",
+        || match agg.counter("ballast_xds_streams", &[]) {
             n if n == 112.0 => Ok(()),
             n => Err(format!("{n} streams open")),
-        }
-    });
+        },
+    );
     assert!(
         ended
             .iter()
             .all(|s| s.code() == tonic::Code::ResourceExhausted),
         "{:?}",
-        ended.iter().find(|s| s.code() != tonic::Code::ResourceExhausted)
+        ended
+            .iter()
+            .find(|s| s.code() != tonic::Code::ResourceExhausted)
     );
     assert_eq!(
         agg.counter("ballast_xds_refused_total", &[("reason", "stream_bytes")]),
         96.0
     );
-    assert!(kept_bytes <= 112.0 * 256.0 * 1024.0, "{kept_bytes} bytes kept");
+    assert!(
+        kept_bytes <= 112.0 * 256.0 * 1024.0,
+        "{kept_bytes} bytes kept"
+    );
     assert!(
         rss_after - rss_before < XDS_KEPT_BOUND_MB + XDS_NAMES_MARGIN_MB,
         "RSS {rss_before:.1} MB -> {rss_after:.1} MB; the bound is {XDS_KEPT_BOUND_MB} MB kept \
@@ -759,7 +780,8 @@ fn a_request_trickled_after_an_answered_one_is_cut_off_at_the_request_deadline()
     assert!(!first.contains("connection: close"), "{first}");
     // The next request, one byte per 200 ms, for at most 8 s: bytes move all the
     // while, but the request never completes.
-    let line = b"GET /v1/services HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let line =
+        b"GET /v1/services HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     let started = Instant::now();
     let mut cut = None;
     for b in line.iter().take(40) {
@@ -785,7 +807,10 @@ fn a_request_trickled_after_an_answered_one_is_cut_off_at_the_request_deadline()
     eprintln!("second request cut off after {cut:?}");
     assert!(cut < Duration::from_millis(2500), "cut off after {cut:?}");
     assert_eq!(
-        agg.counter("ballast_http_refused_total", &[("reason", "request_timeout")]),
+        agg.counter(
+            "ballast_http_refused_total",
+            &[("reason", "request_timeout")]
+        ),
         1.0
     );
 }

@@ -203,15 +203,20 @@ fn mutual_tls_checks_the_revocation_list_and_closes_revoked_clients() {
     };
     let watch = EdsWatch::start(with("proxy-1"), SERVICE);
     wait_for(Duration::from_secs(15), "proxy-1 served", || {
-        watch.latest().map(|_| ()).ok_or_else(|| "no response yet".to_string())
+        watch
+            .latest()
+            .map(|_| ())
+            .ok_or_else(|| "no response yet".to_string())
     });
     pki.revoke("proxy-1");
-    wait_for(Duration::from_secs(10), "proxy-1's live stream closed", || {
-        match watch.ended() {
+    wait_for(
+        Duration::from_secs(10),
+        "proxy-1's live stream closed",
+        || match watch.ended() {
             Some(_) => Ok(()),
             None => Err("still open".to_string()),
-        }
-    });
+        },
+    );
     assert_eq!(
         agg.counter("ballast_xds_refused_total", &[("reason", "revoked")]),
         1.0

@@ -64,8 +64,13 @@ impl axum::serve::Listener for Limited {
             match self.inner.accept().await {
                 Ok((stream, addr)) => {
                     let _ = stream.set_nodelay(true);
-                    let guarded =
-                        Guarded::new(stream, permit, self.metrics.clone(), self.request, self.idle);
+                    let guarded = Guarded::new(
+                        stream,
+                        permit,
+                        self.metrics.clone(),
+                        self.request,
+                        self.idle,
+                    );
                     return (guarded, addr);
                 }
                 Err(e) => {

@@ -77,7 +77,6 @@ impl Places {
             source,
         })
     }
-
 }
 
 /// One place, given back when dropped.
@@ -119,8 +118,8 @@ impl XdsTls {
         revocation: Option<Arc<Revocation>>,
     ) -> Result<XdsTls, rustls::Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder =
-            rustls::ServerConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?;
+        let builder = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?;
         let mut server = match &revocation {
             Some(r) => builder
                 .with_client_cert_verifier(r.verifier())
@@ -154,11 +153,7 @@ pub(crate) struct Acceptor {
 impl Acceptor {
     /// Accepts connections until `shutdown`, and hands each on, after its TLS
     /// handshake if any, to `out`.
-    pub(crate) async fn run(
-        self,
-        out: mpsc::Sender<XdsConn>,
-        mut shutdown: watch::Receiver<bool>,
-    ) {
+    pub(crate) async fn run(self, out: mpsc::Sender<XdsConn>, mut shutdown: watch::Receiver<bool>) {
         loop {
             let accepted = tokio::select! {
                 a = self.listener.accept() => a,
@@ -173,10 +168,7 @@ impl Acceptor {
                     continue;
                 }
             };
-            let place = match self
-                .places
-                .take(Some(peer.ip()), self.max, self.per_source)
-            {
+            let place = match self.places.take(Some(peer.ip()), self.max, self.per_source) {
                 Ok(p) => p,
                 Err(full) => {
                     let reason = match full {
@@ -248,7 +240,10 @@ fn revoked(
                 Verdict::Expired => "expired",
             };
             metrics.refuse_xds(reason);
-            tracing::info!(reason, "xDS connection closed: its client certificate is no longer valid");
+            tracing::info!(
+                reason,
+                "xDS connection closed: its client certificate is no longer valid"
+            );
             return;
         }
     })

@@ -279,10 +279,7 @@ impl AggregatedDiscoveryService for Ads {
         let peer = request.remote_addr();
         let limits = &self.state.limits;
         let (max, per_source) = (limits.xds_max_streams, limits.xds_max_streams_per_source);
-        let slot = match self
-            .open
-            .take(peer.map(|p| p.ip()), max, per_source)
-        {
+        let slot = match self.open.take(peer.map(|p| p.ip()), max, per_source) {
             Ok(slot) => slot,
             Err(Full::All) => {
                 self.state.metrics.refuse_xds("streams");
@@ -293,7 +290,11 @@ impl AggregatedDiscoveryService for Ads {
             }
             Err(Full::Source) => {
                 self.state.metrics.refuse_xds("source_streams");
-                tracing::debug!(?peer, per_source, "xDS stream refused: too many from its address");
+                tracing::debug!(
+                    ?peer,
+                    per_source,
+                    "xDS stream refused: too many from its address"
+                );
                 return Err(Status::resource_exhausted(format!(
                     "{per_source} xDS streams are open from this address, the limit"
                 )));
@@ -402,7 +403,9 @@ fn name_bytes(names: &[String]) -> (usize, usize) {
     names
         .iter()
         .filter(|n| *n != "*")
-        .fold((0, 0), |(n, b), name| (n + 1, b + name.len() + NAME_OVERHEAD))
+        .fold((0, 0), |(n, b), name| {
+            (n + 1, b + name.len() + NAME_OVERHEAD)
+        })
 }
 
 impl Session {
@@ -449,7 +452,10 @@ impl AdsStream {
         let mut session = self.shared.lock();
         // What it kept goes with the request side; the outbound side only reads it.
         let kept = std::mem::take(&mut session.kept);
-        self.state.metrics.xds_stream_bytes.dec_by(gauge(kept.bytes()));
+        self.state
+            .metrics
+            .xds_stream_bytes
+            .dec_by(gauge(kept.bytes()));
         match &outcome {
             Ok(()) => {
                 tracing::debug!(peer = ?self.peer, node = %session.node_id(), "xDS stream closed")

@@ -1733,9 +1733,13 @@ fn latest_eds(h: &Harness) -> DiscoveryResponse {
 }
 
 /// A server for service `web` under `limits`.
-async fn limited(limits: crate::config::limits::Limits) -> (XdsServer, Arc<State>, tempfile::TempDir) {
+async fn limited(
+    limits: crate::config::limits::Limits,
+) -> (XdsServer, Arc<State>, tempfile::TempDir) {
     let (state, dir) = state();
-    let state = Arc::into_inner(state).expect("the only reference").with_limits(limits);
+    let state = Arc::into_inner(state)
+        .expect("the only reference")
+        .with_limits(limits);
     let state = Arc::new(state);
     let now = state.clock.now();
     ingest(&state, |b| {
@@ -1797,11 +1801,14 @@ async fn what_a_stream_keeps_is_bounded_node_names_and_bytes() {
     let six: Vec<String> = (0..6).map(|i| format!("s{i}")).collect();
     let six: Vec<&str> = six.iter().map(String::as_str).collect();
     c.send(ResourceType::Cluster, &six, "", "", None).await;
-    c.send(ResourceType::Endpoints, &six[..4], "", "", None).await;
-    c.send(ResourceType::Endpoints, &six[..3], "", "", None).await;
+    c.send(ResourceType::Endpoints, &six[..4], "", "", None)
+        .await;
+    c.send(ResourceType::Endpoints, &six[..3], "", "", None)
+        .await;
     let _ = c.recv().await;
     assert_eq!(refused(&state, "stream_names"), 0);
-    c.send(ResourceType::Endpoints, &six[..5], "", "", None).await;
+    c.send(ResourceType::Endpoints, &six[..5], "", "", None)
+        .await;
     assert_eq!(c.ended().await.code(), tonic::Code::ResourceExhausted);
     assert_eq!(refused(&state, "stream_names"), 1);
 
@@ -1809,8 +1816,8 @@ async fn what_a_stream_keeps_is_bounded_node_names_and_bytes() {
     let mut b = Client::connect(&server, "bytes").await;
     let long_names: Vec<String> = (0..8).map(|i| format!("{i}{}", "x".repeat(199))).collect();
     let long_names: Vec<&str> = long_names.iter().map(String::as_str).collect();
-    assert!(8 * (200 + super::server::NAME_OVERHEAD) > 2000);
-    assert!(7 * (200 + super::server::NAME_OVERHEAD) <= 2000 - "bytes".len());
+    const { assert!(8 * (200 + super::server::NAME_OVERHEAD) > 2000) };
+    const { assert!(7 * (200 + super::server::NAME_OVERHEAD) <= 2000 - "bytes".len()) };
     b.send(ResourceType::Endpoints, &long_names[..7], "", "", None)
         .await;
     let _ = b.recv().await;
@@ -1824,7 +1831,11 @@ async fn what_a_stream_keeps_is_bounded_node_names_and_bytes() {
     drop((long, zone, c, b));
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while state.metrics.xds_stream_bytes.get() != 0 {
-        assert!(std::time::Instant::now() < deadline, "stream bytes left: {}", state.metrics.xds_stream_bytes.get());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stream bytes left: {}",
+            state.metrics.xds_stream_bytes.get()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     server.stop().await;
@@ -1854,7 +1865,9 @@ async fn streams_and_connections_are_capped_per_source_and_in_all() {
         let mut client = AggregatedDiscoveryServiceClient::new(channel.clone());
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         match client
-            .stream_aggregated_resources(tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx))
+            .stream_aggregated_resources(
+                tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(rx),
+            )
             .await
         {
             Ok(s) => held.push((tx, s)),
@@ -1868,7 +1881,10 @@ async fn streams_and_connections_are_capped_per_source_and_in_all() {
     drop(channel);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while state.metrics.xds_connections.get() != 0 {
-        assert!(std::time::Instant::now() < deadline, "connections left open");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "connections left open"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -1894,7 +1910,10 @@ async fn streams_and_connections_are_capped_per_source_and_in_all() {
     assert!(c_closed, "a third connection from one address was kept");
     assert_eq!(refused(&state, "source_connections"), 1);
     let (d_closed, _d) = closed(from([127, 0, 0, 2]).await).await;
-    assert!(!d_closed, "another address was refused under the cap in all");
+    assert!(
+        !d_closed,
+        "another address was refused under the cap in all"
+    );
     let (e_closed, _e) = closed(from([127, 0, 0, 3]).await).await;
     assert!(e_closed, "a fourth connection was kept past the cap in all");
     assert_eq!(refused(&state, "connections"), 1);
