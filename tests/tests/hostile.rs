@@ -713,9 +713,13 @@ fn xds_streams_subscribing_many_names_are_held_to_the_documented_memory_bound() 
     wait_for(
         Duration::from_secs(10),
         "the streams over the bound to end",
-        || match agg.counter("ballast_xds_streams", &[]) {
-            n if n == 112.0 => Ok(()),
-            n => Err(format!("{n} streams open")),
+        || {
+            let n = agg.counter("ballast_xds_streams", &[]);
+            if n == 112.0 {
+                Ok(())
+            } else {
+                Err(format!("{n} streams open"))
+            }
         },
     );
     assert!(
