@@ -118,8 +118,11 @@ fn xds_streams_that_never_read_and_oversized_requests_leave_the_fleet_balanced()
     let pki = Pki::new();
     let mut opts = xds_aggregator_opts();
     // All from one address: the caps per source are raised to let the cap in all bite.
-    opts.config_toml =
-        Some("[limits]\nxds_max_streams = 900\nxds_max_streams_per_source = 1000\n".to_string());
+    opts.config_toml = Some(
+        "[limits]\nxds_max_streams = 900\nxds_max_streams_per_source = 1000\n\
+             xds_max_connections_per_source = 100\n"
+            .to_string(),
+    );
     let agg = Aggregator::start(&pki, opts);
     let nodes = node_names(SERVICE, SPEEDS.len());
     let _agents = start_speeds(&pki, &agg, SERVICE, &nodes, &SPEEDS, |_, _| {});
