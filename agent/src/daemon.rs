@@ -176,10 +176,29 @@ impl Agent {
     /// can turn them while the agent runs. The TLS files are watched: a renewed
     /// certificate moves the session to a connection made with it.
     pub async fn start(cfg: AgentConfig, synthetic: SyntheticHandle) -> Result<Agent, AgentError> {
+        let (live, client) = live_client_config(&cfg)?;
+        Self::start_with(cfg, client, Some(live), synthetic).await
+    }
+
+    /// [`Agent::start`] with the client configuration `client`, made in memory: no
+    /// file is watched, and the certificate never changes.
+    pub async fn start_in_memory(
+        cfg: AgentConfig,
+        client: quinn::ClientConfig,
+        synthetic: SyntheticHandle,
+    ) -> Result<Agent, AgentError> {
+        Self::start_with(cfg, client, None, synthetic).await
+    }
+
+    async fn start_with(
+        cfg: AgentConfig,
+        client: quinn::ClientConfig,
+        live: Option<Arc<LiveTls>>,
+        synthetic: SyntheticHandle,
+    ) -> Result<Agent, AgentError> {
         cfg.validate()?;
         let drained = drained_on_disk(&cfg)?;
         let shared = Arc::new(Shared::new(cfg));
-        let (live, client) = live_client_config(&shared.config)?;
         let sampler = open_sampler(&shared.config, &synthetic, &shared.subscribe_assignment())?;
         if drained {
             shared.draining.store(true, Ordering::Relaxed);
@@ -232,10 +251,12 @@ impl Agent {
         if expires.is_some() {
             tasks.push(tokio::spawn(watch_certificate(shared.clone())));
         }
-        tasks.push(tokio::spawn(live.clone().watch(
-            ballast_shared::tls::live::CHECK_EVERY,
-            shared.metrics.tls_reloads.counter(),
-        )));
+        if let Some(live) = &live {
+            tasks.push(tokio::spawn(live.clone().watch(
+                ballast_shared::tls::live::CHECK_EVERY,
+                shared.metrics.tls_reloads.counter(),
+            )));
+        }
         // Last: `stop` waits for the report loop to say goodbye.
         tasks.push(tokio::spawn(crate::report::run(
             shared.clone(),

@@ -94,8 +94,8 @@ pub(crate) enum SessionError {
 pub(crate) struct Tls {
     /// The client configuration.
     pub(crate) client: quinn::ClientConfig,
-    /// The watched files.
-    pub(crate) live: Arc<LiveTls>,
+    /// The watched files; none for a configuration made in memory.
+    pub(crate) live: Option<Arc<LiveTls>>,
 }
 
 /// Runs until `shutdown` turns true.
@@ -226,9 +226,11 @@ async fn session(
         .unwrap_or_else(|| host_part(target).to_string());
     // Subscribed before the handshake: a certificate renewed during it moves the
     // session once it is up.
-    let mut renewed = tls.live.subscribe();
+    let (mut renewed, mut renewals) = match &tls.live {
+        Some(live) => (live.subscribe(), true),
+        None => (watch::channel(0).1, false),
+    };
     renewed.borrow_and_update();
-    let mut renewals = true;
     let (mut conn, mut s, interval) =
         open(&endpoint, addr, &server_name, shared.config.hello()).await?;
     tracing::info!(aggregator = %target, interval_ms = interval.as_millis(), "connected");
@@ -328,7 +330,7 @@ async fn session(
                         old.close(session::close::NORMAL.into(), b"certificate renewed");
                         tracing::info!(aggregator = %target,
                             "moved to the connection made with the renewed certificate");
-                        let expires = expiry_of(&tls.live);
+                        let expires = tls.live.as_deref().and_then(expiry_of);
                         shared.update(|st| {
                             st.certificate_moves += 1;
                             st.certificate_expires_unix_ms = expires;
