@@ -86,6 +86,11 @@ pub struct Metrics {
     pub(crate) agentcheck: [AtomicU64; 3],
     /// Connections closed without their normal answer, indexed by [`Refused`].
     pub(crate) refused: [AtomicU64; Refused::ALL.len()],
+    /// What became of changed TLS files.
+    pub(crate) tls_reloads: std::sync::Arc<ballast_shared::tls::live::ReloadCounts>,
+    /// Moves to a connection made with a renewed certificate that failed: the old
+    /// connection stayed.
+    pub(crate) certificate_move_failures: AtomicU64,
 }
 
 impl Metrics {

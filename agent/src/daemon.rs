@@ -4,6 +4,7 @@
 use crate::config::AgentConfig;
 use crate::sample::{self, synthetic::SyntheticHandle, AssignmentWatch, SampleError, Sampler};
 use crate::shared::{drained_on_disk, DrainFileError, Shared};
+use ballast_shared::tls::live::LiveTls;
 use ballast_shared::tls::{self, TlsError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -53,6 +54,16 @@ pub enum AgentError {
 /// The QUIC client configuration from the configured TLS files.
 pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, TlsError> {
     tls::client_config(cfg.tls.identity()?, &cfg.tls.ca_certs()?)
+}
+
+/// The configured TLS files, loaded to be watched ([`LiveTls::watch`]); and the QUIC
+/// client configuration that presents the certificate in force at each handshake.
+pub fn live_client_config(
+    cfg: &AgentConfig,
+) -> Result<(Arc<LiveTls>, quinn::ClientConfig), TlsError> {
+    let live = LiveTls::client(&cfg.tls)?;
+    let client = tls::client_config_live(&live, &[ballast_shared::ALPN])?;
+    Ok((live, client))
 }
 
 /// Opens the configured sources. `assignment` is the aggregator's current
@@ -162,10 +173,27 @@ impl Agent {
     /// Starts the report loop and, if `control` is set in the config, the control
     /// socket. `cfg` must be resolved and valid. `synthetic` holds the synthetic
     /// model's speed and offered load, when that source is configured, so that a test
-    /// can turn them while the agent runs.
-    pub async fn start(
+    /// can turn them while the agent runs. The TLS files are watched: a renewed
+    /// certificate moves the session to a connection made with it.
+    pub async fn start(cfg: AgentConfig, synthetic: SyntheticHandle) -> Result<Agent, AgentError> {
+        let (live, client) = live_client_config(&cfg)?;
+        Self::start_with(cfg, client, Some(live), synthetic).await
+    }
+
+    /// [`Agent::start`] with the client configuration `client`, made in memory: no
+    /// file is watched, and the certificate never changes.
+    pub async fn start_in_memory(
         cfg: AgentConfig,
         client: quinn::ClientConfig,
+        synthetic: SyntheticHandle,
+    ) -> Result<Agent, AgentError> {
+        Self::start_with(cfg, client, None, synthetic).await
+    }
+
+    async fn start_with(
+        cfg: AgentConfig,
+        client: quinn::ClientConfig,
+        live: Option<Arc<LiveTls>>,
         synthetic: SyntheticHandle,
     ) -> Result<Agent, AgentError> {
         cfg.validate()?;
@@ -223,11 +251,17 @@ impl Agent {
         if expires.is_some() {
             tasks.push(tokio::spawn(watch_certificate(shared.clone())));
         }
+        if let Some(live) = &live {
+            tasks.push(tokio::spawn(live.clone().watch(
+                ballast_shared::tls::live::CHECK_EVERY,
+                shared.metrics.tls_reloads.counter(),
+            )));
+        }
         // Last: `stop` waits for the report loop to say goodbye.
         tasks.push(tokio::spawn(crate::report::run(
             shared.clone(),
             sampler,
-            client,
+            crate::report::Tls { client, live },
             rx,
         )));
         Ok(Agent {

@@ -37,12 +37,13 @@ fn run(flags: Flags) -> Result<ExitCode> {
     init_logging(flags.log_json, "info");
     let cfg = flags.config()?;
     cfg.validate()?;
-    let client = daemon::client_config(&cfg).context("loading TLS files")?;
+    // Checked before the runtime starts, for an error that says what it was loading.
+    daemon::client_config(&cfg).context("loading TLS files")?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let code = rt.block_on(async move {
-        let agent = Agent::start(cfg, client, SyntheticHandle::new()).await?;
+        let agent = Agent::start(cfg, SyntheticHandle::new()).await?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}

@@ -15,6 +15,7 @@
 use crate::counters::{AgentCheckReply, Metrics, Refused, SAMPLE_BUCKETS};
 use crate::shared::{accept, Shared};
 use crate::status::Status;
+use ballast_shared::tls::live::{Reload, TlsFile};
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -70,7 +71,7 @@ pub(crate) fn render(
     sample(&mut out, &format!("{name}_sum"), sum);
     sample(&mut out, &format!("{name}_count"), cumulative);
 
-    let counters: [(&str, &str, u64); 6] = [
+    let counters: [(&str, &str, u64); 8] = [
         (
             "ballast_agent_reports_sent_total",
             "Reports sent to an aggregator.",
@@ -101,10 +102,41 @@ pub(crate) fn render(
             "Refusals by an aggregator: of the hello, or of the node's certificate.",
             status.rejections,
         ),
+        (
+            "ballast_agent_certificate_moves_total",
+            "Moves to a connection made with a renewed certificate, opened before the \
+             old one was closed.",
+            status.certificate_moves,
+        ),
+        (
+            "ballast_agent_certificate_move_failures_total",
+            "Moves to a connection with a renewed certificate that failed; the old \
+             connection stayed.",
+            metrics.certificate_move_failures.load(Ordering::Relaxed),
+        ),
     ];
     for (name, help, value) in counters {
         family(&mut out, name, "counter", help);
         sample(&mut out, name, value);
+    }
+    let name = "ballast_agent_tls_reloads_total";
+    family(
+        &mut out,
+        name,
+        "counter",
+        "Changed TLS files (the certificate and key together, or the CA bundle), by \
+         file and result: applied, or why refused.",
+    );
+    for file in [TlsFile::Certificate, TlsFile::Ca] {
+        for result in Reload::ALL {
+            let n = metrics.tls_reloads.get(file, result);
+            let _ = writeln!(
+                out,
+                "{name}{{file=\"{}\",result=\"{}\"}} {n}",
+                file.label(),
+                result.label()
+            );
+        }
     }
     let name = "ballast_agent_agentcheck_replies_total";
     family(

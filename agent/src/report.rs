@@ -18,6 +18,7 @@ use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{
     self, Assignment, ClientConfig, ClientError, ClientEvent, ClientSession, Measurement,
 };
+use ballast_shared::tls::live::LiveTls;
 use rand::SeedableRng;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -88,11 +89,20 @@ pub(crate) enum SessionError {
     Timeout,
 }
 
+/// The agent's TLS: the QUIC client configuration, which presents the certificate in
+/// force at each handshake, and the files it comes from, which say when a new one is.
+pub(crate) struct Tls {
+    /// The client configuration.
+    pub(crate) client: quinn::ClientConfig,
+    /// The watched files; none for a configuration made in memory.
+    pub(crate) live: Option<Arc<LiveTls>>,
+}
+
 /// Runs until `shutdown` turns true.
 pub(crate) async fn run(
     shared: Arc<Shared>,
     sampler: Sampler,
-    client: quinn::ClientConfig,
+    tls: Tls,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let sampler: SharedSampler = Arc::new(tokio::sync::Mutex::new(sampler));
@@ -103,7 +113,7 @@ pub(crate) async fn run(
     while !*shutdown.borrow() {
         let target = &cfg.aggregators[next % cfg.aggregators.len()];
         next = next.wrapping_add(1);
-        let outcome = session(&shared, &sampler, &client, target, &mut shutdown).await;
+        let outcome = session(&shared, &sampler, &tls, target, &mut shutdown).await;
         shared.update(|s| s.connected_to = None);
         match outcome {
             Ok(true) => backoff.reset(),
@@ -156,12 +166,44 @@ async fn resolve(target: &str) -> Result<SocketAddr, SessionError> {
         .ok_or_else(|| SessionError::Resolve(target.to_string()))
 }
 
+/// A connection to `addr`, its hello sent and welcomed: the connection, its session
+/// and the report interval the aggregator asked for.
+async fn open(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+    hello: ballast_shared::wire::Hello,
+) -> Result<(quinn::Connection, ClientSession, Duration), SessionError> {
+    let conn = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(addr, server_name)?)
+        .await
+        .map_err(|_| SessionError::Timeout)??;
+    let mut s = ClientSession::new(hello, ClientConfig::default(), now());
+    let (mut send, mut recv) = conn.open_bi().await?;
+    send.write_all(&s.hello_frame()?).await?;
+    let _ = send.finish();
+    let interval = welcome(&mut s, &mut recv).await?;
+    Ok((conn, s, interval))
+}
+
+/// When the certificate `live` has in force expires, in milliseconds since the Unix
+/// epoch.
+fn expiry_of(live: &LiveTls) -> Option<u64> {
+    let chain = live.chain();
+    let info = ballast_shared::tls::CertInfo::parse(chain.first()?).ok()?;
+    u64::try_from(info.not_after_unix_s).ok()?.checked_mul(1000)
+}
+
 /// One connection's life. `Ok(true)`: it was established and then ended; `Ok(false)`:
 /// shutdown was asked for.
+///
+/// A renewed certificate moves the session, make-before-break: a new connection is
+/// made with it and welcomed while reports still go out on the old one; then the
+/// reports go on, on the new connection's schedule taken over from the old, and the
+/// old connection is closed. A move that fails leaves the old connection as it was.
 async fn session(
     shared: &Shared,
     sampler: &SharedSampler,
-    client: &quinn::ClientConfig,
+    tls: &Tls,
     target: &str,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<bool, SessionError> {
@@ -176,20 +218,21 @@ async fn session(
             .map_err(|_| SessionError::Resolve(target.into()))?
     };
     let mut endpoint = quinn::Endpoint::client(bind).map_err(SessionError::Socket)?;
-    endpoint.set_default_client_config(client.clone());
+    endpoint.set_default_client_config(tls.client.clone());
     let server_name = shared
         .config
         .server_name
         .clone()
         .unwrap_or_else(|| host_part(target).to_string());
-    let conn = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(addr, &server_name)?)
-        .await
-        .map_err(|_| SessionError::Timeout)??;
-    let mut s = ClientSession::new(shared.config.hello(), ClientConfig::default(), now());
-    let (mut send, mut recv) = conn.open_bi().await?;
-    send.write_all(&s.hello_frame()?).await?;
-    let _ = send.finish();
-    let interval = welcome(&mut s, &mut recv).await?;
+    // Subscribed before the handshake: a certificate renewed during it moves the
+    // session once it is up.
+    let (mut renewed, mut renewals) = match &tls.live {
+        Some(live) => (live.subscribe(), true),
+        None => (watch::channel(0).1, false),
+    };
+    renewed.borrow_and_update();
+    let (mut conn, mut s, interval) =
+        open(&endpoint, addr, &server_name, shared.config.hello()).await?;
     tracing::info!(aggregator = %target, interval_ms = interval.as_millis(), "connected");
     shared.update(|st| {
         st.connected_to = Some(target.to_string());
@@ -197,6 +240,7 @@ async fn session(
         st.last_error = None;
         st.rejection = None;
     });
+    let mut moving = None;
 
     loop {
         tokio::select! {
@@ -258,6 +302,49 @@ async fn session(
                     Ok(_) => {}
                     // One bad datagram is dropped; it does not cost the connection.
                     Err(e) => tracing::debug!(aggregator = %target, error = %e, "datagram dropped"),
+                }
+            }
+            changed = renewed.changed(), if renewals && moving.is_none() => {
+                if changed.is_err() {
+                    // The watcher is gone: no certificate changes any more.
+                    renewals = false;
+                    continue;
+                }
+                tracing::info!(aggregator = %target,
+                    "certificate renewed: opening a connection with it");
+                moving = Some(Box::pin(open(&endpoint, addr, &server_name, shared.config.hello())));
+            }
+            moved = async {
+                match moving.as_mut() {
+                    Some(m) => m.await,
+                    None => std::future::pending().await,
+                }
+            }, if moving.is_some() => {
+                moving = None;
+                match moved {
+                    Ok((new_conn, mut new_s, _)) => {
+                        new_s.take_over(&s);
+                        s.close();
+                        s = new_s;
+                        let old = std::mem::replace(&mut conn, new_conn);
+                        old.close(session::close::NORMAL.into(), b"certificate renewed");
+                        tracing::info!(aggregator = %target,
+                            "moved to the connection made with the renewed certificate");
+                        let expires = tls.live.as_deref().and_then(expiry_of);
+                        shared.update(|st| {
+                            st.certificate_moves += 1;
+                            st.certificate_expires_unix_ms = expires;
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(aggregator = %target, error = %e,
+                            "could not move to a connection with the renewed certificate: \
+                             the connection in force stays");
+                        shared
+                            .metrics
+                            .certificate_move_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             _ = shutdown.changed() => {

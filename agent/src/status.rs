@@ -66,8 +66,14 @@ pub struct Status {
     /// The same moment on the monotonic clock. Not serialized.
     #[serde(skip)]
     pub inflight_zero_since: Option<Instant>,
-    /// Sessions established with an aggregator since the agent started.
+    /// Sessions established with an aggregator since the agent started. A move to a
+    /// connection made with a renewed certificate is not one: see
+    /// [`Status::certificate_moves`].
     pub connections: u64,
+    /// Moves to a new connection made with a renewed certificate, each opened and
+    /// welcomed before the old one was closed.
+    #[serde(default)]
+    pub certificate_moves: u64,
     /// The last error, in words.
     pub last_error: Option<String>,
     /// The aggregator's last refusal of this node: of its hello (a service or an

@@ -20,6 +20,16 @@ pub struct Reason {
     pub reason: String,
 }
 
+/// The labels of a TLS file reload: which file, and what came of it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TlsReloadLabels {
+    /// `certificate` (with its key) or `ca`; `relay_` before either for a relay's
+    /// trunk files.
+    pub file: String,
+    /// `applied`, or why refused.
+    pub result: String,
+}
+
 /// A label set with a `service` and a `reason`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceReason {
@@ -77,6 +87,8 @@ pub struct Metrics {
     pub trunk_reports: Counter,
     /// Certificate revocation list reloads, by outcome (`applied`, `error`).
     pub crl_reloads: Family<Reason, Counter>,
+    /// Reloads of the TLS files (certificate and key, CA bundle), by file and result.
+    pub tls_reloads: Family<TlsReloadLabels, Counter>,
     /// Cycles run, by service.
     pub cycles: Family<ServiceLabel, Counter>,
     /// Cycles that changed nothing, by service and reason.
@@ -192,6 +204,7 @@ impl Metrics {
             trunk_batches: Counter::default(),
             trunk_reports: Counter::default(),
             crl_reloads: Family::default(),
+            tls_reloads: Family::default(),
             cycles: Family::default(),
             cycles_skipped: Family::default(),
             endpoints_expired: Family::default(),
@@ -275,6 +288,12 @@ impl Metrics {
             "crl_reloads",
             "Certificate revocation list reloads, by outcome",
             m.crl_reloads.clone(),
+        );
+        registry.register(
+            "tls_reloads",
+            "Reloads of changed TLS files (certificate with its key, CA bundle), by file \
+             and result (applied, or why refused)",
+            m.tls_reloads.clone(),
         );
         registry.register("cycles", "Balancing cycles run", m.cycles.clone());
         registry.register(
@@ -445,4 +464,23 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+/// A counter of TLS file reloads for [`ballast_shared::tls::live::LiveTls::watch`],
+/// into `metrics`, its `file` label prefixed with `prefix` (`""` for the files of
+/// `tls`, `"relay_"` for those of `relay.tls`).
+pub fn tls_reload_counter(
+    metrics: &std::sync::Arc<Metrics>,
+    prefix: &'static str,
+) -> ballast_shared::tls::live::ReloadCounter {
+    let metrics = metrics.clone();
+    std::sync::Arc::new(move |file, result| {
+        metrics
+            .tls_reloads
+            .get_or_create(&TlsReloadLabels {
+                file: format!("{prefix}{}", file.label()),
+                result: result.label().to_string(),
+            })
+            .inc();
+    })
 }

@@ -208,6 +208,39 @@ impl Ca {
         })
     }
 
+    /// A certificate shaped like a SPIFFE X.509-SVID as SPIRE issues them: its only
+    /// subject alternative name the URI `spiffe_id`, no common name (the subject is
+    /// `O=SPIRE, C=US`), for client and server authentication, valid from `window`'s
+    /// first to its second second since the Unix epoch. For trying SPIFFE identities
+    /// without a SPIRE server; `spiffe_id` must be a SPIFFE ID.
+    pub fn issue_svid(&self, spiffe_id: &str, window: (i64, i64)) -> Result<Pem, PkiError> {
+        if !crate::tls::is_spiffe_id(spiffe_id) {
+            return Err(PkiError::BadName(spiffe_id.to_string()));
+        }
+        let mut params = CertificateParams::default();
+        let mut subject = DistinguishedName::new();
+        subject.push(DnType::CountryName, "US");
+        subject.push(DnType::OrganizationName, "SPIRE");
+        params.distinguished_name = subject;
+        let uri = spiffe_id
+            .to_string()
+            .try_into()
+            .map_err(|_| PkiError::BadName(spiffe_id.to_string()))?;
+        params.subject_alt_names = vec![SanType::URI(uri)];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+            KeyUsagePurpose::KeyAgreement,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.not_before = datetime(window.0)?;
+        params.not_after = datetime(window.1)?;
+        self.sign(params)
+    }
+
     /// A revocation list (PEM) signed by this CA, listing `revoked`, numbered
     /// `number` (each new list must carry a higher number than the last).
     pub fn revocation_list(&self, revoked: &[Revoked], number: u64) -> Result<String, PkiError> {
@@ -451,6 +484,37 @@ mod tests {
 
     fn services(names: &[&str]) -> Vec<String> {
         names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn an_svid_names_its_node_by_the_last_segment_of_its_spiffe_id() {
+        let ca = Ca::generate("spire CA").expect("ca");
+        let now = unix_s();
+        let id = "spiffe://prod.example/ns/web/sa/web-3";
+        let svid = ca.issue_svid(id, (now - 30, now + 3600)).expect("svid");
+        let chain = svid.identity("svid").expect("parses").chain;
+        let info = crate::tls::CertInfo::parse(&chain[0]).expect("info");
+        assert_eq!(info.spiffe_id.as_deref(), Some(id));
+        assert_eq!(info.identity, "web-3");
+        assert!(info.services.is_empty() && info.roles.is_empty());
+        assert_eq!(info.not_after_unix_s, now + 3600);
+        // No usable last segment and nothing else: no identity.
+        for bad in ["spiffe://prod.example", "spiffe://prod.example/a/b%20c"] {
+            let refused = ca
+                .issue_svid(bad, (now, now + 60))
+                .ok()
+                .and_then(|pem| pem.identity("svid").ok())
+                .map(|i| crate::tls::CertInfo::parse(&i.chain[0]));
+            assert!(!matches!(refused, Some(Ok(_))), "{bad}: {refused:?}");
+        }
+        assert!(ca.issue_svid("https://example/x", (now, now + 60)).is_err());
+        assert_eq!(
+            crate::tls::spiffe_node_name("spiffe://td/a/b.c"),
+            Some("b.c".into())
+        );
+        assert!(!crate::tls::is_spiffe_id("spiffe://TD/x"));
+        assert!(!crate::tls::is_spiffe_id("spiffe://td/x//y"));
+        assert!(crate::tls::is_spiffe_id("spiffe://td"));
     }
 
     #[test]

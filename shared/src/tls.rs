@@ -14,6 +14,8 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+pub mod live;
+
 /// Why TLS material could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -52,7 +54,10 @@ pub enum TlsError {
     #[error("certificate: {0}")]
     Certificate(String),
     /// The certificate carries no name to use as a node identity.
-    #[error("certificate has neither a DNS subject alternative name nor a common name")]
+    #[error(
+        "certificate has neither a DNS subject alternative name, a SPIFFE ID whose last \
+         path segment is a node name, nor a common name"
+    )]
     NoIdentity,
     /// The PEM holds no certificate revocation list.
     #[error("{0}: no X509 CRL found in PEM")]
@@ -186,10 +191,31 @@ pub fn server_config_for(
     verifier: Arc<ClientVerifier>,
     alpns: &[&[u8]],
 ) -> Result<quinn::ServerConfig, TlsError> {
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+    let tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
         .with_single_cert(identity.chain, identity.key)?;
+    quic_server(tls, alpns)
+}
+
+/// [`server_config_for`], presenting the certificate `live` has in force at each
+/// handshake, and checking clients with `live`'s verifier.
+pub fn server_config_live(
+    live: &Arc<live::LiveTls>,
+    verifier: Arc<ClientVerifier>,
+    alpns: &[&[u8]],
+) -> Result<quinn::ServerConfig, TlsError> {
+    let tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_client_cert_verifier(verifier)
+        .with_cert_resolver(live.clone());
+    quic_server(tls, alpns)
+}
+
+fn quic_server(
+    mut tls: rustls::ServerConfig,
+    alpns: &[&[u8]],
+) -> Result<quinn::ServerConfig, TlsError> {
     // No session resumption: a resumed session skips the client certificate's check,
     // and so would let a revoked or expired certificate back in. Agents connect
     // rarely; a full handshake each time costs nothing that matters.
@@ -216,10 +242,32 @@ pub fn client_config_with_alpns(
     server_ca: &[CertificateDer<'static>],
     alpns: &[&[u8]],
 ) -> Result<quinn::ClientConfig, TlsError> {
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+    let tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(roots(server_ca)?)
         .with_client_auth_cert(identity.chain, identity.key)?;
+    quic_client(tls, alpns)
+}
+
+/// A client QUIC config as [`client_config_with_alpns`]'s that presents the
+/// certificate `live` has in force at each handshake, and checks the server against
+/// the CAs it has in force.
+pub fn client_config_live(
+    live: &Arc<live::LiveTls>,
+    alpns: &[&[u8]],
+) -> Result<quinn::ClientConfig, TlsError> {
+    let tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(live::LiveServerVerifier(live.clone())))
+        .with_client_cert_resolver(live.clone());
+    quic_client(tls, alpns)
+}
+
+fn quic_client(
+    mut tls: rustls::ClientConfig,
+    alpns: &[&[u8]],
+) -> Result<quinn::ClientConfig, TlsError> {
     tls.alpn_protocols = alpns.iter().map(|a| a.to_vec()).collect();
     let mut cfg = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(tls)?));
     cfg.transport_config(Arc::new(transport()));
@@ -229,9 +277,12 @@ pub fn client_config_with_alpns(
 /// What a node certificate says about its holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CertInfo {
-    /// The node identity: the first DNS subject alternative name, or failing that the
-    /// common name.
+    /// The node identity: the first DNS subject alternative name; failing that the
+    /// node name of the SPIFFE ID ([`spiffe_node_name`]); failing that the common name.
     pub identity: String,
+    /// The SPIFFE ID (`spiffe://trust-domain/path`), the first URI subject alternative
+    /// name of that scheme, if the certificate carries one: an X.509-SVID's identity.
+    pub spiffe_id: Option<String>,
     /// The services the certificate names as URI subject alternative names
     /// ([`crate::pki::SERVICE_URI_PREFIX`]`NAME`), in its order. A URI with that prefix
     /// but no valid service name after it names nothing.
@@ -254,12 +305,16 @@ impl CertInfo {
         let (_, x509) = X509Certificate::from_der(cert.as_ref())
             .map_err(|e| TlsError::Certificate(e.to_string()))?;
         let mut dns = None;
+        let mut spiffe_id = None;
         let mut services = Vec::new();
         let mut roles = Vec::new();
         if let Ok(Some(san)) = x509.subject_alternative_name() {
             for name in &san.value.general_names {
                 match name {
                     GeneralName::DNSName(d) if dns.is_none() => dns = Some((*d).to_string()),
+                    GeneralName::URI(uri) if spiffe_id.is_none() && is_spiffe_id(uri) => {
+                        spiffe_id = Some((*uri).to_string());
+                    }
                     GeneralName::URI(uri) => {
                         let service = uri.strip_prefix(crate::pki::SERVICE_URI_PREFIX);
                         push_name(&mut services, service, crate::pki::is_valid_service);
@@ -270,7 +325,8 @@ impl CertInfo {
                 }
             }
         }
-        let identity = match dns {
+        let spiffe_node = spiffe_id.as_deref().and_then(spiffe_node_name);
+        let identity = match dns.or(spiffe_node) {
             Some(d) => d,
             None => x509
                 .subject()
@@ -283,6 +339,7 @@ impl CertInfo {
         let validity = x509.validity();
         Ok(CertInfo {
             identity,
+            spiffe_id,
             services,
             roles,
             not_before_unix_s: validity.not_before.timestamp(),
@@ -305,6 +362,47 @@ impl CertInfo {
     pub fn expires_in_s(&self, now_unix_s: i64) -> i64 {
         self.not_after_unix_s.saturating_sub(now_unix_s)
     }
+}
+
+/// The scheme of a SPIFFE ID.
+pub const SPIFFE_SCHEME: &str = "spiffe://";
+
+/// Whether `uri` is a SPIFFE ID as the SPIFFE standard writes them: `spiffe://`, a
+/// trust domain of lower-case letters, digits, `.`, `-` and `_`, then a path of
+/// segments of letters, digits, `.`, `-` and `_` (none empty, `.` or `..`), at most
+/// 2048 bytes in all.
+pub fn is_spiffe_id(uri: &str) -> bool {
+    let Some(rest) = uri.strip_prefix(SPIFFE_SCHEME) else {
+        return false;
+    };
+    if uri.len() > 2048 {
+        return false;
+    }
+    let (domain, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let domain_ok = !domain.is_empty()
+        && domain.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'_')
+        });
+    let path_ok = rest.len() == domain.len()
+        || path.split('/').all(|seg| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && seg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+        });
+    domain_ok && path_ok
+}
+
+/// The node name a SPIFFE ID maps to: its last path segment, if that is a valid node
+/// name (`spiffe://prod.example/ns/web/sa/web-1` is node `web-1`). A SPIFFE ID with
+/// no path, or whose last segment is no node name, maps to none.
+pub fn spiffe_node_name(id: &str) -> Option<String> {
+    let rest = id.strip_prefix(SPIFFE_SCHEME)?;
+    let (_, path) = rest.split_once('/')?;
+    let last = path.rsplit('/').next()?;
+    (!last.is_empty() && crate::wire::is_valid_name(last)).then(|| last.to_string())
 }
 
 /// Adds `name` to `names` if there is one, `valid` accepts it, and it is not there yet.
@@ -364,16 +462,23 @@ pub fn crls_from_pem(
 /// issuer has no list is not refused for it: a list covers the CA that signed it.
 /// A list past its next update stays in force (an old list is better than none).
 pub struct ClientVerifier {
+    hints: Vec<DistinguishedName>,
+    inner: RwLock<Trust>,
+}
+
+/// The CAs and revocation lists in force, and the verifier built from them.
+struct Trust {
     cas: Vec<CertificateDer<'static>>,
     roots: Arc<rustls::RootCertStore>,
-    hints: Vec<DistinguishedName>,
-    inner: RwLock<Arc<dyn ClientCertVerifier>>,
+    crls: Vec<CertificateRevocationListDer<'static>>,
+    verifier: Arc<dyn ClientCertVerifier>,
 }
 
 impl std::fmt::Debug for ClientVerifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let roots = self.read().roots.len();
         f.debug_struct("ClientVerifier")
-            .field("roots", &self.roots.len())
+            .field("roots", &roots)
             .finish_non_exhaustive()
     }
 }
@@ -387,13 +492,24 @@ impl ClientVerifier {
     ) -> Result<Self, TlsError> {
         let roots = Arc::new(roots(client_ca)?);
         check_crl_issuers(client_ca, &crls)?;
-        let inner = Self::build(&roots, crls)?;
+        let verifier = Self::build(&roots, crls.clone())?;
         Ok(ClientVerifier {
-            cas: client_ca.to_vec(),
-            roots,
-            hints: inner.root_hint_subjects().to_vec(),
-            inner: RwLock::new(inner),
+            hints: verifier.root_hint_subjects().to_vec(),
+            inner: RwLock::new(Trust {
+                cas: client_ca.to_vec(),
+                roots,
+                crls,
+                verifier,
+            }),
         })
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Trust> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Trust> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
     }
 
     fn build(
@@ -416,14 +532,29 @@ impl ClientVerifier {
         &self,
         crls: Vec<CertificateRevocationListDer<'static>>,
     ) -> Result<(), TlsError> {
-        check_crl_issuers(&self.cas, &crls)?;
-        let next = Self::build(&self.roots, crls)?;
-        *self.inner.write().unwrap_or_else(|p| p.into_inner()) = next;
+        let mut trust = self.write();
+        check_crl_issuers(&trust.cas, &crls)?;
+        trust.verifier = Self::build(&trust.roots, crls.clone())?;
+        trust.crls = crls;
+        Ok(())
+    }
+
+    /// Trusts the CAs `client_ca` instead of those in force, for every handshake from
+    /// now on, with the revocation lists in force. Refused, and the CAs in force stay,
+    /// if a list in force is not one of the new CAs' own. The CA names the handshake
+    /// hints at stay those given at the start: Ballast's clients do not read them.
+    pub fn set_cas(&self, client_ca: &[CertificateDer<'static>]) -> Result<(), TlsError> {
+        let roots = Arc::new(roots(client_ca)?);
+        let mut trust = self.write();
+        check_crl_issuers(client_ca, &trust.crls)?;
+        trust.verifier = Self::build(&roots, trust.crls.clone())?;
+        trust.roots = roots;
+        trust.cas = client_ca.to_vec();
         Ok(())
     }
 
     fn current(&self) -> Arc<dyn ClientCertVerifier> {
-        self.inner.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.read().verifier.clone()
     }
 
     /// Checks a chain (leaf first) as a handshake at `now_unix_s` would, with the lists

@@ -232,7 +232,7 @@ async fn end_to_end(agg_bin: &Path, agent_bin: &Path, quick: bool) {
             ..Default::default()
         };
         agents.push(
-            ballast_agent::daemon::Agent::start(
+            ballast_agent::daemon::Agent::start_in_memory(
                 cfg,
                 client,
                 ballast_agent::sample::synthetic::SyntheticHandle::new(),

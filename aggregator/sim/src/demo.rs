@@ -147,7 +147,7 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
         };
         agents.push((
             speed,
-            Agent::start(agent_cfg, client, SyntheticHandle::new()).await?,
+            Agent::start_in_memory(agent_cfg, client, SyntheticHandle::new()).await?,
         ));
     }
 

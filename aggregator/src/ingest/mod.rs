@@ -19,6 +19,7 @@ pub use policy::PolicyError;
 pub use threads::ThreadsError;
 
 use crate::config::Config;
+use ballast_shared::tls::live::LiveTls;
 use ballast_shared::tls::{self, CertificateDer, Identity, TlsError};
 use policy::Policy;
 use revocation::Revocation;
@@ -57,6 +58,9 @@ pub(crate) struct Ingest {
     limits: crate::config::limits::Limits,
     /// The connections open now.
     connections: Arc<limits::Connections>,
+    /// The server's certificate and the client CAs, taken from their files while the
+    /// server runs.
+    tls: Arc<LiveTls>,
 }
 
 /// What an aggregator's QUIC server offers: agents' connections and relays' trunks.
@@ -110,7 +114,13 @@ pub(crate) fn setup_with(
         auth.crl.clone(),
         std::time::Duration::from_millis(auth.crl_check_ms),
     )?);
-    let mut server = tls::server_config_for(identity, revocation.verifier(), alpns)?;
+    let live = LiveTls::server(
+        &cfg.tls,
+        identity,
+        client_ca.to_vec(),
+        revocation.verifier(),
+    )?;
+    let mut server = tls::server_config_live(&live, revocation.verifier(), alpns)?;
     // The aggregator sends no keep-alives: a connection is kept alive by its agent,
     // so one whose agent went quiet times out instead of being held open from here.
     let mut transport = tls::transport();
@@ -125,6 +135,7 @@ pub(crate) fn setup_with(
             && !cfg.service_config.accept_unknown_services,
         limits: cfg.limits.clone(),
         connections: Arc::new(limits::Connections::default()),
+        tls: live,
     };
     Ok((server, ingest))
 }

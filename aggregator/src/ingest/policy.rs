@@ -21,10 +21,17 @@
 //! services = ["batch", "batch-eu"]  # services they may serve (globs)
 //! networks = ["10.20.0.0/16"]       # advertised addresses may be in these networks
 //! hostnames = ["*.batch.example"]   # advertised host names they may use (globs)
+//!
+//! [[rule]]
+//! # glob patterns on the certificate's whole SPIFFE ID (`*` also crosses `/`)
+//! spiffe_ids = ["spiffe://prod.example/ns/web/sa/*"]
+//! services = ["web"]
 //! ```
 //!
-//! Every rule whose `nodes` match adds its grants; nothing in the policy takes away
-//! what another rule or the certificate grants.
+//! Every rule whose `nodes` or `spiffe_ids` match adds its grants; nothing in the
+//! policy takes away what another rule or the certificate grants. A certificate whose
+//! identity is a SPIFFE ID is node `NAME` for the last path segment `NAME` of that ID
+//! ([`ballast_shared::tls::spiffe_node_name`]), which `nodes` patterns match.
 
 use ballast_shared::session::{Cidr, Grant};
 use serde::Deserialize;
@@ -91,7 +98,10 @@ fn yes() -> bool {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RuleFile {
+    #[serde(default)]
     nodes: Vec<String>,
+    #[serde(default)]
+    spiffe_ids: Vec<String>,
     #[serde(default)]
     services: Vec<String>,
     #[serde(default)]
@@ -104,6 +114,7 @@ struct RuleFile {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Rule {
     nodes: Vec<String>,
+    spiffe_ids: Vec<String>,
     grant: Grant,
 }
 
@@ -146,6 +157,30 @@ fn is_name_glob(pattern: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'*' | b'?'))
 }
 
+/// The first of `patterns` that is not a SPIFFE ID glob, as the reason it is refused.
+fn bad_spiffe_glob(patterns: &[String]) -> Option<String> {
+    patterns.iter().find(|p| !is_spiffe_glob(p)).map(|bad| {
+        format!(
+            "{bad:?} is not a SPIFFE ID pattern (spiffe://, then letters, digits, '.', '_', \
+             '-', '/', and the wildcards '*' and '?')"
+        )
+    })
+}
+
+/// Whether `pattern` is usable as a glob of SPIFFE IDs.
+fn is_spiffe_glob(pattern: &str) -> bool {
+    pattern.len() <= 2048
+        && pattern
+            .strip_prefix(ballast_shared::tls::SPIFFE_SCHEME)
+            .is_some_and(|rest| {
+                !rest.is_empty()
+                    && rest.bytes().all(|b| {
+                        b.is_ascii_alphanumeric()
+                            || matches!(b, b'.' | b'_' | b'-' | b'/' | b'*' | b'?')
+                    })
+            })
+}
+
 impl Policy {
     /// Reads and checks a policy file.
     pub(crate) fn load(path: &Path) -> Result<Policy, PolicyError> {
@@ -177,8 +212,14 @@ impl Policy {
                 field,
                 reason,
             };
-            if r.nodes.is_empty() {
-                return Err(invalid("nodes", "must name at least one pattern".into()));
+            if r.nodes.is_empty() && r.spiffe_ids.is_empty() {
+                return Err(invalid(
+                    "nodes",
+                    "must name at least one pattern (or give spiffe_ids)".into(),
+                ));
+            }
+            if let Some(reason) = bad_spiffe_glob(&r.spiffe_ids) {
+                return Err(invalid("spiffe_ids", reason));
             }
             for (field, patterns) in [
                 ("nodes", &r.nodes),
@@ -203,6 +244,7 @@ impl Policy {
             }
             rules.push(Rule {
                 nodes: r.nodes,
+                spiffe_ids: r.spiffe_ids,
                 grant: Grant {
                     services: r.services,
                     networks,
@@ -217,20 +259,25 @@ impl Policy {
         })
     }
 
-    /// What a connection whose certificate names `identity` and `cert_services` may
-    /// claim: the certificate's services (unless the policy ignores them) and every
-    /// matching rule's grants.
-    pub(crate) fn grant(&self, identity: &str, cert_services: &[String]) -> Grant {
+    /// What a connection whose certificate names `identity`, the SPIFFE ID
+    /// `spiffe_id` if any, and `cert_services` may claim: the certificate's services
+    /// (unless the policy ignores them) and every matching rule's grants.
+    pub(crate) fn grant(
+        &self,
+        identity: &str,
+        spiffe_id: Option<&str>,
+        cert_services: &[String],
+    ) -> Grant {
+        use ballast_shared::session::authz::glob_match;
         let mut grant = Grant::default();
         if self.certificate_services {
             grant.services.extend(cert_services.iter().cloned());
         }
         for rule in &self.rules {
-            if rule
-                .nodes
-                .iter()
-                .any(|p| ballast_shared::session::authz::glob_match(p, identity))
-            {
+            let by_node = rule.nodes.iter().any(|p| glob_match(p, identity));
+            let by_spiffe =
+                spiffe_id.is_some_and(|id| rule.spiffe_ids.iter().any(|p| glob_match(p, id)));
+            if by_node || by_spiffe {
                 grant.services.extend(rule.grant.services.iter().cloned());
                 grant.networks.extend(rule.grant.networks.iter().copied());
                 grant.hostnames.extend(rule.grant.hostnames.iter().cloned());
@@ -273,10 +320,10 @@ mod tests {
     #[test]
     fn without_a_file_a_certificate_grants_its_own_services() {
         let p = Policy::default();
-        let g = p.grant("web-1", &names(&["web"]));
+        let g = p.grant("web-1", None, &names(&["web"]));
         assert_eq!(g.services, ["web"]);
         assert!(g.networks.is_empty() && g.hostnames.is_empty());
-        assert_eq!(p.grant("web-1", &[]), Grant::default());
+        assert_eq!(p.grant("web-1", None, &[]), Grant::default());
     }
 
     #[test]
@@ -296,11 +343,11 @@ mod tests {
         )
         .expect("parses");
         assert_eq!(p.rules(), 2);
-        let g = p.grant("batch-7", &names(&["etl"]));
+        let g = p.grant("batch-7", None, &names(&["etl"]));
         assert_eq!(g.services, ["etl", "batch"]);
         assert_eq!(g.networks.len(), 2);
         assert_eq!(g.hostnames, ["*.example"]);
-        let g = p.grant("web-1", &[]);
+        let g = p.grant("web-1", None, &[]);
         assert_eq!(g, Grant::default());
     }
 
@@ -312,7 +359,54 @@ mod tests {
         )
         .expect("parses");
         assert!(!p.certificate_services());
-        assert_eq!(p.grant("x", &names(&["payments"])).services, ["web"]);
+        assert_eq!(p.grant("x", None, &names(&["payments"])).services, ["web"]);
+    }
+
+    #[test]
+    fn spiffe_rules_match_the_whole_spiffe_id() {
+        let p = Policy::parse(
+            r#"
+            certificate_services = false
+            [[rule]]
+            spiffe_ids = ["spiffe://prod.example/ns/web/sa/*"]
+            services = ["web"]
+            networks = ["10.20.0.0/16"]
+
+            [[rule]]
+            nodes = ["web-*"]
+            hostnames = ["*.web.example"]
+            "#,
+            "p.toml",
+        )
+        .expect("parses");
+        let id = "spiffe://prod.example/ns/web/sa/web-1";
+        let g = p.grant("web-1", Some(id), &[]);
+        assert_eq!(g.services, ["web"]);
+        assert_eq!(g.networks.len(), 1);
+        assert_eq!(g.hostnames, ["*.web.example"], "the node name matches too");
+        // Another namespace or trust domain, with the same last segment.
+        for other in [
+            "spiffe://prod.example/ns/batch/sa/web-1",
+            "spiffe://evil.example/ns/web/sa/web-1",
+        ] {
+            let g = p.grant("web-1", Some(other), &[]);
+            assert!(g.services.is_empty() && g.networks.is_empty(), "{other}");
+        }
+        assert!(p.grant("web-1", None, &[]).services.is_empty());
+        for (bad, want) in [
+            (
+                "[[rule]]\nspiffe_ids = [\"prod.example/*\"]\nservices = [\"a\"]\n",
+                "spiffe_ids",
+            ),
+            (
+                "[[rule]]\nspiffe_ids = [\"spiffe://a b\"]\nservices = [\"a\"]\n",
+                "spiffe_ids",
+            ),
+            ("[[rule]]\nservices = [\"a\"]\n", "rule 1: nodes"),
+        ] {
+            let e = Policy::parse(bad, "policy.toml").expect_err(bad);
+            assert!(e.to_string().contains(want), "{e}");
+        }
     }
 
     #[test]

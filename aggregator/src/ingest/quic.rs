@@ -140,7 +140,9 @@ pub(super) fn certificate_of(
 /// Who an agent with the certificate `info` is, and what it may claim from `source`
 /// under the policy.
 pub(super) fn peer(ingest: &Ingest, info: CertInfo, source: std::net::IpAddr) -> Peer {
-    let grant = ingest.policy.grant(&info.identity, &info.services);
+    let grant = ingest
+        .policy
+        .grant(&info.identity, info.spiffe_id.as_deref(), &info.services);
     Peer {
         identity: info.identity,
         source,

@@ -63,7 +63,8 @@ pub(crate) struct Threads {
     running: watch::Receiver<usize>,
     /// The panic that ended a thread, if one did.
     panicked: Arc<Mutex<Option<String>>>,
-    /// The revocation list's watcher, which ends with the threads' handle.
+    /// The watcher of the revocation list and of the TLS files, which ends with the
+    /// threads' handle.
     watcher: tokio::task::JoinHandle<()>,
 }
 
@@ -147,7 +148,15 @@ pub(crate) async fn start<U: Upstream>(
         started(&endpoints);
         return Err(ThreadsError::Start { index, source });
     }
-    let watcher = tokio::spawn(ingest.revocation.clone().watch(metrics));
+    let tls_counter = crate::metrics::tls_reload_counter(&metrics, "");
+    let tls = ingest
+        .tls
+        .clone()
+        .watch(ballast_shared::tls::live::CHECK_EVERY, tls_counter);
+    let crl = ingest.revocation.clone().watch(metrics);
+    let watcher = tokio::spawn(async move {
+        tokio::join!(tls, crl);
+    });
     Ok(Threads {
         endpoints,
         runtimes,

@@ -115,6 +115,7 @@ mod running {
     use crate::config::Config;
     use crate::ingest::threads::Threads;
     use crate::supervise::{Ends, Supervisor};
+    use ballast_shared::tls::live::LiveTls;
     use std::net::SocketAddr;
     use std::sync::Arc;
     use std::time::Duration;
@@ -154,9 +155,11 @@ mod running {
             .tls
             .ca_certs()
             .map_err(|e| tls("the relay's CA (relay.tls.ca)", e))?;
-        let client =
-            ballast_shared::tls::client_config_with_alpns(relay_identity, &relay_ca, &[RELAY_ALPN])
-                .map_err(|e| tls("the relay's client configuration", e))?;
+        // Watched below: a trunk dialled after a renewal presents the new certificate.
+        let relay_tls = LiveTls::client_from(&relay.tls, relay_identity, relay_ca)
+            .map_err(|e| tls("the relay's identity (relay.tls)", e))?;
+        let client = ballast_shared::tls::client_config_live(&relay_tls, &[RELAY_ALPN])
+            .map_err(|e| tls("the relay's client configuration", e))?;
         let (server, ingest) =
             crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::AGENT_ALPNS)?;
 
@@ -165,6 +168,10 @@ mod running {
         let relay_metrics = Arc::new(RelayMetrics::new());
         let (follower, routes, freshness) = super::routes::follower(etcd, &cluster.name)?;
         let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
+        tasks.push(tokio::spawn(relay_tls.watch(
+            ballast_shared::tls::live::CHECK_EVERY,
+            crate::metrics::tls_reload_counter(&metrics, "relay_"),
+        )));
 
         let any: SocketAddr = if cfg.quic.is_ipv6() {
             (std::net::Ipv6Addr::UNSPECIFIED, 0).into()

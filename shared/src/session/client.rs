@@ -312,6 +312,29 @@ impl ClientSession {
         Ok(bytes)
     }
 
+    /// Takes over from `old`, the session of a connection this one replaces (made
+    /// with a renewed certificate, before the old one is closed): the reports go on
+    /// numbered after `old`'s, so that the aggregator, which starts a new session's
+    /// numbering afresh at its hello, takes them all; and, both sessions established,
+    /// the next report falls due when `old`'s would have, so that the move neither
+    /// skips a report nor adds one.
+    pub fn take_over(&mut self, old: &ClientSession) {
+        self.next_seq = self.next_seq.max(old.next_seq);
+        if let (
+            State::Established { next_report, .. },
+            State::Established {
+                next_report: old_next,
+                ..
+            },
+        ) = (&mut self.state, &old.state)
+        {
+            *next_report = *old_next;
+        }
+        if self.assignment.is_none() {
+            self.assignment = old.assignment;
+        }
+    }
+
     /// Ends the session from this side (the agent is stopping).
     pub fn close(&mut self) {
         self.state = State::Closed;

@@ -288,6 +288,42 @@ fn happy_path_hello_welcome_report_reply() {
 }
 
 #[test]
+fn a_session_that_takes_over_goes_on_with_the_numbering_and_the_schedule() {
+    let t0 = Instant::now();
+    let (mut old, mut server) = established(t0);
+    for at in [0u64, 1000] {
+        assert_eq!(
+            old.handle_timeout(ms(t0, at)).expect("open"),
+            Some(ClientEvent::ReportDue)
+        );
+        let bytes = old.report(measurement()).expect("report");
+        assert!(matches!(
+            server.handle_datagram(&bytes),
+            Ok(ServerEvent::Report(_))
+        ));
+    }
+    // A new connection, welcomed half-way through the interval.
+    let (mut new, mut new_server) = established(ms(t0, 1500));
+    assert_eq!(new.poll_timeout(), Some(ms(t0, 1500)), "alone: due at once");
+    new.take_over(&old);
+    assert_eq!(
+        new.poll_timeout(),
+        Some(ms(t0, 2000)),
+        "due when the old session's next report was"
+    );
+    assert_eq!(new.handle_timeout(ms(t0, 1500)).expect("open"), None);
+    assert_eq!(
+        new.handle_timeout(ms(t0, 2000)).expect("open"),
+        Some(ClientEvent::ReportDue)
+    );
+    let bytes = new.report(measurement()).expect("report");
+    match new_server.handle_datagram(&bytes) {
+        Ok(ServerEvent::Report(r)) => assert_eq!(r.seq, 3, "numbered after the old session's"),
+        other => panic!("expected a report, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_draining_measurement_reports_draining() {
     let t0 = Instant::now();
     let (mut client, mut server) = established(t0);

@@ -108,6 +108,13 @@ pub struct RawConn {
 }
 
 impl RawConn {
+    /// The certificate the server presented (DER), leaf first.
+    pub fn server_chain(&self) -> Vec<Vec<u8>> {
+        ballast_shared::tls::peer_chain(&self.conn)
+            .map(|chain| chain.iter().map(|c| c.to_vec()).collect())
+            .unwrap_or_default()
+    }
+
     /// Runs `fut` on the runtime, failing after [`TIMEOUT`].
     fn bounded<T>(
         &self,
