@@ -30,7 +30,7 @@
 //! Needs root, `ip` (iproute2), `unshare` and `curl`; fails, naming what is missing.
 //! Namespaces, `/etc/netns` entries and processes are removed on drop, failure included.
 
-use ballast_tests::harness::process::{binary, run_bounded, Proc, AGENT_BIN, AGGREGATOR_BIN};
+use ballast_tests::harness::process::{binary, run_bounded, Proc, AGENT_BIN};
 use ballast_tests::harness::wait::wait_for;
 use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt;
@@ -315,7 +315,7 @@ fn require_published(agg: &Host, node: &Host) {
         },
     );
     let out = agg.run(&words(&format!(
-        "curl -sS -m 5 -o /dev/null -D - http://{want}/"
+        "curl -sS -m 5 -o /dev/null -D - http://{want}/work"
     )));
     assert!(
         out.to_ascii_lowercase()
