@@ -309,8 +309,14 @@ mod tests {
     #[test]
     fn daemon_flags_where_they_are_not_used_are_refused() {
         for (args, words) in [
-            (&["status", "--port", "80"][..], "`--port` is a flag of the daemon"),
-            (&["--service", "web", "drain"][..], "`drain` does not use it"),
+            (
+                &["status", "--port", "80"][..],
+                "`--port` is a flag of the daemon",
+            ),
+            (
+                &["--service", "web", "drain"][..],
+                "`drain` does not use it",
+            ),
             (&["check", "--log-json"][..], "`--log-json`"),
         ] {
             let err = parse(args).err().expect("refused").to_string();

@@ -279,7 +279,10 @@ mod tests {
         .expect("parses")
         .resolve();
         cfg.validate().expect("valid");
-        assert_eq!(cfg.address, "127.0.0.1:8080", "the route to a loopback aggregator");
+        assert_eq!(
+            cfg.address, "127.0.0.1:8080",
+            "the route to a loopback aggregator"
+        );
         assert_eq!(
             cfg.address_origin,
             AddressOrigin::Route("127.0.0.1:7400".into())

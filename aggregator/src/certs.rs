@@ -527,7 +527,9 @@ mod tests {
         let err = init(dir.path(), &other, &other, &[], &[], YEAR).expect_err("kept");
         assert!(
             err.to_string().contains("certs server")
-                && err.to_string().contains("does not cover --server-name 10.0.0.1:"),
+                && err
+                    .to_string()
+                    .contains("does not cover --server-name 10.0.0.1:"),
             "{err}"
         );
         let w = issue_server(

@@ -397,18 +397,36 @@ mod tests {
 
     #[test]
     fn flags_before_run_are_honoured_and_after_win() {
-        let cli = parse(&["--http", "0.0.0.0:7401", "--store", "/s", "run", "--store", "/t"])
-            .expect("parses");
+        let cli = parse(&[
+            "--http",
+            "0.0.0.0:7401",
+            "--store",
+            "/s",
+            "run",
+            "--store",
+            "/t",
+        ])
+        .expect("parses");
         let Some(Command::Run(args)) = cli.command else {
             panic!("run")
         };
-        assert_eq!(args.common.http, Some("0.0.0.0:7401".parse().expect("addr")));
-        assert_eq!(args.store, Some(PathBuf::from("/t")), "the flag after run wins");
+        assert_eq!(
+            args.common.http,
+            Some("0.0.0.0:7401".parse().expect("addr"))
+        );
+        assert_eq!(
+            args.store,
+            Some(PathBuf::from("/t")),
+            "the flag after run wins"
+        );
         let cli = parse(&["--quic", "0.0.0.0:7500", "relay"]).expect("parses");
         let Some(Command::Relay(args)) = cli.command else {
             panic!("relay")
         };
-        assert_eq!(args.common.quic, Some("0.0.0.0:7500".parse().expect("addr")));
+        assert_eq!(
+            args.common.quic,
+            Some("0.0.0.0:7500".parse().expect("addr"))
+        );
     }
 
     #[test]
@@ -422,7 +440,10 @@ mod tests {
                 &["--http", "0.0.0.0:7401", "certs", "init", "/d"][..],
                 "`--http` is a flag of `run` and `relay`, and `certs init` does not use it",
             ),
-            (&["--xds", "0.0.0.0:7402", "services"][..], "`services` does not use it"),
+            (
+                &["--xds", "0.0.0.0:7402", "services"][..],
+                "`services` does not use it",
+            ),
             (&["--log-json", "endpoints", "web"][..], "`--log-json`"),
         ] {
             let err = parse(args).err().expect("refused").to_string();

@@ -224,8 +224,18 @@ impl Lan {
         .expect("hosts file");
         let port = format!("v-{name}");
         ip(&[
-            "link", "add", "eth0", "netns", &netns, "type", "veth", "peer", "name", &port,
-            "netns", &self.lan_ns,
+            "link",
+            "add",
+            "eth0",
+            "netns",
+            &netns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &port,
+            "netns",
+            &self.lan_ns,
         ]);
         ip(&[
             "-n",
@@ -237,7 +247,15 @@ impl Lan {
             "br0",
             "up",
         ]);
-        ip(&["-n", &netns, "addr", "add", &format!("{ip_addr}/24"), "dev", "eth0"]);
+        ip(&[
+            "-n",
+            &netns,
+            "addr",
+            "add",
+            &format!("{ip_addr}/24"),
+            "dev",
+            "eth0",
+        ]);
         ip(&["-n", &netns, "link", "set", "eth0", "up"]);
         ip(&["-n", &netns, "link", "set", "lo", "up"]);
         self.hosts.len() - 1
@@ -422,7 +440,9 @@ fn the_readme_deployment_works_across_hosts_as_written() {
         || {
             let out = revoked.try_run(&words("ballast-agent status"));
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            text.contains("refused     revoked").then_some(()).ok_or(text)
+            text.contains("refused     revoked")
+                .then_some(())
+                .ok_or(text)
         },
     );
     wait_for(
@@ -447,7 +467,10 @@ fn start_node(lan: &mut Lan, agg: usize, h: usize, agent: &[String]) {
         let host = &lan.hosts[h];
         (host.name.clone(), host.ip, host.root.clone())
     };
-    let from = lan.hosts[agg].root.join("etc/ballast/tls/nodes").join(&name);
+    let from = lan.hosts[agg]
+        .root
+        .join("etc/ballast/tls/nodes")
+        .join(&name);
     let to = root.join("etc/ballast/tls");
     std::fs::create_dir_all(&to).expect("the node's /etc/ballast/tls");
     for file in ["ca.pem", "node.pem", "node.key"] {
@@ -466,6 +489,9 @@ fn start_node(lan: &mut Lan, agg: usize, h: usize, agent: &[String]) {
     check.extend(agent[1..].iter().cloned());
     let out = lan.hosts[h].run(&check);
     let want = format!("at {ip_addr}:{PORT} (route to {AGG_NAME}:7400)");
-    assert!(out.contains(&want), "`ballast-agent check` on {name}: {out}");
+    assert!(
+        out.contains(&want),
+        "`ballast-agent check` on {name}: {out}"
+    );
     lan.spawn(h, "agent", agent);
 }
