@@ -30,6 +30,7 @@
 //! Needs root, `ip` (iproute2), `unshare` and `curl`; fails, naming what is missing.
 //! Namespaces, `/etc/netns` entries and processes are removed on drop, failure included.
 
+use ballast_tests::harness::netns::run_ip as ip;
 use ballast_tests::harness::process::{binary, run_bounded, Proc, AGENT_BIN};
 use ballast_tests::harness::wait::wait_for;
 use std::net::Ipv4Addr;
@@ -284,18 +285,6 @@ impl Drop for Lan {
             .args(["netns", "del", &self.lan_ns])
             .status();
     }
-}
-
-fn ip(args: &[&str]) {
-    let mut cmd = Command::new("ip");
-    cmd.args(args);
-    let out = run_bounded(cmd, CMD);
-    assert!(
-        out.status.success(),
-        "ip {} failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn words(s: &str) -> Vec<String> {
