@@ -5,7 +5,7 @@
 //!     cargo bench -p ballast-agent --bench inflight          # both, about 3 minutes
 //!     BALLAST_GRPC_RUNS=4:1:0,4:1:50 cargo bench -p ballast-agent --bench inflight
 //!
-//! Needs python3 with grpcio.
+//! Needs a Python with grpcio: `BALLAST_PYTHON`, or `tests/.venv` (`bash tests/run`).
 
 // A bench is a tool run by hand: a failed set-up aborts it with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -16,8 +16,13 @@ pub struct AgentConfig {
     pub node: String,
     /// The service's port on this host.
     pub port: u16,
-    /// The endpoint address load balancers should use; defaults to `<host name>:<port>`.
+    /// The endpoint address load balancers should use; defaults to the local address of
+    /// the route to the first aggregator, with `port`.
     pub address: String,
+    /// Where [`AgentConfig::address`] came from, in words; set by
+    /// [`AgentConfig::resolve`] and [`crate::cli::Flags::config`].
+    #[serde(skip)]
+    pub address_origin: AddressOrigin,
     /// Zone of this node.
     pub zone: String,
     /// Aggregators, `host:port`, tried in order with failover.
@@ -59,6 +64,7 @@ impl Default for AgentConfig {
             node: String::new(),
             port: 0,
             address: String::new(),
+            address_origin: AddressOrigin::Unset,
             zone: String::new(),
             aggregators: Vec::new(),
             server_name: None,
@@ -83,20 +89,59 @@ pub fn hostname() -> String {
         .unwrap_or_else(|_| "localhost".to_string())
 }
 
-/// `IP:port` for this host: xDS endpoints must be IP addresses, so the host name is
-/// resolved, preferring an address other than loopback. Falls back to the name.
-pub(crate) fn default_address(host: &str, port: u16) -> String {
+/// Where the address the agent advertises came from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum AddressOrigin {
+    /// Not worked out (no port, or not resolved yet).
+    #[default]
+    Unset,
+    /// Given by the operator: the words say where (`--address`, a file).
+    Explicit(String),
+    /// The local address of the route to this aggregator (`host:port`).
+    Route(String),
+    /// It could not be worked out: why, in words.
+    Failed(String),
+}
+
+impl std::fmt::Display for AddressOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AddressOrigin::Unset => f.write_str("not set"),
+            AddressOrigin::Explicit(from) => f.write_str(from),
+            AddressOrigin::Route(agg) => write!(f, "route to {agg}"),
+            AddressOrigin::Failed(why) => write!(f, "not worked out: {why}"),
+        }
+    }
+}
+
+/// The first address `aggregator` (`host:port`) resolves to.
+fn resolve_aggregator(aggregator: &str) -> Result<std::net::SocketAddr, String> {
     use std::net::ToSocketAddrs;
-    let resolved: Vec<std::net::SocketAddr> = (host, port)
+    aggregator
         .to_socket_addrs()
-        .map(|a| a.collect())
-        .unwrap_or_default();
-    resolved
-        .iter()
-        .find(|a| !a.ip().is_loopback())
-        .or_else(|| resolved.first())
-        .map(|a| a.to_string())
-        .unwrap_or_else(|| format!("{host}:{port}"))
+        .map_err(|e| format!("aggregator {aggregator} does not resolve: {e}"))?
+        .next()
+        .ok_or_else(|| format!("aggregator {aggregator} resolves to no address"))
+}
+
+/// `IP:port` the aggregator at `aggregator` (`host:port`) will see this host connect
+/// from: the local address the kernel picks for the route to it (a connected UDP
+/// socket's, which sends nothing), with `port`. The host name is not used: on Debian it
+/// resolves to 127.0.1.1, which no remote aggregator sees.
+pub(crate) fn route_address(aggregator: &str, port: u16) -> Result<String, String> {
+    let to = resolve_aggregator(aggregator)?;
+    let any: std::net::SocketAddr = if to.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let local = std::net::UdpSocket::bind(any)
+        .and_then(|s| {
+            s.connect(to)?;
+            s.local_addr()
+        })
+        .map_err(|e| format!("no route to aggregator {aggregator} ({to}): {e}"))?;
+    Ok(std::net::SocketAddr::new(local.ip(), port).to_string())
 }
 
 impl AgentConfig {
@@ -110,14 +155,26 @@ impl AgentConfig {
         ballast_shared::config::load_toml(path)
     }
 
-    /// Fills the derived defaults: node from the host name, address from it and the port,
-    /// in-flight from the port.
+    /// Fills the derived defaults: node from the host name, address from the route to
+    /// the first aggregator and the port, in-flight from the port.
     pub fn resolve(mut self) -> Self {
         if self.node.is_empty() {
             self.node = hostname();
         }
-        if self.address.is_empty() && self.port != 0 {
-            self.address = default_address(&hostname(), self.port);
+        if !self.address.is_empty() {
+            if self.address_origin == AddressOrigin::Unset {
+                self.address_origin = AddressOrigin::Explicit("address in the config".into());
+            }
+        } else if self.port != 0 {
+            if let Some(first) = self.aggregators.first() {
+                match route_address(first, self.port) {
+                    Ok(a) => {
+                        self.address = a;
+                        self.address_origin = AddressOrigin::Route(first.clone());
+                    }
+                    Err(why) => self.address_origin = AddressOrigin::Failed(why),
+                }
+            }
         }
         if self.inflight.is_none() && self.port != 0 {
             self.inflight = Some(InflightSpec::Tcp {
@@ -157,10 +214,43 @@ impl AgentConfig {
         if self.drain_quiet_ms > 3_600_000 {
             return bad("drain_quiet_ms must be at most 3600000 (an hour)".into());
         }
+        self.check_address()?;
         let hello = self.hello();
         hello
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("registration: {e}")))?;
+        Ok(())
+    }
+
+    /// The advertised address must be one a remote aggregator can see: worked out, and
+    /// not loopback unless the aggregator is too or the operator said so.
+    fn check_address(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if let AddressOrigin::Failed(why) = &self.address_origin {
+            return bad(format!(
+                "cannot work out the address to advertise: {why}; give it with --address IP:PORT"
+            ));
+        }
+        if matches!(self.address_origin, AddressOrigin::Explicit(_)) {
+            return Ok(());
+        }
+        let Ok(addr) = self.address.parse::<std::net::SocketAddr>() else {
+            return Ok(());
+        };
+        let Some(first) = self.aggregators.first() else {
+            return Ok(());
+        };
+        if addr.ip().is_loopback() {
+            if let Ok(agg) = resolve_aggregator(first) {
+                if !agg.ip().is_loopback() {
+                    return bad(format!(
+                        "the address worked out for this node, {addr}, is loopback, but \
+                         aggregator {first} ({agg}) is not: it would refuse it; give the \
+                         address load balancers should use with --address IP:PORT"
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -183,18 +273,21 @@ mod tests {
     #[test]
     fn minimal_config_resolves_and_validates() {
         let cfg = AgentConfig::parse(
-            "service = \"web\"\nport = 8080\naggregators = [\"agg:7400\"]\n",
+            "service = \"web\"\nport = 8080\naggregators = [\"127.0.0.1:7400\"]\n",
             "agent.toml",
         )
         .expect("parses")
         .resolve();
         cfg.validate().expect("valid");
-        assert!(cfg.address.ends_with(":8080"));
-        assert_eq!(default_address("127.0.0.1", 80), "127.0.0.1:80");
         assert_eq!(
-            default_address("no-such-host.invalid", 80),
-            "no-such-host.invalid:80"
+            cfg.address, "127.0.0.1:8080",
+            "the route to a loopback aggregator"
         );
+        assert_eq!(
+            cfg.address_origin,
+            AddressOrigin::Route("127.0.0.1:7400".into())
+        );
+        assert_eq!(cfg.address_origin.to_string(), "route to 127.0.0.1:7400");
         assert_eq!(cfg.inflight, Some(InflightSpec::Tcp { ports: vec![8080] }));
         assert_eq!(
             cfg.drain_path(),
@@ -202,6 +295,46 @@ mod tests {
             "the drain file sits next to the control socket"
         );
         assert_eq!(cfg.metrics, None, "metrics are off by default");
+    }
+
+    #[test]
+    fn an_address_is_worked_out_or_refused() {
+        let unresolved = AgentConfig {
+            service: "web".into(),
+            port: 8080,
+            aggregators: vec!["no-such-host.invalid:7400".into()],
+            ..AgentConfig::default()
+        }
+        .resolve();
+        assert!(unresolved.address.is_empty());
+        let err = unresolved.validate().expect_err("no address").to_string();
+        assert!(
+            err.contains("cannot work out the address") && err.contains("--address"),
+            "{err}"
+        );
+        // A loopback address worked out for a remote aggregator is refused; given
+        // explicitly, it is the operator's choice.
+        let remote = AgentConfig {
+            service: "web".into(),
+            port: 8080,
+            aggregators: vec!["10.77.0.1:7400".into()],
+            address: "127.0.1.1:8080".into(),
+            address_origin: AddressOrigin::Route("10.77.0.1:7400".into()),
+            ..AgentConfig::default()
+        };
+        let err = remote.validate().expect_err("loopback").to_string();
+        assert!(err.contains("is loopback"), "{err}");
+        let explicit = AgentConfig {
+            address_origin: AddressOrigin::Unset,
+            ..remote
+        }
+        .resolve();
+        assert_eq!(
+            explicit.address_origin,
+            AddressOrigin::Explicit("address in the config".into())
+        );
+        explicit.validate().expect("an explicit address stands");
+        assert!(route_address("no-such-host.invalid:7400", 80).is_err());
     }
 
     #[test]

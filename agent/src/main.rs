@@ -6,11 +6,10 @@ use ballast_agent::control::{self, Request, Response};
 use ballast_agent::daemon::{self, Agent};
 use ballast_agent::sample::{no_assignment, synthetic::SyntheticHandle};
 use ballast_shared::config::init_logging;
-use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_checked();
     let result = match cli.command {
         None => run(cli.flags),
         Some(Command::Run(f)) => run(cli.flags.merged(&f)),
@@ -133,6 +132,9 @@ fn print_human(req: Request, resp: &Response) {
     let fmt_opt =
         |v: Option<f64>, d: usize| v.map(|x| format!("{x:.d$}")).unwrap_or_else(|| "-".into());
     println!("node        {} ({})", s.node, s.service);
+    if !s.address.is_empty() {
+        println!("address     {} ({})", s.address, s.address_origin);
+    }
     println!(
         "aggregator  {}",
         s.connected_to.as_deref().unwrap_or("not connected")
@@ -204,10 +206,11 @@ fn check(flags: Flags) -> Result<ExitCode> {
     daemon::open_sampler(&cfg, &SyntheticHandle::new(), &no_assignment())
         .context("measurement sources")?;
     println!(
-        "ok: node {} of service {} at {}, reporting to {}",
+        "ok: node {} of service {} at {} ({}), reporting to {}",
         cfg.node,
         cfg.service,
         cfg.address,
+        cfg.address_origin,
         cfg.aggregators.join(", ")
     );
     for note in daemon::certificate_notes(&cfg, ballast_shared::unix_ms()) {

@@ -37,6 +37,8 @@ impl Shared {
         let status = Status {
             node: config.node.clone(),
             service: config.service.clone(),
+            address: config.address.clone(),
+            address_origin: config.address_origin.to_string(),
             ..Status::default()
         };
         Shared {

@@ -11,6 +11,12 @@ pub struct Status {
     pub node: String,
     /// Service.
     pub service: String,
+    /// The endpoint address this node advertises.
+    #[serde(default)]
+    pub address: String,
+    /// Where that address came from, e.g. "route to agg.example:7400" or "--address".
+    #[serde(default)]
+    pub address_origin: String,
     /// The aggregator currently connected, if any.
     pub connected_to: Option<String>,
     /// Reports sent in total.

@@ -13,7 +13,8 @@
 //! the bench `cargo bench -p ballast-agent --bench inflight` (`tests/grpc/measure`)
 //! prints the table in `docs/inflight.md`.
 //!
-//! Needs `python3` with `grpcio` (`pip install grpcio`); the tests fail, naming the
+//! Needs the tests' Python with `grpcio` (`tests/.venv`, made by `bash tests/run`, or
+//! `BALLAST_PYTHON`); the tests fail, naming the
 //! package, without it.
 
 #[path = "support/grpc.rs"]

@@ -7,6 +7,9 @@
 //! certificate to `crl.pem` beside the CA, which the aggregator reads
 //! (`[authorization] crl`) and reloads when it changes.
 //!
+//! `certs server` issues one more server certificate from the same CA, for a replica or
+//! a relay whose names `certs init`'s does not cover, into a ready-made TLS directory.
+//!
 //! A relay certificate names a relay and its role (`ballast://role/relay`), no
 //! service; `certs relay` writes it beside the nodes', and `certs revoke` finds it too.
 
@@ -41,6 +44,20 @@ pub enum CertsError {
         node: String,
         /// Where its certificate was looked for.
         path: String,
+    },
+    /// `certs init --server-name` where a server certificate that lacks a name exists.
+    #[error(
+        "{path} exists and is kept, and it does not cover --server-name {names}: issue a \
+         certificate for other names with `ballast-aggregator certs server {dir} NAME \
+         --server-name ...`, or remove server.pem and server.key to make init issue it again"
+    )]
+    ServerKept {
+        /// The server certificate.
+        path: String,
+        /// The names asked for.
+        names: String,
+        /// The directory.
+        dir: String,
     },
     /// A serial number that is not hex.
     #[error("serial number {0:?} is not hexadecimal")]
@@ -138,9 +155,14 @@ fn issue_into(dir: &Path, ca: &Ca, spec: &NodeSpec) -> Result<Written, CertsErro
 /// `nodes/NODE/{ca.pem,node.pem,node.key}`: each node may serve `services` and its
 /// certificate is valid for `validity`. An existing CA and server certificate in
 /// `dir` are kept, so nodes can be added later.
+///
+/// `server_names_asked` are the names the operator gave (`--server-name`): an existing
+/// server certificate is then an error rather than silently kept, since it may not
+/// cover them. Empty, the server certificate covers `server_names`.
 pub fn init(
     dir: &Path,
     server_names: &[String],
+    server_names_asked: &[String],
     nodes: &[String],
     services: &[String],
     validity: Duration,
@@ -174,26 +196,97 @@ pub fn init(
             summary: "the revocation list, empty (`certs revoke` adds to it)".into(),
         });
     }
-    if !dir.join("server.pem").exists() {
-        let server = ca.issue_server(server_names)?;
-        server.write(dir, "server")?;
-        let expiry = ballast_shared::tls::certs_from_pem(&server.cert, "server.pem")?
-            .first()
-            .map(CertInfo::parse)
-            .transpose()?
-            .map(|i| describe_expiry(i.not_after_unix_s))
-            .unwrap_or_default();
-        written.push(Written {
-            path: dir.join("server.pem"),
-            summary: format!(
-                "the server certificate for {}, {expiry}",
-                server_names.join(", ")
-            ),
-        });
+    let server_pem = dir.join("server.pem");
+    if !server_pem.exists() {
+        written.push(write_server(&ca, dir, server_names)?);
+    } else if !server_names_asked.is_empty() {
+        let pem = std::fs::read_to_string(&server_pem).map_err(io(&server_pem))?;
+        let covered = server_names_of(&pem, &server_pem.display().to_string())?;
+        let missing: Vec<&str> = server_names_asked
+            .iter()
+            .filter(|n| !covered.iter().any(|c| c.eq_ignore_ascii_case(n)))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            return Err(CertsError::ServerKept {
+                path: server_pem.display().to_string(),
+                names: missing.join(","),
+                dir: dir.display().to_string(),
+            });
+        }
     }
     for spec in &specs {
         written.push(issue_into(dir, &ca, spec)?);
     }
+    Ok(written)
+}
+
+/// The DNS names and IP addresses a server certificate (PEM, its leaf first) covers.
+pub fn server_names_of(pem: &str, what: &str) -> Result<Vec<String>, CertsError> {
+    use x509_parser::prelude::*;
+    let chain = ballast_shared::tls::certs_from_pem(pem, what)?;
+    let leaf = chain
+        .first()
+        .ok_or_else(|| TlsError::Certificate(format!("{what} holds no certificate")))?;
+    let (_, x509) = X509Certificate::from_der(leaf.as_ref())
+        .map_err(|e| TlsError::Certificate(format!("{what}: {e}")))?;
+    let mut names = Vec::new();
+    if let Ok(Some(san)) = x509.subject_alternative_name() {
+        for name in &san.value.general_names {
+            match name {
+                GeneralName::DNSName(d) => names.push((*d).to_string()),
+                GeneralName::IPAddress(b) => {
+                    let ip = match b.len() {
+                        4 => <[u8; 4]>::try_from(*b).ok().map(std::net::IpAddr::from),
+                        16 => <[u8; 16]>::try_from(*b).ok().map(std::net::IpAddr::from),
+                        _ => None,
+                    };
+                    names.extend(ip.map(|ip| ip.to_string()));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// Writes a server certificate from `ca` for `names` into `out/server.{pem,key}`.
+fn write_server(ca: &Ca, out: &Path, names: &[String]) -> Result<Written, CertsError> {
+    let server = ca.issue_server(names)?;
+    server.write(out, "server")?;
+    let expiry = ballast_shared::tls::certs_from_pem(&server.cert, "server.pem")?
+        .first()
+        .map(CertInfo::parse)
+        .transpose()?
+        .map(|i| describe_expiry(i.not_after_unix_s))
+        .unwrap_or_default();
+    Ok(Written {
+        path: out.join("server.pem"),
+        summary: format!("the server certificate for {}, {expiry}", names.join(", ")),
+    })
+}
+
+/// Issues a server certificate from the CA in `dir` for a replica or relay called
+/// `name`, covering `name` and each of `more` (DNS names or IP addresses: every name
+/// and address agents or relays dial it by), into
+/// `dir/servers/NAME/{ca.pem,server.pem,server.key}`, the directory its `--tls-dir`
+/// names; any certificate there is replaced.
+pub fn issue_server(dir: &Path, name: &str, more: &[String]) -> Result<Written, CertsError> {
+    if name.is_empty() || !ballast_shared::wire::is_valid_name(name) {
+        return Err(PkiError::BadName(name.to_string()).into());
+    }
+    let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
+    let mut names = vec![name.to_string()];
+    for n in more {
+        if !names.contains(n) {
+            names.push(n.clone());
+        }
+    }
+    let out = dir.join("servers").join(name);
+    let mut written = write_server(&ca, &out, &names)?;
+    let ca_copy = out.join("ca.pem");
+    std::fs::copy(dir.join("ca.pem"), &ca_copy).map_err(io(&ca_copy))?;
+    written.path = out;
     Ok(written)
 }
 
@@ -347,6 +440,7 @@ mod tests {
         init(
             dir.path(),
             &default_server_names(),
+            &[],
             &names(&["a"]),
             &web,
             YEAR,
@@ -356,6 +450,7 @@ mod tests {
         let w = init(
             dir.path(),
             &default_server_names(),
+            &[],
             &names(&["b"]),
             &web,
             YEAR,
@@ -366,8 +461,8 @@ mod tests {
         let ca2 = std::fs::read_to_string(dir.path().join("ca.pem")).expect("ca");
         assert_eq!(ca1, ca2);
         assert!(dir.path().join("nodes/b/node.key").exists());
-        assert!(init(dir.path(), &[], &names(&["bad/name"]), &web, YEAR).is_err());
-        assert!(init(dir.path(), &[], &names(&["c"]), &names(&["a b"]), YEAR).is_err());
+        assert!(init(dir.path(), &[], &[], &names(&["bad/name"]), &web, YEAR).is_err());
+        assert!(init(dir.path(), &[], &[], &names(&["c"]), &names(&["a b"]), YEAR).is_err());
         assert!(
             !dir.path().join("nodes/c").exists(),
             "nothing written for a bad service"
@@ -379,7 +474,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let err = issue(dir.path(), "n1", &names(&["web"]), YEAR).expect_err("no CA yet");
         assert!(err.to_string().contains("certs init"), "{err}");
-        init(dir.path(), &default_server_names(), &[], &[], YEAR).expect("init");
+        init(dir.path(), &default_server_names(), &[], &[], &[], YEAR).expect("init");
         let days = Duration::from_secs(30 * 86_400);
         let w = issue(dir.path(), "n1", &names(&["web", "api"]), days).expect("issue");
         assert!(
@@ -398,7 +493,7 @@ mod tests {
         let week = Duration::from_secs(7 * 86_400);
         let err = issue_relay(dir.path(), "relay-1", week).expect_err("no CA yet");
         assert!(matches!(err, CertsError::NoCa(_)), "{err}");
-        init(dir.path(), &default_server_names(), &[], &[], YEAR).expect("init");
+        init(dir.path(), &default_server_names(), &[], &[], &[], YEAR).expect("init");
         let w = issue_relay(dir.path(), "relay-1", week).expect("relay");
         assert!(w.summary.starts_with("relay relay-1, expires"), "{w:?}");
         let rdir = dir.path().join("relays/relay-1");
@@ -421,12 +516,56 @@ mod tests {
     }
 
     #[test]
+    fn a_server_certificate_for_a_replica_names_what_it_is_dialled_by() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = issue_server(dir.path(), "agg-2", &[]).expect_err("no CA yet");
+        assert!(matches!(err, CertsError::NoCa(_)), "{err}");
+        let first = names(&["agg.example"]);
+        init(dir.path(), &first, &first, &[], &[], YEAR).expect("init");
+        init(dir.path(), &first, &first, &names(&["n"]), &[], YEAR).expect("same names");
+        let other = names(&["agg.example", "10.0.0.1"]);
+        let err = init(dir.path(), &other, &other, &[], &[], YEAR).expect_err("kept");
+        assert!(
+            err.to_string().contains("certs server")
+                && err
+                    .to_string()
+                    .contains("does not cover --server-name 10.0.0.1:"),
+            "{err}"
+        );
+        let w = issue_server(
+            dir.path(),
+            "agg-2.example",
+            &names(&["10.0.0.2", "agg-2.example"]),
+        )
+        .expect("server");
+        assert!(
+            w.summary
+                .starts_with("the server certificate for agg-2.example, 10.0.0.2, expires"),
+            "{w:?}"
+        );
+        let out = dir.path().join("servers/agg-2.example");
+        assert_eq!(w.path, out);
+        assert_eq!(
+            std::fs::read(out.join("ca.pem")).expect("ca copy"),
+            std::fs::read(dir.path().join("ca.pem")).expect("ca")
+        );
+        assert!(out.join("server.key").is_file());
+        let pem = std::fs::read_to_string(out.join("server.pem")).expect("server.pem");
+        assert_eq!(
+            server_names_of(&pem, "server.pem").expect("names"),
+            ["agg-2.example", "10.0.0.2"]
+        );
+        assert!(issue_server(dir.path(), "bad/name", &[]).is_err());
+    }
+
+    #[test]
     fn revoke_adds_to_the_list_once() {
         let dir = tempfile::tempdir().expect("tempdir");
         let web = names(&["web"]);
         init(
             dir.path(),
             &default_server_names(),
+            &[],
             &names(&["a", "b"]),
             &web,
             YEAR,

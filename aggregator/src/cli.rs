@@ -1,7 +1,7 @@
 //! The `ballast-aggregator` command line, in the library so that man pages and shell
 //! completions can be generated from it.
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -105,7 +105,8 @@ pub enum ConfigCommand {
 /// Certificate subcommands.
 #[derive(Subcommand)]
 pub enum CertsCommand {
-    /// Create a CA, a server certificate and node certificates in DIR (an existing CA is reused).
+    /// Create a CA, a server certificate and node certificates in DIR (an existing CA and
+    /// server certificate are reused).
     Init {
         /// Output directory.
         dir: PathBuf,
@@ -120,7 +121,22 @@ pub enum CertsCommand {
         /// How long the node certificates are valid, in days.
         #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
         validity_days: u32,
-        /// Names the server certificate covers (default: localhost, 127.0.0.1, ::1, host name).
+        /// Every DNS name and IP address agents dial the aggregator by (comma-separated
+        /// or repeated), e.g. agg.example [default: localhost, 127.0.0.1, ::1 and the
+        /// host name]. A replica or relay with other names gets its own with `certs server`.
+        #[arg(long = "server-name", value_delimiter = ',')]
+        server_names: Vec<String>,
+    },
+    /// Issue a server certificate for a replica or relay from the CA in DIR, into
+    /// DIR/servers/NAME/ (ca.pem, server.pem, server.key: copy it to that host and give
+    /// it as --tls-dir), replacing any certificate there. It covers NAME and every
+    /// --server-name.
+    Server {
+        /// The directory holding the CA (ca.pem, ca.key).
+        dir: PathBuf,
+        /// The replica's or relay's DNS name, as agents (and relays) dial it.
+        name: String,
+        /// More DNS names and IP addresses it is dialled by (comma-separated or repeated).
         #[arg(long = "server-name", value_delimiter = ',')]
         server_names: Vec<String>,
     },
@@ -170,20 +186,21 @@ pub struct CommonArgs {
     /// TOML configuration file.
     #[arg(long, short, env = "BALLAST_CONFIG", global = true)]
     pub config: Option<PathBuf>,
-    /// UDP address for agents (QUIC).
+    /// UDP address for agents (QUIC) [default: 0.0.0.0:7400].
     #[arg(long, env = "BALLAST_QUIC")]
     pub quic: Option<SocketAddr>,
-    /// TCP address of the HTTP API.
+    /// TCP address of the HTTP API and /metrics [default: 127.0.0.1:7401].
     #[arg(long, env = "BALLAST_HTTP")]
     pub http: Option<SocketAddr>,
-    /// Directory with ca.pem, server.pem and server.key.
+    /// Directory with ca.pem, server.pem and server.key: the certificate agents check
+    /// [default: /etc/ballast/tls].
     #[arg(long, env = "BALLAST_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
     /// Keep weights in etcd at these endpoints (comma-separated URLs) instead of the
     /// store file. Needs a binary built with the `etcd` feature.
     #[arg(long, env = "BALLAST_ETCD", value_delimiter = ',')]
     pub etcd: Option<Vec<String>>,
-    /// Key prefix in etcd (default /ballast); needs --etcd or [store.etcd].
+    /// Key prefix in etcd; needs --etcd or [store.etcd] [default: /ballast].
     #[arg(long, env = "BALLAST_ETCD_PREFIX")]
     pub etcd_prefix: Option<String>,
     /// CA certificate (PEM) that etcd's server certificate is checked against; needed
@@ -225,29 +242,30 @@ pub struct RunArgs {
     /// The settings the relay has too.
     #[command(flatten)]
     pub common: CommonArgs,
-    /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC (off by default).
+    /// TCP address of the xDS (ADS) server for Envoy and proxyless gRPC, e.g.
+    /// 0.0.0.0:7402 [default: off].
     #[arg(long, env = "BALLAST_XDS")]
     pub xds: Option<SocketAddr>,
     /// How the xDS port is secured: `tls` (the default, with the server certificate),
-    /// `mutual` (clients need a certificate from the CA) or `plaintext`.
+    /// `mutual` (clients need a certificate from the CA) or `plaintext` [default: tls].
     #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
     pub xds_tls: Option<crate::config::XdsTls>,
     /// Per-service config directory (`<service>.toml` files), merged live.
     #[arg(long, env = "BALLAST_CONFIG_DIR")]
     pub config_dir: Option<PathBuf>,
-    /// Routing store file.
+    /// Routing store file [default: /var/lib/ballast/weights.json].
     #[arg(long, env = "BALLAST_STORE")]
     pub store: Option<PathBuf>,
     /// This replica's name in its cluster (default: host name and QUIC port).
     #[arg(long, env = "BALLAST_REPLICA")]
     pub replica: Option<String>,
-    /// Balancing cycle in milliseconds.
+    /// Balancing cycle in milliseconds [default: 1000].
     #[arg(long, env = "BALLAST_CYCLE_MS")]
     pub cycle_ms: Option<u64>,
-    /// Start-up grace period in milliseconds.
+    /// Start-up grace period in milliseconds [default: 3000].
     #[arg(long, env = "BALLAST_GRACE_MS")]
     pub grace_ms: Option<u64>,
-    /// Report interval agents are told to use, in milliseconds.
+    /// Report interval agents are told to use, in milliseconds [default: 1000].
     #[arg(long, env = "BALLAST_REPORT_INTERVAL_MS")]
     pub report_interval_ms: Option<u32>,
 }
@@ -261,10 +279,194 @@ pub struct RelayArgs {
     pub common: CommonArgs,
     /// Directory with the relay's own client identity for trunks to the replicas:
     /// ca.pem, relay.pem and relay.key (`ballast-aggregator certs relay DIR NAME`
-    /// writes them to DIR/relays/NAME).
+    /// writes them to DIR/relays/NAME) [default: /etc/ballast/relay-tls].
     #[arg(long, env = "BALLAST_RELAY_TLS_DIR")]
     pub relay_tls_dir: Option<PathBuf>,
     /// The relay's name, told to the replicas (default: host name and QUIC port).
     #[arg(long, env = "BALLAST_RELAY_NAME")]
     pub name: Option<String>,
+}
+
+/// Fills every unset field of `$dst` from `$src`.
+macro_rules! fill {
+    ($dst:expr, $src:expr; $($f:ident),*) => {
+        $( if $dst.$f.is_none() { $dst.$f.clone_from(&$src.$f); } )*
+    };
+}
+
+impl CommonArgs {
+    /// These flags, with those given before the subcommand (`top`) where these are unset.
+    fn inherit(&mut self, top: &CommonArgs) {
+        fill!(self, top; config, quic, http, tls_dir, etcd, etcd_prefix, etcd_ca, etcd_cert,
+            etcd_key, etcd_user, etcd_password_file, cluster, policy, crl);
+        self.log_json |= top.log_json;
+    }
+}
+
+impl RunArgs {
+    /// These flags, with those given before `run` (`top`) where these are unset.
+    fn inherit(&mut self, top: &RunArgs) {
+        self.common.inherit(&top.common);
+        fill!(self, top; xds, xds_tls, config_dir, store, replica, cycle_ms, grace_ms,
+            report_interval_ms);
+    }
+}
+
+impl Cli {
+    /// Parses `args` (the program name first). The daemon's flags given before the
+    /// subcommand are honoured: by `run`, and by `relay` for those it has too (a flag
+    /// after the subcommand wins). Given before (or with) any other subcommand, which
+    /// would not use them, they are an error that says where they belong.
+    pub fn try_parse_checked<I, T>(args: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let mut command = Cli::command();
+        let matches = command.try_get_matches_from_mut(args)?;
+        if let Some(message) = misplaced(&command, &matches) {
+            return Err(command.error(clap::error::ErrorKind::ArgumentConflict, message));
+        }
+        let mut cli = Cli::from_arg_matches(&matches)?;
+        match &mut cli.command {
+            Some(Command::Run(args)) => args.inherit(&cli.run),
+            Some(Command::Relay(args)) => args.common.inherit(&cli.run.common),
+            _ => {}
+        }
+        Ok(cli)
+    }
+
+    /// [`Cli::try_parse_checked`] on the process's arguments; prints the error and exits
+    /// on one.
+    pub fn parse_checked() -> Cli {
+        Cli::try_parse_checked(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+}
+
+/// What is wrong with a daemon flag given on the command line for a subcommand that
+/// does not use it, if one was.
+fn misplaced(command: &clap::Command, matches: &ArgMatches) -> Option<String> {
+    let (sub, sub_matches) = matches.subcommand()?;
+    let path = match sub_matches.subcommand_name() {
+        Some(inner) => format!("{sub} {inner}"),
+        None => sub.to_string(),
+    };
+    let common: Vec<String> = CommonArgs::augment_args(clap::Command::new("common"))
+        .get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect();
+    for arg in command.get_arguments() {
+        let id = arg.get_id().as_str();
+        if matches.value_source(id) != Some(clap::parser::ValueSource::CommandLine) {
+            continue;
+        }
+        let is_common = common.iter().any(|c| c == id);
+        let used = match path.as_str() {
+            "run" => true,
+            "relay" => is_common,
+            "check" | "config check" => id == "config",
+            _ => false,
+        };
+        if used {
+            continue;
+        }
+        let flag = arg
+            .get_long()
+            .map(|l| format!("--{l}"))
+            .unwrap_or_else(|| id.to_string());
+        let belongs = if is_common {
+            "a flag of `run` and `relay`"
+        } else {
+            "a flag of `run`"
+        };
+        return Some(format!(
+            "`{flag}` is {belongs}, and `{path}` does not use it: give it to the command \
+             that does, e.g. `ballast-aggregator run {flag} ...`"
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_checked(std::iter::once("ballast-aggregator").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn flags_before_run_are_honoured_and_after_win() {
+        let cli = parse(&[
+            "--http",
+            "0.0.0.0:7401",
+            "--store",
+            "/s",
+            "run",
+            "--store",
+            "/t",
+        ])
+        .expect("parses");
+        let Some(Command::Run(args)) = cli.command else {
+            panic!("run")
+        };
+        assert_eq!(
+            args.common.http,
+            Some("0.0.0.0:7401".parse().expect("addr"))
+        );
+        assert_eq!(
+            args.store,
+            Some(PathBuf::from("/t")),
+            "the flag after run wins"
+        );
+        let cli = parse(&["--quic", "0.0.0.0:7500", "relay"]).expect("parses");
+        let Some(Command::Relay(args)) = cli.command else {
+            panic!("relay")
+        };
+        assert_eq!(
+            args.common.quic,
+            Some("0.0.0.0:7500".parse().expect("addr"))
+        );
+    }
+
+    #[test]
+    fn flags_a_subcommand_does_not_use_are_refused_saying_where_they_belong() {
+        for (args, words) in [
+            (
+                &["--store", "/s", "relay"][..],
+                "`--store` is a flag of `run`, and `relay` does not use it",
+            ),
+            (
+                &["--http", "0.0.0.0:7401", "certs", "init", "/d"][..],
+                "`--http` is a flag of `run` and `relay`, and `certs init` does not use it",
+            ),
+            (
+                &["--xds", "0.0.0.0:7402", "services"][..],
+                "`services` does not use it",
+            ),
+            (&["--log-json", "endpoints", "web"][..], "`--log-json`"),
+        ] {
+            let err = parse(args).err().expect("refused").to_string();
+            assert!(err.contains(words), "{args:?}: {err}");
+        }
+        parse(&["--config", "/c", "config", "check", "/d"]).expect("config check reads --config");
+    }
+
+    #[test]
+    fn help_shows_the_defaults_the_configuration_has() {
+        let cfg = crate::config::Config::default();
+        let help = Cli::command().render_long_help().to_string();
+        for default in [
+            format!("[default: {}]", cfg.quic),
+            format!("[default: {}]", cfg.http),
+            format!("[default: {}]", cfg.store.path.display()),
+            format!("[default: {}]", cfg.balance.cycle_ms),
+            format!("[default: {}]", cfg.balance.grace_ms),
+            format!("[default: {}]", cfg.report_interval_ms),
+            "[default: /etc/ballast/tls]".to_string(),
+        ] {
+            assert!(help.contains(&default), "--help lacks {default}:\n{help}");
+        }
+        assert!(cfg.tls.cert.starts_with("/etc/ballast/tls"));
+    }
 }

@@ -10,21 +10,14 @@ use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_aggregator::relay::Relay;
 use ballast_shared::config::init_logging;
-use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_checked();
     let result = match cli.command {
         None => run(cli.run),
-        Some(Command::Run(mut args)) => {
-            inherit(&mut args.common, &cli.run.common);
-            run(args)
-        }
-        Some(Command::Relay(mut args)) => {
-            inherit(&mut args.common, &cli.run.common);
-            relay(args)
-        }
+        Some(Command::Run(args)) => run(args),
+        Some(Command::Relay(args)) => relay(args),
         Some(Command::Certs(CertsCommand::Init {
             dir,
             nodes,
@@ -38,6 +31,11 @@ fn main() -> ExitCode {
             services,
             validity_days,
         })) => certs_issue(&dir, &node, &services, validity_days),
+        Some(Command::Certs(CertsCommand::Server {
+            dir,
+            name,
+            server_names,
+        })) => certs_server(&dir, &name, &server_names),
         Some(Command::Certs(CertsCommand::Relay {
             dir,
             name,
@@ -66,14 +64,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// The global flags given before the subcommand, where the subcommand has none.
-fn inherit(args: &mut CommonArgs, global: &CommonArgs) {
-    if args.config.is_none() {
-        args.config.clone_from(&global.config);
-    }
-    args.log_json |= global.log_json;
 }
 
 /// The configuration file named by `args`, or the defaults, with the flags both
@@ -275,13 +265,19 @@ fn certs_init(
     validity_days: u32,
     names: Vec<String>,
 ) -> Result<ExitCode> {
-    let names = if names.is_empty() {
+    let used = if names.is_empty() {
         ballast_aggregator::certs::default_server_names()
     } else {
-        names
+        names.clone()
     };
-    let written =
-        ballast_aggregator::certs::init(dir, &names, nodes, services, validity(validity_days))?;
+    let written = ballast_aggregator::certs::init(
+        dir,
+        &used,
+        &names,
+        nodes,
+        services,
+        validity(validity_days),
+    )?;
     print_written(&written);
     if !nodes.is_empty() && services.is_empty() {
         eprintln!(
@@ -299,6 +295,12 @@ fn certs_issue(
     validity_days: u32,
 ) -> Result<ExitCode> {
     let written = ballast_aggregator::certs::issue(dir, node, services, validity(validity_days))?;
+    print_written(&[written]);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn certs_server(dir: &std::path::Path, name: &str, more: &[String]) -> Result<ExitCode> {
+    let written = ballast_aggregator::certs::issue_server(dir, name, more)?;
     print_written(&[written]);
     Ok(ExitCode::SUCCESS)
 }

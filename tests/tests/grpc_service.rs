@@ -25,8 +25,8 @@
 //!    equal-weight one, and no weight sits at the floor or the ceiling;
 //! 3. the aggregator trusts every endpoint's in-flight count throughout.
 //!
-//! It prints a table of the figures. Needs `python3` with `grpcio` (`pip install
-//! grpcio`); the test fails, naming the package, when it is missing.
+//! It prints a table of the figures. Needs the tests' Python with `grpcio` (`tests/.venv`, made by `bash tests/run`, or
+//! `BALLAST_PYTHON`); the test fails, naming the package, when it is missing.
 
 use ballast_tests::harness::grpc::{require_grpcio, write_bootstrap, Python};
 use ballast_tests::harness::process::unix_request;

@@ -31,7 +31,8 @@
 //!    all go to zone_2, the zone_2 client's 75/25;
 //! 3. no client rejected a resource (no NACK), and the aggregator is the same process.
 //!
-//! Needs `python3` with `grpcio` (`pip install grpcio`); the test fails, naming the
+//! Needs the tests' Python with `grpcio` (`tests/.venv`, made by `bash tests/run`, or
+//! `BALLAST_PYTHON`); the test fails, naming the
 //! package, when it is missing.
 
 use ballast_tests::harness::grpc::{require_grpcio, Backends, Round, XdsClient};

@@ -23,6 +23,7 @@
 //! them); the test fails, naming the package, when one is missing.
 
 use ballast_tests::harness::api::parse_metrics;
+use ballast_tests::harness::grpc::python;
 use ballast_tests::*;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -39,20 +40,23 @@ const MAX_EXAMPLES: u32 = 150;
 /// The longest Schemathesis may run before it is killed and the test fails.
 const SCHEMATHESIS_BUDGET: Duration = Duration::from_secs(100);
 
-/// Fails, naming the PyPI package, unless `python3` can import `module`.
+/// Fails, naming the PyPI package, unless the tests' Python can import `module`.
 fn require_python_module(module: &str, package: &str) {
-    let out = Command::new("python3")
+    let out = Command::new(python())
         .args(["-c", &format!("import {module}")])
         .output();
     match out {
         Ok(o) if o.status.success() => {}
         Ok(o) => panic!(
             "the OpenAPI test needs the Python module {module}, which does not import: \
-             install the PyPI package `{package}` (`python3 -m pip install {package}`, as \
-             tests/run does):\n{}",
+             install the PyPI package `{package}` into {} (`bash tests/run` does):\n{}",
+            python().display(),
             String::from_utf8_lossy(&o.stderr)
         ),
-        Err(e) => panic!("the OpenAPI test needs python3, which does not run: {e}"),
+        Err(e) => panic!(
+            "the OpenAPI test needs {}, which does not run: {e}",
+            python().display()
+        ),
     }
 }
 
@@ -299,11 +303,11 @@ fn every_answer_of_the_api_is_valid_against_its_openapi_document() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("openapi.json");
     std::fs::write(&file, &text).expect("write the document");
-    let out = Command::new("python3")
+    let out = Command::new(python())
         .args(["-m", "openapi_spec_validator"])
         .arg(&file)
         .output()
-        .expect("python3 runs");
+        .expect("the tests' Python runs");
     assert!(
         out.status.success(),
         "openapi-spec-validator refuses the document ({}):\n{}\n{}",
@@ -458,7 +462,7 @@ fn run_bounded(mut command: Command, dir: &Path, budget: Duration) -> (bool, Str
         .stdout(stdout)
         .stderr(stderr)
         .spawn()
-        .expect("python3 runs");
+        .expect("the tests' Python runs");
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
             break Some(status);
@@ -516,7 +520,7 @@ fn schemathesis_finds_nothing_against_the_live_api() {
     let file = dir.path().join("openapi.json");
     std::fs::write(&file, &text).expect("write the document");
     let url = format!("http://{}", agg.http_addr());
-    let mut command = Command::new("python3");
+    let mut command = Command::new(python());
     command
         .current_dir(dir.path())
         .args(["-m", "schemathesis.cli", "--config-file"])

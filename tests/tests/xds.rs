@@ -14,7 +14,8 @@
 //!    split by their weights again;
 //! 3. the client accepted every resource: no NACK was counted.
 //!
-//! Needs `python3` with `grpcio` (`pip install grpcio`); the test fails, naming the
+//! Needs the tests' Python with `grpcio` (`tests/.venv`, made by `bash tests/run`, or
+//! `BALLAST_PYTHON`); the test fails, naming the
 //! package, when it is missing.
 
 use ballast_tests::harness::grpc::{require_grpcio, weight_shares, Backends, Round, XdsClient};

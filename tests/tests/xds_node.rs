@@ -34,7 +34,8 @@
 //!    dials: every call fails, no stream opens.
 //!
 //! Needs `node` and the modules of `tests/xds-node` (`npm ci` there; `tests/run` does
-//! it), and `python3` with `grpcio`; the tests fail, naming the command, otherwise.
+//! it), and the tests' Python with `grpcio` (`tests/.venv`); the tests fail, naming
+//! the command, otherwise.
 
 use ballast_tests::harness::grpc::{require_grpcio, weight_shares, Backends, XdsClient};
 use ballast_tests::harness::node::{require_node, Creds, NodeRound, NodeXdsClient};

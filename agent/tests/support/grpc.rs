@@ -28,16 +28,32 @@ pub fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/grpc/inflight_server.py")
 }
 
+/// The Python with grpcio: `BALLAST_PYTHON`, else the test command's virtual
+/// environment, `tests/.venv` (Debian's system Python refuses `pip install`).
+pub fn python() -> PathBuf {
+    let path = std::env::var_os("BALLAST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/.venv/bin/python"));
+    assert!(
+        path.is_file(),
+        "these tests need a Python with grpcio: {} is not there. Run `bash tests/run`, \
+         which makes tests/.venv, or set BALLAST_PYTHON",
+        path.display()
+    );
+    path
+}
+
 pub fn require_grpcio() {
-    let ok = Command::new("python3")
+    let ok = Command::new(python())
         .args(["-c", "import grpc"])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
     assert!(
         ok,
-        "these tests need python3 with the package grpcio: `python3 -c 'import grpc'` \
-         failed (`pip install grpcio`, or run `bash tests/run`, which installs it)"
+        "these tests need a Python with the package grpcio: `{} -c 'import grpc'` failed \
+         (run `bash tests/run`, which installs it in tests/.venv)",
+        python().display()
     );
 }
 
@@ -74,13 +90,13 @@ impl Server {
         require_grpcio();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("inflight");
-        let mut child = Command::new("python3")
+        let mut child = Command::new(python())
             .arg(script())
             .args(["serve", "--service-ms", &service_ms.to_string(), "--state"])
             .arg(&path)
             .stdout(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", script().display()));
+            .unwrap_or_else(|e| panic!("cannot start python {}: {e}", script().display()));
         let port = wait_line(&mut child, "port ").parse().unwrap();
         let state = File::open(&path).unwrap();
         Server {
@@ -101,7 +117,7 @@ impl Server {
     /// Starts `channels` connections with `callers` concurrent callers each, and waits
     /// until every connection is up.
     pub fn load(&self, channels: u32, callers: u32, think_ms: f64, secs: f64) -> Proc {
-        let mut child = Command::new("python3")
+        let mut child = Command::new(python())
             .arg(script())
             .args(["load", "--target", &format!("127.0.0.1:{}", self.port)])
             .args(["--channels", &channels.to_string()])

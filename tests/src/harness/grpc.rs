@@ -12,6 +12,32 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// The Python the tests run: `BALLAST_PYTHON` if set (the test command sets it to the
+/// virtual environment it makes, `tests/.venv`, with grpcio, the OpenAPI validator and
+/// Schemathesis), else that environment's interpreter if it exists. Panics, saying how
+/// to make it, otherwise: Debian's system Python refuses `pip install` (PEP 668), so the
+/// tests never use it silently.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("BALLAST_PYTHON") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "BALLAST_PYTHON is {}, which is not a file",
+            p.display()
+        );
+        return p;
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.is_file(),
+        "the tests that run Python need the virtual environment the test command makes: \
+         run `bash tests/run`, or make it with `python3 -m venv tests/.venv && \
+         tests/.venv/bin/pip install grpcio openapi-spec-validator 'schemathesis>=4.32,<5'`, \
+         or set BALLAST_PYTHON to a Python that has those packages"
+    );
+    venv
+}
+
 /// A Python process with piped standard input and output, killed on drop. Closing its
 /// standard input also ends it, so it cannot outlive the test by much.
 pub struct Python {
@@ -36,7 +62,7 @@ impl Python {
             .join("xds")
             .join(script);
         let stderr = dir.join(format!("{label}.stderr"));
-        let mut cmd = Command::new("python3");
+        let mut cmd = Command::new(python());
         cmd.arg(&path)
             .args(args)
             .stdin(Stdio::piped())
@@ -52,7 +78,7 @@ impl Python {
         }
         let mut child = cmd
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start python3 {}: {e}", path.display()));
+            .unwrap_or_else(|e| panic!("cannot start python {}: {e}", path.display()));
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().expect("piped stdout");
         let lines = super::process::lines_of(stdout);
@@ -106,21 +132,22 @@ impl Drop for Python {
     }
 }
 
-/// Fails, naming the package, unless `python3` can import grpc.
+/// Fails, naming the package, unless [`python`] can import grpc.
 pub fn require_grpcio() {
-    let out = Command::new("python3")
+    let out = Command::new(python())
         .args(["-c", "import grpc; print(grpc.__version__)"])
         .output();
     match out {
         Ok(o) if o.status.success() => {}
         Ok(o) => panic!(
-            "the xDS tests need the Python package grpcio: `python3 -c 'import grpc'` failed. \
-             Install it with `pip install grpcio`.\n{}",
+            "the xDS tests need the Python package grpcio: `{} -c 'import grpc'` failed. \
+             Install it with `tests/.venv/bin/pip install grpcio` (`bash tests/run` does).\n{}",
+            python().display(),
             String::from_utf8_lossy(&o.stderr)
         ),
         Err(e) => panic!(
-            "the xDS tests need python3 with the package grpcio (`pip install grpcio`): \
-             cannot run python3: {e}"
+            "the xDS tests need {} with the package grpcio: it does not run: {e}",
+            python().display()
         ),
     }
 }

@@ -215,7 +215,8 @@ impl Drop for Netns {
     }
 }
 
-fn run_ip(args: &[&str]) {
+/// Runs `ip ARGS`, bounded; panics with its error unless it succeeds.
+pub fn run_ip(args: &[&str]) {
     let mut cmd = Command::new("ip");
     cmd.args(args);
     let out = run_bounded(cmd, CMD_TIMEOUT);
