@@ -215,13 +215,11 @@ impl Daemon {
         // restored services) as what the store holds, and writes every change after it.
         let store_writer = crate::store::writer(state.clone());
 
-        let xds_tls = xds_tls(cfg, &identity, client_ca)?;
-        if let Some(revocation) = xds_tls.as_ref().and_then(|t| t.revocation.clone()) {
-            // The agents' listener watches the same file and counts its reloads.
-            let uncounted = Arc::new(crate::metrics::Metrics::new());
-            supervisor.spawn("xDS revocation list", revocation.watch(uncounted));
-        }
         let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
+        // The xDS port presents the agents' listener's certificate and, in mutual
+        // mode, checks clients against its CAs and revocation list: one set of watched
+        // files, taken live by both.
+        let xds_tls = xds_tls(cfg, &ingest)?;
         let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
         let quic = Arc::new(
             crate::ingest::threads::start(
@@ -403,27 +401,21 @@ fn default_advertise(quic: std::net::SocketAddr) -> String {
     }
 }
 
-/// The xDS port's TLS, from the aggregator's own certificate and key, as `xds_tls`
-/// asks; `None` for plaintext. In `mutual` mode client certificates are checked
-/// against `client_ca` and the revocation list (`authorization.crl`), as the agents'
-/// are.
+/// The xDS port's TLS, as `xds_tls` asks: the certificate the agents' listener
+/// presents, and in `mutual` mode its client CAs and revocation list
+/// (`authorization.crl`), all taken live from their files; `None` for plaintext.
 fn xds_tls(
     cfg: &Config,
-    identity: &Identity,
-    client_ca: &[CertificateDer<'static>],
+    ingest: &crate::ingest::Ingest,
 ) -> Result<Option<crate::feed::xds::XdsTls>, DaemonError> {
     use crate::config::XdsTls as Mode;
     let revocation = match cfg.xds_tls {
         Mode::Plaintext => return Ok(None),
         Mode::Tls => None,
-        Mode::Mutual => Some(Arc::new(crate::ingest::revocation::Revocation::load(
-            client_ca,
-            cfg.authorization.crl.clone(),
-            Duration::from_millis(cfg.authorization.crl_check_ms),
-        )?)),
+        Mode::Mutual => Some(ingest.revocation()),
     };
-    let tls =
-        crate::feed::xds::XdsTls::new(identity.clone(), revocation).map_err(TlsError::from)?;
+    let tls = crate::feed::xds::XdsTls::new(ingest.live_tls(), revocation)
+        .map_err(TlsError::from)?;
     Ok(Some(tls))
 }
 

@@ -63,6 +63,20 @@ pub(crate) struct Ingest {
     tls: Arc<LiveTls>,
 }
 
+impl Ingest {
+    /// The server's certificate as its files give it now, for other listeners that
+    /// present the same one (xDS).
+    pub(crate) fn live_tls(&self) -> Arc<LiveTls> {
+        self.tls.clone()
+    }
+
+    /// The revocation list and client CAs in force, for other listeners that check
+    /// client certificates the same way (xDS in mutual mode).
+    pub(crate) fn revocation(&self) -> Arc<Revocation> {
+        self.revocation.clone()
+    }
+}
+
 /// What an aggregator's QUIC server offers: agents' connections and relays' trunks.
 pub(crate) const AGGREGATOR_ALPNS: [&[u8]; 2] =
     [ballast_shared::ALPN, ballast_shared::trunk::RELAY_ALPN];

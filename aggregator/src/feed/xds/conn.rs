@@ -111,10 +111,12 @@ pub struct XdsTls {
 }
 
 impl XdsTls {
-    /// TLS with `identity`; with `revocation`, client certificates are required and
-    /// checked by its verifier (mutual TLS).
+    /// TLS with the certificate `live` holds now, taken afresh at each handshake (so a
+    /// renewed certificate serves the next client); with `revocation`, client
+    /// certificates are required and checked by its verifier (mutual TLS), against the
+    /// client CAs the agents' listener follows too.
     pub(crate) fn new(
-        identity: ballast_shared::tls::Identity,
+        live: Arc<ballast_shared::tls::live::LiveTls>,
         revocation: Option<Arc<Revocation>>,
     ) -> Result<XdsTls, rustls::Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -123,10 +125,8 @@ impl XdsTls {
         let mut server = match &revocation {
             Some(r) => builder
                 .with_client_cert_verifier(r.verifier())
-                .with_single_cert(identity.chain, identity.key)?,
-            None => builder
-                .with_no_client_auth()
-                .with_single_cert(identity.chain, identity.key)?,
+                .with_cert_resolver(live),
+            None => builder.with_no_client_auth().with_cert_resolver(live),
         };
         // No session resumption: a resumed session skips the client certificate's
         // check, and so would let a revoked certificate back in.
