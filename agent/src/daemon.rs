@@ -4,6 +4,7 @@
 use crate::config::AgentConfig;
 use crate::sample::{self, synthetic::SyntheticHandle, AssignmentWatch, SampleError, Sampler};
 use crate::shared::{drained_on_disk, DrainFileError, Shared};
+use ballast_shared::protocol;
 use ballast_shared::tls::{self, TlsError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -21,6 +22,9 @@ pub enum AgentError {
     /// A measurement source could not be opened.
     #[error(transparent)]
     Sample(#[from] SampleError),
+    /// `BALLAST_PROTOCOL` names no set of protocol versions.
+    #[error(transparent)]
+    Protocol(#[from] ballast_shared::protocol::UnknownChoice),
     /// The agent-check port could not be bound.
     #[error("agent-check port {addr}: {source}")]
     AgentCheck {
@@ -50,9 +54,17 @@ pub enum AgentError {
     },
 }
 
-/// The QUIC client configuration from the configured TLS files.
-pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, TlsError> {
-    tls::client_config(cfg.tls.identity()?, &cfg.tls.ca_certs()?)
+/// The QUIC client configuration from the configured TLS files, offering every
+/// version of the protocol this build speaks, current first (`BALLAST_PROTOCOL` may
+/// narrow them: [`ballast_shared::protocol`]). The aggregator picks the newest it
+/// speaks too.
+pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, AgentError> {
+    let alpns = protocol::alpns(&protocol::from_env()?);
+    Ok(tls::client_config_with_alpns(
+        cfg.tls.identity()?,
+        &cfg.tls.ca_certs()?,
+        &alpns,
+    )?)
 }
 
 /// Opens the configured sources. `assignment` is the aggregator's current

@@ -109,7 +109,7 @@ impl Relay {
 mod running {
     use super::http::{router, Status};
     use super::metrics::RelayMetrics;
-    use super::trunk::{Dialer, Trunks, RELAY_ALPN};
+    use super::trunk::{trunk_alpns, Dialer, Trunks};
     use super::upstream::{RelayUpstream, Settings};
     use super::{Relay, RelayError};
     use crate::config::Config;
@@ -154,11 +154,14 @@ mod running {
             .tls
             .ca_certs()
             .map_err(|e| tls("the relay's CA (relay.tls.ca)", e))?;
-        let client =
-            ballast_shared::tls::client_config_with_alpns(relay_identity, &relay_ca, &[RELAY_ALPN])
-                .map_err(|e| tls("the relay's client configuration", e))?;
+        let client = ballast_shared::tls::client_config_with_alpns(
+            relay_identity,
+            &relay_ca,
+            &trunk_alpns(),
+        )
+        .map_err(|e| tls("the relay's client configuration", e))?;
         let (server, ingest) =
-            crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::AGENT_ALPNS)?;
+            crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::agent_alpns()?)?;
 
         let (supervisor, ends) = crate::supervise::supervisor();
         let metrics = Arc::new(crate::metrics::Metrics::new());

@@ -2,7 +2,7 @@
 //! own around the sans-IO [`TrunkClient`].
 //!
 //! A trunk task dials the replica's advertised address with the relay's identity
-//! (ALPN [`RELAY_ALPN`]), dials again with backoff when the connection is lost or the
+//! (offering every [`TrunkProtocol`] it speaks), dials again with backoff when the connection is lost or the
 //! address changes, and ends once the replica is no member of the cluster any more.
 //! Agents' links talk to it through [`Command`]s: an attach is answered once the
 //! primary answers; each attached slot gets the primary's replies, verbatim, and the
@@ -26,7 +26,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 
-pub(crate) use ballast_shared::trunk::RELAY_ALPN;
+use ballast_shared::trunk::TrunkProtocol;
+
+/// What a relay offers a primary: every version of the trunk protocol it speaks,
+/// current first.
+pub(crate) fn trunk_alpns() -> Vec<&'static [u8]> {
+    TrunkProtocol::ALL.map(TrunkProtocol::alpn).to_vec()
+}
+
+/// The TLS alert a server ends a handshake with when it speaks none of the
+/// application protocols offered (RFC 7301).
+const NO_APPLICATION_PROTOCOL: u8 = 120;
 
 /// How many commands (mostly reports) wait for a trunk's task before reports are
 /// dropped (`trunk_full`).
@@ -162,7 +172,7 @@ pub(crate) struct Dialer {
     pub(crate) relay: String,
     /// The endpoint trunks are dialled from.
     pub(crate) endpoint: quinn::Endpoint,
-    /// The relay's client identity, offering [`RELAY_ALPN`].
+    /// The relay's client identity, offering every [`TrunkProtocol`] it speaks.
     pub(crate) client: quinn::ClientConfig,
     /// The name replicas' certificates are checked against, if not the host part of
     /// their advertised address.
@@ -390,9 +400,19 @@ impl<'a> Session<'a> {
             .endpoint
             .connect_with(self.dialer.client.clone(), addr, name)
             .map_err(|e| format!("dialling {addr}: {e}"))?;
-        connecting
-            .await
-            .map_err(|e| format!("connecting to {addr}: {e}"))
+        connecting.await.map_err(|e| match e {
+            quinn::ConnectionError::TransportError(ref t)
+                if t.code == quinn::TransportErrorCode::crypto(NO_APPLICATION_PROTOCOL) =>
+            {
+                format!(
+                    "connecting to {addr}: the replica speaks none of the trunk protocols \
+                     this relay offers ({}): the two are more than one release apart; \
+                     upgrade the older first ({e})",
+                    TrunkProtocol::names()
+                )
+            }
+            e => format!("connecting to {addr}: {e}"),
+        })
     }
 
     /// Dials and drives the trunk until it ends.
@@ -429,6 +449,7 @@ impl<'a> Session<'a> {
             batch_delay: self.dialer.batch_delay,
             attach_timeout: self.dialer.attach_timeout,
             max_batch_bytes: max_batch,
+            protocol: TrunkProtocol::negotiated(conn).unwrap_or(TrunkProtocol::CURRENT),
         })
         .starting_at(self.next_slot);
         let (mut send, mut recv) = match conn.open_bi().await {

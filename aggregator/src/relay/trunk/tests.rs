@@ -5,7 +5,7 @@
 use super::*;
 use ballast_shared::pki::{Ca, RelaySpec};
 use ballast_shared::tls::{CertificateDer, ClientVerifier};
-use ballast_shared::trunk::{encode_control, ControlReader, ToPrimary, ToRelay};
+use ballast_shared::trunk::{encode_control, ControlReader, ToPrimary, ToRelay, RELAY_ALPN};
 use ballast_shared::wire::{Message, Welcome};
 
 const LOCALHOST: [u8; 4] = [127, 0, 0, 1];
