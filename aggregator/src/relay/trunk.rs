@@ -315,6 +315,25 @@ impl Trunks {
     }
 }
 
+/// What a failed dial of `addr` says in the relay's log: a replica that shares no
+/// trunk version with this relay is named as such, so that a skew of more than one
+/// release is not taken for a network fault.
+fn dial_error(addr: SocketAddr, e: &quinn::ConnectionError) -> String {
+    match e {
+        quinn::ConnectionError::ConnectionClosed(c)
+            if c.error_code == quinn::TransportErrorCode::crypto(NO_APPLICATION_PROTOCOL) =>
+        {
+            format!(
+                "connecting to {addr}: the replica speaks none of the trunk protocols this \
+                 relay offers ({}): the two are more than one release apart; upgrade the \
+                 older first ({e})",
+                TrunkProtocol::names()
+            )
+        }
+        e => format!("connecting to {addr}: {e}"),
+    }
+}
+
 /// Answers a command the trunk cannot carry out now.
 fn refuse(cmd: Command, metrics: &RelayMetrics) {
     match cmd {
@@ -400,19 +419,7 @@ impl<'a> Session<'a> {
             .endpoint
             .connect_with(self.dialer.client.clone(), addr, name)
             .map_err(|e| format!("dialling {addr}: {e}"))?;
-        connecting.await.map_err(|e| match e {
-            quinn::ConnectionError::TransportError(ref t)
-                if t.code == quinn::TransportErrorCode::crypto(NO_APPLICATION_PROTOCOL) =>
-            {
-                format!(
-                    "connecting to {addr}: the replica speaks none of the trunk protocols \
-                     this relay offers ({}): the two are more than one release apart; \
-                     upgrade the older first ({e})",
-                    TrunkProtocol::names()
-                )
-            }
-            e => format!("connecting to {addr}: {e}"),
-        })
+        connecting.await.map_err(|e| dial_error(addr, &e))
     }
 
     /// Dials and drives the trunk until it ends.
