@@ -4,6 +4,7 @@
 use crate::config::AgentConfig;
 use crate::sample::{self, synthetic::SyntheticHandle, AssignmentWatch, SampleError, Sampler};
 use crate::shared::{drained_on_disk, DrainFileError, Shared};
+use ballast_shared::protocol;
 use ballast_shared::tls::live::LiveTls;
 use ballast_shared::tls::{self, TlsError};
 use std::sync::atomic::Ordering;
@@ -22,6 +23,9 @@ pub enum AgentError {
     /// A measurement source could not be opened.
     #[error(transparent)]
     Sample(#[from] SampleError),
+    /// `BALLAST_PROTOCOL` names no set of protocol versions.
+    #[error(transparent)]
+    Protocol(#[from] ballast_shared::protocol::UnknownChoice),
     /// The agent-check port could not be bound.
     #[error("agent-check port {addr}: {source}")]
     AgentCheck {
@@ -51,18 +55,28 @@ pub enum AgentError {
     },
 }
 
-/// The QUIC client configuration from the configured TLS files.
-pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, TlsError> {
-    tls::client_config(cfg.tls.identity()?, &cfg.tls.ca_certs()?)
+/// The QUIC client configuration from the configured TLS files, offering every
+/// version of the protocol this build speaks, current first (`BALLAST_PROTOCOL` may
+/// narrow them: [`ballast_shared::protocol`]). The aggregator picks the newest it
+/// speaks too.
+pub fn client_config(cfg: &AgentConfig) -> Result<quinn::ClientConfig, AgentError> {
+    let alpns = protocol::alpns(&protocol::from_env()?);
+    Ok(tls::client_config_with_alpns(
+        cfg.tls.identity()?,
+        &cfg.tls.ca_certs()?,
+        &alpns,
+    )?)
 }
 
 /// The configured TLS files, loaded to be watched ([`LiveTls::watch`]); and the QUIC
 /// client configuration that presents the certificate in force at each handshake.
+/// Like [`client_config`], it offers every version of the protocol this build speaks.
 pub fn live_client_config(
     cfg: &AgentConfig,
-) -> Result<(Arc<LiveTls>, quinn::ClientConfig), TlsError> {
+) -> Result<(Arc<LiveTls>, quinn::ClientConfig), AgentError> {
+    let alpns = protocol::alpns(&protocol::from_env()?);
     let live = LiveTls::client(&cfg.tls)?;
-    let client = tls::client_config_live(&live, &[ballast_shared::ALPN])?;
+    let client = tls::client_config_live(&live, &alpns)?;
     Ok((live, client))
 }
 

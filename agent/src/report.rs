@@ -13,6 +13,7 @@
 
 use crate::sample::{Sample, SampleError, Sampler};
 use crate::shared::Shared;
+use ballast_shared::protocol::Protocol;
 use ballast_shared::reconnect::{host_part, Backoff};
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{
@@ -177,11 +178,18 @@ async fn open(
     let conn = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(addr, server_name)?)
         .await
         .map_err(|_| SessionError::Timeout)??;
-    let mut s = ClientSession::new(hello, ClientConfig::default(), now());
+    // The codec of the version the handshake chose; the rest of the agent sees
+    // today's messages whatever the aggregator speaks.
+    let config = ClientConfig {
+        protocol: Protocol::negotiated(&conn).unwrap_or(Protocol::CURRENT),
+        ..ClientConfig::default()
+    };
+    let mut s = ClientSession::new(hello, config, now());
     let (mut send, mut recv) = conn.open_bi().await?;
     send.write_all(&s.hello_frame()?).await?;
     let _ = send.finish();
     let interval = welcome(&mut s, &mut recv).await?;
+    tracing::debug!(%addr, protocol = %config.protocol, "session open");
     Ok((conn, s, interval))
 }
 
@@ -400,9 +408,15 @@ fn close_reason(code: u64) -> Option<&'static str> {
     }
 }
 
-/// What a TLS alert that ended the handshake says about this node's certificate.
+/// What a TLS alert that ended the handshake says about this node's certificate, or
+/// about the protocol versions it offered.
 fn alert_reason(alert: u8) -> (&'static str, &'static str) {
     match alert {
+        120 => (
+            "no_common_protocol",
+            "the aggregator speaks none of the protocol versions this agent offers: the two \
+             are more than one release apart; upgrade the older",
+        ),
         44 => (
             "revoked",
             "the aggregator refused this node's certificate: it is revoked",

@@ -100,8 +100,8 @@ pub struct Status {
 pub struct Rejection {
     /// A stable code: a reject reason of the protocol (`service_not_allowed`,
     /// `address_not_allowed`, `unknown_service`, `identity_mismatch`,
-    /// `invalid_hello`), or what became of the certificate (`revoked`, `expired`,
-    /// `certificate_refused`).
+    /// `invalid_hello`), what became of the certificate (`revoked`, `expired`,
+    /// `certificate_refused`), or `no_common_protocol` (no protocol version shared).
     pub reason: String,
     /// The aggregator's words, or what the agent could tell.
     pub detail: String,

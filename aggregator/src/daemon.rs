@@ -414,8 +414,8 @@ fn xds_tls(
         Mode::Tls => None,
         Mode::Mutual => Some(ingest.revocation()),
     };
-    let tls = crate::feed::xds::XdsTls::new(ingest.live_tls(), revocation)
-        .map_err(TlsError::from)?;
+    let tls =
+        crate::feed::xds::XdsTls::new(ingest.live_tls(), revocation).map_err(TlsError::from)?;
     Ok(Some(tls))
 }
 

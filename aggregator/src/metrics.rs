@@ -39,6 +39,22 @@ pub struct ServiceReason {
     pub reason: String,
 }
 
+/// A label set with one agent `protocol` version (its ALPN name, `ballast/2`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabel {
+    /// The version.
+    pub protocol: String,
+}
+
+impl ProtocolLabel {
+    /// The label set of `protocol`.
+    pub fn of(protocol: ballast_shared::protocol::Protocol) -> Self {
+        ProtocolLabel {
+            protocol: protocol.name().to_string(),
+        }
+    }
+}
+
 /// A label set with one `service`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabel {
@@ -73,6 +89,11 @@ pub struct Metrics {
     pub connections_rejected: Family<Reason, Counter>,
     /// Agent connections open now.
     pub connections_open: Gauge,
+    /// Agent connections open now, by the protocol version they negotiated: when the
+    /// previous version's stays at 0, no agent of the previous release is left.
+    pub agent_connections: Family<ProtocolLabel, Gauge>,
+    /// Agent connections accepted, by the protocol version they negotiated.
+    pub agent_connections_accepted: Family<ProtocolLabel, Counter>,
     /// Trunks from relays open now.
     pub trunks_open: Gauge,
     /// Agents attached through trunks now (slots welcomed and not yet detached).
@@ -198,6 +219,8 @@ impl Metrics {
             reports_rejected: Family::default(),
             connections_rejected: Family::default(),
             connections_open: Gauge::default(),
+            agent_connections: Family::default(),
+            agent_connections_accepted: Family::default(),
             trunks_open: Gauge::default(),
             trunk_slots: Gauge::default(),
             trunk_detached: Family::default(),
@@ -259,6 +282,24 @@ impl Metrics {
             "Agent connections open",
             m.connections_open.clone(),
         );
+        registry.register(
+            "agent_connections",
+            "Agent connections open, by the protocol version they negotiated",
+            m.agent_connections.clone(),
+        );
+        registry.register(
+            "agent_connections_accepted",
+            "Agent connections accepted, by the protocol version they negotiated",
+            m.agent_connections_accepted.clone(),
+        );
+        // Every version shows, at 0 until an agent speaks it: a scrape tells "none
+        // left" from "not counted".
+        for p in ballast_shared::protocol::Protocol::ALL {
+            let _ = m.agent_connections.get_or_create(&ProtocolLabel::of(p));
+            let _ = m
+                .agent_connections_accepted
+                .get_or_create(&ProtocolLabel::of(p));
+        }
         registry.register(
             "trunks_open",
             "Trunks from relays open",
@@ -428,6 +469,14 @@ impl Metrics {
             m.config_rejected.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Counts an agent connection that negotiated `protocol`; the gauge of those open
+    /// now, for the caller to raise and lower around the connection.
+    pub fn agent_connections(&self, protocol: ballast_shared::protocol::Protocol) -> Gauge {
+        let label = ProtocolLabel::of(protocol);
+        self.agent_connections_accepted.get_or_create(&label).inc();
+        self.agent_connections.get_or_create(&label).clone()
     }
 
     /// Counts a rejected report or hello.

@@ -105,6 +105,9 @@ fn wire_seeds() -> Result<(), Error> {
     ];
     for (name, m) in &msgs {
         write("wire", name, &enc(m)?)?;
+        // The same messages in the previous protocol, as an agent or aggregator one
+        // release behind sends them.
+        write("wire_v1", name, &wire::v1::encode(m)?)?;
     }
     Ok(())
 }

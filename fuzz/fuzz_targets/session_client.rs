@@ -50,6 +50,8 @@ fuzz_target!(|data: &[u8]| {
         welcome_timeout: Duration::from_millis(u64::from(u16::from_be_bytes([w0, w1]))),
         missed_replies: u32::from(missed),
         silence_slack: Duration::from_millis(u64::from(u16::from_be_bytes([s0, s1]))),
+        // The previous version's codec has its own target (wire_v1).
+        ..ClientConfig::default()
     };
     let mut s = ClientSession::new(hello.clone(), config, now);
     let sent = s.hello_frame().expect("the hello frames");

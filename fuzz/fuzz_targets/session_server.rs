@@ -89,6 +89,8 @@ fuzz_target!(|data: &[u8]| {
         interval_ms: u32::from(u16::from_be_bytes([i0, i1])),
         hello_timeout: Duration::from_millis(u64::from(u16::from_be_bytes([t0, t1]))),
         max_bad_datagrams: u32::from(max_bad),
+        // The previous version's codec has its own target (wire_v1).
+        protocol: ballast_shared::protocol::Protocol::CURRENT,
     };
     let mut s = ServerSession::new(peer, config, now);
     let mut last_seq: Option<u32> = None;

@@ -51,13 +51,7 @@ pub async fn read(stream: &mut quinn::RecvStream) -> Result<Message, FrameError>
 /// One message with its length prefix, ready to write on a stream. Sans IO, for the
 /// session machines ([`crate::session`]), which hand their drivers bytes to send.
 pub fn encode(msg: &Message) -> Result<Vec<u8>, wire::EncodeError> {
-    let bytes = wire::encode(msg)?;
-    // `wire::encode` holds every message to MAX_MESSAGE, which a u16 always fits.
-    let len = u16::try_from(bytes.len()).map_err(|_| wire::EncodeError::TooLarge)?;
-    let mut out = Vec::with_capacity(2 + bytes.len());
-    out.extend_from_slice(&len.to_be_bytes());
-    out.extend_from_slice(&bytes);
-    Ok(out)
+    crate::protocol::Protocol::CURRENT.frame(msg)
 }
 
 /// Writes one message with its length prefix.

@@ -4,15 +4,17 @@
 pub mod config;
 pub mod frame;
 pub mod pki;
+pub mod protocol;
 pub mod reconnect;
 pub mod session;
 pub mod tls;
 pub mod trunk;
 pub mod wire;
 
-/// The ALPN protocol name. Its suffix is the protocol version, so an agent and an
-/// aggregator that cannot understand each other fail the handshake instead of
-/// exchanging bytes neither can decode.
+/// The ALPN protocol name of the current agent protocol. Its suffix is the protocol
+/// version, so an agent and an aggregator that cannot understand each other fail the
+/// handshake instead of exchanging bytes neither can decode; agents offer the previous
+/// version too, and aggregators accept both ([`protocol`]).
 pub const ALPN: &[u8] = b"ballast/2";
 
 /// The version of the Ballast software, carried in the agent's hello.

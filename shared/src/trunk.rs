@@ -20,8 +20,72 @@
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
 
-/// The ALPN protocol name of a trunk. Agents keep [`crate::ALPN`].
+/// The ALPN protocol name of the current trunk protocol. Agents keep
+/// [`crate::ALPN`].
 pub const RELAY_ALPN: &[u8] = b"ballast-relay/1";
+
+/// A version of the trunk protocol, chosen by ALPN as the agents' is
+/// ([`crate::protocol`]): a relay offers every version it speaks, current first, and a
+/// primary accepts every version it speaks. Each version fixes the layout of its
+/// control frames and batches *and* the agent protocol its entries carry
+/// ([`TrunkProtocol::entries`]), so that a primary reads a relay of another release
+/// without guessing. A relay translates its agents' messages into that version at its
+/// edge, whatever its agents speak.
+///
+/// There is one version so far. The next change to the trunk, or to the agent
+/// protocol its entries carry, adds a version here (`ballast-relay/2`), keeps this one
+/// for a release, and needs nothing else: the negotiation picks the newest both ends
+/// speak, and a relay and a primary that share none fail the handshake with
+/// `no_application_protocol`, counted at the primary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TrunkProtocol {
+    /// `ballast-relay/1`: [`TRUNK_VERSION`] 1, entries in `ballast/2`.
+    V1,
+}
+
+impl TrunkProtocol {
+    /// The version this build speaks natively.
+    pub const CURRENT: TrunkProtocol = TrunkProtocol::V1;
+    /// Every version this build speaks, current first.
+    pub const ALL: [TrunkProtocol; 1] = [TrunkProtocol::V1];
+
+    /// Its ALPN protocol name.
+    pub fn alpn(self) -> &'static [u8] {
+        match self {
+            TrunkProtocol::V1 => RELAY_ALPN,
+        }
+    }
+
+    /// Its name, for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            TrunkProtocol::V1 => "ballast-relay/1",
+        }
+    }
+
+    /// The agent protocol the entries of its batches and the hellos and welcomes of
+    /// its control frames are in.
+    pub fn entries(self) -> crate::protocol::Protocol {
+        match self {
+            TrunkProtocol::V1 => crate::protocol::Protocol::V2,
+        }
+    }
+
+    /// The version an ALPN name stands for, if this build speaks it.
+    pub fn from_alpn(alpn: &[u8]) -> Option<TrunkProtocol> {
+        TrunkProtocol::ALL.into_iter().find(|p| p.alpn() == alpn)
+    }
+
+    /// The version `conn` negotiated, if it is a trunk this build speaks.
+    pub fn negotiated(conn: &quinn::Connection) -> Option<TrunkProtocol> {
+        crate::protocol::negotiated_alpn(conn).and_then(|a| TrunkProtocol::from_alpn(&a))
+    }
+
+    /// The names of every version, for an error that lists what was offered.
+    pub fn names() -> String {
+        TrunkProtocol::ALL.map(|p| p.name()).join(", ")
+    }
+}
 
 /// The version byte behind every control frame's length and at the start of every
 /// batch.

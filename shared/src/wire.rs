@@ -8,6 +8,8 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub mod v1;
+
 /// The version byte that opens every encoded message.
 pub const WIRE_VERSION: u8 = 2;
 
@@ -211,8 +213,19 @@ fn config() -> impl bincode::config::Config {
 
 /// Encodes a message behind the version byte.
 pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
+    encode_as(WIRE_VERSION, msg)
+}
+
+/// Decodes one whole message. Never panics, whatever the bytes.
+pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
+    decode_as(WIRE_VERSION, bytes)
+}
+
+/// `msg` behind the version byte `version`, held to [`MAX_MESSAGE`]: the envelope of
+/// every version of the protocol.
+fn encode_as<T: Serialize>(version: u8, msg: &T) -> Result<Vec<u8>, EncodeError> {
     let mut out = Vec::with_capacity(64);
-    out.push(WIRE_VERSION);
+    out.push(version);
     let body = bincode::serde::encode_to_vec(msg, config())
         .map_err(|e| EncodeError::Bincode(e.to_string()))?;
     out.extend_from_slice(&body);
@@ -222,16 +235,16 @@ pub fn encode(msg: &Message) -> Result<Vec<u8>, EncodeError> {
     Ok(out)
 }
 
-/// Decodes one whole message. Never panics, whatever the bytes.
-pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
-    let (&version, body) = bytes.split_first().ok_or(DecodeError::Empty)?;
+/// One whole message of the version `version`. Never panics, whatever the bytes.
+fn decode_as<T: serde::de::DeserializeOwned>(version: u8, bytes: &[u8]) -> Result<T, DecodeError> {
+    let (&found, body) = bytes.split_first().ok_or(DecodeError::Empty)?;
     if bytes.len() > MAX_MESSAGE {
         return Err(DecodeError::TooLarge(bytes.len()));
     }
-    if version != WIRE_VERSION {
-        return Err(DecodeError::UnknownVersion(version));
+    if found != version {
+        return Err(DecodeError::UnknownVersion(found));
     }
-    let (msg, used): (Message, usize) = bincode::serde::decode_from_slice(body, config())
+    let (msg, used): (T, usize) = bincode::serde::decode_from_slice(body, config())
         .map_err(|e| DecodeError::Malformed(e.to_string()))?;
     if used != body.len() {
         return Err(DecodeError::Trailing(body.len() - used));

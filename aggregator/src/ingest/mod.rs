@@ -19,8 +19,10 @@ pub use policy::PolicyError;
 pub use threads::ThreadsError;
 
 use crate::config::Config;
+use ballast_shared::protocol;
 use ballast_shared::tls::live::LiveTls;
 use ballast_shared::tls::{self, CertificateDer, Identity, TlsError};
+use ballast_shared::trunk::TrunkProtocol;
 use policy::Policy;
 use revocation::Revocation;
 use std::sync::Arc;
@@ -45,6 +47,9 @@ pub enum IngestError {
     /// Settings that cannot work together.
     #[error(transparent)]
     Setting(#[from] crate::config::InvalidSetting),
+    /// `BALLAST_PROTOCOL` names no set of agent protocol versions.
+    #[error(transparent)]
+    Protocol(#[from] ballast_shared::protocol::UnknownChoice),
 }
 
 /// What ingest needs besides the daemon's state: the policy, the revocation list and
@@ -77,28 +82,35 @@ impl Ingest {
     }
 }
 
-/// What an aggregator's QUIC server offers: agents' connections and relays' trunks.
-pub(crate) const AGGREGATOR_ALPNS: [&[u8]; 2] =
-    [ballast_shared::ALPN, ballast_shared::trunk::RELAY_ALPN];
+/// What an aggregator's QUIC server offers: agents' connections in every version of
+/// their protocol it speaks (current first, so that an agent that offers both gets
+/// the current), and relays' trunks in every version of theirs.
+pub(crate) fn aggregator_alpns() -> Result<Vec<&'static [u8]>, IngestError> {
+    let mut alpns = agent_alpns()?;
+    alpns.extend(TrunkProtocol::ALL.map(TrunkProtocol::alpn));
+    Ok(alpns)
+}
 
-/// What a server that takes agents only offers (a relay's, facing its agents).
-#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // the relay's, which needs etcd
-pub(crate) const AGENT_ALPNS: [&[u8]; 1] = [ballast_shared::ALPN];
+/// What a server that takes agents only offers (a relay's, facing its agents): every
+/// version of their protocol, current first, unless `BALLAST_PROTOCOL` narrows them.
+pub(crate) fn agent_alpns() -> Result<Vec<&'static [u8]>, IngestError> {
+    Ok(protocol::alpns(&protocol::from_env()?))
+}
 
 /// Loads the policy and the revocation list named in `cfg` and builds the QUIC server
 /// configuration whose handshakes check client certificates against `client_ca` and
 /// the revocation list, offering agents' connections and relays' trunks
-/// ([`AGGREGATOR_ALPNS`]). A bad policy or list stops the start with its reason.
+/// ([`aggregator_alpns`]). A bad policy or list stops the start with its reason.
 pub(crate) fn setup(
     cfg: &Config,
     identity: Identity,
     client_ca: &[CertificateDer<'static>],
 ) -> Result<(quinn::ServerConfig, Ingest), IngestError> {
-    setup_with(cfg, identity, client_ca, &AGGREGATOR_ALPNS)
+    setup_with(cfg, identity, client_ca, &aggregator_alpns()?)
 }
 
 /// [`setup`], its server offering the application protocols `alpns` only: a server
-/// that takes no trunks offers [`AGENT_ALPNS`].
+/// that takes no trunks offers [`agent_alpns`].
 pub(crate) fn setup_with(
     cfg: &Config,
     identity: Identity,

@@ -15,10 +15,12 @@ use super::revocation::Verdict;
 use super::upstream::{Admitted, Arrival, Downstream, Forwarded, Link, Trunk, Upstream};
 use super::Ingest;
 use crate::metrics::Metrics;
+use ballast_shared::protocol::Protocol;
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{Peer, ServerConfig, ServerError, ServerEvent, ServerSession};
 use ballast_shared::tls::{CertInfo, CertificateDer};
-use ballast_shared::wire::Reject;
+use ballast_shared::trunk::TrunkProtocol;
+use ballast_shared::wire::{Message, Reject};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,13 +32,15 @@ pub(crate) use ballast_shared::session::close;
 /// `unknown_ca` for a certificate from another CA and also for one whose revocation
 /// status cannot be told (an expired revocation list); `bad_certificate` for one it
 /// cannot parse or that is not valid for its use; `certificate_required` when the
-/// client sent none.
-const HANDSHAKE_ALERTS: [(u8, &str); 5] = [
+/// client sent none; `no_application_protocol` when the client offered no version of
+/// the agent or trunk protocol this build speaks (a peer more than one release apart).
+const HANDSHAKE_ALERTS: [(u8, &str); 6] = [
     (42, "bad_certificate"),
     (44, "revoked"),
     (45, "expired"),
     (48, "unknown_ca"),
     (116, "no_certificate"),
+    (120, "no_common_protocol"),
 ];
 
 /// Accepts connections until the endpoint closes, each served by a task of its own on
@@ -92,8 +96,14 @@ pub(crate) async fn serve<U: Upstream>(
                 }
                 return;
             }
+            // A client that offered no ALPN at all gets the current protocol, as before
+            // there were versions to choose from.
+            let protocol = Protocol::negotiated(&conn).unwrap_or(Protocol::CURRENT);
+            let by_protocol = metrics.agent_connections(protocol);
             metrics.connections_open.inc();
-            let result = handle(&conn, &metrics, &ingest, &*upstream, &mut slot).await;
+            by_protocol.inc();
+            let result = handle(&conn, protocol, &metrics, &ingest, &*upstream, &mut slot).await;
+            by_protocol.dec();
             metrics.connections_open.dec();
             if let Err(reason) = result {
                 tracing::debug!(remote = %conn.remote_address(), reason, "agent connection ended");
@@ -116,12 +126,9 @@ fn handshake_reason(e: &quinn::ConnectionError) -> &'static str {
     "handshake"
 }
 
-/// Whether `conn` negotiated the relays' protocol: a trunk, not an agent.
+/// Whether `conn` negotiated a version of the relays' protocol: a trunk, not an agent.
 fn is_trunk(conn: &quinn::Connection) -> bool {
-    conn.handshake_data()
-        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
-        .and_then(|d| d.protocol)
-        .is_some_and(|p| p == ballast_shared::trunk::RELAY_ALPN)
+    TrunkProtocol::negotiated(conn).is_some()
 }
 
 /// The certificate of a peer: its chain as presented (leaf first) and what its leaf
@@ -152,6 +159,7 @@ pub(super) fn peer(ingest: &Ingest, info: CertInfo, source: std::net::IpAddr) ->
 
 async fn handle<U: Upstream>(
     conn: &quinn::Connection,
+    protocol: Protocol,
     metrics: &Metrics,
     ingest: &Ingest,
     upstream: &U,
@@ -181,7 +189,10 @@ async fn handle<U: Upstream>(
     let mut revocations = admit_identity(conn, metrics, ingest, slot, &peer.identity, &chain)?;
     // The report interval is the upstream's, set when it admits the hello: until then
     // the session sends nothing that carries one.
-    let config = ServerConfig::new(0);
+    let config = ServerConfig {
+        protocol,
+        ..ServerConfig::new(0)
+    };
     let mut session = ServerSession::new(peer, config, now());
     let (mut send, mut recv) = loop {
         tokio::select! {
@@ -284,7 +295,13 @@ async fn handle<U: Upstream>(
             }
             down = link.next() => match down {
                 Downstream::Reply(reply) => {
-                    let _ = conn.send_datagram(reply);
+                    match to_agent(protocol, reply) {
+                        Ok(reply) => { let _ = conn.send_datagram(reply); }
+                        Err(e) => {
+                            tracing::debug!(node = %hello.node, error = %e, "a reply the agent's protocol cannot carry");
+                            metrics.reject("untranslatable");
+                        }
+                    }
                     continue;
                 }
                 Downstream::Close(close) => {
@@ -314,7 +331,24 @@ async fn handle<U: Upstream>(
                 silence
                     .as_mut()
                     .reset(tokio::time::Instant::now() + silence_limit);
-                match link.report(&report, &bytes) {
+                // The upstream takes today's protocol: a report of the previous one is
+                // translated here, at the edge, and only for the agents that speak it.
+                let current;
+                let raw = if protocol == Protocol::CURRENT {
+                    &bytes[..]
+                } else {
+                    match Protocol::CURRENT.encode(&Message::Report(report)) {
+                        Ok(b) => {
+                            current = b;
+                            &current[..]
+                        }
+                        Err(_) => {
+                            metrics.reject("untranslatable");
+                            continue;
+                        }
+                    }
+                };
+                match link.report(&report, raw) {
                     Forwarded::Assigned {
                         assignment,
                         accepted,
@@ -345,6 +379,19 @@ async fn handle<U: Upstream>(
             }
         }
     }
+}
+
+/// A reply from the upstream (today's protocol) in the agent's `protocol`.
+fn to_agent(
+    protocol: Protocol,
+    reply: bytes::Bytes,
+) -> Result<bytes::Bytes, ballast_shared::protocol::TranslateError> {
+    if protocol == Protocol::CURRENT {
+        return Ok(reply);
+    }
+    protocol
+        .translate(Protocol::CURRENT, &reply)
+        .map(bytes::Bytes::from)
 }
 
 /// Counts the connection as `identity`'s (a node's or a relay's) and checks its

@@ -25,6 +25,7 @@ use ballast_shared::session::trunk::{Admission, SlotEvent, TrunkServerError, Tru
 use ballast_shared::session::TrunkServerConfig;
 use ballast_shared::session::{ServerConfig, ServerError, ServerEvent, TrunkServer};
 use ballast_shared::tls::{CertInfo, CertificateDer};
+use ballast_shared::trunk::TrunkProtocol;
 use ballast_shared::trunk::{Slot, MAX_BATCH, MAX_CONTROL_FRAME};
 use ballast_shared::wire::RejectReason;
 use futures_util::FutureExt;
@@ -105,7 +106,13 @@ pub(super) async fn serve(local: &Local, trunk: Trunk<'_>) -> Result<(), End> {
             max_batch_bytes: batch_limit(conn.max_datagram_size()),
             ..TrunkServerConfig::new(
                 local.replica(),
-                ServerConfig::new(local.report_interval_ms()),
+                ServerConfig {
+                    // The agents' messages in the version the trunk's carries.
+                    protocol: TrunkProtocol::negotiated(conn)
+                        .unwrap_or(TrunkProtocol::CURRENT)
+                        .entries(),
+                    ..ServerConfig::new(local.report_interval_ms())
+                },
             )
         }),
         agents: HashMap::new(),

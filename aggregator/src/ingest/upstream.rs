@@ -86,7 +86,8 @@ pub(crate) struct Trunk<'a> {
 /// One admitted agent's path to what serves it. Dropping it lets go of the agent
 /// there.
 pub(crate) trait Link: Send + 'static {
-    /// Takes a report the session accepted, with the datagram it came in (`raw`).
+    /// Takes a report the session accepted, with its datagram in today's protocol
+    /// (`raw`: as it came, or translated from the agent's previous version).
     /// Called for every report on the connection's task: it must not block, and the
     /// aggregator's own link allocates nothing and takes no lock beyond the
     /// balancer's.
@@ -123,7 +124,8 @@ pub(crate) enum Forwarded {
 /// What an upstream tells the agent later.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Downstream {
-    /// A reply datagram, encoded, to send to the agent as it is.
+    /// A reply datagram, encoded in today's protocol, to send to the agent (translated
+    /// first for an agent of the previous version).
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     // constructed by the relay, which needs etcd
     Reply(Bytes),

@@ -109,7 +109,7 @@ impl Relay {
 mod running {
     use super::http::{router, Status};
     use super::metrics::RelayMetrics;
-    use super::trunk::{Dialer, Trunks, RELAY_ALPN};
+    use super::trunk::{trunk_alpns, Dialer, Trunks};
     use super::upstream::{RelayUpstream, Settings};
     use super::{Relay, RelayError};
     use crate::config::Config;
@@ -158,10 +158,10 @@ mod running {
         // Watched below: a trunk dialled after a renewal presents the new certificate.
         let relay_tls = LiveTls::client_from(&relay.tls, relay_identity, relay_ca)
             .map_err(|e| tls("the relay's identity (relay.tls)", e))?;
-        let client = ballast_shared::tls::client_config_live(&relay_tls, &[RELAY_ALPN])
+        let client = ballast_shared::tls::client_config_live(&relay_tls, &trunk_alpns())
             .map_err(|e| tls("the relay's client configuration", e))?;
         let (server, ingest) =
-            crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::AGENT_ALPNS)?;
+            crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::agent_alpns()?)?;
 
         let (supervisor, ends) = crate::supervise::supervisor();
         let metrics = Arc::new(crate::metrics::Metrics::new());

@@ -2,7 +2,7 @@
 //! own around the sans-IO [`TrunkClient`].
 //!
 //! A trunk task dials the replica's advertised address with the relay's identity
-//! (ALPN [`RELAY_ALPN`]), dials again with backoff when the connection is lost or the
+//! (offering every [`TrunkProtocol`] it speaks), dials again with backoff when the connection is lost or the
 //! address changes, and ends once the replica is no member of the cluster any more.
 //! Agents' links talk to it through [`Command`]s: an attach is answered once the
 //! primary answers; each attached slot gets the primary's replies, verbatim, and the
@@ -26,7 +26,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 
-pub(crate) use ballast_shared::trunk::RELAY_ALPN;
+use ballast_shared::trunk::TrunkProtocol;
+
+/// What a relay offers a primary: every version of the trunk protocol it speaks,
+/// current first.
+pub(crate) fn trunk_alpns() -> Vec<&'static [u8]> {
+    TrunkProtocol::ALL.map(TrunkProtocol::alpn).to_vec()
+}
+
+/// The TLS alert a server ends a handshake with when it speaks none of the
+/// application protocols offered (RFC 7301).
+const NO_APPLICATION_PROTOCOL: u8 = 120;
 
 /// How many commands (mostly reports) wait for a trunk's task before reports are
 /// dropped (`trunk_full`).
@@ -162,7 +172,7 @@ pub(crate) struct Dialer {
     pub(crate) relay: String,
     /// The endpoint trunks are dialled from.
     pub(crate) endpoint: quinn::Endpoint,
-    /// The relay's client identity, offering [`RELAY_ALPN`].
+    /// The relay's client identity, offering every [`TrunkProtocol`] it speaks.
     pub(crate) client: quinn::ClientConfig,
     /// The name replicas' certificates are checked against, if not the host part of
     /// their advertised address.
@@ -305,6 +315,25 @@ impl Trunks {
     }
 }
 
+/// What a failed dial of `addr` says in the relay's log: a replica that shares no
+/// trunk version with this relay is named as such, so that a skew of more than one
+/// release is not taken for a network fault.
+fn dial_error(addr: SocketAddr, e: &quinn::ConnectionError) -> String {
+    match e {
+        quinn::ConnectionError::ConnectionClosed(c)
+            if c.error_code == quinn::TransportErrorCode::crypto(NO_APPLICATION_PROTOCOL) =>
+        {
+            format!(
+                "connecting to {addr}: the replica speaks none of the trunk protocols this \
+                 relay offers ({}): the two are more than one release apart; upgrade the \
+                 older first ({e})",
+                TrunkProtocol::names()
+            )
+        }
+        e => format!("connecting to {addr}: {e}"),
+    }
+}
+
 /// Answers a command the trunk cannot carry out now.
 fn refuse(cmd: Command, metrics: &RelayMetrics) {
     match cmd {
@@ -390,9 +419,7 @@ impl<'a> Session<'a> {
             .endpoint
             .connect_with(self.dialer.client.clone(), addr, name)
             .map_err(|e| format!("dialling {addr}: {e}"))?;
-        connecting
-            .await
-            .map_err(|e| format!("connecting to {addr}: {e}"))
+        connecting.await.map_err(|e| dial_error(addr, &e))
     }
 
     /// Dials and drives the trunk until it ends.
@@ -429,6 +456,7 @@ impl<'a> Session<'a> {
             batch_delay: self.dialer.batch_delay,
             attach_timeout: self.dialer.attach_timeout,
             max_batch_bytes: max_batch,
+            protocol: TrunkProtocol::negotiated(conn).unwrap_or(TrunkProtocol::CURRENT),
         })
         .starting_at(self.next_slot);
         let (mut send, mut recv) = match conn.open_bi().await {

@@ -1568,6 +1568,32 @@ mod tests {
         );
     }
 
+    /// A service's value exactly as the release that spoke `ballast/1` put it (compact
+    /// JSON of its snapshot), one of a release before strategy weights, zones and
+    /// draining were kept, and one with fields a later release may add: today's
+    /// reader takes all three, so that replicas of two releases share the keys.
+    #[test]
+    fn values_of_the_previous_and_the_next_release_are_read() {
+        let previous = br#"{"version":7,"cycle":30,"endpoints":{"n1":{"address":"10.0.0.1:80","zone":"z","draining":false,"weight":1.25,"strategy_weights":{"pid":1.25}}}}"#;
+        let (service, snap) = decode_entry("/p", "/p/services/web", previous).expect("valid");
+        assert_eq!(service, "web");
+        let mut want = versioned(7);
+        want.cycle = 30;
+        if let Some(ep) = want.endpoints.get_mut("n1") {
+            ep.strategy_weights = [(ballast_balance::Strategy::Pid, 1.25)].into();
+        }
+        assert_eq!(snap, want);
+
+        let older = br#"{"version":7,"cycle":7,"endpoints":{"n1":{"address":"10.0.0.1:80","weight":1.25}}}"#;
+        let (_, snap) = decode_entry("/p", "/p/services/web", older).expect("valid");
+        assert_eq!(snap.endpoints["n1"].weight, 1.25);
+        assert_eq!(snap.endpoints["n1"].zone, "");
+
+        let next = br#"{"version":7,"cycle":7,"written_by":"9.9.9","endpoints":{"n1":{"address":"10.0.0.1:80","zone":"z","weight":1.25,"weight_floor":0.2}}}"#;
+        let (_, snap) = decode_entry("/p", "/p/services/web", next).expect("valid");
+        assert_eq!(snap, versioned(7));
+    }
+
     #[test]
     fn keys_that_are_not_valid_services_are_told_apart() {
         let good = serde_json::to_vec(&versioned(3)).expect("json");

@@ -410,4 +410,76 @@ mod tests {
             assert_eq!(read.to_bits(), w.to_bits(), "{w} read back as {read}");
         }
     }
+
+    /// A weights file exactly as the release that spoke `ballast/1` wrote it (pretty
+    /// JSON, format 1, no origin), and one of a release before strategy weights,
+    /// zones and draining were kept: today's reader loads both.
+    #[tokio::test]
+    async fn files_the_previous_releases_wrote_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("weights.json");
+        let previous = br#"{
+  "format": 1,
+  "services": {
+    "web": {
+      "version": 41,
+      "cycle": 120,
+      "endpoints": {
+        "web-1": {
+          "address": "10.0.0.1:8080",
+          "zone": "z1",
+          "draining": false,
+          "weight": 1.3,
+          "strategy_weights": {
+            "pid": 1.3,
+            "round_robin": 1.0
+          }
+        },
+        "web-2": {
+          "address": "10.0.0.2:8080",
+          "zone": "",
+          "draining": true,
+          "weight": 0.0,
+          "strategy_weights": {}
+        }
+      }
+    }
+  }
+}"#;
+        std::fs::write(&path, previous).expect("write");
+        let loaded = FileStore::new(&path).load().await.expect("loads");
+        let web = &loaded["web"];
+        assert_eq!((web.version, web.cycle), (41, 120));
+        assert_eq!(web.endpoints["web-1"].weight, 1.3);
+        assert_eq!(
+            web.endpoints["web-1"].strategy_weights[&ballast_balance::Strategy::Pid],
+            1.3
+        );
+        assert!(web.endpoints["web-2"].draining);
+
+        let older = br#"{"format":1,"services":{"api":{"version":2,"cycle":2,"endpoints":{"a-1":{"address":"h:1","weight":0.5}}}}}"#;
+        std::fs::write(&path, older).expect("write");
+        let loaded = FileStore::new(&path).load().await.expect("loads");
+        let a1 = &loaded["api"].endpoints["a-1"];
+        assert_eq!((a1.weight, a1.draining, a1.zone.as_str()), (0.5, false, ""));
+        assert!(a1.strategy_weights.is_empty());
+    }
+
+    /// What a later release may add to a service (a field this one does not know) is
+    /// ignored, so that this release reads what the next writes; a file of a format
+    /// this release does not know is refused whole, by its number.
+    #[tokio::test]
+    async fn added_fields_are_ignored_and_an_unknown_format_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("weights.json");
+        let added = br#"{"format":1,"written_by":"9.9.9","services":{"api":{"version":2,"cycle":2,"future":[1,2],"endpoints":{"a-1":{"address":"h:1","weight":0.5,"weight_floor":0.1}}}}}"#;
+        std::fs::write(&path, added).expect("write");
+        let loaded = FileStore::new(&path).load().await.expect("loads");
+        assert_eq!(loaded["api"].endpoints["a-1"].weight, 0.5);
+
+        let next = br#"{"format":2,"services":{}}"#;
+        std::fs::write(&path, next).expect("write");
+        let err = FileStore::new(&path).load().await.expect_err("refused");
+        assert!(err.to_string().contains("format 2 is not 1"), "{err}");
+    }
 }

@@ -1,8 +1,8 @@
 //! The agent's side of a session.
 
 use super::{clamp_interval_ms, Assignment, FrameReader, MessageKind, ProtocolError};
-use crate::frame;
-use crate::wire::{self, EncodeError, Hello, Message, NodeState, Reject, Report};
+use crate::protocol::Protocol;
+use crate::wire::{EncodeError, Hello, Message, NodeState, Reject, Report};
 use std::time::{Duration, Instant};
 
 /// The client's timing.
@@ -18,6 +18,8 @@ pub struct ClientConfig {
     /// Added to `missed_replies` intervals, so that one late reply on a short interval
     /// is not taken for silence.
     pub silence_slack: Duration,
+    /// The protocol version the connection negotiated ([`Protocol::negotiated`]).
+    pub protocol: Protocol,
 }
 
 impl Default for ClientConfig {
@@ -26,6 +28,7 @@ impl Default for ClientConfig {
             welcome_timeout: Duration::from_secs(3),
             missed_replies: 3,
             silence_slack: Duration::from_secs(1),
+            protocol: Protocol::CURRENT,
         }
     }
 }
@@ -129,7 +132,7 @@ impl ClientSession {
             config,
             state: State::AwaitingWelcome {
                 deadline: now.checked_add(config.welcome_timeout),
-                reader: FrameReader::new(),
+                reader: FrameReader::new(config.protocol),
             },
             interval_ms: super::MIN_INTERVAL_MS,
             next_seq: 1,
@@ -140,7 +143,10 @@ impl ClientSession {
     /// The framed hello to write on the session's stream, which the driver then
     /// finishes.
     pub fn hello_frame(&self) -> Result<Vec<u8>, ClientError> {
-        Ok(frame::encode(&Message::Hello(self.hello.clone()))?)
+        Ok(self
+            .config
+            .protocol
+            .frame(&Message::Hello(self.hello.clone()))?)
     }
 
     /// Takes bytes the aggregator sent on the hello stream. A whole welcome
@@ -215,7 +221,12 @@ impl ClientSession {
                 _ => ClientError::NotEstablished,
             });
         };
-        let reply = match wire::decode(bytes).map_err(ProtocolError::from)? {
+        let reply = match self
+            .config
+            .protocol
+            .decode(bytes)
+            .map_err(ProtocolError::from)?
+        {
             Message::Reply(r) => r,
             other => {
                 return Err(ProtocolError::Unexpected {
@@ -307,7 +318,7 @@ impl ClientSession {
                 NodeState::Serving
             },
         };
-        let bytes = wire::encode(&Message::Report(report))?;
+        let bytes = self.config.protocol.encode(&Message::Report(report))?;
         self.next_seq = self.next_seq.wrapping_add(1);
         Ok(bytes)
     }

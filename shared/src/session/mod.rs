@@ -45,7 +45,8 @@ pub use client::{ClientConfig, ClientError, ClientEvent, ClientSession, Measurem
 pub use server::{ServerConfig, ServerError, ServerEvent, ServerSession};
 pub use trunk::{TrunkClient, TrunkClientConfig, TrunkServer, TrunkServerConfig};
 
-use crate::wire::{self, DecodeError, Message, Reply, MAX_MESSAGE};
+use crate::protocol::Protocol;
+use crate::wire::{DecodeError, Message, Reply, MAX_MESSAGE};
 use std::fmt;
 
 /// QUIC application error codes with which a session's connection is closed. Both
@@ -192,16 +193,21 @@ impl ProtocolError {
 /// Reassembles the one framed message a hello stream carries each way from the chunks
 /// a stream delivers. The length prefix is checked before anything is buffered, and
 /// the buffer never holds more than one frame, whatever the peer sends.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct FrameReader {
+    protocol: Protocol,
     buf: Vec<u8>,
     done: bool,
 }
 
 impl FrameReader {
-    /// A reader waiting for its frame.
-    pub(crate) fn new() -> Self {
-        Self::default()
+    /// A reader waiting for its frame, in `protocol`.
+    pub(crate) fn new(protocol: Protocol) -> Self {
+        FrameReader {
+            protocol,
+            buf: Vec::new(),
+            done: false,
+        }
     }
 
     /// Takes the next bytes of the stream; the message once its frame is whole. Bytes
@@ -236,7 +242,7 @@ impl FrameReader {
             return Err(ProtocolError::TrailingFrame(extra.len()));
         }
         self.done = true;
-        let msg = wire::decode(&self.buf[2..])?;
+        let msg = self.protocol.decode(&self.buf[2..])?;
         self.buf = Vec::new();
         Ok(Some(msg))
     }

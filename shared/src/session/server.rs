@@ -4,10 +4,8 @@ use super::authz::Peer;
 use super::{
     clamp_interval_ms, close, seq_newer, Assignment, FrameReader, MessageKind, ProtocolError,
 };
-use crate::frame;
-use crate::wire::{
-    self, EncodeError, Hello, Message, Reject, RejectReason, Reply, Report, Welcome,
-};
+use crate::protocol::Protocol;
+use crate::wire::{EncodeError, Hello, Message, Reject, RejectReason, Reply, Report, Welcome};
 use std::time::{Duration, Instant};
 
 /// The longest reject detail sent, in bytes, so that a reject always fits its frame
@@ -39,6 +37,8 @@ pub struct ServerConfig {
     /// or unexpected) is closed: its peer is broken or hostile, and serving it costs
     /// the others.
     pub max_bad_datagrams: u32,
+    /// The protocol version the connection negotiated ([`Protocol::negotiated`]).
+    pub protocol: Protocol,
 }
 
 impl ServerConfig {
@@ -48,6 +48,7 @@ impl ServerConfig {
             interval_ms,
             hello_timeout: Duration::from_secs(5),
             max_bad_datagrams: 16,
+            protocol: Protocol::CURRENT,
         }
     }
 }
@@ -173,7 +174,7 @@ impl ServerSession {
             interval_ms: clamp_interval_ms(config.interval_ms),
             state: State::AwaitingHello {
                 deadline: now.checked_add(config.hello_timeout),
-                reader: FrameReader::new(),
+                reader: FrameReader::new(config.protocol),
             },
         }
     }
@@ -276,7 +277,7 @@ impl ServerSession {
         let welcome = Welcome {
             interval_ms: self.interval_ms,
         };
-        Ok(frame::encode(&Message::Welcome(welcome))?)
+        Ok(self.config.protocol.frame(&Message::Welcome(welcome))?)
     }
 
     /// Refuses the node whose hello is waiting (for a reason only the driver can judge,
@@ -290,7 +291,10 @@ impl ServerSession {
             code: close::REJECTED,
         };
         let detail = truncate(detail, MAX_DETAIL);
-        Ok(frame::encode(&Message::Reject(Reject { reason, detail }))?)
+        Ok(self
+            .config
+            .protocol
+            .frame(&Message::Reject(Reject { reason, detail }))?)
     }
 
     /// Takes one datagram from the agent. A report newer than any before it yields
@@ -304,7 +308,7 @@ impl ServerSession {
                 _ => ServerError::BeforeWelcome,
             });
         };
-        let fault = match wire::decode(bytes) {
+        let fault = match self.config.protocol.decode(bytes) {
             Ok(Message::Report(report)) => {
                 return Ok(match *last_seq {
                     Some(last) if !seq_newer(report.seq, last) => ServerEvent::Reordered {
@@ -347,7 +351,7 @@ impl ServerSession {
             load: assignment.load as f32,
             inflight_trusted: assignment.inflight_trusted,
         };
-        Ok(wire::encode(&Message::Reply(reply))?)
+        Ok(self.config.protocol.encode(&Message::Reply(reply))?)
     }
 
     /// Changes the report interval the agent is told with every reply from now on

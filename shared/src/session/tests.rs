@@ -2,7 +2,7 @@
 //! instant plus offsets, so every test is deterministic.
 
 use super::*;
-use crate::wire::{Hello, NodeState, Reject, RejectReason, Report, Welcome, WIRE_VERSION};
+use crate::wire::{self, Hello, NodeState, Reject, RejectReason, Report, Welcome, WIRE_VERSION};
 use proptest::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -285,6 +285,74 @@ fn happy_path_hello_welcome_report_reply() {
         }
     }
     assert_eq!(client.assignment(), Some(assignment(1.5, 2)));
+}
+
+/// A session of the previous protocol on both ends: the same exchange, every message
+/// in `ballast/1` on the wire, today's messages on either side of it.
+#[test]
+fn a_session_of_the_previous_version_runs_end_to_end() {
+    use crate::protocol::Protocol;
+    let t0 = Instant::now();
+    let cc = ClientConfig {
+        protocol: Protocol::PREVIOUS,
+        ..ClientConfig::default()
+    };
+    let sc = ServerConfig {
+        protocol: Protocol::PREVIOUS,
+        ..ServerConfig::new(1000)
+    };
+    let mut client = ClientSession::new(hello("web-1"), cc, t0);
+    let mut server = ServerSession::new(peer("web-1"), sc, t0);
+    let frame = client.hello_frame().expect("hello encodes");
+    assert_eq!(frame[2], crate::wire::v1::WIRE_VERSION);
+    assert!(matches!(
+        server.handle_stream(t0, &frame),
+        Ok(Some(ServerEvent::Hello(_)))
+    ));
+    let welcome = server.welcome().expect("welcome");
+    assert_eq!(welcome[2], crate::wire::v1::WIRE_VERSION);
+    assert!(matches!(
+        client.handle_stream(t0, &welcome),
+        Ok(Some(ClientEvent::Welcomed { .. }))
+    ));
+    assert_eq!(
+        client.handle_timeout(t0).expect("open"),
+        Some(ClientEvent::ReportDue)
+    );
+    let bytes = client.report(measurement()).expect("report");
+    assert_eq!(bytes[0], crate::wire::v1::WIRE_VERSION);
+    let report = match server.handle_datagram(&bytes) {
+        Ok(ServerEvent::Report(r)) => r,
+        other => panic!("expected a report, got {other:?}"),
+    };
+    assert_eq!((report.seq, report.cpu, report.inflight), (1, 0.25, 7));
+    let reply = server.reply(&assignment(1.5, 4)).expect("reply");
+    assert_eq!(reply[0], crate::wire::v1::WIRE_VERSION);
+    let Ok(ClientEvent::Assigned { assignment: a, .. }) = client.handle_datagram(t0, &reply) else {
+        panic!("expected an assignment");
+    };
+    // What the previous version's reply lacks: the load unknown, the count trusted.
+    assert_eq!((a.weight, a.cycle, a.draining), (1.5, 4, false));
+    assert!(a.load.is_nan() && a.inflight_trusted);
+
+    // A current-version datagram on a previous-version session is refused by its
+    // version byte, and costs only itself.
+    let current = wire::encode(&Message::Report(Report {
+        seq: 2,
+        cpu: 0.1,
+        inflight: 0,
+        capacity: 0,
+        error_rate: None,
+        state: NodeState::Serving,
+    }))
+    .expect("encodes");
+    assert!(matches!(
+        server.handle_datagram(&current),
+        Err(ServerError::Protocol(ProtocolError::Decode(
+            DecodeError::UnknownVersion(2)
+        )))
+    ));
+    assert!(server.is_established());
 }
 
 #[test]

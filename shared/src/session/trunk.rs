@@ -555,6 +555,9 @@ pub struct TrunkClientConfig {
     /// The largest batch the connection carries (its datagram size), in bytes; the
     /// primary's own limit applies too.
     pub max_batch_bytes: usize,
+    /// The trunk protocol the connection negotiated: the agent protocol of the
+    /// primary's welcomes ([`crate::trunk::TrunkProtocol::entries`]).
+    pub protocol: crate::trunk::TrunkProtocol,
 }
 
 impl TrunkClientConfig {
@@ -565,6 +568,7 @@ impl TrunkClientConfig {
             batch_delay: Duration::from_millis(5),
             attach_timeout: Duration::from_secs(5),
             max_batch_bytes: 1200,
+            protocol: crate::trunk::TrunkProtocol::CURRENT,
         }
     }
 }
@@ -897,7 +901,7 @@ impl TrunkClient {
         slot: Slot,
         frame: &[u8],
     ) -> Result<Option<TrunkClientEvent>, TrunkClientError> {
-        let welcome = match FrameReader::new().push(frame) {
+        let welcome = match FrameReader::new(self.config.protocol.entries()).push(frame) {
             Ok(Some(Message::Welcome(w))) => w,
             Ok(_) => return Err(TrunkClientError::BadWelcome(ProtocolError::StreamEnded)),
             Err(e) => return Err(TrunkClientError::BadWelcome(e)),

@@ -58,6 +58,9 @@ pub struct AgentOpts {
     pub drain_quiet_ms: Option<u64>,
     /// `--log-json`.
     pub log_json: bool,
+    /// `BALLAST_PROTOCOL`: the protocol versions it offers (`previous` stands for an
+    /// agent of the previous release); default: every version this build speaks.
+    pub protocol: Option<String>,
 }
 
 impl AgentOpts {
@@ -85,7 +88,15 @@ impl AgentOpts {
             metrics: None,
             drain_quiet_ms: None,
             log_json: false,
+            protocol: None,
         }
+    }
+
+    /// Offering only the protocol versions `choice` names (`BALLAST_PROTOCOL`:
+    /// `previous`, `current`, `both`).
+    pub fn protocol(mut self, choice: &str) -> Self {
+        self.protocol = Some(choice.to_string());
+        self
     }
 
     /// With this synthetic speed.
@@ -241,6 +252,9 @@ impl Agent {
         }
         if opts.log_json {
             cmd.arg("--log-json");
+        }
+        if let Some(choice) = &opts.protocol {
+            cmd.env("BALLAST_PROTOCOL", choice);
         }
         // One log per run, so that a restart keeps the first run's log.
         let mut n = 0;

@@ -91,6 +91,9 @@ pub struct AggregatorOpts {
     pub netns: Option<Arc<Netns>>,
     /// `--cluster NAME --replica REPLICA`: one replica of a cluster (needs `etcd`).
     pub cluster: Option<(String, String)>,
+    /// `BALLAST_PROTOCOL`: the agent protocol versions it accepts (`previous` stands
+    /// for an aggregator of the previous release); default: every version.
+    pub protocol: Option<String>,
 }
 
 impl Default for AggregatorOpts {
@@ -107,6 +110,7 @@ impl Default for AggregatorOpts {
             log_json: false,
             netns: None,
             cluster: None,
+            protocol: None,
         }
     }
 }
@@ -145,6 +149,13 @@ impl AggregatorOpts {
     /// With the etcd routing store at `endpoints` (comma-separated) under `prefix`.
     pub fn etcd(mut self, endpoints: &str, prefix: &str) -> Self {
         self.etcd = Some((endpoints.to_string(), prefix.to_string()));
+        self
+    }
+
+    /// Accepting only the agent protocol versions `choice` names
+    /// (`BALLAST_PROTOCOL`: `previous`, `current`, `both`).
+    pub fn protocol(mut self, choice: &str) -> Self {
+        self.protocol = Some(choice.to_string());
         self
     }
 
@@ -280,6 +291,9 @@ impl Aggregator {
             let path = self.dir.path().join("aggregator.toml");
             std::fs::write(&path, toml).expect("write aggregator.toml");
             cmd.arg("--config").arg(path);
+        }
+        if let Some(choice) = &self.opts.protocol {
+            cmd.env("BALLAST_PROTOCOL", choice);
         }
         if let Some(ns) = &self.opts.netns {
             ns.enter(&mut cmd);

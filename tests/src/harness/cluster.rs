@@ -168,6 +168,22 @@ pub fn fleet(
     per_service: usize,
     address: impl Fn(&str) -> Option<String>,
 ) -> Vec<Agent> {
+    fleet_with(pki, any, addrs, services, per_service, |_, mut opts| {
+        opts.address = address(&opts.node);
+        opts
+    })
+}
+
+/// [`fleet`], each agent's options (node `NAME-i`: `i`) passed through `customize`
+/// before it starts.
+pub fn fleet_with(
+    pki: &Pki,
+    any: &Aggregator,
+    addrs: &[String],
+    services: &[&str],
+    per_service: usize,
+    customize: impl Fn(usize, AgentOpts) -> AgentOpts,
+) -> Vec<Agent> {
     let mut agents = Vec::new();
     for service in services {
         let nodes: Vec<String> = (0..per_service).map(|i| format!("{service}-{i}")).collect();
@@ -180,8 +196,7 @@ pub fn fleet(
             let mut list = addrs.to_vec();
             list.rotate_left(i % addrs.len().max(1));
             opts.aggregators = Some(list);
-            opts.address = address(node);
-            agents.push(Agent::start(pki, any, opts));
+            agents.push(Agent::start(pki, any, customize(i, opts)));
         }
     }
     agents

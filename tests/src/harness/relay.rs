@@ -27,6 +27,9 @@ pub struct RelayOpts {
     pub cluster: String,
     /// Extra TOML for `--config` (e.g. a `[relay]` table).
     pub config_toml: Option<String>,
+    /// `BALLAST_PROTOCOL`: the agent protocol versions it accepts; default: every
+    /// version.
+    pub protocol: Option<String>,
 }
 
 impl RelayOpts {
@@ -39,7 +42,14 @@ impl RelayOpts {
             prefix: prefix.to_string(),
             cluster: cluster.to_string(),
             config_toml: None,
+            protocol: None,
         }
+    }
+
+    /// Accepting only the agent protocol versions `choice` names.
+    pub fn protocol(mut self, choice: &str) -> Self {
+        self.protocol = Some(choice.to_string());
+        self
     }
 
     /// With this TOML as its config file.
@@ -122,6 +132,9 @@ impl Relay {
             let path = self.dir.path().join("relay.toml");
             std::fs::write(&path, toml).expect("write relay.toml");
             cmd.arg("--config").arg(path);
+        }
+        if let Some(choice) = &self.opts.protocol {
+            cmd.env("BALLAST_PROTOCOL", choice);
         }
         let name = format!("ballast-aggregator relay {}", self.opts.name);
         let mut proc = Proc::spawn(cmd, &name, &log, 40);

@@ -521,6 +521,45 @@ async fn a_node_cannot_open_a_trunk_nor_a_relay_connect_as_an_agent() {
     primary.endpoint.close(0u32.into(), b"done");
 }
 
+#[tokio::test]
+async fn a_relay_that_shares_no_trunk_version_with_the_primary_is_refused_and_counted() {
+    let primary = Primary::start().await;
+    // Every version this build speaks is taken as a trunk.
+    for version in ballast_shared::trunk::TrunkProtocol::ALL {
+        let conn = primary
+            .connect(primary.relay_identity("relay-1"), version.alpn())
+            .await
+            .expect("handshake");
+        assert_eq!(
+            ballast_shared::trunk::TrunkProtocol::negotiated(&conn),
+            Some(version)
+        );
+        conn.close(0u32.into(), b"done");
+    }
+    // A relay of a release that speaks only a version this one does not (one gone
+    // before, or one to come) fails the handshake, which the primary counts.
+    for unknown in [&b"ballast-relay/0"[..], b"ballast-relay/2"] {
+        let err = primary
+            .connect(primary.relay_identity("relay-1"), unknown)
+            .await
+            .expect_err("refused");
+        // The TLS alert no_application_protocol (120).
+        assert!(
+            matches!(&err, quinn::ConnectionError::ConnectionClosed(c)
+                if c.error_code == quinn::TransportErrorCode::crypto(120)),
+            "{err}"
+        );
+    }
+    // The server counts the failure when its side of the handshake ends.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while primary.rejected("no_common_protocol") < 2 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(primary.rejected("no_common_protocol"), 2);
+    assert_eq!(primary.metrics.trunks_open.get(), 0);
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
 #[test]
 fn batches_fit_a_datagram_and_the_protocol() {
     assert_eq!(batch_limit(None), 1200);

@@ -5,7 +5,7 @@
 use super::*;
 use ballast_shared::pki::{Ca, RelaySpec};
 use ballast_shared::tls::{CertificateDer, ClientVerifier};
-use ballast_shared::trunk::{encode_control, ControlReader, ToPrimary, ToRelay};
+use ballast_shared::trunk::{encode_control, ControlReader, ToPrimary, ToRelay, RELAY_ALPN};
 use ballast_shared::wire::{Message, Welcome};
 
 const LOCALHOST: [u8; 4] = [127, 0, 0, 1];
@@ -46,18 +46,7 @@ impl Rig {
         let ca = Ca::generate("test CA").expect("CA");
         let ca_certs: Vec<CertificateDer<'static>> =
             ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
-        let server = ca
-            .issue_server(&["localhost".to_string()])
-            .expect("server certificate");
-        let verifier = ClientVerifier::new(&ca_certs, Vec::new()).expect("verifier");
-        let server_config = ballast_shared::tls::server_config_for(
-            server.identity("server").expect("identity"),
-            Arc::new(verifier),
-            &[RELAY_ALPN],
-        )
-        .expect("server config");
-        let primary = quinn::Endpoint::server(server_config, SocketAddr::from((LOCALHOST, 0)))
-            .expect("primary endpoint");
+        let primary = primary_endpoint(&ca, &ca_certs, &[RELAY_ALPN]);
         let addr = primary.local_addr().expect("address");
         let (tx, seen) = mpsc::unbounded_channel();
         tokio::spawn(primary_script(primary, script, tx));
@@ -120,6 +109,27 @@ impl Rig {
             .expect("answered");
         (answer, down_rx)
     }
+}
+
+/// A primary's QUIC endpoint on a port of its own, with a server certificate from
+/// `ca`, taking relays' certificates from `ca_certs`, offering `alpns`.
+fn primary_endpoint(
+    ca: &Ca,
+    ca_certs: &[CertificateDer<'static>],
+    alpns: &[&[u8]],
+) -> quinn::Endpoint {
+    let server = ca
+        .issue_server(&["localhost".to_string()])
+        .expect("server certificate");
+    let verifier = ClientVerifier::new(ca_certs, Vec::new()).expect("verifier");
+    let server_config = ballast_shared::tls::server_config_for(
+        server.identity("server").expect("identity"),
+        Arc::new(verifier),
+        alpns,
+    )
+    .expect("server config");
+    quinn::Endpoint::server(server_config, SocketAddr::from((LOCALHOST, 0)))
+        .expect("primary endpoint")
 }
 
 /// Serves connections as `script` says, telling `seen` what came.
@@ -249,4 +259,38 @@ async fn a_primary_that_names_another_replica_gets_no_agent() {
     while let Ok(seen) = rig.seen.try_recv() {
         assert_eq!(seen, Seen::Open, "the primary was handed an agent");
     }
+}
+
+#[tokio::test]
+async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
+    let ca = Ca::generate("test CA").expect("CA");
+    let ca_certs: Vec<CertificateDer<'static>> =
+        ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
+    // A primary of a release that speaks only a trunk version this relay does not.
+    let primary = primary_endpoint(&ca, &ca_certs, &[b"ballast-relay/2"]);
+    let addr = primary.local_addr().expect("address");
+    tokio::spawn(async move {
+        while let Some(incoming) = primary.accept().await {
+            let _ = incoming.await;
+        }
+    });
+    let spec = RelaySpec::new("relay-1", Duration::from_secs(3600)).expect("spec");
+    let relay = ca.issue_relay(&spec).expect("relay certificate");
+    let client = ballast_shared::tls::client_config_with_alpns(
+        relay.pem.identity("relay").expect("identity"),
+        &ca_certs,
+        &trunk_alpns(),
+    )
+    .expect("client config");
+    let endpoint = quinn::Endpoint::client(SocketAddr::from((LOCALHOST, 0))).expect("client");
+    let err = endpoint
+        .connect_with(client, addr, "localhost")
+        .expect("dial")
+        .await
+        .expect_err("no common trunk version");
+    let text = dial_error(addr, &err);
+    assert!(
+        text.contains("speaks none of the trunk protocols this relay offers (ballast-relay/1)"),
+        "{text}"
+    );
 }
