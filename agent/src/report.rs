@@ -189,7 +189,6 @@ async fn open(
     send.write_all(&s.hello_frame()?).await?;
     let _ = send.finish();
     let interval = welcome(&mut s, &mut recv).await?;
-    tracing::debug!(%addr, protocol = %config.protocol, "session open");
     Ok((conn, s, interval))
 }
 
@@ -241,7 +240,8 @@ async fn session(
     renewed.borrow_and_update();
     let (mut conn, mut s, interval) =
         open(&endpoint, addr, &server_name, shared.config.hello()).await?;
-    tracing::info!(aggregator = %target, interval_ms = interval.as_millis(), "connected");
+    let protocol = Protocol::negotiated(&conn).unwrap_or(Protocol::CURRENT);
+    tracing::info!(aggregator = %target, interval_ms = interval.as_millis(), %protocol, "connected");
     shared.update(|st| {
         st.connected_to = Some(target.to_string());
         st.connections += 1;
