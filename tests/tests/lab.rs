@@ -26,7 +26,7 @@
 //! them. The tests take turns (one lock), so that neither competes with the other for
 //! the CPU.
 
-use ballast_tests::lab::{run, Plan};
+use ballast_tests::lab::{run, LabResult, Plan};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -137,7 +137,20 @@ fn a_failing_run_leaves_no_process_and_no_cgroup() {
 fn lab_short() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let plan = Plan::short();
-    let r = run(&plan);
+    // The lab's own checks (the quotas hold, round robin saturates and unbalances, the
+    // oracle balances, the surge leaves a pool) say whether this machine ran the
+    // scenario at all, not how Ballast did. A run that fails them is run once more,
+    // and the second must hold them; every check of Ballast's is made once, on the run
+    // that held them.
+    let mut r = run(&plan);
+    let held = |r: &LabResult| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lab_holds(r, &plan))).is_ok()
+    };
+    if !held(&r) {
+        eprintln!("the lab itself did not hold on this run (above): running it once more");
+        r = run(&plan);
+        lab_holds(&r, &plan);
+    }
     let rr = r.run("rr");
     let or = r.run("oracle");
     let ba = r.run("ballast");
@@ -176,91 +189,6 @@ fn lab_short() {
         r.runs.iter().map(|x| x.whole.errors).sum::<u64>(),
     );
 
-    // Calibration: the quotas hold (capacity follows the quota) and nothing failed.
-    let per_quota: Vec<f64> = r
-        .calibration
-        .saturated
-        .iter()
-        .zip(&plan.quotas)
-        .map(|(c, q)| c / q)
-        .collect();
-    let mut sorted = per_quota.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
-    assert!(median > 0.0, "no backend served anything: {per_quota:?}");
-    for (i, v) in per_quota.iter().enumerate() {
-        assert!(
-            (v / median - 1.0).abs() < 0.35,
-            "{}: capacity per core {v:.0} is far from the others' {median:.0}: is the quota \
-             enforced? {per_quota:?}",
-            r.names[i]
-        );
-    }
-
-    // The bounds below were set from ten runs of this test on the shared two-core
-    // machine it runs on (load average 1.8–6.2), before Ballast met its targets in the
-    // lab, and checked against the runs since, quiet and loaded: the spread of each
-    // figure over those runs is the margin beside it. Figures of Ballast's own come
-    // with a margin from the noise of the same figure under the oracle, which is what a
-    // balancer as good as the oracle would show. On a loaded machine every backend's
-    // requests cost more and the lab's noise grows (one run under CI's load calibrated
-    // 374 req/s where a quiet machine gives 520, with the oracle's p99 at 115 ms against
-    // 7 ms), so the checks of the lab itself compare with round robin in the same run
-    // rather than with a figure of a quiet machine.
-
-    // 1. Round robin: the smallest quotas near saturation, a clear imbalance. Equal
-    //    request rates give utilizations in inverse proportion to the quotas, max/avg
-    //    1.44, and saturating the smallest backends flattens that: measured 1.41–1.45,
-    //    once 1.28 on a loaded machine. The bound, 1.2, fails a lab whose quotas make no
-    //    imbalance, not one whose smallest backends saturated harder.
-    let small = plan.quotas.iter().copied().fold(f64::INFINITY, f64::min);
-    for (i, u) in rr.util.iter().enumerate() {
-        if (plan.quotas[i] - small).abs() < 1e-9 {
-            assert!(
-                *u >= 0.8,
-                "{} at {u:.2} under round robin: not near saturation",
-                r.names[i]
-            );
-        }
-    }
-    assert!(
-        rr.spread.max_over_avg >= 1.2,
-        "round robin max/avg {:.3}: the quotas made no imbalance",
-        rr.spread.max_over_avg
-    );
-
-    // 2. The oracle balances what round robin does not: the lab itself (quotas,
-    //    HAProxy's weights, the sampler) is checked before Ballast is compared with it.
-    //    Its excess over 1 was 0.011–0.025 of round robin's 0.43–0.45 on a quiet machine
-    //    (2–6 %), and 0.083 of 0.447 (19 %) under CI's load, where an absolute bound of
-    //    1.08 failed a lab that worked. The bound is 30 % of round robin's excess in the
-    //    same run: a lab whose true weights leave a third of the imbalance is broken.
-    let excess = |x: f64| x - 1.0;
-    assert!(
-        excess(or.spread.max_over_avg) <= 0.3 * excess(rr.spread.max_over_avg),
-        "the oracle's max/avg {:.3} against round robin's {:.3}: the lab cannot balance \
-         even with the true weights (utilization {:?})",
-        or.spread.max_over_avg,
-        rr.spread.max_over_avg,
-        or.util
-    );
-
-    // 3. Ballast through a surge. First, that the surge saturated: HAProxy held a
-    //    pool of connections to the smallest backend. Measured 20–56 (the larger of
-    //    HAProxy's count and the backend's own) on a quiet machine, 26–29 under CI's
-    //    load; 4–15 beside builds, whose CPU the backends lose while the surge's rate
-    //    was calibrated without them. The bound is the full lab's target, the dozen or
-    //    so connections the scenario needs: ten idle connections to a backend whose
-    //    typical in-flight count is below one would make a connection count read it as
-    //    ten times as busy.
-    assert!(
-        sat.pool() >= ballast_tests::lab::report::TARGET_POOLED,
-        "HAProxy held at most {} connections to {} during the surge ({:.2}× the fleet's capacity): \
-         no pool to mislead an agent",
-        sat.pool(),
-        r.names[sat.backend],
-        sat.overload
-    );
     // No backend starved: the target, 0.85 of the mean. The oracle's lowest backend
     // sits at 0.96–0.99 of the mean, so the target leaves three times that noise.
     assert!(
@@ -348,5 +276,97 @@ fn lab_short() {
         x.served_after > 0,
         "{} got no traffic after the undrain",
         r.names[x.backend]
+    );
+}
+
+/// The lab's own checks on a run: the scenario happened as planned on this machine.
+fn lab_holds(r: &LabResult, plan: &Plan) {
+    let rr = r.run("rr");
+    let or = r.run("oracle");
+    let sat = &r.saturation;
+    // Calibration: the quotas hold (capacity follows the quota) and nothing failed.
+    let per_quota: Vec<f64> = r
+        .calibration
+        .saturated
+        .iter()
+        .zip(&plan.quotas)
+        .map(|(c, q)| c / q)
+        .collect();
+    let mut sorted = per_quota.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    assert!(median > 0.0, "no backend served anything: {per_quota:?}");
+    for (i, v) in per_quota.iter().enumerate() {
+        assert!(
+            (v / median - 1.0).abs() < 0.35,
+            "{}: capacity per core {v:.0} is far from the others' {median:.0}: is the quota \
+             enforced? {per_quota:?}",
+            r.names[i]
+        );
+    }
+
+    // The bounds below were set from ten runs of this test on the shared two-core
+    // machine it runs on (load average 1.8–6.2), before Ballast met its targets in the
+    // lab, and checked against the runs since, quiet and loaded: the spread of each
+    // figure over those runs is the margin beside it. Figures of Ballast's own come
+    // with a margin from the noise of the same figure under the oracle, which is what a
+    // balancer as good as the oracle would show. On a loaded machine every backend's
+    // requests cost more and the lab's noise grows (one run under CI's load calibrated
+    // 374 req/s where a quiet machine gives 520, with the oracle's p99 at 115 ms against
+    // 7 ms), so the checks of the lab itself compare with round robin in the same run
+    // rather than with a figure of a quiet machine.
+
+    // 1. Round robin: the smallest quotas near saturation, a clear imbalance. Equal
+    //    request rates give utilizations in inverse proportion to the quotas, max/avg
+    //    1.44, and saturating the smallest backends flattens that: measured 1.41–1.45,
+    //    once 1.28 on a loaded machine. The bound, 1.2, fails a lab whose quotas make no
+    //    imbalance, not one whose smallest backends saturated harder.
+    let small = plan.quotas.iter().copied().fold(f64::INFINITY, f64::min);
+    for (i, u) in rr.util.iter().enumerate() {
+        if (plan.quotas[i] - small).abs() < 1e-9 {
+            assert!(
+                *u >= 0.8,
+                "{} at {u:.2} under round robin: not near saturation",
+                r.names[i]
+            );
+        }
+    }
+    assert!(
+        rr.spread.max_over_avg >= 1.2,
+        "round robin max/avg {:.3}: the quotas made no imbalance",
+        rr.spread.max_over_avg
+    );
+
+    // 2. The oracle balances what round robin does not: the lab itself (quotas,
+    //    HAProxy's weights, the sampler) is checked before Ballast is compared with it.
+    //    Its excess over 1 was 0.011–0.025 of round robin's 0.43–0.45 on a quiet machine
+    //    (2–6 %), and 0.083 of 0.447 (19 %) under CI's load, where an absolute bound of
+    //    1.08 failed a lab that worked. The bound is 30 % of round robin's excess in the
+    //    same run: a lab whose true weights leave a third of the imbalance is broken.
+    let excess = |x: f64| x - 1.0;
+    assert!(
+        excess(or.spread.max_over_avg) <= 0.3 * excess(rr.spread.max_over_avg),
+        "the oracle's max/avg {:.3} against round robin's {:.3}: the lab cannot balance \
+         even with the true weights (utilization {:?})",
+        or.spread.max_over_avg,
+        rr.spread.max_over_avg,
+        or.util
+    );
+
+    // 3. Ballast through a surge. First, that the surge saturated: HAProxy held a
+    //    pool of connections to the smallest backend. Measured 20–56 (the larger of
+    //    HAProxy's count and the backend's own) on a quiet machine, 26–29 under CI's
+    //    load; 4–15 beside builds, whose CPU the backends lose while the surge's rate
+    //    was calibrated without them. The bound is the full lab's target, the dozen or
+    //    so connections the scenario needs: ten idle connections to a backend whose
+    //    typical in-flight count is below one would make a connection count read it as
+    //    ten times as busy.
+    assert!(
+        sat.pool() >= ballast_tests::lab::report::TARGET_POOLED,
+        "HAProxy held at most {} connections to {} during the surge ({:.2}× the fleet's capacity): \
+         no pool to mislead an agent",
+        sat.pool(),
+        r.names[sat.backend],
+        sat.overload
     );
 }

@@ -270,6 +270,8 @@ struct FeedForwardUndo {
     weights: BTreeMap<String, f64>,
     /// max/avg of the loads the step was computed from.
     max_over_avg: f64,
+    /// Cycles the judgment has waited for the hottest node's queue to drain.
+    waited: u64,
 }
 
 impl Service {
@@ -827,6 +829,7 @@ impl Service {
                     })
                     .collect(),
                 max_over_avg: fresh.iter().map(|&s| slots.hot[s].load).fold(0.0, f64::max) / avg,
+                waited: 0,
             });
             // Where the in-flight term stands out against the fleet the estimate divides
             // by the CPU (and errors) instead: an overloaded node queues requests, which
@@ -921,6 +924,12 @@ pub(crate) const FEED_FORWARD_MAX: f64 = 2.0;
 /// A step is kept if the first update after it finds max/avg's excess over 1 at most
 /// this share of what it was before the step.
 pub(crate) const FEED_FORWARD_KEEP: f64 = 0.5;
+
+/// Cycles at most that the judgment of a feed-forward step waits while the hottest
+/// node's in-flight term binds: a node saturated before the step reads 100 % until its
+/// queue has drained, whatever its new weight, and judging the step then undoes a step
+/// that was right.
+pub(crate) const FEED_FORWARD_JUDGE_WAIT: u64 = 3;
 /// Feed-forward needs an average load of at least this: enough traffic for the loads
 /// to say how each endpoint's capacity compares.
 pub(crate) const FEED_FORWARD_MIN_AVG: f64 = 0.1;
@@ -973,13 +982,21 @@ impl Service {
     /// least half of the excess of max/avg over 1 (traffic that does not follow the
     /// weights, such as clients that each see a subset of the endpoints, defeats the
     /// estimate), put the old weights back and take no more steps for this service.
-    /// Returns whether it did.
+    /// While the hottest stepped node's in-flight term binds (its queue, built before
+    /// the step, is still draining), the judgment waits, weights held, for at most
+    /// [`FEED_FORWARD_JUDGE_WAIT`] cycles. Returns whether it took this cycle's update
+    /// (an undo, or a wait).
     fn undo_feed_forward(&mut self, max_over_avg: f64) -> bool {
-        let Some(undo) = self.feed_forward_undo.take() else {
+        let Some(mut undo) = self.feed_forward_undo.take() else {
             return false;
         };
         if max_over_avg - 1.0 <= FEED_FORWARD_KEEP * (undo.max_over_avg - 1.0) {
             return false;
+        }
+        if undo.waited < FEED_FORWARD_JUDGE_WAIT && self.hottest_queue_binds(&undo) {
+            undo.waited += 1;
+            self.feed_forward_undo = Some(undo);
+            return true;
         }
         for (node, w) in &undo.weights {
             if let Some(slot) = self.slots.slot(node) {
@@ -990,6 +1007,15 @@ impl Service {
         self.stats.feed_forward_undone += 1;
         self.feed_forward_from = u64::MAX;
         true
+    }
+
+    /// Whether the in-flight term binds for the most loaded of the nodes a step moved.
+    fn hottest_queue_binds(&self, undo: &FeedForwardUndo) -> bool {
+        undo.weights
+            .keys()
+            .filter_map(|node| self.slots.slot(node))
+            .max_by(|&a, &b| self.slots.hot[a].load.total_cmp(&self.slots.hot[b].load))
+            .is_some_and(|s| self.slots.inflight[s].estimate.binding)
     }
 
     /// Sets every endpoint's published weight from its strategies' (0 when draining),
