@@ -1308,3 +1308,56 @@ fn a_restore_over_known_endpoints_replaces_them_in_place() {
     assert_eq!(svc.endpoint("n0").expect("n0").last_report(), Some(1_000));
     assert_eq!(svc.endpoint("a").expect("a").weight(), 0.6);
 }
+
+/// A step taken while the smallest nodes are saturated is judged only once their
+/// queues have drained: while the hottest node's in-flight term binds, its load reads
+/// the queue built before the step, not what the step did, and the judgment waits.
+#[test]
+fn a_feed_forward_step_is_not_undone_while_a_saturated_node_drains() {
+    let speeds = [0.5, 0.5, 1.0, 1.0, 1.5, 1.5];
+    let mut b = fleet(
+        speeds.len(),
+        Params {
+            grace_ms: 0,
+            ..Params::default()
+        },
+    );
+    // Equal weights at 0.75 of the mean speed: the two slow nodes saturate (CPU 1,
+    // twenty requests queued) while the others answer at once.
+    let offered = 0.75;
+    let cycle = |b: &mut Balancer, now: Millis, queued: bool| {
+        let w = weights(b);
+        let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+        for (i, (s, wi)) in speeds.iter().zip(&w).enumerate() {
+            let cpu = (offered * (wi / mean_w) / s).min(1.0);
+            let inflight = if queued && *s < 1.0 { 20 } else { 1 };
+            b.observe(now, SVC, &format!("n{i}"), inflight_obs(cpu, inflight))
+                .expect("observes");
+        }
+        b.cycle(now).remove(0)
+    };
+    cycle(&mut b, 0, true);
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.stats.feed_forward_steps, 1, "the step is taken");
+    let stepped = weights(&b);
+    // The queues drain over the two settling cycles and two more.
+    for c in 1..=4u64 {
+        cycle(&mut b, c * 1000, true);
+    }
+    for c in 5..=8u64 {
+        cycle(&mut b, c * 1000, false);
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(
+        svc.stats.feed_forward_undone,
+        0,
+        "a right step was undone while the queues drained: {:?} -> {:?}",
+        stepped,
+        weights(&b)
+    );
+    let w = weights(&b);
+    assert!(
+        w[0] < w[2] && w[2] < w[4],
+        "the weights follow the speeds: {w:?}"
+    );
+}
