@@ -12,6 +12,12 @@
 //!
 //! A relay certificate names a relay and its role (`ballast://role/relay`), no
 //! service; `certs relay` writes it beside the nodes', and `certs revoke` finds it too.
+//!
+//! Every certificate issued is recorded in the ledger `issued.log` beside the CA (its
+//! kind, name, serial and expiry), so that `certs revoke NODE` revokes every
+//! certificate ever issued to that node, not only the newest: issuing again replaces
+//! `nodes/NODE/node.pem`, while a copy taken of the one before stays valid until it
+//! expires or is revoked.
 
 use ballast_shared::pki::{self, Ca, NodeSpec, PkiError, RelaySpec, RevocationList, Revoked};
 use ballast_shared::tls::{CertInfo, TlsError};
@@ -20,6 +26,96 @@ use std::time::Duration;
 
 /// The revocation list's file name in the certificate directory.
 pub const CRL_FILE: &str = "crl.pem";
+
+/// The issuance ledger's file name in the certificate directory.
+pub const LEDGER_FILE: &str = "issued.log";
+
+/// One certificate the CA in a directory issued, as its ledger records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// When it was issued, in seconds since the Unix epoch.
+    pub issued_unix_s: i64,
+    /// `node`, `relay` or `server`.
+    pub kind: String,
+    /// The node's, relay's or replica's name.
+    pub name: String,
+    /// Its serial number.
+    pub serial: Vec<u8>,
+    /// When it expires, in seconds since the Unix epoch.
+    pub not_after_unix_s: i64,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Appends `kind name`'s certificate `cert_pem` to the ledger in `dir`, before the
+/// certificate is written anywhere: a certificate the ledger does not know is never
+/// handed out.
+fn record_issued(dir: &Path, kind: &str, name: &str, cert_pem: &str) -> Result<(), CertsError> {
+    use std::io::Write;
+    let info = ballast_shared::tls::certs_from_pem(cert_pem, name)?
+        .first()
+        .map(CertInfo::parse)
+        .transpose()?
+        .ok_or_else(|| TlsError::Certificate(format!("{kind} {name}: no certificate issued")))?;
+    let path = dir.join(LEDGER_FILE);
+    let new = !path.exists();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io(&path))?;
+    let mut line = String::new();
+    if new {
+        line.push_str("# every certificate this CA issued: ISSUED_UNIX_S KIND NAME SERIAL_HEX NOT_AFTER_UNIX_S\n");
+    }
+    let now = i64::try_from(ballast_shared::unix_ms() / 1000).unwrap_or(0);
+    line.push_str(&format!(
+        "{now} {kind} {name} {} {}\n",
+        hex(&info.serial),
+        info.not_after_unix_s
+    ));
+    file.write_all(line.as_bytes())
+        .and_then(|()| file.sync_data())
+        .map_err(io(&path))?;
+    Ok(())
+}
+
+/// Every certificate the ledger in `dir` records, oldest first; none if there is no
+/// ledger yet (a directory made before it existed).
+pub fn ledger(dir: &Path) -> Result<Vec<LedgerEntry>, CertsError> {
+    let path = dir.join(LEDGER_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(&path)(e).into()),
+    };
+    let mut entries = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = |reason: &str| CertsError::Ledger {
+            path: path.display().to_string(),
+            line: i + 1,
+            reason: reason.to_string(),
+        };
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [issued, kind, name, serial, not_after] = fields[..] else {
+            return Err(bad("not five fields"));
+        };
+        entries.push(LedgerEntry {
+            issued_unix_s: issued.parse().map_err(|_| bad("bad issue time"))?,
+            kind: kind.to_string(),
+            name: name.to_string(),
+            serial: parse_hex(serial).map_err(|_| bad("bad serial"))?,
+            not_after_unix_s: not_after.parse().map_err(|_| bad("bad expiry"))?,
+        });
+    }
+    Ok(entries)
+}
 
 /// Why a `certs` command failed.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +154,16 @@ pub enum CertsError {
         names: String,
         /// The directory.
         dir: String,
+    },
+    /// A line of the issuance ledger that does not read.
+    #[error("{path} line {line}: {reason} (each line: ISSUED_UNIX_S KIND NAME SERIAL_HEX NOT_AFTER_UNIX_S)")]
+    Ledger {
+        /// The ledger.
+        path: String,
+        /// The line, from 1.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
     },
     /// A serial number that is not hex.
     #[error("serial number {0:?} is not hexadecimal")]
@@ -142,6 +248,7 @@ fn node_summary(node: &str, services: &[String], not_after_unix_s: i64) -> Strin
 fn issue_into(dir: &Path, ca: &Ca, spec: &NodeSpec) -> Result<Written, CertsError> {
     let node_dir = dir.join("nodes").join(&spec.node);
     let issued = ca.issue_node_with(spec)?;
+    record_issued(dir, "node", &spec.node, &issued.pem.cert)?;
     issued.pem.write(&node_dir, "node")?;
     let ca_pem = dir.join("ca.pem");
     std::fs::copy(&ca_pem, node_dir.join("ca.pem")).map_err(io(&node_dir.join("ca.pem")))?;
@@ -198,7 +305,7 @@ pub fn init(
     }
     let server_pem = dir.join("server.pem");
     if !server_pem.exists() {
-        written.push(write_server(&ca, dir, server_names)?);
+        written.push(write_server(&ca, dir, dir, server_names)?);
     } else if !server_names_asked.is_empty() {
         let pem = std::fs::read_to_string(&server_pem).map_err(io(&server_pem))?;
         let covered = server_names_of(&pem, &server_pem.display().to_string())?;
@@ -251,8 +358,11 @@ pub fn server_names_of(pem: &str, what: &str) -> Result<Vec<String>, CertsError>
 }
 
 /// Writes a server certificate from `ca` for `names` into `out/server.{pem,key}`.
-fn write_server(ca: &Ca, out: &Path, names: &[String]) -> Result<Written, CertsError> {
+/// The ledger in `dir` records it under the first of `names`.
+fn write_server(ca: &Ca, dir: &Path, out: &Path, names: &[String]) -> Result<Written, CertsError> {
     let server = ca.issue_server(names)?;
+    let name = names.first().map(String::as_str).unwrap_or("server");
+    record_issued(dir, "server", name, &server.cert)?;
     server.write(out, "server")?;
     let expiry = ballast_shared::tls::certs_from_pem(&server.cert, "server.pem")?
         .first()
@@ -283,7 +393,7 @@ pub fn issue_server(dir: &Path, name: &str, more: &[String]) -> Result<Written, 
         }
     }
     let out = dir.join("servers").join(name);
-    let mut written = write_server(&ca, &out, &names)?;
+    let mut written = write_server(&ca, dir, &out, &names)?;
     let ca_copy = out.join("ca.pem");
     std::fs::copy(dir.join("ca.pem"), &ca_copy).map_err(io(&ca_copy))?;
     written.path = out;
@@ -311,6 +421,7 @@ pub fn issue_relay(dir: &Path, name: &str, validity: Duration) -> Result<Written
     let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
     let relay_dir = dir.join("relays").join(name);
     let issued = ca.issue_relay(&spec)?;
+    record_issued(dir, "relay", name, &issued.pem.cert)?;
     issued.pem.write(&relay_dir, "relay")?;
     let ca_copy = relay_dir.join("ca.pem");
     std::fs::copy(dir.join("ca.pem"), &ca_copy).map_err(io(&ca_copy))?;
@@ -330,16 +441,39 @@ pub enum RevokeTarget {
     Serial(String),
 }
 
-/// Adds a certificate to `dir/crl.pem` (made if missing), signed by the CA in `dir`.
+/// Adds certificates to `dir/crl.pem` (made if missing), signed by the CA in `dir`: by
+/// name, every node or relay certificate the ledger records for that name and the one
+/// in its directory; by serial, that one.
 pub fn revoke(dir: &Path, target: &RevokeTarget) -> Result<Written, CertsError> {
     let ca = load_ca(dir)?.ok_or_else(|| CertsError::NoCa(dir.display().to_string()))?;
-    let (serial, what) = match target {
+    let (serials, what) = match target {
         RevokeTarget::Node(node) => {
-            let (kind, info) = issued_info(dir, node)?;
-            let what = format!("{kind} {node}'s certificate (serial {})", info.serial_hex());
-            (info.serial, what)
+            let mut serials: Vec<Vec<u8>> = ledger(dir)?
+                .into_iter()
+                .filter(|e| &e.name == node && (e.kind == "node" || e.kind == "relay"))
+                .map(|e| e.serial)
+                .collect();
+            let kind = match issued_info(dir, node) {
+                Ok((kind, info)) => {
+                    if !serials.contains(&info.serial) {
+                        serials.push(info.serial);
+                    }
+                    kind
+                }
+                Err(e) if serials.is_empty() => return Err(e),
+                Err(_) => "node",
+            };
+            let what = match serials.as_slice() {
+                [one] => format!("{kind} {node}'s certificate (serial {})", hex(one)),
+                many => format!(
+                    "{kind} {node}'s {} certificates (serials {})",
+                    many.len(),
+                    many.iter().map(|s| hex(s)).collect::<Vec<_>>().join(", ")
+                ),
+            };
+            (serials, what)
         }
-        RevokeTarget::Serial(hex) => (parse_hex(hex)?, format!("serial {hex}")),
+        RevokeTarget::Serial(hex) => (vec![parse_hex(hex)?], format!("serial {hex}")),
     };
     let crl_path = dir.join(CRL_FILE);
     let mut list = match std::fs::read_to_string(&crl_path) {
@@ -347,19 +481,23 @@ pub fn revoke(dir: &Path, target: &RevokeTarget) -> Result<Written, CertsError> 
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => RevocationList::default(),
         Err(e) => return Err(io(&crl_path)(e).into()),
     };
-    let already = list.revoked.iter().any(|r| r.serial == serial);
-    if !already {
-        list.revoked.push(Revoked {
-            serial,
-            revoked_unix_s: i64::try_from(ballast_shared::unix_ms() / 1000).unwrap_or(0),
-        });
+    let now = i64::try_from(ballast_shared::unix_ms() / 1000).unwrap_or(0);
+    let mut added = 0;
+    for serial in serials {
+        if !list.revoked.iter().any(|r| r.serial == serial) {
+            list.revoked.push(Revoked {
+                serial,
+                revoked_unix_s: now,
+            });
+            added += 1;
+        }
     }
     let pem = ca.revocation_list(&list.revoked, list.number.saturating_add(1))?;
     // Written beside and renamed, so that a reader never sees half a list.
     let tmp = dir.join(format!(".{CRL_FILE}.tmp"));
     std::fs::write(&tmp, pem).map_err(io(&tmp))?;
     std::fs::rename(&tmp, &crl_path).map_err(io(&crl_path))?;
-    let state = if already {
+    let state = if added == 0 {
         "already revoked"
     } else {
         "revoked"
@@ -556,6 +694,88 @@ mod tests {
             ["agg-2.example", "10.0.0.2"]
         );
         assert!(issue_server(dir.path(), "bad/name", &[]).is_err());
+    }
+
+    fn revoked(dir: &Path) -> Vec<Vec<u8>> {
+        let pem = std::fs::read_to_string(dir.join(CRL_FILE)).expect("crl");
+        let list = RevocationList::from_pem(&pem, "crl").expect("parse");
+        list.revoked.into_iter().map(|r| r.serial).collect()
+    }
+
+    #[test]
+    fn revoking_a_node_revokes_every_certificate_it_was_issued() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let web = names(&["web"]);
+        init(
+            dir.path(),
+            &default_server_names(),
+            &[],
+            &names(&["a", "b"]),
+            &web,
+            YEAR,
+        )
+        .expect("init");
+        // A copy of a's first certificate is taken; then a is issued again (a new host,
+        // a renewal), which replaces nodes/a/node.pem.
+        let stolen = info(dir.path(), "a").serial;
+        issue(dir.path(), "a", &web, YEAR).expect("again");
+        let current = info(dir.path(), "a").serial;
+        assert_ne!(stolen, current);
+        let entries = ledger(dir.path()).expect("ledger");
+        let kinds: Vec<(&str, &str)> = entries
+            .iter()
+            .map(|e| (e.kind.as_str(), e.name.as_str()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("server", "localhost"),
+                ("node", "a"),
+                ("node", "b"),
+                ("node", "a")
+            ]
+        );
+        let w = revoke(dir.path(), &RevokeTarget::Node("a".into())).expect("revoke");
+        assert!(w.summary.contains("node a's 2 certificates"), "{w:?}");
+        assert_eq!(
+            revoked(dir.path()),
+            [stolen, current],
+            "both of a's, none of b's"
+        );
+        // By serial: exactly that one.
+        let b = info(dir.path(), "b").serial;
+        revoke(dir.path(), &RevokeTarget::Serial(hex(&b))).expect("by serial");
+        assert_eq!(revoked(dir.path()).len(), 3);
+        // A node whose directory is gone is still revoked through the ledger.
+        issue(dir.path(), "c", &web, YEAR).expect("c");
+        let c = info(dir.path(), "c").serial;
+        std::fs::remove_dir_all(dir.path().join("nodes/c")).expect("rm");
+        revoke(dir.path(), &RevokeTarget::Node("c".into())).expect("from the ledger");
+        assert!(revoked(dir.path()).contains(&c));
+    }
+
+    #[test]
+    fn a_damaged_ledger_line_is_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        init(
+            dir.path(),
+            &default_server_names(),
+            &[],
+            &names(&["a"]),
+            &[],
+            YEAR,
+        )
+        .expect("init");
+        let path = dir.path().join(LEDGER_FILE);
+        let mut text = std::fs::read_to_string(&path).expect("ledger");
+        text.push_str("1700000000 node a zz 1800000000\n");
+        std::fs::write(&path, text).expect("write");
+        let err = revoke(dir.path(), &RevokeTarget::Node("a".into())).expect_err("damaged");
+        assert!(
+            matches!(&err, CertsError::Ledger { line: 4, .. })
+                && err.to_string().contains("bad serial"),
+            "{err}"
+        );
     }
 
     #[test]

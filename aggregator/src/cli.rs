@@ -165,16 +165,17 @@ pub enum CertsCommand {
         #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=36500))]
         validity_days: u32,
     },
-    /// Revoke a node or relay certificate: add it to DIR/crl.pem, which an aggregator
-    /// given that file (`--crl`) reloads, closing the node's connection.
+    /// Revoke a node's or relay's certificates: add them to DIR/crl.pem, which an
+    /// aggregator given that file (`--crl`) reloads, closing the node's connection.
     Revoke {
         /// The directory holding the CA (ca.pem, ca.key).
         dir: PathBuf,
-        /// The node (or relay) whose certificate in DIR/nodes/NODE/node.pem (or
-        /// DIR/relays/NAME/relay.pem) is revoked.
+        /// The node (or relay) whose certificates are revoked: every one the CA issued
+        /// to that name (DIR/issued.log), and the one in DIR/nodes/NODE/node.pem (or
+        /// DIR/relays/NAME/relay.pem).
         #[arg(required_unless_present = "serial", conflicts_with = "serial")]
         node: Option<String>,
-        /// Revoke by serial number instead (hex), for a certificate not in DIR.
+        /// Revoke one certificate by its serial number instead (hex).
         #[arg(long)]
         serial: Option<String>,
     },
