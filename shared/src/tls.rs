@@ -150,9 +150,21 @@ fn roots(ca: &[CertificateDer<'static>]) -> Result<rustls::RootCertStore, TlsErr
     Ok(store)
 }
 
+/// How much unread stream data a connection may hold, per stream and in all: what the
+/// protocols need and no more. An agent's one stream carries its hello (a frame of
+/// at most 1 KiB) and a relay's its control frames (at most 16 KiB each, attaches in
+/// bursts after a failover); 256 KiB keeps a burst of attaches flowing at about 5 MB/s
+/// across a 50 ms round trip, and is a twentieth of what quinn's defaults let a peer
+/// park in a connection that is not read.
+pub const STREAM_RECEIVE_WINDOW: u32 = 256 * 1024;
+
 /// Transport settings both sides use: datagrams on, keep-alives well inside the idle
 /// timeout so that a quiet but healthy connection is never dropped, and an idle
 /// timeout short enough that an agent notices a dead aggregator within seconds.
+///
+/// One bidirectional stream, opened by the client (the agent's session or the relay's
+/// trunk control), and no unidirectional stream: a peer can open no other stream to
+/// park data in, and the one it has holds at most [`STREAM_RECEIVE_WINDOW`] unread.
 pub fn transport() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     t.keep_alive_interval(Some(Duration::from_secs(2)));
@@ -160,8 +172,10 @@ pub fn transport() -> quinn::TransportConfig {
         10_000,
     ))));
     t.datagram_receive_buffer_size(Some(64 * 1024));
-    t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(4));
+    t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(1));
     t.max_concurrent_uni_streams(quinn::VarInt::from_u32(0));
+    t.stream_receive_window(quinn::VarInt::from_u32(STREAM_RECEIVE_WINDOW));
+    t.receive_window(quinn::VarInt::from_u32(STREAM_RECEIVE_WINDOW));
     t
 }
 
@@ -677,6 +691,69 @@ mod tests {
 
     fn ca_certs(ca: &Ca) -> Vec<CertificateDer<'static>> {
         certs_from_pem(&ca.pem().cert, "ca").expect("ca")
+    }
+
+    /// A peer that writes into a stream nobody reads, or opens more streams, parks at
+    /// most the window in the other side's memory.
+    #[tokio::test]
+    async fn unread_stream_data_is_bounded_by_the_window_and_one_stream() {
+        use std::net::SocketAddr;
+        let ca = Ca::generate("test CA").expect("ca");
+        let server = ca.issue_server(&["localhost".into()]).expect("server");
+        let cas = ca_certs(&ca);
+        let node = ca
+            .issue_node_with(&NodeSpec::new("n1", &[], Duration::from_secs(3600)).expect("spec"))
+            .expect("node");
+        let server_cfg =
+            server_config(server.identity("server").expect("identity"), &cas).expect("config");
+        let endpoint = quinn::Endpoint::server(server_cfg, SocketAddr::from(([127, 0, 0, 1], 0)))
+            .expect("server endpoint");
+        let addr = endpoint.local_addr().expect("address");
+        // The server accepts the connection and its first stream, and reads nothing.
+        let (held_tx, mut held) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let conn = endpoint
+                .accept()
+                .await
+                .expect("incoming")
+                .await
+                .expect("conn");
+            let stream = conn.accept_bi().await.expect("stream");
+            let _ = held_tx.send((conn, stream));
+            std::future::pending::<()>().await;
+        });
+        let mut client =
+            quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).expect("client");
+        client.set_default_client_config(
+            client_config(node.pem.identity("node").expect("node"), &cas).expect("config"),
+        );
+        let conn = client
+            .connect(addr, "localhost")
+            .expect("connect")
+            .await
+            .expect("handshake");
+        let (mut send, _recv) = conn.open_bi().await.expect("stream");
+        send.write_all(b"x").await.expect("first byte");
+        let _kept = held.recv().await.expect("accepted");
+        // A mebibyte, four times the window and less than quinn's default window.
+        let big = vec![0u8; 1 << 20];
+        let mut written = 0usize;
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while written < big.len() {
+                match send.write(&big[written..]).await {
+                    Ok(n) => written += n,
+                    Err(_) => break,
+                }
+            }
+        })
+        .await;
+        assert!(
+            written <= STREAM_RECEIVE_WINDOW as usize,
+            "{written} bytes taken into a stream that is not read"
+        );
+        // No second stream opens to park more.
+        let second = tokio::time::timeout(Duration::from_millis(500), conn.open_bi()).await;
+        assert!(second.is_err(), "a second stream was opened");
     }
 
     #[test]
