@@ -548,6 +548,7 @@ impl ClientVerifier {
     ) -> Result<(), TlsError> {
         let mut trust = self.write();
         check_crl_issuers(&trust.cas, &crls)?;
+        check_crl_numbers(&trust.crls, &crls)?;
         trust.verifier = Self::build(&trust.roots, crls.clone())?;
         trust.crls = crls;
         Ok(())
@@ -592,6 +593,45 @@ impl ClientVerifier {
 }
 
 /// Checks that each list is issued and signed by one of `cas`.
+/// Refuses a list numbered below the list in force from the same issuer: put in force,
+/// an older list (replayed, or restored from a backup) would un-revoke whatever was
+/// revoked since. A list of the same number is taken (the same list written again).
+fn check_crl_numbers(
+    in_force: &[CertificateRevocationListDer<'static>],
+    new: &[CertificateRevocationListDer<'static>],
+) -> Result<(), TlsError> {
+    use x509_parser::prelude::*;
+    use x509_parser::revocation_list::CertificateRevocationList as Crl;
+    fn parse<'a>(der: &'a CertificateRevocationListDer<'static>) -> Result<Crl<'a>, TlsError> {
+        Crl::from_der(der.as_ref())
+            .map(|(_, c)| c)
+            .map_err(|e| TlsError::CrlIssuer {
+                issuer: "?".into(),
+                reason: format!("not a revocation list: {e}"),
+            })
+    }
+    let old = in_force.iter().map(parse).collect::<Result<Vec<_>, _>>()?;
+    for der in new {
+        let crl = parse(der)?;
+        for before in old.iter().filter(|o| o.issuer() == crl.issuer()) {
+            let (was, now) = (before.crl_number(), crl.crl_number());
+            if now < was {
+                let show = |n: Option<&_>| n.map_or_else(|| "none".to_string(), |n| format!("{n}"));
+                return Err(TlsError::CrlIssuer {
+                    issuer: crl.issuer().to_string(),
+                    reason: format!(
+                        "its number ({}) is below the list in force's ({}): an older list \
+                         would un-revoke what was revoked since",
+                        show(now),
+                        show(was)
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_crl_issuers(
     cas: &[CertificateDer<'static>],
     crls: &[CertificateRevocationListDer<'static>],
@@ -826,7 +866,26 @@ mod tests {
             ))
         );
         assert_eq!(check_now(&v, &b), Ok(()), "only the revoked one");
-        // An empty list un-revokes.
+        // The same list written again is taken.
+        v.set_crls(crls_from_pem(&crl, "crl").expect("crls"))
+            .expect("the same number");
+        // An older list (number 0, empty: a replay, a backup restored) is refused, and
+        // the revocation stays in force.
+        let older = ca.revocation_list(&[], 0).expect("crl");
+        let err = v
+            .set_crls(crls_from_pem(&older, "crl").expect("crls"))
+            .expect_err("an older list");
+        assert!(
+            err.to_string().contains("below the list in force's (1)"),
+            "{err}"
+        );
+        assert_eq!(
+            check_now(&v, &a),
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::Revoked
+            ))
+        );
+        // A newer empty list un-revokes.
         let empty = ca.revocation_list(&[], 2).expect("crl");
         v.set_crls(crls_from_pem(&empty, "crl").expect("crls"))
             .expect("set");
