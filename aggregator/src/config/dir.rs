@@ -297,6 +297,10 @@ enum ReadError {
     /// A directory, a device or a socket under a service file's name.
     #[error("not a regular file")]
     NotAFile,
+    /// A symbolic link: followed, it would let whoever can write the directory make
+    /// the aggregator read any file it can read, as a service's config.
+    #[error("a symbolic link: a service file must be a regular file in the directory")]
+    Symlink,
     /// Over the size limit: refused unread.
     #[error("{0} bytes is more than the {MAX_FILE_BYTES}-byte limit of a service file")]
     TooLarge(u64),
@@ -306,14 +310,30 @@ enum ReadError {
 }
 
 fn read_bounded(path: &Path) -> Result<String, ReadError> {
-    let meta = std::fs::metadata(path)?;
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Opened without following a link, then checked as opened: nothing can swap the
+    // file for a link between the check and the read.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => ReadError::Symlink,
+            _ => ReadError::Io(e),
+        })?;
+    let meta = file.metadata()?;
     if !meta.is_file() {
         return Err(ReadError::NotAFile);
     }
     if meta.len() > MAX_FILE_BYTES {
         return Err(ReadError::TooLarge(meta.len()));
     }
-    let bytes = std::fs::read(path)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(ReadError::TooLarge(bytes.len() as u64));
+    }
     String::from_utf8(bytes).map_err(|_| ReadError::NotUtf8)
 }
 
@@ -339,12 +359,35 @@ pub fn check(
 }
 
 /// Writes `bytes` to `path` so that a reader sees the old or the new file, never half.
+///
+/// The new file is first written under a fresh random name beside `path`, created
+/// exclusively (`O_EXCL`, no link followed): a file or link planted under a name the
+/// writer would use is never written through, whoever else can write the directory.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
-    let tmp = path.with_extension("tmp~");
-    let mut f = std::fs::File::create(&tmp).map_err(io_error(&tmp))?;
-    f.write_all(bytes).map_err(io_error(&tmp))?;
-    f.sync_all().map_err(io_error(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_error(path))
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{:016x}.tmp~", rand::random::<u64>()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_error(&tmp)(e));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io_error(path)(e)
+    })
 }
 
 /// Reads a persisted merged config or a backup, and checks every service's values as
@@ -707,6 +750,55 @@ mod tests {
         assert_eq!(v["ok.toml"], Ok(()));
         assert_eq!(v["bad.toml"].as_ref().map_err(|e| e.line), Err(Some(2)));
         assert!(check(&tmp.path().join("nope"), &Params::default()).is_err());
+    }
+
+    #[test]
+    fn a_symbolic_link_in_the_directory_is_refused_by_the_scan() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (dir, outside) = (tmp.path().join("conf"), tmp.path().join("secret"));
+        std::fs::create_dir(&dir).expect("dir");
+        std::fs::write(&outside, "").expect("a file the directory's writer cannot read");
+        std::os::unix::fs::symlink(&outside, dir.join("web.toml")).expect("link");
+        std::fs::write(dir.join("api.toml"), "").expect("write");
+        let found = scan(&dir).expect("scan");
+        assert!(found["api.toml"].is_ok(), "the others are read");
+        match &found["web.toml"] {
+            Err(e) => assert!(e.message.contains("symbolic link"), "{e:?}"),
+            Ok(text) => panic!("read through the link: {text:?}"),
+        }
+    }
+
+    #[test]
+    fn an_atomic_write_does_not_write_through_a_planted_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (dir, victim) = (tmp.path().join("conf"), tmp.path().join("victim"));
+        std::fs::create_dir(&dir).expect("dir");
+        std::fs::write(&victim, "untouched").expect("victim");
+        // Links under the temporary names a predictable writer would use.
+        for name in ["web.tmp~", "web.toml.tmp", ".web.toml.tmp~"] {
+            std::os::unix::fs::symlink(&victim, dir.join(name)).expect("link");
+        }
+        write_atomic(&dir.join("web.toml"), b"[balance]\n").expect("write");
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "untouched"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("web.toml")).expect("written"),
+            "[balance]\n"
+        );
+        let mode = std::fs::metadata(dir.join("web.toml"))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644);
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with("tmp~") && n.len() > 16)
+            .collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
     }
 
     #[test]
