@@ -1541,16 +1541,28 @@ mod tests {
         // The write of "api" compares its key with the revision last seen, and its
         // bucket's owner key with the revision the claim created it at, as taken
         // when the batch was made: a bucket lost meanwhile fails the write.
-        let compares = format!("{:?}", store.compares(&batch, &fences));
+        // Each compare is checked whole: its key, what it compares (the key's mod
+        // revision, the owner key's create revision), the operator and the value.
         let key = crate::cluster::owner_key("/t", "c", api);
-        assert!(
-            compares.contains(&format!("{:?}", key.as_bytes()))
-                && compares.contains("41")
-                && compares.contains("7"),
-            "{compares}"
+        let expected = |owner_rev: i64| {
+            format!(
+                "{:?}",
+                [
+                    Compare::mod_revision(service_key("/t", "api"), CompareOp::Equal, 7),
+                    Compare::create_revision(key.clone(), CompareOp::Equal, owner_rev),
+                ]
+            )
+        };
+        assert_eq!(
+            format!("{:?}", store.compares(&batch, &fences)),
+            expected(41)
         );
-        let compares = format!("{:?}", store.compares(&batch, &BTreeMap::new()));
-        assert!(compares.contains("-1"), "{compares}");
+        // A bucket the batch's fences did not see held compares against -1, which no
+        // create revision matches.
+        assert_eq!(
+            format!("{:?}", store.compares(&batch, &BTreeMap::new())),
+            expected(-1)
+        );
         // A fence that failed drops only the services whose bucket changed hands.
         store.ledger().absorb("api", value(2));
         store.fenced_out(&batch, &fences);
