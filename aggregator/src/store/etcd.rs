@@ -1580,6 +1580,131 @@ mod tests {
         );
     }
 
+    /// A real etcd of Debian's, on free loopback ports in a directory of its own,
+    /// stopped when dropped. Panics, saying what to install, when there is no etcd.
+    struct RealEtcd {
+        child: std::process::Child,
+        url: String,
+        _dir: tempfile::TempDir,
+    }
+
+    impl RealEtcd {
+        fn start() -> RealEtcd {
+            let port = || {
+                std::net::TcpListener::bind("127.0.0.1:0")
+                    .and_then(|l| l.local_addr())
+                    .expect("a free port")
+                    .port()
+            };
+            let (client, peer) = (port(), port());
+            let dir = tempfile::tempdir().expect("tempdir");
+            let url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let child = std::process::Command::new("etcd")
+                .args(["--name", "fence-test", "--data-dir"])
+                .arg(dir.path().join("data"))
+                .args([
+                    "--listen-client-urls",
+                    &url,
+                    "--advertise-client-urls",
+                    &url,
+                ])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &format!("fence-test={peer_url}")])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("etcd is not installed: apt-get install etcd-server (tests/run does)");
+            RealEtcd {
+                child,
+                url,
+                _dir: dir,
+            }
+        }
+    }
+
+    impl Drop for RealEtcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// etcd itself refuses the write of a replica whose bucket was claimed by another
+    /// since it took its fence, even when the replica still believes it owns it (a
+    /// pause, a watch not yet delivered): the compare on the owner key's create
+    /// revision, not the replica's own check, keeps the successor's value.
+    #[tokio::test]
+    async fn etcd_refuses_a_write_whose_owner_key_was_claimed_again() {
+        let etcd = RealEtcd::start();
+        let cfg = EtcdConfig {
+            endpoints: vec![etcd.url.clone()],
+            prefix: "/t".into(),
+            ..EtcdConfig::default()
+        };
+        let mut raw = None;
+        for _ in 0..100 {
+            if let Ok(mut c) = Client::connect([etcd.url.as_str()], None).await {
+                if c.get("/", None).await.is_ok() {
+                    raw = Some(c);
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut raw = raw.expect("etcd answers within 10 s");
+        let ownership = Arc::new(Ownership::new("r1", 8));
+        ownership.valid_until(Instant::now() + Duration::from_secs(60));
+        let bucket = ownership.bucket("api");
+        let owner = crate::cluster::owner_key("/t", "c", bucket);
+        let claim = raw.put(owner.as_str(), "r1", None).await.expect("claim");
+        let created = claim.header().map(|h| h.revision()).expect("revision");
+        ownership.gained(bucket, created);
+        let dir = tempfile::tempdir().expect("dir");
+        let store = EtcdStore::open(
+            &cfg,
+            dir.path().join("copy.json"),
+            Some(Fence {
+                ownership: ownership.clone(),
+                cluster: "c".into(),
+            }),
+        )
+        .expect("opens");
+        let stored = |raw: &mut Client| {
+            let mut raw = raw.clone();
+            async move {
+                let got = raw.get(service_key("/t", "api"), None).await.expect("get");
+                let kv = got.kvs().first().expect("api is stored");
+                serde_json::from_slice::<ServiceSnapshot>(kv.value())
+                    .expect("json")
+                    .version
+            }
+        };
+        let one = |v: u64| BTreeMap::from([("api".to_string(), versioned(v))]);
+        store.put(&one(1)).await.expect("the owner writes");
+        assert_eq!(stored(&mut raw).await, 1);
+
+        // Another replica claims the bucket again (its key made anew) and writes.
+        raw.delete(owner.as_str(), None).await.expect("delete");
+        raw.put(owner.as_str(), "r2", None)
+            .await
+            .expect("claim again");
+        let theirs = serde_json::to_vec(&versioned(50)).expect("json");
+        raw.put(service_key("/t", "api"), theirs, None)
+            .await
+            .expect("successor writes");
+
+        // The first replica, which has not heard, writes a newer value of its own.
+        assert!(ownership.owns("api"), "it still believes it owns api");
+        let _ = store.put(&one(2)).await;
+        assert_eq!(
+            stored(&mut raw).await,
+            50,
+            "etcd kept the successor's value: the fenced write was refused"
+        );
+    }
+
     /// A service's value exactly as the release that spoke `ballast/1` put it (compact
     /// JSON of its snapshot), one of a release before strategy weights, zones and
     /// draining were kept, and one with fields a later release may add: today's
