@@ -688,8 +688,15 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
             now.iter().filter(|(k, v)| three.get(*k) != Some(v)).count()
         ))
     });
-    eprintln!(
-        "clean stop: r3's buckets owned by the others {:?} after SIGTERM",
-        stopping.elapsed()
+    let handed_on = stopping.elapsed();
+    eprintln!("clean stop: r3's buckets owned by the others {handed_on:?} after SIGTERM");
+    // Without the revoke they would wait for the lease to lapse: at least two thirds
+    // of it after the last renewal, 2 s here, plus etcd's 500 ms sweep. The revoke
+    // makes it 156 ms on a quiet machine (docs/scale.md); a third of the lease leaves
+    // room for a loaded one and still fails if the lease is left to lapse.
+    assert!(
+        handed_on < LEASE_TTL / 3,
+        "r3's buckets were handed on {handed_on:?} after SIGTERM: not at once, but as if \
+         its lease had lapsed"
     );
 }
