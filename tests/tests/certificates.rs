@@ -167,6 +167,14 @@ fn expired_and_revoked_certificates_are_refused_and_a_revoked_node_is_cut_off() 
     wait_above("the forged list refused", errors_before, || {
         crl_reloads(&agg, "error")
     });
+    // web-07 keeps trying, with its backoff (up to 5 s): its next handshake after the
+    // forged list must still be refused as revoked, however long that takes.
+    let refused_at_forgery = connections_rejected(&agg, "revoked");
+    wait_above(
+        "web-07's next handshake after the forged list refused as revoked",
+        refused_at_forgery,
+        || connections_rejected(&agg, "revoked"),
+    );
 
     // The rest of the fleet was balanced all along, and web-07 never came back.
     holds_for(
