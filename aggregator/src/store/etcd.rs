@@ -42,8 +42,8 @@ use super::chunks::{self, Chunked, Manifest};
 use super::file::FileStore;
 use super::validate::{self, Corrupt, Defect, SkipCounts};
 use super::{RoutingStore, StoreError, StoreFuture};
-use crate::cluster::Ownership;
 use crate::config::EtcdConfig;
+use crate::ownership::Ownership;
 use ballast_balance::ServiceSnapshot;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
@@ -827,7 +827,7 @@ impl EtcdStore {
                 .map(|service| fence.ownership.bucket(service))
                 .collect();
             for b in buckets {
-                let key = crate::cluster::owner_key(&self.prefix, &fence.cluster, b);
+                let key = crate::ownership::owner_key(&self.prefix, &fence.cluster, b);
                 // A bucket `owned` did not see held compares against -1, which no
                 // key's create revision matches, present or absent.
                 let rev = fences.get(&b).copied().unwrap_or(-1);
@@ -1542,7 +1542,7 @@ mod tests {
         // bucket's owner key with the revision the claim created it at, as taken
         // when the batch was made: a bucket lost meanwhile fails the write.
         let compares = format!("{:?}", store.compares(&batch, &fences));
-        let key = crate::cluster::owner_key("/t", "c", api);
+        let key = crate::ownership::owner_key("/t", "c", api);
         assert!(
             compares.contains(&format!("{:?}", key.as_bytes()))
                 && compares.contains("41")
