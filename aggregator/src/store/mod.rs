@@ -22,6 +22,8 @@ pub mod etcd;
 pub mod file;
 pub mod validate;
 mod writer;
+#[cfg(test)]
+pub(crate) use writer::differs;
 pub(crate) use writer::restore_newer;
 
 pub use writer::{writer, Restored, Sink, StoreCondition, StoreHealth, StoreStatus, STALL_AFTER};

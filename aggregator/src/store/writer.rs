@@ -294,23 +294,10 @@ impl Tracker {
 }
 
 /// Whether the store needs `now` after holding `written`: a new weights version, or
-/// an endpoint added, removed, moved, rezoned, or drained or undrained.
-fn differs(written: &Arc<PublishedService>, now: &Arc<PublishedService>) -> bool {
-    if Arc::ptr_eq(written, now) {
-        return false;
-    }
-    written.version != now.version
-        || written.endpoints.len() != now.endpoints.len()
-        || written
-            .endpoints
-            .iter()
-            .zip(&now.endpoints)
-            .any(|((n1, e1), (n2, e2))| {
-                n1 != n2
-                    || e1.address != e2.address
-                    || e1.zone != e2.zone
-                    || e1.draining != e2.draining
-            })
+/// an endpoint added, removed, moved, rezoned, or drained or undrained; that is, a
+/// new [`PublishedService::digest`], the one every feed follows.
+pub(crate) fn differs(written: &PublishedService, now: &PublishedService) -> bool {
+    written.digest != now.digest
 }
 
 /// The wait after `failures` failed writes in a row.
