@@ -2,7 +2,9 @@
 //! shared state.
 
 use crate::clock::Clock;
+use crate::cluster::overlay::Overlay;
 use crate::config::Config;
+use crate::door::{Command, Door, Inbox};
 use crate::state::State;
 use crate::store::{RoutingStore, StoreError};
 use ballast_balance::Balancer;
@@ -76,6 +78,8 @@ pub struct Daemon {
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
     ends: crate::supervise::Ends,
+    /// The cycle loop's door, for the cluster's task.
+    door: Door,
     /// As a cluster replica: the signal that hands the buckets on, and the task that
     /// does it.
     cluster: Option<(
@@ -144,7 +148,8 @@ impl Daemon {
             .unwrap_or_else(|| default_advertise(daemon.quic_addr));
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let member = crate::cluster::etcd::Replica::new(
-            daemon.state.clone(),
+            daemon.door.clone(),
+            daemon.state.metrics.clone(),
             store,
             ownership,
             cluster,
@@ -204,16 +209,30 @@ impl Daemon {
             state = state.with_ownership(ownership);
         }
         let state = Arc::new(state);
+        let (door, inbox) = Door::new();
+        let restored_by_takeover = crate::store::Restored::default();
+        let mut overlay = Overlay::new(restored_by_takeover.clone());
         if state.ownership.is_some() {
             // Until it owns anything, a replica serves every stored service as stored:
             // its feeds are whole from the start.
-            state.follow(&restored);
+            let (tx, _) = tokio::sync::oneshot::channel();
+            apply(&state, &mut overlay, Command::Follow(restored, tx));
         }
         state.health.set_cycle_ms(cfg.balance.cycle_ms);
         let (supervisor, ends) = crate::supervise::supervisor();
         // Before anything can publish: the writer takes what is current now (the
         // restored services) as what the store holds, and writes every change after it.
-        let store_writer = crate::store::writer(state.clone());
+        let store_writer = crate::store::writer(
+            state.subscribe(),
+            crate::store::Sink {
+                store: state.store.clone(),
+                status: state.store_status.clone(),
+                metrics: state.metrics.clone(),
+                ownership: state.ownership.clone(),
+                restored: restored_by_takeover,
+                door: door.clone(),
+            },
+        );
 
         let (server, ingest) = crate::ingest::setup(cfg, identity, client_ca)?;
         // The xDS port presents the agents' listener's certificate and, in mutual
@@ -275,8 +294,9 @@ impl Daemon {
             threads.ended().await;
         }));
         if let Some(dir) = &cfg.service_config.dir {
-            let config_dir = crate::config::watch::ConfigDir::open(
+            let config_dir = crate::reload::ConfigDir::open(
                 state.clone(),
+                door.clone(),
                 dir.clone(),
                 &cfg.service_config,
                 &cfg.store,
@@ -288,6 +308,8 @@ impl Daemon {
             "cycle loop",
             cycle_loop(
                 state.clone(),
+                overlay,
+                inbox,
                 Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
             ),
         ));
@@ -311,6 +333,7 @@ impl Daemon {
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
             ends,
+            door,
             cluster: None,
         })
     }
@@ -423,17 +446,60 @@ fn xds_tls(
 /// ticks finely and runs each service when its own cycle is due.
 const CYCLE_TICK_MS: u64 = 100;
 
-async fn cycle_loop(state: Arc<State>, period: Duration) {
+/// Runs the services' cycles as they fall due, and between them the commands that
+/// come through the door: the one task that publishes, so that the cluster's overlay
+/// is its own and publications go out in the order of the changes they show.
+async fn cycle_loop(state: Arc<State>, mut overlay: Overlay, mut inbox: Inbox, period: Duration) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let slack = u64::try_from(period.as_millis() / 2).unwrap_or(0);
     tick.tick().await;
     loop {
-        tick.tick().await;
-        // Readers, the store writer among them, take the publication from the watch.
-        let now = state.clock.now();
-        let _ = state.cycle_due(now, slack);
-        state.health.ticked(now);
+        tokio::select! {
+            biased;
+            Some(command) = inbox.recv() => apply(&state, &mut overlay, command),
+            _ = tick.tick() => {
+                // Readers, the store writer among them, take the publication from the
+                // watch.
+                let now = state.clock.now();
+                let _ = state.cycle_due(now, slack, overlay.followed());
+                state.health.ticked(now);
+            }
+        }
+    }
+}
+
+/// Carries a command out, holding the balancer, and answers it. An answer nobody waits
+/// for any more is dropped.
+fn apply(state: &State, overlay: &mut Overlay, command: Command) {
+    let now = state.clock.now();
+    let mut b = state.balancer();
+    let publish =
+        |b: &ballast_balance::Balancer, ran: &_, followed: &_| state.publish(b, ran, followed, now);
+    match command {
+        Command::TakeOver(stored, answer) => {
+            let _ = answer.send(overlay.take_over(&mut b, &stored, now, publish));
+        }
+        Command::HandOver(gone, answer) => {
+            let last = state.published();
+            let _ = answer.send(overlay.hand_over(&mut b, &*gone, &last, publish));
+        }
+        Command::Follow(stored, answer) => {
+            let localities = state.localities();
+            let _ = answer.send(overlay.follow(&b, &stored, now, &localities, publish));
+        }
+        Command::RestoreNewer(newer, answer) => {
+            let balances = |service: &str| state.balances(service);
+            let _ = answer.send(crate::store::restore_newer(&mut b, newer, &balances, now));
+        }
+        Command::Publish => {
+            state.publish(
+                &b,
+                &std::collections::BTreeSet::new(),
+                overlay.followed(),
+                now,
+            );
+        }
     }
 }
 

@@ -10,12 +10,15 @@ pub mod clock;
 pub mod cluster;
 pub mod config;
 pub mod daemon;
+pub mod door;
 pub mod feed;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ingest;
 pub mod metrics;
+pub mod ownership;
 pub mod relay;
+pub mod reload;
 pub mod state;
 pub mod store;
 pub mod supervise;

@@ -1,11 +1,17 @@
 //! What the daemon's tasks share: the balancer and its writers' lock, the value each
-//! cycle publishes, the clock, the metrics and the store.
+//! cycle publishes, the clock and the metrics.
+//!
+//! It publishes and nothing else: what a cluster replica serves beside its balancer
+//! (the cluster's overlay) is an argument of [`State::publish`],
+//! held by the cycle loop, and the routing store, the cluster and the config directory
+//! import nothing of it.
 
 use crate::clock::Clock;
 use crate::config::locality::Localities;
 use crate::metrics::Metrics;
+use crate::ownership::Ownership;
 use crate::store::RoutingStore;
-use ballast_balance::{Balancer, Millis, Published, PublishedService, ServiceSnapshot};
+use ballast_balance::{Balancer, Millis, Published, PublishedService};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -24,8 +30,8 @@ pub struct State {
     pub metrics: Arc<Metrics>,
     /// Where weights persist.
     pub store: Arc<dyn RoutingStore>,
-    /// How the store's writer is doing, for `/healthz`.
-    pub store_status: crate::store::StoreStatus,
+    /// How the store's writer is doing, for `/healthz`; shared with the writer.
+    pub store_status: Arc<crate::store::StoreStatus>,
     /// What each cycle published; every reader subscribes here.
     published: tokio::sync::watch::Sender<Arc<Published>>,
     /// The report interval agents are told to use, in milliseconds.
@@ -40,17 +46,7 @@ pub struct State {
     pub limits: crate::config::limits::Limits,
     /// Which services this replica owns, when it is one of a cluster; `None` for a
     /// lone aggregator, which owns every service.
-    pub ownership: Option<Arc<crate::cluster::Ownership>>,
-    /// As a cluster replica, the services it serves but does not balance: as their
-    /// owners last stored them in etcd, or as this replica last published them before
-    /// it lost them. Every publication carries them beside the balancer's own, so that
-    /// every replica's feeds serve every service, and a lost service keeps its last
-    /// weights rather than vanishing from the load balancers.
-    followed: Mutex<BTreeMap<String, Arc<PublishedService>>>,
-    /// As a cluster replica, the services a takeover restored from the store, as they
-    /// were published then: what the store already holds, so that the writer does not
-    /// write the same value again once their buckets are owned.
-    taken_over: Mutex<BTreeMap<String, Arc<PublishedService>>>,
+    pub ownership: Option<Arc<Ownership>>,
 }
 
 /// The cycle loop's liveness, for `/healthz`: a loop that stopped (a panic, a deadlock
@@ -110,7 +106,7 @@ impl State {
             balancer: Mutex::new(balancer),
             metrics: Arc::new(Metrics::new()),
             store,
-            store_status: crate::store::StoreStatus::default(),
+            store_status: Arc::new(crate::store::StoreStatus::default()),
             published: tokio::sync::watch::channel(Arc::new(first)).0,
             report_interval_ms,
             localities: RwLock::new(Arc::new(Localities::default())),
@@ -118,13 +114,11 @@ impl State {
             health,
             limits: crate::config::limits::Limits::default(),
             ownership: None,
-            followed: Mutex::new(BTreeMap::new()),
-            taken_over: Mutex::new(BTreeMap::new()),
         }
     }
 
     /// As one replica of a cluster, serving only the services `ownership` gives it.
-    pub fn with_ownership(mut self, ownership: Arc<crate::cluster::Ownership>) -> Self {
+    pub fn with_ownership(mut self, ownership: Arc<Ownership>) -> Self {
         self.ownership = Some(ownership);
         self
     }
@@ -148,14 +142,24 @@ impl State {
             .clone()
     }
 
-    /// Puts new locality splits in force and publishes them if they differ.
-    pub(crate) fn set_localities(&self, localities: Localities) {
+    /// Puts new locality splits in force; returns whether they differ from those
+    /// before, and so need publishing (the cycle loop's [`crate::door::Command::Publish`]).
+    pub(crate) fn set_localities(&self, localities: Localities) -> bool {
         let mut current = self.localities.write().unwrap_or_else(|p| p.into_inner());
-        if **current != localities {
-            *current = Arc::new(localities);
-            drop(current);
+        if **current == localities {
+            return false;
+        }
+        *current = Arc::new(localities);
+        true
+    }
+
+    /// Puts new locality splits in force and publishes them at once, for a lone
+    /// aggregator (no overlay): for tests that play the config directory's part.
+    #[cfg(test)]
+    pub(crate) fn localize(&self, localities: Localities) {
+        if self.set_localities(localities) {
             let b = self.balancer();
-            self.publish(&b, &BTreeSet::new(), self.clock.now());
+            self.publish(&b, &BTreeSet::new(), &BTreeMap::new(), self.clock.now());
         }
     }
 
@@ -183,13 +187,21 @@ impl State {
         self.published.subscribe()
     }
 
-    /// Publishes the balancer's services, afresh for those in `ran`; the caller holds
-    /// the balancer, so publications go out in the order of the states they show.
-    fn publish(&self, balancer: &Balancer, ran: &BTreeSet<String>, now: Millis) -> Arc<Published> {
+    /// Publishes the balancer's services, afresh for those in `ran`, with `followed`
+    /// (the services a cluster replica serves but does not balance) beside those the
+    /// balancer does not hold. The caller holds the balancer, so publications go out
+    /// in the order of the states they show.
+    pub(crate) fn publish(
+        &self,
+        balancer: &Balancer,
+        ran: &BTreeSet<String>,
+        followed: &BTreeMap<String, Arc<PublishedService>>,
+        now: Millis,
+    ) -> Arc<Published> {
         let localities = self.localities();
         let previous = self.published();
         let mut next = previous.next(balancer, ran, &localities.services, now);
-        for (name, service) in self.followed().iter() {
+        for (name, service) in followed {
             if balancer.service(name).is_none() {
                 next.services.insert(name.clone(), Arc::clone(service));
             }
@@ -199,158 +211,35 @@ impl State {
         next
     }
 
-    fn followed(&self) -> MutexGuard<'_, BTreeMap<String, Arc<PublishedService>>> {
-        self.followed.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Takes over the services of `stored` that the balancer does not hold, as a
-    /// replica that just won them does: restored with their stored weights and cycle
-    /// numbers, served as they were until their agents arrive, and published. Returns
-    /// how many were restored.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    pub(crate) fn take_over(&self, stored: &BTreeMap<String, ServiceSnapshot>) -> usize {
-        let now = self.clock.now();
-        let mut b = self.balancer();
-        let fresh: BTreeMap<String, ServiceSnapshot> = stored
-            .iter()
-            .filter(|(name, _)| b.service(name).is_none())
-            .map(|(name, snap)| (name.clone(), snap.clone()))
-            .collect();
-        b.restore(now, &fresh);
-        {
-            let mut followed = self.followed();
-            for name in fresh.keys() {
-                followed.remove(name);
-            }
-        }
-        // Published afresh, not from the previous publication's copy (the followed
-        // one, which may lag what was just restored).
-        let ran: BTreeSet<String> = fresh.keys().cloned().collect();
-        let published = self.publish(&b, &ran, now);
-        let mut taken = self.taken_over();
-        for name in fresh.keys() {
-            if let Some(service) = published.services.get(name) {
-                taken.insert(name.clone(), Arc::clone(service));
-            }
-        }
-        fresh.len()
-    }
-
-    fn taken_over(&self) -> MutexGuard<'_, BTreeMap<String, Arc<PublishedService>>> {
-        self.taken_over.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The services a takeover restored from the store that this replica now
-    /// balances, as published at the takeover: the store holds them so, and they need
-    /// no write until they change. Each is handed out once; those whose buckets are not
-    /// owned yet wait for the next call.
-    pub(crate) fn take_restored(&self) -> Vec<(String, Arc<PublishedService>)> {
-        let mut taken = self.taken_over();
-        if taken.is_empty() {
-            return Vec::new();
-        }
-        let ready: Vec<String> = taken
-            .keys()
-            .filter(|name| self.balances(name))
-            .cloned()
-            .collect();
-        ready
-            .into_iter()
-            .filter_map(|name| taken.remove(&name).map(|s| (name, s)))
-            .collect()
-    }
-
-    /// Lets go of the services `gone` picks, as a replica that lost them to another
-    /// does: the balancer forgets them, and they are served as last published until
-    /// their new owner's weights arrive ([`State::follow`]). Returns their names.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    pub(crate) fn hand_over(&self, gone: impl Fn(&str) -> bool) -> Vec<String> {
-        let now = self.clock.now();
-        let mut b = self.balancer();
-        let names: Vec<String> = b
-            .services()
-            .filter(|s| gone(&s.name))
-            .map(|s| s.name.clone())
-            .collect();
-        if names.is_empty() {
-            return names;
-        }
-        let last = self.published();
-        {
-            let mut followed = self.followed();
-            let mut taken = self.taken_over();
-            for name in &names {
-                taken.remove(name);
-                b.remove_service(name);
-                if let Some(p) = last.services.get(name) {
-                    followed.insert(name.clone(), Arc::clone(p));
-                }
-            }
-        }
-        self.publish(&b, &BTreeSet::new(), now);
-        names
-    }
-
-    /// Serves `stored` services, as their owners wrote them, where this replica does
-    /// not balance them itself; publishes if any changed. Returns how many it took.
-    pub(crate) fn follow(&self, stored: &BTreeMap<String, ServiceSnapshot>) -> usize {
-        let now = self.clock.now();
-        let b = self.balancer();
-        let localities = self.localities();
-        let mut taken = 0;
-        {
-            let mut followed = self.followed();
-            for (name, snap) in stored {
-                if b.service(name).is_some() {
-                    continue;
-                }
-                // Versions only grow; an older value (a watch event from before a read)
-                // never replaces a newer one.
-                let known = followed.get(name).is_some_and(|p| {
-                    p.version > snap.version
-                        || (p.version == snap.version && p.weights_cycle >= snap.cycle)
-                });
-                if known {
-                    continue;
-                }
-                let mut svc = ballast_balance::service::Service::new(name, b.params(name).clone());
-                svc.restore(now, snap);
-                let locality = localities.services.get(name).cloned().unwrap_or_default();
-                followed.insert(
-                    name.clone(),
-                    Arc::new(PublishedService::of(&svc, now, locality)),
-                );
-                taken += 1;
-            }
-        }
-        if taken > 0 {
-            self.publish(&b, &BTreeSet::new(), now);
-        }
-        taken
-    }
-
     /// Whether this replica balances `service` itself (always, for a lone
     /// aggregator): the routing store writes only those.
     pub fn balances(&self, service: &str) -> bool {
-        self.ownership.as_ref().is_none_or(|o| o.owns(service))
+        crate::ownership::balances(self.ownership.as_deref(), service)
     }
 
     /// Runs one cycle of every service, counts it, publishes, and returns the
-    /// publication.
+    /// publication: for a lone aggregator, with no overlay (the demo, tests, benches).
     pub fn cycle(&self, now: Millis) -> Arc<Published> {
-        self.run_cycle(now, |b| b.cycle(now))
+        self.run_cycle(now, &BTreeMap::new(), |b| b.cycle(now))
             .unwrap_or_else(|| self.published())
     }
 
     /// Like [`State::cycle`], for the services whose own cycle is due at `now` (see
-    /// [`Balancer::cycle_due`]); nothing is counted or published when none is.
-    pub(crate) fn cycle_due(&self, now: Millis, slack: Millis) -> Option<Arc<Published>> {
-        self.run_cycle(now, |b| b.cycle_due(now, slack))
+    /// [`Balancer::cycle_due`]), with `followed` beside them; nothing is counted or
+    /// published when none is due.
+    pub(crate) fn cycle_due(
+        &self,
+        now: Millis,
+        slack: Millis,
+        followed: &BTreeMap<String, Arc<PublishedService>>,
+    ) -> Option<Arc<Published>> {
+        self.run_cycle(now, followed, |b| b.cycle_due(now, slack))
     }
 
     fn run_cycle(
         &self,
         now: Millis,
+        followed: &BTreeMap<String, Arc<PublishedService>>,
         run: impl FnOnce(&mut Balancer) -> Vec<ballast_balance::CycleResult>,
     ) -> Option<Arc<Published>> {
         let started = std::time::Instant::now();
@@ -366,7 +255,7 @@ impl State {
                 return None;
             }
             let ran = results.iter().map(|r| r.service.clone()).collect();
-            let published = self.publish(&b, &ran, now);
+            let published = self.publish(&b, &ran, followed, now);
             (results, published)
         };
         self.metrics

@@ -16,10 +16,25 @@
 use crate::inflight::InflightTracker;
 use crate::params::{Params, StrategyWeights};
 use crate::pid::Pid;
-use crate::service::EndpointState;
 use crate::{Millis, Observation};
+use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+
+/// An endpoint's state as operators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum EndpointState {
+    /// Reporting and balanced.
+    Serving,
+    /// New or returning, ramping up from the cold-start weight.
+    Warming,
+    /// Lame duck: weight 0.
+    Draining,
+    /// Known but its last report is stale; its weight is held.
+    Missing,
+}
 
 /// What [`Hot`] keeps for a time that has not happened: 64 bytes an endpoint (one
 /// cache line) rather than the 80 that two `Option<Millis>` would make it.

@@ -60,6 +60,13 @@ pub struct PublishedService {
     pub name: String,
     /// The weights' version: increases with every material change.
     pub version: u64,
+    /// Whether the service changed for the feeds, in one number: the digest of the
+    /// weights version and of each endpoint's node, address, zone and draining flag
+    /// ([`change_digest`]). The xDS resources, the routing store's writes and the HTTP
+    /// watch's events all follow it: a service whose digest is that of the last one a
+    /// feed sent has nothing new for it.
+    #[serde(default)]
+    pub digest: u64,
     /// The cycle the published weights came from.
     pub cycle: u64,
     /// The last cycle that updated the live weights; what the store keeps, so that
@@ -155,6 +162,12 @@ impl PublishedService {
         PublishedService {
             name: svc.name.clone(),
             version: svc.version,
+            digest: change_digest(
+                svc.version,
+                endpoints
+                    .iter()
+                    .map(|(node, e)| (&**node, &*e.address, &*e.zone, e.draining)),
+            ),
             cycle: svc.published_cycle(),
             weights_cycle: svc.weights_cycle,
             at: now,
@@ -240,6 +253,34 @@ fn fill(
     *report_age_ms = e.report_age(now);
     *strategy_weights = strategies;
 }
+
+/// The digest of a service's weights `version` and of its endpoints' (node, address,
+/// zone, draining), in node order: [`PublishedService::digest`].
+pub fn change_digest<'a>(
+    version: u64,
+    endpoints: impl Iterator<Item = (&'a str, &'a str, &'a str, bool)>,
+) -> u64 {
+    let h = fnv1a(FNV_OFFSET, &version.to_le_bytes());
+    endpoints.fold(h, |h, (node, address, zone, draining)| {
+        // The separators keep ("ab", "c") and ("a", "bc") apart.
+        let h = fnv1a(fnv1a(h, node.as_bytes()), &[0]);
+        let h = fnv1a(fnv1a(h, address.as_bytes()), &[0]);
+        let h = fnv1a(fnv1a(h, zone.as_bytes()), &[0]);
+        fnv1a(h, &[u8::from(draining)])
+    })
+}
+
+/// 64-bit FNV-1a of `bytes`, continuing from `h` ([`FNV_OFFSET`] to start): a stable
+/// digest (the standard library's hasher may change between releases, and digests are
+/// compared across a client's reconnections).
+pub fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Where [`fnv1a`] starts.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 
 impl Published {
     /// The next publication after `self`, at `now`: the services named in `ran` (those

@@ -1,6 +1,6 @@
 //! One service's endpoints and its balancing cycle.
 
-pub use super::endpoints::{Endpoint, Endpoints};
+pub use super::endpoints::{Endpoint, EndpointState, Endpoints};
 
 use super::endpoints::Slots;
 use super::inflight;
@@ -20,21 +20,6 @@ pub(crate) const HISTORY: usize = 900;
 /// published is not a material change: rewriting a consensus store for it costs a
 /// commit and buys nothing.
 pub const MATERIAL_CHANGE: f64 = 0.01;
-
-/// An endpoint's state as operators see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum EndpointState {
-    /// Reporting and balanced.
-    Serving,
-    /// New or returning, ramping up from the cold-start weight.
-    Warming,
-    /// Lame duck: weight 0.
-    Draining,
-    /// Known but its last report is stale; its weight is held.
-    Missing,
-}
 
 /// The fleet's load level, as the load-jump rule follows it: the mean without the
 /// highest and the lowest load once there are five or more. A real change of level

@@ -29,6 +29,9 @@ pub fn router(state: Arc<State>) -> Router {
         .route("/v1/published", get(published))
         .merge(crate::ui::router(&state))
         .fallback(not_found)
+        .layer(axum::Extension(Arc::new(
+            crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.clone()),
+        )))
         .with_state(state)
 }
 
@@ -316,6 +319,7 @@ pub(crate) struct WatchQuery {
 )]
 async fn weights(
     AxState(state): AxState<Arc<State>>,
+    axum::Extension(feed): axum::Extension<Arc<crate::feed::watch::WatchFeed>>,
     name: Result<Path<String>, PathRejection>,
     query: Result<Query<WatchQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
@@ -333,16 +337,10 @@ async fn weights(
             message: format!("{max} watch streams are open, the limit; try again later"),
         });
     }
-    // Subscribed before the first set is read, so no publication falls between them.
-    let changes = state.subscribe();
-    let current = {
-        let published = changes.borrow();
-        let svc = published
-            .service(&name)
-            .ok_or_else(|| ApiError::unknown_service(&name))?;
-        views::WeightSet::of(svc)
-    };
-    Ok(crate::feed::watch::stream(state.clone(), name, changes, current).into_response())
+    match crate::feed::watch::stream(&feed, name.clone()) {
+        Some(events) => Ok(events.into_response()),
+        None => Err(ApiError::unknown_service(&name)),
+    }
 }
 
 #[utoipa::path(

@@ -26,7 +26,8 @@ use super::{
     Ownership, View,
 };
 use crate::config::ClusterConfig;
-use crate::state::State;
+use crate::door::Door;
+use crate::metrics::Metrics;
 use crate::store::etcd::EtcdStore;
 use crate::store::etcd::{decode_entry, service_from_key, services_prefix};
 use etcd_client::{
@@ -46,7 +47,9 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// One replica's membership of a cluster.
 pub(crate) struct Replica {
-    state: Arc<State>,
+    /// How each move of services in or out of the balancer is asked of the cycle loop.
+    door: Door,
+    metrics: Arc<Metrics>,
     store: Arc<EtcdStore>,
     ownership: Arc<Ownership>,
     cluster: String,
@@ -60,7 +63,8 @@ impl Replica {
     /// The replica `ownership` describes, on `store`'s etcd, taking agents at
     /// `advertise`.
     pub(crate) fn new(
-        state: Arc<State>,
+        door: Door,
+        metrics: Arc<Metrics>,
         store: Arc<EtcdStore>,
         ownership: Arc<Ownership>,
         cfg: &ClusterConfig,
@@ -68,7 +72,8 @@ impl Replica {
         stop: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
         Replica {
-            state,
+            door,
+            metrics,
             store,
             ownership,
             cluster: cfg.name.clone(),
@@ -96,7 +101,7 @@ impl Replica {
                 tracing::warn!(error = %error, buckets = held, services = gone,
                     "cluster session ended: this replica balances none of its services, \
                      and serves them as last published, until it holds a lease again");
-                self.state.metrics.cluster_sessions_lost.inc();
+                self.metrics.cluster_sessions_lost.inc();
                 failing = false;
             } else if !failing {
                 // Logged once for a run of failures: etcd may be down for a while.
@@ -129,7 +134,7 @@ impl Replica {
     async fn session(&self) -> (String, bool, (usize, usize)) {
         let mut client = match self.store.client().await {
             Ok(c) => c,
-            Err(e) => return (e, false, self.give_up_all()),
+            Err(e) => return (e, false, self.give_up_all().await),
         };
         let lease = match self
             .bounded(
@@ -139,32 +144,34 @@ impl Replica {
             .await
         {
             Ok(l) => l,
-            Err(e) => return (e, false, self.give_up_all()),
+            Err(e) => return (e, false, self.give_up_all().await),
         };
         let id = lease.id();
         let outcome = self.with_lease(&mut client, id, lease.ttl()).await;
         // Writes and agents stop first; then, best effort, the revoked lease frees the
         // buckets at once instead of after its time to live.
-        let given_up = self.give_up_all();
+        let given_up = self.give_up_all().await;
         let _ = tokio::time::timeout(Duration::from_millis(500), client.lease_revoke(id)).await;
         (outcome, true, given_up)
     }
 
     /// Gives up every bucket, and lets go of every service: how many of each.
-    fn give_up_all(&self) -> (usize, usize) {
+    async fn give_up_all(&self) -> (usize, usize) {
         let held = self.ownership.lose_all();
-        let gone = self.sweep();
-        self.state.metrics.cluster_buckets_owned.set(0);
+        let gone = self.sweep().await;
+        self.metrics.cluster_buckets_owned.set(0);
         (held.len(), gone)
     }
 
     /// Lets go of every service this replica balances but does not own now (lost
     /// buckets, and anything a race with ingest left behind), and of their pending
     /// writes. Idempotent: it runs after every reconciling pass, failed or not.
-    fn sweep(&self) -> usize {
+    async fn sweep(&self) -> usize {
         self.store.drop_unowned_pending();
-        self.state
-            .hand_over(|service| !self.ownership.owns(service))
+        let ownership = self.ownership.clone();
+        self.door
+            .hand_over(move |service| !ownership.owns(service))
+            .await
             .len()
     }
 
@@ -203,7 +210,7 @@ impl Replica {
                         // Watched first, then read: no write falls between the two.
                         match self.store.read_valid().await {
                             Ok(stored) => {
-                                self.follow(stored);
+                                self.follow(stored).await;
                                 self.ownership.feed_confirmed();
                             }
                             Err(e) => {
@@ -423,7 +430,7 @@ impl Replica {
                     "a stored service that is not a valid snapshot is not followed"),
             }
         }
-        self.follow(stored);
+        self.follow(stored).await;
         complete
     }
 
@@ -450,9 +457,8 @@ impl Replica {
     /// own, however the pass ended.
     async fn reconcile(&self, client: &mut Client, lease: i64) -> Result<(), String> {
         let outcome = self.reconcile_pass(client, lease).await;
-        self.sweep();
-        self.state
-            .metrics
+        self.sweep().await;
+        self.metrics
             .cluster_buckets_owned
             .set(i64::try_from(self.ownership.owned()).unwrap_or(i64::MAX));
         outcome
@@ -535,7 +541,7 @@ impl Replica {
             }
         }
         if !lost.is_empty() {
-            let gone = self.sweep();
+            let gone = self.sweep().await;
             tracing::info!(buckets = ?lost, services = gone, "buckets given up");
         }
         if !claimed.is_empty() {
@@ -563,16 +569,13 @@ impl Replica {
             .into_iter()
             .filter(|(name, _)| buckets.contains(&self.ownership.bucket(name)))
             .collect();
-        let restored = self.state.take_over(&mine);
+        let restored = self.door.take_over(mine).await;
         for (b, rev) in claimed {
             self.ownership.gained(*b, *rev);
             self.ownership
                 .set_owner_address(*b, Some(Arc::from(self.advertise.as_str())));
         }
-        self.state
-            .metrics
-            .cluster_takeovers
-            .inc_by(claimed.len() as u64);
+        self.metrics.cluster_takeovers.inc_by(claimed.len() as u64);
         tracing::info!(buckets = ?buckets, services = restored,
             "buckets taken over: their services restored from etcd with their weights");
         Ok(())
@@ -580,9 +583,9 @@ impl Replica {
 
     /// Serves the services of `stored` that this replica does not own as their owners
     /// wrote them.
-    fn follow(&self, mut stored: BTreeMap<String, ballast_balance::ServiceSnapshot>) {
+    async fn follow(&self, mut stored: BTreeMap<String, ballast_balance::ServiceSnapshot>) {
         stored.retain(|name, _| !self.ownership.owns(name));
-        self.state.follow(&stored);
+        self.door.follow(stored).await;
     }
 }
 

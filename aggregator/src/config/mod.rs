@@ -5,7 +5,6 @@ pub mod dir;
 pub mod limits;
 pub mod locality;
 pub mod service;
-pub mod watch;
 
 use ballast_balance::Params;
 pub use ballast_shared::config::{ConfigError, TlsFiles};

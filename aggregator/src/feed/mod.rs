@@ -2,3 +2,6 @@
 
 pub mod watch;
 pub mod xds;
+
+#[cfg(test)]
+mod agree;

@@ -42,8 +42,8 @@ use super::chunks::{self, Chunked, Manifest};
 use super::file::FileStore;
 use super::validate::{self, Corrupt, Defect, SkipCounts};
 use super::{RoutingStore, StoreError, StoreFuture};
-use crate::cluster::Ownership;
 use crate::config::EtcdConfig;
+use crate::ownership::Ownership;
 use ballast_balance::ServiceSnapshot;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
@@ -827,7 +827,7 @@ impl EtcdStore {
                 .map(|service| fence.ownership.bucket(service))
                 .collect();
             for b in buckets {
-                let key = crate::cluster::owner_key(&self.prefix, &fence.cluster, b);
+                let key = crate::ownership::owner_key(&self.prefix, &fence.cluster, b);
                 // A bucket `owned` did not see held compares against -1, which no
                 // key's create revision matches, present or absent.
                 let rev = fences.get(&b).copied().unwrap_or(-1);
@@ -1543,7 +1543,7 @@ mod tests {
         // when the batch was made: a bucket lost meanwhile fails the write.
         // Each compare is checked whole: its key, what it compares (the key's mod
         // revision, the owner key's create revision), the operator and the value.
-        let key = crate::cluster::owner_key("/t", "c", api);
+        let key = crate::ownership::owner_key("/t", "c", api);
         let expected = |owner_rev: i64| {
             format!(
                 "{:?}",
@@ -1657,7 +1657,7 @@ mod tests {
         let ownership = Arc::new(Ownership::new("r1", 8));
         ownership.valid_until(Instant::now() + Duration::from_secs(60));
         let bucket = ownership.bucket("api");
-        let owner = crate::cluster::owner_key("/t", "c", bucket);
+        let owner = crate::ownership::owner_key("/t", "c", bucket);
         let claim = raw.put(owner.as_str(), "r1", None).await.expect("claim");
         let created = claim.header().map(|h| h.revision()).expect("revision");
         ownership.gained(bucket, created);

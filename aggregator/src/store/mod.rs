@@ -22,8 +22,11 @@ pub mod etcd;
 pub mod file;
 pub mod validate;
 mod writer;
+#[cfg(test)]
+pub(crate) use writer::differs;
+pub(crate) use writer::restore_newer;
 
-pub use writer::{writer, StoreCondition, StoreHealth, StoreStatus, STALL_AFTER};
+pub use writer::{writer, Restored, Sink, StoreCondition, StoreHealth, StoreStatus, STALL_AFTER};
 
 use crate::config::StoreConfig;
 use ballast_balance::ServiceSnapshot;

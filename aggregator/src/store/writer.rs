@@ -22,8 +22,9 @@
 //! are written over them.
 
 use super::StoreError;
-use crate::state::State;
-use ballast_balance::{Published, PublishedService, ServiceSnapshot};
+use crate::metrics::Metrics;
+use crate::ownership::Ownership;
+use ballast_balance::{Balancer, Millis, Published, PublishedService, ServiceSnapshot};
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -293,23 +294,10 @@ impl Tracker {
 }
 
 /// Whether the store needs `now` after holding `written`: a new weights version, or
-/// an endpoint added, removed, moved, rezoned, or drained or undrained.
-fn differs(written: &Arc<PublishedService>, now: &Arc<PublishedService>) -> bool {
-    if Arc::ptr_eq(written, now) {
-        return false;
-    }
-    written.version != now.version
-        || written.endpoints.len() != now.endpoints.len()
-        || written
-            .endpoints
-            .iter()
-            .zip(&now.endpoints)
-            .any(|((n1, e1), (n2, e2))| {
-                n1 != n2
-                    || e1.address != e2.address
-                    || e1.zone != e2.zone
-                    || e1.draining != e2.draining
-            })
+/// an endpoint added, removed, moved, rezoned, or drained or undrained; that is, a
+/// new [`PublishedService::digest`], the one every feed follows.
+pub(crate) fn differs(written: &PublishedService, now: &PublishedService) -> bool {
+    written.digest != now.digest
 }
 
 /// The wait after `failures` failed writes in a row.
@@ -325,37 +313,38 @@ fn backoff(failures: u32) -> Duration {
 /// The publication current when this is called is taken as what the store holds (the
 /// services restored from it at start), so call it before the first cycle runs; the
 /// returned future does the writing.
-pub fn writer(state: Arc<State>) -> impl Future<Output = ()> + Send + 'static {
-    let mut publications = state.subscribe();
+pub fn writer(
+    mut publications: watch::Receiver<Arc<Published>>,
+    sink: Sink,
+) -> impl Future<Output = ()> + Send + 'static {
     let first = publications.borrow_and_update().clone();
-    count_skipped(&state);
-    let fallback = state.store.fallback();
+    count_skipped(&sink);
+    let fallback = sink.store.fallback();
     let tracker = match &fallback {
         None => {
-            state.store_status.lock().written_version = Some(first.version);
+            sink.status.lock().written_version = Some(first.version);
             Tracker::new(&first)
         }
         Some(why) => {
-            let mut p = state.store_status.lock();
+            let mut p = sink.status.lock();
             p.error = Some(why.clone());
             p.failing_since = Some(Instant::now());
             Tracker::unconfirmed()
         }
     };
-    run(state, publications, tracker, fallback.is_some())
+    run(sink, publications, tracker, fallback.is_some())
 }
 
 /// Counts the stored services the store skipped as corrupt in
 /// `ballast_store_corrupt_total`, and the values it refused as too large in
 /// `ballast_store_refused_total`, and shows the services too large now.
-fn count_skipped(state: &State) {
+fn count_skipped(sink: &Sink) {
     for (reason, n) in [
-        ("too_large", state.store.take_refused()),
-        ("not_owner", state.store.take_fenced()),
+        ("too_large", sink.store.take_refused()),
+        ("not_owner", sink.store.take_fenced()),
     ] {
         if n > 0 {
-            state
-                .metrics
+            sink.metrics
                 .store_refused
                 .get_or_create(&crate::metrics::Reason {
                     reason: reason.to_string(),
@@ -363,15 +352,13 @@ fn count_skipped(state: &State) {
                 .inc_by(n);
         }
     }
-    let too_large = state.store.too_large();
-    state
-        .metrics
+    let too_large = sink.store.too_large();
+    sink.metrics
         .store_too_large
         .set(i64::try_from(too_large.len()).unwrap_or(i64::MAX));
-    state.store_status.lock().too_large = too_large;
-    for (defect, n) in state.store.take_skipped() {
-        state
-            .metrics
+    sink.status.lock().too_large = too_large;
+    for (defect, n) in sink.store.take_skipped() {
+        sink.metrics
             .store_corrupt
             .get_or_create(&crate::metrics::Reason {
                 reason: defect.label().to_string(),
@@ -380,76 +367,143 @@ fn count_skipped(state: &State) {
     }
 }
 
-/// Restores into the balancer the services the store holds newer than the aggregator
+/// Restores into `balancer` the services the store holds newer than the aggregator
 /// (found by the first write after a fallback), where that replaces nothing live: the
 /// service is absent, or none of its endpoints has reported since the start and the
-/// store's snapshot has every one of them. Any other is written again with the
-/// aggregator's weights, which come from reports.
-fn restore_newer(state: &State, tracker: &mut Tracker) {
-    let newer = state.store.take_newer();
-    if newer.is_empty() {
-        return;
-    }
+/// store's snapshot has every one of them. Returns the others: the writer writes them
+/// again with the aggregator's weights, which come from reports.
+///
+/// The writer asks the cycle loop for this ([`crate::door::Command::RestoreNewer`]),
+/// which calls it holding the balancer: the store never writes into the balancer
+/// itself.
+pub(crate) fn restore_newer(
+    balancer: &mut Balancer,
+    newer: BTreeMap<String, ServiceSnapshot>,
+    balances: &dyn Fn(&str) -> bool,
+    now: Millis,
+) -> Vec<String> {
     let mut restore = BTreeMap::new();
-    {
-        let mut balancer = state.balancer();
-        for (name, stored) in newer {
-            // A cluster replica takes other replicas' services from etcd as it follows
-            // them, never into its balancer.
-            if !state.balances(&name) {
-                continue;
-            }
-            let live = balancer.service(&name).map(|s| {
-                let untouched = s
-                    .endpoints()
-                    .values()
-                    .all(|e| e.last_report().is_none() && stored.endpoints.contains_key(e.node()));
-                (s.version, untouched)
-            });
-            match live {
-                Some((version, _)) if version >= stored.version => tracker.forget(&name),
-                Some((version, false)) => {
-                    tracing::warn!(service = %name, stored = stored.version, live = version,
-                        "the routing store holds a newer version of a service the aggregator \
-                         has balanced from reports since it started: its live weights are \
-                         written over it");
-                    tracker.forget(&name);
-                }
-                Some((_, true)) | None => {
-                    restore.insert(name, stored);
-                }
-            }
+    let mut rewrite = Vec::new();
+    for (name, stored) in newer {
+        // A cluster replica takes other replicas' services from etcd as it follows
+        // them, never into its balancer.
+        if !balances(&name) {
+            continue;
         }
-        if !restore.is_empty() {
-            balancer.restore(state.clock.now(), &restore);
+        let live = balancer.service(&name).map(|s| {
+            let untouched = s
+                .endpoints()
+                .values()
+                .all(|e| e.last_report().is_none() && stored.endpoints.contains_key(e.node()));
+            (s.version, untouched)
+        });
+        match live {
+            Some((version, _)) if version >= stored.version => rewrite.push(name),
+            Some((version, false)) => {
+                tracing::warn!(service = %name, stored = stored.version, live = version,
+                    "the routing store holds a newer version of a service the aggregator \
+                     has balanced from reports since it started: its live weights are \
+                     written over it");
+                rewrite.push(name);
+            }
+            Some((_, true)) | None => {
+                restore.insert(name, stored);
+            }
         }
     }
     if !restore.is_empty() {
+        balancer.restore(now, &restore);
         tracing::info!(services = ?restore.keys().collect::<Vec<_>>(),
             "services restored from the routing store, which held them newer than the local copy");
+    }
+    rewrite
+}
+
+/// Services a cluster takeover restored from the store, as published at the takeover:
+/// the store holds them so, and they need no write until they change. The cluster's
+/// overlay fills it; the writer takes them.
+#[derive(Debug, Clone, Default)]
+pub struct Restored(Arc<Mutex<BTreeMap<String, Arc<PublishedService>>>>);
+
+impl Restored {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Arc<PublishedService>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records that the store holds `service` as it is.
+    pub(crate) fn insert(&self, name: String, service: Arc<PublishedService>) {
+        self.lock().insert(name, service);
+    }
+
+    /// Forgets `name`, handed over before the writer took it.
+    pub(crate) fn remove(&self, name: &str) {
+        self.lock().remove(name);
+    }
+
+    /// The restored services that this replica now balances (`balances`). Each is
+    /// handed out once; those whose buckets are not owned yet wait for the next call.
+    fn take_ready(&self, balances: impl Fn(&str) -> bool) -> Vec<(String, Arc<PublishedService>)> {
+        let mut taken = self.lock();
+        if taken.is_empty() {
+            return Vec::new();
+        }
+        let ready: Vec<String> = taken
+            .keys()
+            .filter(|name| balances(name))
+            .cloned()
+            .collect();
+        ready
+            .into_iter()
+            .filter_map(|name| taken.remove(&name).map(|s| (name, s)))
+            .collect()
+    }
+}
+
+/// What the writer works with besides the publications: the store, its status, the
+/// counters, which services are this replica's to write, what a takeover restored,
+/// and the cycle loop's door for the services the store holds newer.
+#[derive(Clone)]
+pub struct Sink {
+    /// The store written to.
+    pub store: Arc<dyn super::RoutingStore>,
+    /// The writer's progress, for `/healthz`.
+    pub status: Arc<StoreStatus>,
+    /// The counters.
+    pub metrics: Arc<Metrics>,
+    /// As a cluster replica, which services it owns; `None` for a lone aggregator.
+    pub ownership: Option<Arc<Ownership>>,
+    /// What takeovers restored from the store.
+    pub restored: Restored,
+    /// How the writer asks the cycle loop to restore what the store holds newer.
+    pub door: crate::door::Door,
+}
+
+impl Sink {
+    fn balances(&self, service: &str) -> bool {
+        crate::ownership::balances(self.ownership.as_deref(), service)
     }
 }
 
 async fn run(
-    state: Arc<State>,
+    sink: Sink,
     mut publications: watch::Receiver<Arc<Published>>,
     mut tracker: Tracker,
     mut unconfirmed: bool,
 ) {
-    let store = state.store.clone();
+    let store = sink.store.clone();
     let mut open = true;
     let mut failures = 0u32;
     loop {
         let latest = publications.borrow_and_update().clone();
         let now = Instant::now();
-        for (name, service) in state.take_restored() {
+        for (name, service) in sink.restored.take_ready(|name| sink.balances(name)) {
             tracker.restored(name, service);
         }
-        let due = tracker.differing(&latest, now, &|name| state.balances(name));
-        report(&state, &tracker, now);
+        let due = tracker.differing(&latest, now, &|name| sink.balances(name));
+        report(&sink, &tracker, now);
         // After a fallback the store must be read and reconciled even with nothing due.
         if due.is_empty() && !unconfirmed {
-            state.store_status.lock().written_version = Some(latest.version);
+            sink.status.lock().written_version = Some(latest.version);
             if !open || publications.changed().await.is_err() {
                 return;
             }
@@ -459,36 +513,39 @@ async fn run(
             due.iter().map(|s| (s.name.clone(), s.snapshot())).collect();
         tracker.started(&due);
         {
-            let mut p = state.store_status.lock();
+            let mut p = sink.status.lock();
             p.writing_since = Some(now);
             p.writing_version = Some(latest.version);
         }
         let outcome = following(
             store.put(&batch),
-            &state,
+            &sink,
             &mut publications,
             &mut tracker,
             &mut open,
         )
         .await;
-        state
-            .metrics
+        sink.metrics
             .store_write_seconds
             .observe(now.elapsed().as_secs_f64());
-        state
-            .metrics
+        sink.metrics
             .store_writes
             .get_or_create(&crate::metrics::Reason {
                 reason: if outcome.is_ok() { "ok" } else { "error" }.to_string(),
             })
             .inc();
-        count_skipped(&state);
+        count_skipped(&sink);
         match outcome {
             Ok(()) => {
                 tracker.committed();
                 if unconfirmed {
                     unconfirmed = false;
-                    restore_newer(&state, &mut tracker);
+                    let newer = sink.store.take_newer();
+                    if !newer.is_empty() {
+                        for name in sink.door.restore_newer(newer).await {
+                            tracker.forget(&name);
+                        }
+                    }
                 }
                 if failures > 0 {
                     tracing::info!(
@@ -498,7 +555,7 @@ async fn run(
                     );
                 }
                 failures = 0;
-                let mut p = state.store_status.lock();
+                let mut p = sink.status.lock();
                 p.writing_since = None;
                 p.writing_version = None;
                 p.error = None;
@@ -509,9 +566,9 @@ async fn run(
             Err(e) => {
                 tracker.failed();
                 failures = failures.saturating_add(1);
-                failed(&state, &e, failures, batch.len());
+                failed(&sink, &e, failures, batch.len());
                 let wait = tokio::time::sleep(backoff(failures));
-                following(wait, &state, &mut publications, &mut tracker, &mut open).await;
+                following(wait, &sink, &mut publications, &mut tracker, &mut open).await;
             }
         }
     }
@@ -519,13 +576,13 @@ async fn run(
 
 /// Records a failed write; the first of a run is logged as a warning, the rest (one
 /// every [`RETRY_MAX`] at most) at debug level, as `/healthz` and the metrics show them.
-fn failed(state: &State, error: &StoreError, failures: u32, services: usize) {
+fn failed(sink: &Sink, error: &StoreError, failures: u32, services: usize) {
     if failures == 1 {
         tracing::warn!(error = %error, services, "routing store write failed; retrying");
     } else {
         tracing::debug!(error = %error, failures, services, "routing store write failed again");
     }
-    let mut p = state.store_status.lock();
+    let mut p = sink.status.lock();
     p.writing_since = None;
     p.writing_version = None;
     p.error = Some(error.to_string());
@@ -538,7 +595,7 @@ fn failed(state: &State, error: &StoreError, failures: u32, services: usize) {
 /// publication is ever looked at.
 async fn following<F: Future>(
     fut: F,
-    state: &State,
+    sink: &Sink,
     publications: &mut watch::Receiver<Arc<Published>>,
     tracker: &mut Tracker,
     open: &mut bool,
@@ -553,27 +610,26 @@ async fn following<F: Future>(
                 Ok(()) => {
                     let latest = publications.borrow_and_update().clone();
                     let now = Instant::now();
-                    tracker.differing(&latest, now, &|name| state.balances(name));
-                    report(state, tracker, now);
+                    tracker.differing(&latest, now, &|name| sink.balances(name));
+                    report(sink, tracker, now);
                 }
                 Err(_) => *open = false,
             },
-            _ = refresh.tick() => report(state, tracker, Instant::now()),
+            _ = refresh.tick() => report(sink, tracker, Instant::now()),
         }
     }
 }
 
 /// Sets the pending count and the lag in the metrics and the status.
-fn report(state: &State, tracker: &Tracker, now: Instant) {
+fn report(sink: &Sink, tracker: &Tracker, now: Instant) {
     let pending = tracker.pending();
     let oldest = tracker.oldest();
     let lag = oldest.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64());
-    state
-        .metrics
+    sink.metrics
         .store_pending
         .set(i64::try_from(pending).unwrap_or(i64::MAX));
-    state.metrics.store_lag_seconds.set(lag);
-    let mut p = state.store_status.lock();
+    sink.metrics.store_lag_seconds.set(lag);
+    let mut p = sink.status.lock();
     p.pending = pending;
     p.oldest_pending = oldest;
 }
@@ -582,8 +638,9 @@ fn report(state: &State, tracker: &Tracker, now: Instant) {
 mod tests {
     use super::*;
     use crate::clock::Clock;
+    use crate::door::{Command, Door};
     use crate::store::{RoutingStore, StoreFuture};
-    use ballast_balance::{Balancer, Observation, Params};
+    use ballast_balance::{Observation, Params};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::sync::Notify;
 
@@ -643,19 +700,94 @@ mod tests {
         }
     }
 
-    fn state(store: Arc<TestStore>) -> Arc<State> {
+    /// The writer's surroundings, as the daemon makes them: a balancer whose cycles
+    /// publish, and a cycle loop's door that answers the writer's requests to restore
+    /// what the store holds newer.
+    struct Core {
+        clock: Clock,
+        balancer: Mutex<Balancer>,
+        published: watch::Sender<Arc<Published>>,
+        metrics: Arc<Metrics>,
+        store: Arc<dyn RoutingStore>,
+        store_status: Arc<StoreStatus>,
+    }
+
+    impl Core {
+        fn new(balancer: Balancer, store: Arc<dyn RoutingStore>, clock: Clock) -> Self {
+            let first = Published::default().next(
+                &balancer,
+                &BTreeSet::new(),
+                &BTreeMap::new(),
+                clock.now(),
+            );
+            Core {
+                clock,
+                balancer: Mutex::new(balancer),
+                published: watch::channel(Arc::new(first)).0,
+                metrics: Arc::new(Metrics::new()),
+                store,
+                store_status: Arc::default(),
+            }
+        }
+
+        fn balancer(&self) -> MutexGuard<'_, Balancer> {
+            self.balancer.lock().unwrap_or_else(|p| p.into_inner())
+        }
+
+        fn published(&self) -> Arc<Published> {
+            self.published.borrow().clone()
+        }
+
+        /// Runs a cycle of every service and publishes it.
+        fn cycle(&self, now: Millis) -> Arc<Published> {
+            let b = &mut self.balancer();
+            let ran = b.cycle(now).into_iter().map(|r| r.service).collect();
+            let next = Arc::new(self.published().next(b, &ran, &BTreeMap::new(), now));
+            self.published.send_replace(next.clone());
+            next
+        }
+
+        /// The writer of a lone aggregator, with a task that serves the door as the
+        /// cycle loop does.
+        fn writer(self: &Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
+            let (door, mut inbox) = Door::new();
+            let core = self.clone();
+            tokio::spawn(async move {
+                while let Some(command) = inbox.recv().await {
+                    if let Command::RestoreNewer(newer, answer) = command {
+                        let now = core.clock.now();
+                        let _ =
+                            answer.send(restore_newer(&mut core.balancer(), newer, &|_| true, now));
+                    }
+                }
+            });
+            writer(
+                self.published.subscribe(),
+                Sink {
+                    store: self.store.clone(),
+                    status: self.store_status.clone(),
+                    metrics: self.metrics.clone(),
+                    ownership: None,
+                    restored: Restored::default(),
+                    door,
+                },
+            )
+        }
+    }
+
+    fn state(store: Arc<TestStore>) -> Arc<Core> {
         let clock = Clock::start();
         let params = Params {
             grace_ms: 0,
             ..Params::default()
         };
         let balancer = Balancer::new(params, clock.now());
-        Arc::new(State::new(balancer, store, clock, 1000))
+        Arc::new(Core::new(balancer, store, clock))
     }
 
     /// Adds `node` to service `web` and runs a cycle: a publication whose endpoint set
     /// differs from the last.
-    fn add_node(state: &State, node: &str) -> Arc<Published> {
+    fn add_node(state: &Core, node: &str) -> Arc<Published> {
         let now = state.clock.now();
         state
             .balancer()
@@ -664,7 +796,7 @@ mod tests {
         state.cycle(now)
     }
 
-    fn drain(state: &State, node: &str) -> Arc<Published> {
+    fn drain(state: &Core, node: &str) -> Arc<Published> {
         let now = state.clock.now();
         let obs = Observation {
             draining: true,
@@ -691,7 +823,7 @@ mod tests {
         }
     }
 
-    fn health(state: &State) -> StoreHealth {
+    fn health(state: &Core) -> StoreHealth {
         state
             .store_status
             .health(state.store.describe(), Instant::now())
@@ -704,7 +836,7 @@ mod tests {
             ..TestStore::default()
         });
         let state = state(store.clone());
-        let task = tokio::spawn(writer(state.clone()));
+        let task = tokio::spawn(state.writer());
         add_node(&state, "a");
         wait(store.entered.notified()).await;
         assert_eq!(store.started.load(Ordering::SeqCst), 1);
@@ -784,7 +916,7 @@ mod tests {
     async fn unchanged_services_are_not_written_again() {
         let store = Arc::new(TestStore::default());
         let state = state(store.clone());
-        let task = tokio::spawn(writer(state.clone()));
+        let task = tokio::spawn(state.writer());
         let first = add_node(&state, "a");
         eventually("the first write", || store.writes().len() == 1).await;
         // Cycles that change neither the version nor the endpoint set write nothing.
@@ -815,7 +947,7 @@ mod tests {
             ..TestStore::default()
         });
         let state = state(store.clone());
-        let task = tokio::spawn(writer(state.clone()));
+        let task = tokio::spawn(state.writer());
         let published = add_node(&state, "a");
         eventually("a failed write", || health(&state).error.is_some()).await;
         let h = health(&state);
@@ -955,7 +1087,7 @@ mod tests {
             ]
             .into(),
         );
-        let state = Arc::new(State::new(balancer, store.clone(), clock, 1000));
+        let state = Arc::new(Core::new(balancer, store.clone(), clock));
         let now = state.clock.now();
         state
             .balancer()
@@ -973,7 +1105,7 @@ mod tests {
         let busy_version = state.balancer().service("busy").expect("busy").version;
         assert!(busy_version < 50);
 
-        let task = tokio::spawn(writer(state.clone()));
+        let task = tokio::spawn(state.writer());
         // Shown from the start, before any write.
         let h = health(&state);
         assert_eq!(h.status, StoreCondition::Error, "{h:?}");

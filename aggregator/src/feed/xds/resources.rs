@@ -29,6 +29,7 @@
 
 use super::LbPolicy;
 use crate::config::locality::LocalitySplit;
+use ballast_balance::publish::{fnv1a as fnv, FNV_OFFSET};
 use ballast_balance::{Published, PublishedService};
 use cluster::common_lb_config::{LocalityConfigSpecifier, LocalityWeightedLbConfig};
 use envoy_types::pb::envoy::config::cluster::v3::{cluster, Cluster};
@@ -479,16 +480,6 @@ fn split_of(
     })
 }
 
-/// 64-bit FNV-1a: a stable digest (the standard library's hasher may change between
-/// releases, and versions are compared across a client's reconnections).
-fn fnv(h: u64, bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
 /// One packed resource and the digest of its name and bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resource {
@@ -537,14 +528,17 @@ impl ServiceResources {
         endpoints: &[EndpointInput],
         split: Option<&LocalitySplit>,
     ) -> Self {
-        let key = endpoint_key(endpoints.iter().map(|e| {
-            (
-                e.node.as_str(),
-                e.address.as_str(),
-                e.zone.as_str(),
-                e.draining,
-            )
-        }));
+        let key = ballast_balance::publish::change_digest(
+            version,
+            endpoints.iter().map(|e| {
+                (
+                    e.node.as_str(),
+                    e.address.as_str(),
+                    e.zone.as_str(),
+                    e.draining,
+                )
+            }),
+        );
         let eps = addressable(service, endpoints);
         let mut zonal = BTreeMap::new();
         let mut fallen_back = BTreeSet::new();
@@ -611,17 +605,6 @@ impl ServiceResources {
     }
 }
 
-/// Digest of (node, address, zone, draining) of each endpoint, in node order.
-fn endpoint_key<'a>(eps: impl Iterator<Item = (&'a str, &'a str, &'a str, bool)>) -> u64 {
-    eps.fold(FNV_OFFSET, |h, (node, address, zone, draining)| {
-        // The separators keep ("ab", "c") and ("a", "bc") apart.
-        let h = fnv(fnv(h, node.as_bytes()), &[0]);
-        let h = fnv(fnv(h, address.as_bytes()), &[0]);
-        let h = fnv(fnv(h, zone.as_bytes()), &[0]);
-        fnv(h, &[u8::from(draining)])
-    })
-}
-
 /// What a response of one type carries for one stream's subscription.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Selection {
@@ -647,19 +630,9 @@ impl Snapshot {
         let mut kept = BTreeMap::new();
         let mut changed = Vec::new();
         for (name, svc) in &published.services {
-            let key = endpoint_key(svc.endpoints.iter().map(|(node, e)| {
-                (
-                    node.as_ref(),
-                    e.address.as_ref(),
-                    e.zone.as_ref(),
-                    e.draining,
-                )
-            }));
             let split = Some(&svc.locality).filter(|l| !l.is_empty());
             match previous.services.get(name) {
-                Some(r)
-                    if r.version == svc.version && r.key == key && r.split.as_ref() == split =>
-                {
+                Some(r) if r.key == svc.digest && r.split.as_ref() == split => {
                     kept.insert(name.clone(), r.clone());
                 }
                 before => changed.push(Self::copy(svc, split, before.cloned())),
@@ -825,6 +798,12 @@ pub struct Pending {
 }
 
 impl Pending {
+    /// The services that changed, whose resources [`Pending::finish`] builds.
+    #[cfg(test)]
+    pub(crate) fn changed(&self) -> Vec<&str> {
+        self.changed.iter().map(|c| c.name.as_str()).collect()
+    }
+
     /// Builds the changed services' resources.
     pub fn finish(self, policy: LbPolicy) -> Snapshot {
         let mut services = self.kept;

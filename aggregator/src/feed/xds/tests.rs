@@ -1244,7 +1244,7 @@ impl Harness {
     /// from the first snapshot on.
     async fn start_in_zones(endpoints: &[(&str, &str, &str)], localities: Localities) -> Harness {
         let (state, dir) = state();
-        state.set_localities(localities);
+        state.localize(localities);
         let now = state.clock.now();
         ingest(&state, |b| {
             for (node, addr, zone) in endpoints {
@@ -1575,7 +1575,7 @@ async fn streams_get_their_zones_assignment_and_a_reload_reaches_only_the_zones_
         "zone_1".into(),
         BTreeMap::from([("zone_2".to_string(), 100)]),
     );
-    h.state.set_localities(Localities {
+    h.state.localize(Localities {
         services: BTreeMap::from([("web".to_string(), failover)]),
     });
     let r = z1.recv().await;

@@ -1,9 +1,15 @@
 //! The live side of the config directory: watch it, merge what changed, and put the
 //! result in force in the balancer and the feeds without a restart.
+//!
+//! An input of the daemon, like ingest: it writes the balancer's parameters under its
+//! lock, and asks the cycle loop to publish new locality splits. What a config is,
+//! and how a directory's files merge, is [`crate::config`], which knows nothing of
+//! the state.
 
-use super::dir::{self, DirError, Merged, ServiceConfigs};
-use super::service::FileError;
-use super::{ServiceConfigSettings, StoreConfig};
+use crate::config::dir::{self, DirError, Merged, ServiceConfigs};
+use crate::config::service::FileError;
+use crate::config::{ServiceConfigSettings, StoreConfig};
+use crate::door::Door;
 use crate::metrics::{FileLabel, Reason};
 use crate::state::State;
 use ballast_balance::Params;
@@ -16,11 +22,13 @@ use std::time::Duration;
 /// several steps, and one scan after the burst sees the finished file.
 const SETTLE: Duration = Duration::from_millis(150);
 
-use super::dir::ConfigDirStatus;
+use crate::config::dir::ConfigDirStatus;
 
 /// The config directory of a running aggregator.
 pub(crate) struct ConfigDir {
     state: Arc<State>,
+    /// Where new locality splits are published from.
+    door: Door,
     dir: PathBuf,
     state_path: PathBuf,
     backup_dir: PathBuf,
@@ -34,6 +42,7 @@ impl ConfigDir {
     /// persisted config is logged and counted, and the directory alone is used.
     pub(crate) fn open(
         state: Arc<State>,
+        door: Door,
         dir: PathBuf,
         settings: &ServiceConfigSettings,
         store: &StoreConfig,
@@ -62,7 +71,9 @@ impl ConfigDir {
                 b.set_params(name, entry.config.params.clone());
             }
         }
-        state.set_localities(configs.localities());
+        if state.set_localities(configs.localities()) {
+            door.publish();
+        }
         *state.config_dir() = Some(ConfigDirStatus {
             dir: dir.clone(),
             configs,
@@ -71,6 +82,7 @@ impl ConfigDir {
         });
         let cd = ConfigDir {
             state,
+            door,
             dir,
             state_path,
             backup_dir: settings.backup_path(store),
@@ -148,7 +160,9 @@ impl ConfigDir {
         for name in &applied.changed {
             tracing::info!(service = %name, "service config applied");
         }
-        self.state.set_localities(status.configs.localities());
+        if self.state.set_localities(status.configs.localities()) {
+            self.door.publish();
+        }
         let merged = status.configs.merged().clone();
         drop(guard);
         count(&self.state, "applied");
