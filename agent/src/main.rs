@@ -68,6 +68,7 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
         let v = serde_json::json!({
             "cpu": s.cpu, "inflight": s.inflight, "capacity": s.capacity,
             "inflight_detail": sampler.inflight_detail(),
+            "inflight_series": sampler.inflight_series(),
             "error_rate": s.error_rate, "load": s.load, "sources": sampler.describe(),
         });
         println!("{v}");
@@ -85,9 +86,11 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
                 f64::from(s.inflight) / f64::from(s.capacity) * 100.0,
                 s.capacity
             );
+            print_series(&sampler);
             println!("load      {:.3}  (max of cpu and in-flight share)", s.load);
         } else {
             println!("in-flight {}{detail}", s.inflight);
+            print_series(&sampler);
             println!(
                 "load      {:.3}  (cpu here; the aggregator adds the in-flight term by \
                  comparing this count per unit of weight with the rest of the service)",
@@ -96,6 +99,13 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The series the in-flight count summed, one per line under it.
+fn print_series(sampler: &ballast_agent::sample::Sampler) {
+    for line in sampler.inflight_series() {
+        println!("          {line}");
+    }
 }
 
 fn ctl(args: &CtlArgs, req: Request) -> Result<ExitCode> {
