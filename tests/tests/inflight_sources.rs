@@ -41,7 +41,7 @@ use ballast_agent::sample::tcp::TcpInflight;
 use ballast_agent::sample::{no_assignment, CpuSpec, InflightSource, InflightSpec};
 use ballast_tests::harness::haproxy::{require_haproxy, HAPROXY_BIN};
 use ballast_tests::harness::ports::free_tcp;
-use ballast_tests::harness::process::{run_bounded, Proc};
+use ballast_tests::harness::process::{command, run_bounded, Proc};
 use ballast_tests::harness::wait::wait_for;
 use support::Server;
 
@@ -211,6 +211,33 @@ fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
         ));
     }
     judge(&format!("grpc ({spec})"), &rows);
+
+    // `ballast-agent sample` shows the value, each series it summed and the derivation.
+    let _load = server.load(2, 4, 0.0, 10.0);
+    let mut cmd = command("ballast-agent");
+    cmd.args(["sample", "--cpu", "none", "--inflight", &spec.to_string()]);
+    let out = run_bounded(cmd, Duration::from_secs(20));
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "ballast-agent sample failed");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("in-flight "))
+        .expect("an in-flight line");
+    assert!(
+        line.contains(r#"(grpc_server_started_total{grpc_service="ballast.Inflight"} "#)
+            && line.contains(" - grpc_server_handled_total{")
+            && line.contains(" = "),
+        "{line}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.trim_start().starts_with("+ grpc_server_started_total{"))
+            && text
+                .lines()
+                .any(|l| l.trim_start().starts_with("- grpc_server_handled_total{")),
+        "the series are not listed:\n{text}"
+    );
 }
 
 /// A process with a configuration file in its own directory, killed on drop.

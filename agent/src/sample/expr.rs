@@ -613,7 +613,7 @@ mod tests {
         }
         let long = format!("a{}", " ".repeat(MAX_LEN));
         assert!(err(&long).contains("longer than"), "{}", err(&long));
-        let many = vec!["a"; MAX_TERMS + 1].join("+");
+        let many = ["a"; MAX_TERMS + 1].join("+");
         assert!(err(&many).contains("more than 8 terms"));
     }
 

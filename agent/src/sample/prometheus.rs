@@ -187,10 +187,13 @@ fn split_name(line: &str) -> Option<(&str, &str)> {
     (end > 0).then(|| (&line[..end], &line[end..]))
 }
 
+/// A series' labels, in the page's order.
+type Labels = Vec<(String, String)>;
+
 /// Parses the label set after `{`: `name="value"` pairs, comma separated (a trailing
 /// comma allowed), values with `\"`, `\\` and `\n` escapes. Returns the labels and what
 /// follows the closing `}`.
-fn parse_labels(after_brace: &str) -> Result<(Vec<(String, String)>, &str), String> {
+fn parse_labels(after_brace: &str) -> Result<(Labels, &str), String> {
     let mut labels = Vec::new();
     let mut rest = after_brace;
     loop {
