@@ -55,18 +55,26 @@ import generic_service
 METHOD = "/ballast.Inflight/Work"
 
 
-def serve(args):
-    fd = os.open(args.state, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+def true_count(path):
+    """The in-flight count kept in the mmap'd file at `path`: returns a lock (also for
+    the caller's own shared state) and `add(delta)`."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, 8)
     state = mmap.mmap(fd, 8)
     lock = threading.Lock()
     inflight = [0]
-    rng = random.Random(args.seed)
 
     def add(delta):
         with lock:
             inflight[0] += delta
             struct.pack_into("<I", state, 0, inflight[0])
+
+    return lock, add
+
+
+def serve(args):
+    lock, add = true_count(args.state)
+    rng = random.Random(args.seed)
 
     def work(request, context):
         add(1)
@@ -144,17 +152,8 @@ def metrics_interceptor():
 def serve_http(args):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    fd = os.open(args.state, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.ftruncate(fd, 8)
-    state = mmap.mmap(fd, 8)
-    lock = threading.Lock()
-    inflight = [0]
+    lock, add = true_count(args.state)
     rng = random.Random(args.seed)
-
-    def add(delta):
-        with lock:
-            inflight[0] += delta
-            struct.pack_into("<I", state, 0, inflight[0])
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

@@ -196,6 +196,7 @@ fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
             .expect("grpc spec");
     let mut rows = Vec::new();
     for (c, k, think) in [
+        (1, 2, 0.0),
         (1, 16, 0.0),
         (4, 4, 0.0),
         (16, 1, 0.0),
@@ -292,6 +293,23 @@ fn haproxy(backend_port: u16) -> (Sidecar, u16, u16) {
     )
 }
 
+/// The HTTP rows: keep-alive connections through the proxy at `front`, back to back
+/// and with a pause.
+fn http_rows(server: &Server, spec: &InflightSpec, front: u16) -> Vec<Row> {
+    let target = format!("127.0.0.1:{front}");
+    let mut rows = Vec::new();
+    for (c, think) in [(4, 0.0), (16, 0.0), (48, 0.0), (16, 20.0)] {
+        let _load = server.load_http(&target, c, think, LOAD_SECS);
+        rows.push(measure(
+            server,
+            spec,
+            server.port,
+            format!("{c} keep-alive connections, think {think} ms"),
+        ));
+    }
+    rows
+}
+
 #[test]
 fn haproxy_preset_counts_a_backends_sessions_and_queue() {
     let server = Server::start_http(HTTP_SERVICE_MS);
@@ -299,17 +317,7 @@ fn haproxy_preset_counts_a_backends_sessions_and_queue() {
     let spec: InflightSpec = format!("haproxy:http://127.0.0.1:{prom}/metrics#backend=app")
         .parse()
         .expect("haproxy spec");
-    let target = format!("127.0.0.1:{front}");
-    let mut rows = Vec::new();
-    for (c, think) in [(4, 0.0), (16, 0.0), (48, 0.0), (16, 20.0)] {
-        let _load = server.load_http(&target, c, think, LOAD_SECS);
-        rows.push(measure(
-            &server,
-            &spec,
-            server.port,
-            format!("{c} keep-alive connections, think {think} ms"),
-        ));
-    }
+    let rows = http_rows(&server, &spec, front);
     judge(&format!("haproxy ({spec})"), &rows);
 }
 
@@ -382,16 +390,6 @@ fn nginx_preset_counts_writing_requests() {
     let spec: InflightSpec = format!("nginx:http://127.0.0.1:{status}/status")
         .parse()
         .expect("nginx spec");
-    let target = format!("127.0.0.1:{front}");
-    let mut rows = Vec::new();
-    for (c, think) in [(4, 0.0), (16, 0.0), (48, 0.0), (16, 20.0)] {
-        let _load = server.load_http(&target, c, think, LOAD_SECS);
-        rows.push(measure(
-            &server,
-            &spec,
-            server.port,
-            format!("{c} keep-alive connections, think {think} ms"),
-        ));
-    }
+    let rows = http_rows(&server, &spec, front);
     judge(&format!("nginx ({spec})"), &rows);
 }

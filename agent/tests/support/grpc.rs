@@ -174,17 +174,17 @@ impl Server {
     /// `channels` keep-alive HTTP/1.1 connections to `target`, each making request
     /// after request; waits until every connection has had an answer.
     pub fn load_http(&self, target: &str, channels: u32, think_ms: f64, secs: f64) -> Proc {
-        let mut child = Command::new(python())
-            .arg(script())
-            .args(["load-http", "--target", target])
-            .args(["--channels", &channels.to_string()])
-            .args(["--think-ms", &think_ms.to_string()])
-            .args(["--duration", &secs.to_string()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_line(&mut child, "ready");
-        Proc(child)
+        run_load(&[
+            "load-http",
+            "--target",
+            target,
+            "--channels",
+            &channels.to_string(),
+            "--think-ms",
+            &think_ms.to_string(),
+            "--duration",
+            &secs.to_string(),
+        ])
     }
 
     /// The number of calls inside the server's handler now.
@@ -197,19 +197,32 @@ impl Server {
     /// Starts `channels` connections with `callers` concurrent callers each, and waits
     /// until every connection is up.
     pub fn load(&self, channels: u32, callers: u32, think_ms: f64, secs: f64) -> Proc {
-        let mut child = Command::new(python())
-            .arg(script())
-            .args(["load", "--target", &format!("127.0.0.1:{}", self.port)])
-            .args(["--channels", &channels.to_string()])
-            .args(["--callers", &callers.to_string()])
-            .args(["--think-ms", &think_ms.to_string()])
-            .args(["--duration", &secs.to_string()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_line(&mut child, "ready");
-        Proc(child)
+        run_load(&[
+            "load",
+            "--target",
+            &format!("127.0.0.1:{}", self.port),
+            "--channels",
+            &channels.to_string(),
+            "--callers",
+            &callers.to_string(),
+            "--think-ms",
+            &think_ms.to_string(),
+            "--duration",
+            &secs.to_string(),
+        ])
     }
+}
+
+/// Runs the script with `args` (a load mode) and waits for its "ready".
+fn run_load(args: &[&str]) -> Proc {
+    let mut child = Command::new(python())
+        .arg(script())
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_line(&mut child, "ready");
+    Proc(child)
 }
 
 /// One sample: the true in-flight (mean of the readings just before and just after),
