@@ -239,6 +239,35 @@ fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
                 .any(|l| l.trim_start().starts_with("- grpc_server_handled_total{")),
         "the series are not listed:\n{text}"
     );
+
+    // `check --inflight auto:URL` finds HTTP/2 on the port and the grpc preset's series.
+    let text = check_auto(server.port, &format!("http://127.0.0.1:{metrics}/metrics"));
+    assert!(
+        text.contains(&format!("port      {} speaks HTTP/2", server.port)),
+        "{text}"
+    );
+    assert!(text.contains("\nfound     grpc:"), "{text}");
+    assert!(text.contains("\nabsent    nginx:"), "{text}");
+}
+
+/// `ballast-agent check --port PORT --inflight auto:URL`'s output.
+fn check_auto(port: u16, url: &str) -> String {
+    let mut cmd = command("ballast-agent");
+    cmd.args([
+        "check",
+        "--port",
+        &port.to_string(),
+        "--inflight",
+        &format!("auto:{url}"),
+    ]);
+    let out = run_bounded(cmd, Duration::from_secs(20));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ballast-agent check --inflight auto failed"
+    );
+    text
 }
 
 /// A process with a configuration file in its own directory, killed on drop.
@@ -392,4 +421,12 @@ fn nginx_preset_counts_writing_requests() {
         .expect("nginx spec");
     let rows = http_rows(&server, &spec, front);
     judge(&format!("nginx ({spec})"), &rows);
+
+    let text = check_auto(front, &format!("http://127.0.0.1:{status}/status"));
+    assert!(
+        text.contains(&format!("port      {front} speaks HTTP/1.x")),
+        "{text}"
+    );
+    assert!(text.contains("\nfound     nginx:"), "{text}");
+    assert!(text.contains("\nabsent    grpc:"), "{text}");
 }

@@ -12,6 +12,7 @@ pub mod cgroup;
 pub mod expr;
 pub mod host;
 pub mod nginx;
+pub mod probe;
 pub mod process;
 pub mod prometheus;
 pub mod synthetic;
@@ -219,6 +220,13 @@ pub enum InflightSpec {
         /// The `stub_status` location's URL.
         url: String,
     },
+    /// `auto[:METRICS_URL]`: for `ballast-agent check` only, which probes the service's
+    /// port and the URL and suggests a source; the daemon refuses it.
+    #[serde(skip)]
+    Auto {
+        /// The metrics URL to look for the presets' series on.
+        url: Option<String>,
+    },
     /// The closed-loop model of [`synthetic`], for demos and tests.
     Synthetic {
         /// Relative speed of this node (> 0).
@@ -297,6 +305,13 @@ impl FromStr for InflightSpec {
         };
         match (kind, arg) {
             ("none", None) => Ok(InflightSpec::None),
+            ("auto", None) => Ok(InflightSpec::Auto { url: None }),
+            ("auto", Some(url)) => {
+                prometheus::HttpUrl::parse(url)?;
+                Ok(InflightSpec::Auto {
+                    url: Some(url.to_string()),
+                })
+            }
             ("tcp", Some(list)) => {
                 let ports = list
                     .split(',')
@@ -435,6 +450,8 @@ impl fmt::Display for InflightSpec {
                 write!(f, "tcp:{}", ports.join(","))
             }
             InflightSpec::Prometheus { url, expr } => write!(f, "prometheus:{url}#{expr}"),
+            InflightSpec::Auto { url: None } => write!(f, "auto"),
+            InflightSpec::Auto { url: Some(url) } => write!(f, "auto:{url}"),
             InflightSpec::Grpc { .. }
             | InflightSpec::OtelHttp { .. }
             | InflightSpec::Envoy { .. }
@@ -488,6 +505,13 @@ pub(crate) fn open_inflight(
         InflightSpec::Tcp { ports } => Some(Box::new(tcp::TcpInflight::open(ports.clone())?)),
         InflightSpec::Prometheus { url, expr } => {
             Some(Box::new(prometheus::PrometheusInflight::new(url, expr)?))
+        }
+        InflightSpec::Auto { .. } => {
+            return Err(SampleError::InvalidSpec(
+                "auto is for `ballast-agent check --inflight auto[:METRICS_URL]`, which \
+                 suggests a source; the agent needs the source itself"
+                    .into(),
+            ))
         }
         InflightSpec::Grpc { .. }
         | InflightSpec::OtelHttp { .. }
@@ -735,6 +759,16 @@ mod tests {
         assert_eq!("synthetic".parse::<InflightSpec>().unwrap(), defaults);
         assert_eq!("synthetic:".parse::<InflightSpec>().unwrap(), defaults);
         assert_eq!("none".parse::<InflightSpec>().unwrap(), InflightSpec::None);
+        assert_eq!(
+            "auto:http://h:9/m".parse::<InflightSpec>().unwrap(),
+            InflightSpec::Auto {
+                url: Some("http://h:9/m".into())
+            }
+        );
+        let auto = "auto".parse::<InflightSpec>().unwrap();
+        assert_eq!(auto.to_string(), "auto");
+        let handle = synthetic::SyntheticHandle::new();
+        assert!(open_inflight(&auto, &handle, &no_assignment()).is_err());
         for bad in [
             "tcp:",
             "tcp:0",
@@ -757,6 +791,7 @@ mod tests {
             "synthetic:bogus=1",
             "synthetic:speed",
             "udp:53",
+            "auto:ftp://h/m",
         ] {
             assert!(
                 bad.parse::<InflightSpec>().is_err(),
