@@ -15,7 +15,7 @@
 //! `\\` and `\n` escapes, as in the exposition format. A pattern is a deliberately small
 //! subset of a regular expression, always anchored at both ends: literal characters,
 //! `.` (any one character), `.*` (any run of characters, also none), `.+` (at least
-//! one), `\` before a character to take it literally, and alternation `a|b|c` at the top
+//! one), `\` before a character to take it literally (`\n` is a newline), and alternation `a|b|c` at the top
 //! level. Anything else a regular expression would give a meaning to (`( ) [ ] { } ? +
 //! * ^ $` elsewhere) is refused, with its column, rather than matched literally.
 //!
