@@ -69,10 +69,13 @@ fn classify(got: &[u8]) -> Speaks {
     }
 }
 
+/// Whether a page has a preset's series: how it derives its count, or why not.
+pub type Finding = Result<String, String>;
+
 /// Scrapes `url` once and says, for each preset, whether the page has its series:
 /// `Ok(derivation)` when it evaluates with at least one series (or, for `nginx`, when
 /// the page is a `stub_status` page), else why not.
-pub fn presets_on(url: &str) -> Result<Vec<(Preset, Result<String, String>)>, SampleError> {
+pub fn presets_on(url: &str) -> Result<Vec<(Preset, Finding)>, SampleError> {
     let body = http_get(&HttpUrl::parse(url)?, url)?;
     let text = String::from_utf8_lossy(&body);
     Ok(Preset::ALL
