@@ -93,8 +93,13 @@ pub struct Flags {
     /// CPU source: host, cgroup:PATH, pid:N or none [default: host].
     #[arg(long, env = "BALLAST_CPU", global = true)]
     pub cpu: Option<CpuSpec>,
-    /// In-flight source: tcp:PORTS, prometheus:URL#METRIC, synthetic:speed=..,offered=.. or
-    /// none [default: tcp:PORT, the service's port].
+    /// In-flight source [default: tcp:PORT, the service's port]: tcp:PORTS;
+    /// prometheus:URL#EXPR, where EXPR is a metric with label matchers (=, !=, =~, !~;
+    /// anchored patterns of literals, ., .*, .+ and a|b), or a sum or difference of such
+    /// terms, e.g. 'a_total{x="y"} - b_total{x="y"}'; a preset: grpc:URL[#service=NAME],
+    /// otel-http:URL, envoy:URL[#prefix=NAME], haproxy:URL[#backend=NAME], nginx:URL
+    /// (stub_status); synthetic:speed=..,offered=..; or none. `check --inflight
+    /// auto[:METRICS_URL]` probes --port for HTTP/2 and the URL for the presets' series.
     #[arg(long, env = "BALLAST_INFLIGHT", global = true)]
     pub inflight: Option<InflightSpec>,
     /// In-flight requests that mean fully busy. Unset (0), the aggregator judges the

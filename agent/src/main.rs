@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use ballast_agent::cli::{Cli, Command, CtlArgs, Flags};
 use ballast_agent::control::{self, Request, Response};
 use ballast_agent::daemon::{self, Agent};
-use ballast_agent::sample::{no_assignment, synthetic::SyntheticHandle};
+use ballast_agent::sample::{no_assignment, synthetic::SyntheticHandle, InflightSpec};
 use ballast_shared::config::init_logging;
 use std::process::ExitCode;
 
@@ -68,6 +68,7 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
         let v = serde_json::json!({
             "cpu": s.cpu, "inflight": s.inflight, "capacity": s.capacity,
             "inflight_detail": sampler.inflight_detail(),
+            "inflight_series": sampler.inflight_series(),
             "error_rate": s.error_rate, "load": s.load, "sources": sampler.describe(),
         });
         println!("{v}");
@@ -85,9 +86,11 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
                 f64::from(s.inflight) / f64::from(s.capacity) * 100.0,
                 s.capacity
             );
+            print_series(&sampler);
             println!("load      {:.3}  (max of cpu and in-flight share)", s.load);
         } else {
             println!("in-flight {}{detail}", s.inflight);
+            print_series(&sampler);
             println!(
                 "load      {:.3}  (cpu here; the aggregator adds the in-flight term by \
                  comparing this count per unit of weight with the rest of the service)",
@@ -96,6 +99,56 @@ fn sample(flags: Flags, window: f64, json: bool) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `check --inflight auto[:URL]`: what the service's port speaks, and which presets'
+/// series the URL has.
+fn probe_inflight(port: u16, url: Option<&str>) -> Result<ExitCode> {
+    use ballast_agent::sample::probe::{self, Speaks};
+    if port == 0 {
+        println!("port      not set (--port): not probed");
+    } else {
+        match probe::port_protocol(port).context("probing the service port")? {
+            Speaks::Http2 => println!(
+                "port      {port} speaks HTTP/2 (it answered the preface with SETTINGS): the \
+                 TCP count sees at most 1 per connection; if it is gRPC, use grpc:METRICS_URL"
+            ),
+            Speaks::Http1 => println!(
+                "port      {port} speaks HTTP/1.x, not HTTP/2 with prior knowledge: tcp:{port} \
+                 counts its requests unless clients send back to back on keep-alive"
+            ),
+            Speaks::Other(what) => println!("port      {port}: {what}"),
+        }
+    }
+    let Some(url) = url else {
+        println!("metrics   no URL given (auto:http://HOST:PORT/PATH): no preset checked");
+        return Ok(ExitCode::SUCCESS);
+    };
+    let mut any = false;
+    for (preset, found) in probe::presets_on(url).context("scraping the metrics URL")? {
+        let spec = match preset.option() {
+            Some(key) => format!("{}:{url}[#{key}=...]", preset.name()),
+            None => format!("{}:{url}", preset.name()),
+        };
+        match found {
+            Ok(how) => {
+                any = true;
+                println!("found     {spec}  ({how})");
+            }
+            Err(why) => println!("absent    {}: {why}", preset.name()),
+        }
+    }
+    if !any {
+        println!("metrics   {url} has none of the presets' series: prometheus:{url}#EXPR");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The series the in-flight count summed, one per line under it.
+fn print_series(sampler: &ballast_agent::sample::Sampler) {
+    for line in sampler.inflight_series() {
+        println!("          {line}");
+    }
 }
 
 fn ctl(args: &CtlArgs, req: Request) -> Result<ExitCode> {
@@ -201,6 +254,9 @@ fn print_human(req: Request, resp: &Response) {
 
 fn check(flags: Flags) -> Result<ExitCode> {
     let cfg = flags.config()?;
+    if let Some(InflightSpec::Auto { url }) = &cfg.inflight {
+        return probe_inflight(cfg.port, url.as_deref());
+    }
     cfg.validate()?;
     daemon::client_config(&cfg).context("TLS files")?;
     daemon::open_sampler(&cfg, &SyntheticHandle::new(), &no_assignment())

@@ -15,10 +15,10 @@ def identity(b):
     return b
 
 
-def start(service, work, workers, port=0):
+def start(service, work, workers, port=0, interceptors=()):
     """Serves `/<service>/Work` with `work(request, context)` on 127.0.0.1:`port` (0:
-    any free port); returns the started server and the port it listens on (0 if none
-    could be bound)."""
+    any free port), through `interceptors`; returns the started server and the port it
+    listens on (0 if none could be bound)."""
     handler = grpc.method_handlers_generic_handler(
         service,
         {
@@ -31,6 +31,7 @@ def start(service, work, workers, port=0):
         futures.ThreadPoolExecutor(max_workers=workers),
         handlers=[handler],
         maximum_concurrent_rpcs=None,
+        interceptors=list(interceptors),
     )
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     if bound:

@@ -18,7 +18,25 @@ handler and carries raw bytes.
         unary calls in a loop with an exponentially distributed pause of mean
         --think-ms between calls. Prints "ready" once every channel is connected.
 
-Both run until killed (or --duration seconds for load).
+    inflight_server.py serve ... --metrics
+        Also counts every call in a server interceptor as go-grpc-prometheus does
+        (grpc_server_started_total when the call reaches the server,
+        grpc_server_handled_total{grpc_code} when it is answered; handled is registered
+        first, so a page renders it before started, as Go's client does by sorting)
+        and serves them with prometheus_client on 127.0.0.1. Prints "metrics N" too.
+
+    inflight_server.py serve-http --state FILE [--service-ms 20]
+        The same handler behind HTTP/1.1 with keep-alive (a thread per connection):
+        every GET sleeps and answers 200; the count in FILE covers a request from its
+        parsed head until its response is written. Prints "port N".
+
+    inflight_server.py load-http --target 127.0.0.1:N --channels C
+                                 [--think-ms 5] [--duration 30]
+        C keep-alive HTTP/1.1 connections, each making GET after GET with an
+        exponentially distributed pause of mean --think-ms between them. Prints
+        "ready" once every connection has had its first answer.
+
+All run until killed (or --duration seconds for the loads).
 """
 
 import argparse
@@ -37,18 +55,26 @@ import generic_service
 METHOD = "/ballast.Inflight/Work"
 
 
-def serve(args):
-    fd = os.open(args.state, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+def true_count(path):
+    """The in-flight count kept in the mmap'd file at `path`: returns a lock (also for
+    the caller's own shared state) and `add(delta)`."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, 8)
     state = mmap.mmap(fd, 8)
     lock = threading.Lock()
     inflight = [0]
-    rng = random.Random(args.seed)
 
     def add(delta):
         with lock:
             inflight[0] += delta
             struct.pack_into("<I", state, 0, inflight[0])
+
+    return lock, add
+
+
+def serve(args):
+    lock, add = true_count(args.state)
+    rng = random.Random(args.seed)
 
     def work(request, context):
         add(1)
@@ -60,11 +86,146 @@ def serve(args):
         finally:
             add(-1)
 
-    server, port = generic_service.start("ballast.Inflight", work, args.workers, args.port)
+    interceptors = [metrics_interceptor()] if args.metrics else []
+    server, port = generic_service.start(
+        "ballast.Inflight", work, args.workers, args.port, interceptors
+    )
     if port == 0:
         sys.exit(f"cannot bind 127.0.0.1:{args.port}")
     print(f"port {port}", flush=True)
     server.wait_for_termination()
+
+
+def metrics_interceptor():
+    """go-grpc-prometheus' server counters, served on a free loopback port."""
+    import socket
+
+    import prometheus_client as prom
+
+    # Go's client renders families sorted by name: handled before started. So does this
+    # registry, by registration order, so that a page never shows more calls handled
+    # than started.
+    handled = prom.Counter(
+        "grpc_server_handled",
+        "Total number of RPCs completed on the server, regardless of success or failure.",
+        ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
+    )
+    started = prom.Counter(
+        "grpc_server_started",
+        "Total number of RPCs started on the server.",
+        ["grpc_type", "grpc_service", "grpc_method"],
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prom.start_http_server(port, addr="127.0.0.1")
+    print(f"metrics {port}", flush=True)
+
+    class Counting(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, details):
+            handler = continuation(details)
+            if handler is None or handler.unary_unary is None:
+                return handler
+            _, service, method = details.method.split("/")
+            inner = handler.unary_unary
+
+            def behavior(request, context):
+                started.labels("unary", service, method).inc()
+                code = "OK"
+                try:
+                    return inner(request, context)
+                except Exception:
+                    code = "Unknown"
+                    raise
+                finally:
+                    handled.labels("unary", service, method, code).inc()
+
+            return grpc.unary_unary_rpc_method_handler(
+                behavior,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+    return Counting()
+
+
+def serve_http(args):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    lock, add = true_count(args.state)
+    rng = random.Random(args.seed)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        # The head and the body go out in two writes: with Nagle's algorithm the body
+        # would wait for the peer's delayed ACK (40 ms), long after the handler left.
+        disable_nagle_algorithm = True
+
+        def do_GET(self):
+            # Owed from the parsed request until the whole response is written: what a
+            # proxy in front sees as the server's part of the request.
+            add(1)
+            try:
+                with lock:
+                    delay = rng.expovariate(1000.0 / args.service_ms)
+                time.sleep(delay)
+                body = b"ok\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            finally:
+                add(-1)
+
+        def log_message(self, *a):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 256
+
+        def handle_error(self, request, client_address):
+            # A load generator killed between rows resets its connections: not news.
+            pass
+
+    httpd = Server(("127.0.0.1", args.port), Handler)
+    print(f"port {httpd.server_address[1]}", flush=True)
+    httpd.serve_forever()
+
+
+def load_http(args):
+    import http.client
+
+    stop = time.monotonic() + args.duration
+    host, port = args.target.rsplit(":", 1)
+    conns = []
+    for _ in range(args.channels):
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        c.request("GET", "/")
+        c.getresponse().read()
+        conns.append(c)
+    print("ready", flush=True)
+
+    def caller(c, seed):
+        rng = random.Random(seed)
+        while time.monotonic() < stop:
+            try:
+                c.request("GET", "/")
+                c.getresponse().read()
+            except (OSError, http.client.HTTPException) as e:
+                print(f"request failed: {e}", file=sys.stderr, flush=True)
+                c.close()
+                time.sleep(0.1)
+            if args.think_ms > 0:
+                time.sleep(rng.expovariate(1000.0 / args.think_ms))
+
+    threads = [
+        threading.Thread(target=caller, args=(c, i), daemon=True) for i, c in enumerate(conns)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def load(args):
@@ -115,6 +276,17 @@ def main():
     s.add_argument("--service-ms", type=float, default=20.0)
     s.add_argument("--workers", type=int, default=256)
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--metrics", action="store_true")
+    h = sub.add_parser("serve-http")
+    h.add_argument("--state", required=True)
+    h.add_argument("--port", type=int, default=0)
+    h.add_argument("--service-ms", type=float, default=20.0)
+    h.add_argument("--seed", type=int, default=1)
+    lh = sub.add_parser("load-http")
+    lh.add_argument("--target", required=True)
+    lh.add_argument("--channels", type=int, default=1)
+    lh.add_argument("--think-ms", type=float, default=5.0)
+    lh.add_argument("--duration", type=float, default=30.0)
     lo = sub.add_parser("load")
     lo.add_argument("--target", required=True)
     lo.add_argument("--channels", type=int, default=1)
@@ -125,6 +297,10 @@ def main():
     args = p.parse_args()
     if args.mode == "serve":
         serve(args)
+    elif args.mode == "serve-http":
+        serve_http(args)
+    elif args.mode == "load-http":
+        load_http(args)
     else:
         load(args)
 

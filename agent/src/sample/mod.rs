@@ -9,7 +9,10 @@
 //! more traffic.
 
 pub mod cgroup;
+pub mod expr;
 pub mod host;
+pub mod nginx;
+pub mod probe;
 pub mod process;
 pub mod prometheus;
 pub mod synthetic;
@@ -64,6 +67,12 @@ pub enum SampleError {
     /// a metric the endpoint does not export).
     #[error("not found: {0}")]
     NotFound(String),
+    /// An expression came out below zero: counters read out of step (a restart between
+    /// two reads, a page that renders the finished calls after the started ones), or a
+    /// status count smaller than the status request itself. Never clamped to 0, which
+    /// would look like an idle node.
+    #[error("in-flight count below zero: {0}")]
+    Negative(String),
     /// A source specification (CLI or config syntax) is malformed.
     #[error("invalid source spec: {0}")]
     InvalidSpec(String),
@@ -115,6 +124,11 @@ pub trait InflightSource: Send {
     fn detail(&self) -> Option<String> {
         None
     }
+    /// The series the last count summed, one per line (`+ name{labels} value`), for a
+    /// source that reads them; empty (the default) otherwise.
+    fn series(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// Tells the source the capacity its count will be divided by. [`Sampler::new`] calls
     /// it so that a source which models utilization (the synthetic one) can express it
     /// in the same units; real counters ignore it.
@@ -158,12 +172,60 @@ pub enum InflightSpec {
         /// The service's listening ports.
         ports: Vec<u16>,
     },
-    /// The sum of a gauge scraped from a Prometheus text endpoint.
+    /// An expression over the series of a Prometheus endpoint (text format or
+    /// OpenMetrics): [`expr`] has the syntax. A bare metric name sums all its series.
     Prometheus {
         /// `http://host:port/path`.
         url: String,
-        /// The metric name; all its label sets are summed.
-        metric: String,
+        /// The expression, e.g. `a_total{x="y"} - b_total{x="y"}`.
+        #[serde(alias = "metric")]
+        expr: String,
+    },
+    /// The `grpc` preset: go-grpc-prometheus's `grpc_server_started_total -
+    /// grpc_server_handled_total`, for one gRPC service or all.
+    Grpc {
+        /// The metrics URL.
+        url: String,
+        /// The `grpc_service` label to select (e.g. `shop.Cart`); all services if unset.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        service: Option<String>,
+    },
+    /// The `otel-http` preset: OpenTelemetry's `http_server_active_requests`.
+    #[serde(rename = "otel-http", alias = "otel_http")]
+    OtelHttp {
+        /// The metrics URL.
+        url: String,
+    },
+    /// The `envoy` preset: `envoy_http_downstream_rq_active` of one HTTP connection
+    /// manager.
+    Envoy {
+        /// Envoy's Prometheus stats URL (`/stats/prometheus` on the admin port).
+        url: String,
+        /// The connection manager's `stat_prefix` [default: `ingress_http`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prefix: Option<String>,
+    },
+    /// The `haproxy` preset: a backend's current sessions plus its queue, from
+    /// HAProxy's Prometheus exporter.
+    Haproxy {
+        /// The exporter's URL.
+        url: String,
+        /// The backend's name (the `proxy` label); every backend if unset.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        backend: Option<String>,
+    },
+    /// The `nginx` preset: the `Writing` count of nginx's `stub_status` page, less the
+    /// status request itself.
+    Nginx {
+        /// The `stub_status` location's URL.
+        url: String,
+    },
+    /// `auto[:METRICS_URL]`: for `ballast-agent check` only, which probes the service's
+    /// port and the URL and suggests a source; the daemon refuses it.
+    #[serde(skip)]
+    Auto {
+        /// The metrics URL to look for the presets' series on.
+        url: Option<String>,
     },
     /// The closed-loop model of [`synthetic`], for demos and tests.
     Synthetic {
@@ -230,7 +292,9 @@ impl FromStr for InflightSpec {
     type Err = SampleError;
 
     /// CLI syntax: `tcp:8080,8443`,
-    /// `prometheus:http://127.0.0.1:9100/metrics#my_inflight`,
+    /// `prometheus:http://127.0.0.1:9100/metrics#my_inflight` (or any expression after
+    /// the `#`), the presets `grpc:URL[#service=NAME]`, `otel-http:URL`,
+    /// `envoy:URL[#prefix=NAME]`, `haproxy:URL[#backend=NAME]`, `nginx:URL`,
     /// `synthetic:speed=0.6,offered=0.6,noise=0.02,seed=1` (every key optional), `none`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
@@ -241,6 +305,13 @@ impl FromStr for InflightSpec {
         };
         match (kind, arg) {
             ("none", None) => Ok(InflightSpec::None),
+            ("auto", None) => Ok(InflightSpec::Auto { url: None }),
+            ("auto", Some(url)) => {
+                prometheus::HttpUrl::parse(url)?;
+                Ok(InflightSpec::Auto {
+                    url: Some(url.to_string()),
+                })
+            }
             ("tcp", Some(list)) => {
                 let ports = list
                     .split(',')
@@ -252,18 +323,53 @@ impl FromStr for InflightSpec {
                 Ok(InflightSpec::Tcp { ports })
             }
             ("prometheus", Some(rest)) => {
-                // The metric follows the last '#': URL fragments are never sent to the
-                // server, so a '#' cannot be part of a meaningful scrape URL.
-                let (url, metric) = rest
-                    .rsplit_once('#')
-                    .ok_or_else(|| invalid("expected prometheus:URL#METRIC"))?;
+                // The expression follows the first '#': URL fragments are never sent to
+                // the server, so a '#' cannot be part of a meaningful scrape URL.
+                let (url, expr) = rest
+                    .split_once('#')
+                    .ok_or_else(|| invalid("expected prometheus:URL#EXPRESSION"))?;
                 prometheus::HttpUrl::parse(url)?;
-                if !prometheus::is_valid_metric_name(metric) {
-                    return Err(invalid("metric name must match [a-zA-Z_:][a-zA-Z0-9_:]*"));
-                }
+                expr::Expr::parse(expr)?;
                 Ok(InflightSpec::Prometheus {
                     url: url.to_string(),
-                    metric: metric.to_string(),
+                    expr: expr.to_string(),
+                })
+            }
+            (name, Some(rest)) if expr::Preset::from_name(name).is_some() => {
+                let preset = expr::Preset::from_name(name)
+                    .ok_or_else(|| invalid("unknown preset"))?;
+                let (url, option) = match rest.split_once('#') {
+                    Some((url, opt)) => (url, Some(opt)),
+                    None => (rest, None),
+                };
+                prometheus::HttpUrl::parse(url)?;
+                let value = match (preset.option(), option) {
+                    (_, None) => None,
+                    (Some(key), Some(opt)) => {
+                        let v = opt
+                            .strip_prefix(key)
+                            .and_then(|v| v.strip_prefix('='))
+                            .ok_or_else(|| invalid(&format!("expected {name}:URL#{key}=VALUE")))?;
+                        preset.check_option(v).map_err(|e| invalid(&e))?;
+                        Some(v.to_string())
+                    }
+                    (None, Some(_)) => {
+                        return Err(invalid(&format!("{name} takes no option: {name}:URL")))
+                    }
+                };
+                let url = url.to_string();
+                Ok(match preset {
+                    expr::Preset::Grpc => InflightSpec::Grpc {
+                        url,
+                        service: value,
+                    },
+                    expr::Preset::OtelHttp => InflightSpec::OtelHttp { url },
+                    expr::Preset::Envoy => InflightSpec::Envoy { url, prefix: value },
+                    expr::Preset::Haproxy => InflightSpec::Haproxy {
+                        url,
+                        backend: value,
+                    },
+                    expr::Preset::Nginx => InflightSpec::Nginx { url },
                 })
             }
             ("synthetic", params) => {
@@ -313,9 +419,25 @@ impl FromStr for InflightSpec {
                 })
             }
             _ => Err(invalid(
-                "expected tcp:PORTS, prometheus:URL#METRIC, synthetic[:k=v,...] or none",
+                "expected tcp:PORTS, prometheus:URL#EXPRESSION, a preset (grpc:URL, otel-http:URL, \
+                 envoy:URL, haproxy:URL, nginx:URL), synthetic[:k=v,...] or none",
             )),
         }
+    }
+}
+
+impl InflightSpec {
+    /// A preset's kind, URL and option; `None` for the other sources.
+    pub fn preset(&self) -> Option<(expr::Preset, &str, Option<&str>)> {
+        use expr::Preset;
+        Some(match self {
+            InflightSpec::Grpc { url, service } => (Preset::Grpc, url, service.as_deref()),
+            InflightSpec::OtelHttp { url } => (Preset::OtelHttp, url, None),
+            InflightSpec::Envoy { url, prefix } => (Preset::Envoy, url, prefix.as_deref()),
+            InflightSpec::Haproxy { url, backend } => (Preset::Haproxy, url, backend.as_deref()),
+            InflightSpec::Nginx { url } => (Preset::Nginx, url, None),
+            _ => return None,
+        })
     }
 }
 
@@ -327,7 +449,21 @@ impl fmt::Display for InflightSpec {
                 let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
                 write!(f, "tcp:{}", ports.join(","))
             }
-            InflightSpec::Prometheus { url, metric } => write!(f, "prometheus:{url}#{metric}"),
+            InflightSpec::Prometheus { url, expr } => write!(f, "prometheus:{url}#{expr}"),
+            InflightSpec::Auto { url: None } => write!(f, "auto"),
+            InflightSpec::Auto { url: Some(url) } => write!(f, "auto:{url}"),
+            InflightSpec::Grpc { .. }
+            | InflightSpec::OtelHttp { .. }
+            | InflightSpec::Envoy { .. }
+            | InflightSpec::Haproxy { .. }
+            | InflightSpec::Nginx { .. } => match self.preset() {
+                Some((preset, url, Some(v))) => match preset.option() {
+                    Some(key) => write!(f, "{}:{url}#{key}={v}", preset.name()),
+                    None => write!(f, "{}:{url}", preset.name()),
+                },
+                Some((preset, url, None)) => write!(f, "{}:{url}", preset.name()),
+                None => Ok(()),
+            },
             InflightSpec::Synthetic {
                 speed,
                 offered,
@@ -367,9 +503,31 @@ pub(crate) fn open_inflight(
 ) -> Result<Option<Box<dyn InflightSource>>, SampleError> {
     Ok(match spec {
         InflightSpec::Tcp { ports } => Some(Box::new(tcp::TcpInflight::open(ports.clone())?)),
-        InflightSpec::Prometheus { url, metric } => {
-            Some(Box::new(prometheus::PrometheusInflight::new(url, metric)?))
+        InflightSpec::Prometheus { url, expr } => {
+            Some(Box::new(prometheus::PrometheusInflight::new(url, expr)?))
         }
+        InflightSpec::Auto { .. } => {
+            return Err(SampleError::InvalidSpec(
+                "auto is for `ballast-agent check --inflight auto[:METRICS_URL]`, which \
+                 suggests a source; the agent needs the source itself"
+                    .into(),
+            ))
+        }
+        InflightSpec::Grpc { .. }
+        | InflightSpec::OtelHttp { .. }
+        | InflightSpec::Envoy { .. }
+        | InflightSpec::Haproxy { .. }
+        | InflightSpec::Nginx { .. } => match spec.preset() {
+            Some((expr::Preset::Nginx, url, _)) => Some(Box::new(nginx::NginxInflight::new(url)?)),
+            Some((preset, url, option)) => {
+                let text = preset.expression(option).unwrap_or_default();
+                let label = format!("{spec} ({text})");
+                Some(Box::new(prometheus::PrometheusInflight::with_label(
+                    url, &text, label,
+                )?))
+            }
+            None => None,
+        },
         InflightSpec::Synthetic {
             speed,
             offered,
@@ -474,6 +632,14 @@ impl Sampler {
         self.inflight.as_ref().and_then(|s| s.detail())
     }
 
+    /// The series the in-flight source's last count summed ([`InflightSource::series`]).
+    pub fn inflight_series(&self) -> Vec<String> {
+        self.inflight
+            .as_ref()
+            .map(|s| s.series())
+            .unwrap_or_default()
+    }
+
     /// A one-line description of both sources and the capacity.
     pub fn describe(&self) -> String {
         let cpu = self
@@ -539,9 +705,40 @@ mod tests {
                 .unwrap(),
             InflightSpec::Prometheus {
                 url: "http://127.0.0.1:9100/metrics".into(),
-                metric: "my_inflight".into()
+                expr: "my_inflight".into()
             }
         );
+        assert_eq!(
+            "grpc:http://[::1]:9090/metrics#service=shop.Cart"
+                .parse::<InflightSpec>()
+                .unwrap(),
+            InflightSpec::Grpc {
+                url: "http://[::1]:9090/metrics".into(),
+                service: Some("shop.Cart".into())
+            }
+        );
+        assert_eq!(
+            "haproxy:http://127.0.0.1:8405/metrics#backend=app"
+                .parse::<InflightSpec>()
+                .unwrap(),
+            InflightSpec::Haproxy {
+                url: "http://127.0.0.1:8405/metrics".into(),
+                backend: Some("app".into())
+            }
+        );
+        assert_eq!(
+            "nginx:http://127.0.0.1/status"
+                .parse::<InflightSpec>()
+                .unwrap(),
+            InflightSpec::Nginx {
+                url: "http://127.0.0.1/status".into()
+            }
+        );
+        let e = "prometheus:http://h:1/m#a - b{x=1}"
+            .parse::<InflightSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("column 9"), "{e}");
         assert_eq!(
             "synthetic:speed=0.5,offered=0.7,noise=0,seed=9"
                 .parse::<InflightSpec>()
@@ -562,6 +759,16 @@ mod tests {
         assert_eq!("synthetic".parse::<InflightSpec>().unwrap(), defaults);
         assert_eq!("synthetic:".parse::<InflightSpec>().unwrap(), defaults);
         assert_eq!("none".parse::<InflightSpec>().unwrap(), InflightSpec::None);
+        assert_eq!(
+            "auto:http://h:9/m".parse::<InflightSpec>().unwrap(),
+            InflightSpec::Auto {
+                url: Some("http://h:9/m".into())
+            }
+        );
+        let auto = "auto".parse::<InflightSpec>().unwrap();
+        assert_eq!(auto.to_string(), "auto");
+        let handle = synthetic::SyntheticHandle::new();
+        assert!(open_inflight(&auto, &handle, &no_assignment()).is_err());
         for bad in [
             "tcp:",
             "tcp:0",
@@ -571,12 +778,20 @@ mod tests {
             "prometheus:http://h:1/m#",
             "prometheus:http://h:1/m#1bad",
             "prometheus:https://h/m#ok",
+            "grpc:http://h:1/m#backend=x",
+            "grpc:http://h:1/m#service=",
+            "grpc:http://h:1/m#service",
+            "nginx:http://h:1/m#x=1",
+            "otel-http:http://h:1/m#x=1",
+            "envoy:",
+            "haproxy:ftp://h/m",
             "synthetic:speed=0",
             "synthetic:speed=NaN",
             "synthetic:offered=-1",
             "synthetic:bogus=1",
             "synthetic:speed",
             "udp:53",
+            "auto:ftp://h/m",
         ] {
             assert!(
                 bad.parse::<InflightSpec>().is_err(),
@@ -606,7 +821,33 @@ mod tests {
             },
             InflightSpec::Prometheus {
                 url: "http://[::1]:9100/metrics".into(),
-                metric: "inflight".into(),
+                expr: "inflight".into(),
+            },
+            InflightSpec::Prometheus {
+                url: "http://h/m".into(),
+                expr: r#"a_total{x=~"b|c.*"} - d_total"#.into(),
+            },
+            InflightSpec::Grpc {
+                url: "http://h/m".into(),
+                service: None,
+            },
+            InflightSpec::Grpc {
+                url: "http://h/m".into(),
+                service: Some("a.B".into()),
+            },
+            InflightSpec::OtelHttp {
+                url: "http://h/m".into(),
+            },
+            InflightSpec::Envoy {
+                url: "http://h/stats/prometheus".into(),
+                prefix: Some("egress".into()),
+            },
+            InflightSpec::Haproxy {
+                url: "http://h/m".into(),
+                backend: Some("app".into()),
+            },
+            InflightSpec::Nginx {
+                url: "http://h/status".into(),
             },
             InflightSpec::Synthetic {
                 speed: 0.6,
@@ -621,6 +862,24 @@ mod tests {
             let json = serde_json::to_string(&spec).unwrap();
             assert_eq!(serde_json::from_str::<InflightSpec>(&json).unwrap(), spec);
         }
+        // Configuration files written for the single-metric source still load.
+        assert_eq!(
+            serde_json::from_str::<InflightSpec>(
+                r#"{"kind":"prometheus","url":"http://h/m","metric":"inflight"}"#
+            )
+            .unwrap(),
+            InflightSpec::Prometheus {
+                url: "http://h/m".into(),
+                expr: "inflight".into()
+            }
+        );
+        assert_eq!(
+            serde_json::to_string(&InflightSpec::OtelHttp {
+                url: "http://h/m".into()
+            })
+            .unwrap(),
+            r#"{"kind":"otel-http","url":"http://h/m"}"#
+        );
         assert_eq!(
             serde_json::to_string(&CpuSpec::Process { pid: 7 }).unwrap(),
             r#"{"kind":"process","pid":7}"#

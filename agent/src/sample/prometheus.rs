@@ -11,6 +11,7 @@ use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use super::expr::{Expr, Selector};
 use super::{InflightSource, SampleError};
 
 /// How long connecting, and then receiving the whole response, may each take. Short,
@@ -97,95 +98,304 @@ impl HttpUrl {
     }
 }
 
-/// Whether `name` is a classic Prometheus metric name, `[a-zA-Z_:][a-zA-Z0-9_:]*`.
-pub(crate) fn is_valid_metric_name(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
-}
-
-/// Sums every sample of `metric` in Prometheus text-format `text`, whatever its labels.
+/// Sums every sample of `metric` in `text`, whatever its labels: the expression of one
+/// bare term ([`evaluate`] has the rules).
 ///
 /// Summing makes a gauge split by handler or worker (`inflight{handler="/a"}`) count as
-/// the service total. `# ` comment lines are skipped. Values are anything Rust's float
-/// parser takes, which covers the format's `1.5e3`, `+Inf` and `NaN`.
-///
-/// Errors rather than returning a number that would look like an idle node:
-/// - a `NaN`, infinite or negative sample: the exporter is broken (an in-flight gauge
-///   decremented more than incremented), and its count means nothing;
-/// - a metric that is neither sampled nor declared: a typo in the name would otherwise
-///   read as zero load forever. A metric declared by `# TYPE` or `# HELP` with no
-///   samples (a labelled gauge before its first request, in some client libraries) is 0.
+/// the service total.
 pub fn parse_gauge(text: &str, metric: &str) -> Result<f64, SampleError> {
-    let what = || format!("metric {metric}");
-    let mut sum = 0.0f64;
-    let mut seen = false;
-    let mut declared = false;
-    for (i, line) in text.lines().enumerate() {
-        let line = line.trim_start();
-        if let Some(comment) = line.strip_prefix('#') {
-            let mut words = comment.split_whitespace();
-            if matches!(words.next(), Some("TYPE" | "HELP")) && words.next() == Some(metric) {
-                declared = true;
+    let expr = Expr {
+        terms: vec![(
+            false,
+            Selector {
+                metric: metric.to_string(),
+                matchers: Vec::new(),
+            },
+        )],
+    };
+    evaluate(text, &expr).map(|e| e.value)
+}
+
+/// What one term of an expression read from a page.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TermValue {
+    /// Subtracted rather than added.
+    pub negated: bool,
+    /// The term as written.
+    pub selector: String,
+    /// The family's `# TYPE`, when the page declares one.
+    pub kind: Option<String>,
+    /// The sum of the selected series.
+    pub sum: f64,
+    /// How many series were selected.
+    pub count: usize,
+    /// The first [`MAX_LISTED`] selected series, as `name{labels} value`.
+    pub series: Vec<String>,
+}
+
+/// An expression's value and how it was derived.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The signed sum of the terms: finite, and never below zero.
+    pub value: f64,
+    /// Each term's part.
+    pub terms: Vec<TermValue>,
+}
+
+impl Evaluation {
+    /// One line: `a{..} 120 (3 series) - b 117 (3 series) = 3`.
+    pub fn derivation(&self) -> String {
+        let mut out = String::new();
+        for (i, t) in self.terms.iter().enumerate() {
+            if i > 0 {
+                out.push_str(if t.negated { " - " } else { " + " });
             }
-            continue;
-        }
-        let Some(after_name) = line.strip_prefix(metric) else {
-            continue;
-        };
-        // `metric` is a prefix of `metric_total` too: only `{` or a blank ends the name.
-        let rest = if let Some(labels) = after_name.strip_prefix('{') {
-            let end = label_set_end(labels).ok_or_else(|| {
-                SampleError::parse(what(), format!("line {}: unterminated labels", i + 1))
-            })?;
-            &labels[end..]
-        } else if after_name.starts_with([' ', '\t']) {
-            after_name
-        } else {
-            continue;
-        };
-        let value = rest.split_whitespace().next().ok_or_else(|| {
-            SampleError::parse(what(), format!("line {}: no value: {line:?}", i + 1))
-        })?;
-        let v: f64 = value.parse().map_err(|_| {
-            SampleError::parse(what(), format!("line {}: bad value {value:?}", i + 1))
-        })?;
-        if !v.is_finite() || v < 0.0 {
-            return Err(SampleError::parse(
-                what(),
-                format!("line {}: value {value} is not a usable count", i + 1),
+            let kind = t
+                .kind
+                .as_deref()
+                .map_or(String::new(), |k| format!("{k}, "));
+            out.push_str(&format!(
+                "{} {} ({kind}{} series)",
+                t.selector,
+                fmt_number(t.sum),
+                t.count
             ));
         }
-        sum += v;
-        seen = true;
-    }
-    if seen || declared {
-        Ok(sum)
-    } else {
-        Err(SampleError::NotFound(format!(
-            "metric {metric} is not in the scraped page"
-        )))
+        out.push_str(&format!(" = {}", fmt_number(self.value)));
+        out
     }
 }
 
-/// The offset just past the `}` closing a label set that starts after `{`, skipping
-/// `}` inside quoted label values (which may contain escaped quotes).
-fn label_set_end(labels: &str) -> Option<usize> {
-    let mut in_quotes = false;
-    let mut escaped = false;
-    for (i, c) in labels.char_indices() {
-        match (in_quotes, escaped, c) {
-            (true, true, _) => escaped = false,
-            (true, false, '\\') => escaped = true,
-            (true, false, '"') => in_quotes = false,
-            (false, _, '"') => in_quotes = true,
-            (false, _, '}') => return Some(i + 1),
+/// How many series of a term [`Evaluation`] keeps to show.
+pub const MAX_LISTED: usize = 16;
+
+/// A value as the page would print it: integers without a fraction.
+fn fmt_number(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// A sample line's metric name and what follows it, or `None` for a line that is not a
+/// sample (blank).
+fn split_name(line: &str) -> Option<(&str, &str)> {
+    let end = line
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(line.len());
+    (end > 0).then(|| (&line[..end], &line[end..]))
+}
+
+/// A series' labels, in the page's order.
+type Labels = Vec<(String, String)>;
+
+/// Parses the label set after `{`: `name="value"` pairs, comma separated (a trailing
+/// comma allowed), values with `\"`, `\\` and `\n` escapes. Returns the labels and what
+/// follows the closing `}`.
+fn parse_labels(after_brace: &str) -> Result<(Labels, &str), String> {
+    let mut labels = Vec::new();
+    let mut rest = after_brace;
+    loop {
+        rest = rest.trim_start();
+        if let Some(r) = rest.strip_prefix('}') {
+            return Ok((labels, r));
+        }
+        let name_end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .ok_or("unterminated labels")?;
+        let name = &rest[..name_end];
+        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+            return Err(format!("bad label name at {:?}", truncate(rest)));
+        }
+        rest = rest[name_end..].trim_start();
+        rest = rest
+            .strip_prefix('=')
+            .ok_or_else(|| format!("expected `=` after label {name}"))?
+            .trim_start();
+        rest = rest
+            .strip_prefix('"')
+            .ok_or_else(|| format!("expected a quoted value for label {name}"))?;
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let close = loop {
+            match chars.next() {
+                None => return Err("unterminated labels".into()),
+                Some((i, '"')) => break i,
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, c)) => value.push(c),
+                    None => return Err("unterminated labels".into()),
+                },
+                Some((_, c)) => value.push(c),
+            }
+        };
+        labels.push((name.to_string(), value));
+        rest = rest[close + 1..].trim_start();
+        if let Some(r) = rest.strip_prefix(',') {
+            rest = r;
+        } else if !rest.starts_with('}') {
+            return Err(format!("expected `,` or `}}` after label {name}"));
+        }
+    }
+}
+
+fn truncate(s: &str) -> &str {
+    match s.char_indices().nth(24) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// Evaluates `expr` on a page in the Prometheus text format or OpenMetrics.
+///
+/// - A term reads the samples named as it is; for a family declared `# TYPE NAME
+///   counter` (OpenMetrics' counters), a term naming the family reads its `NAME_total`
+///   samples. `_created` and other suffixes are other names, never read.
+/// - `# EOF` ends the page (OpenMetrics). Lines of metrics no term reads are skipped
+///   unparsed, so that one exporter's odd line elsewhere does not break the source.
+/// - A selected sample that is `NaN`, infinite or negative is an error: the exporter is
+///   broken and its count means nothing. So is a sum that overflows.
+/// - A term whose metric is neither sampled nor declared (`# TYPE`, `# HELP`) is an
+///   error: a typo in the name would otherwise read as zero load forever. A declared
+///   metric without samples, or whose samples the matchers all reject, is 0 (a labelled
+///   counter before its first call, in most client libraries).
+/// - A result below zero is an error ([`SampleError::Negative`]), never clamped: a
+///   difference of counters below zero means they were not read together.
+pub fn evaluate(text: &str, expr: &Expr) -> Result<Evaluation, SampleError> {
+    let page = text.split("\n# EOF").next().unwrap_or(text);
+    let page = if page.starts_with("# EOF") { "" } else { page };
+    // The families' declarations, first: OpenMetrics names counters by family.
+    let mut declared: Vec<(&str, Option<&str>)> = Vec::new();
+    for line in page.lines() {
+        let Some(comment) = line.trim_start().strip_prefix('#') else {
+            continue;
+        };
+        let mut words = comment.split_whitespace();
+        match (words.next(), words.next()) {
+            (Some("TYPE"), Some(name)) => declared.push((name, words.next())),
+            (Some("HELP"), Some(name)) => declared.push((name, None)),
             _ => {}
         }
     }
-    None
+    let kind_of = |name: &str| {
+        declared
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .find_map(|(_, k)| *k)
+    };
+    // For each term, the sample names it reads and its family's type.
+    let reads: Vec<(Vec<String>, Option<String>, bool)> = expr
+        .terms
+        .iter()
+        .map(|(_, sel)| {
+            let m = sel.metric.as_str();
+            let mut names = vec![m.to_string()];
+            let mut kind = kind_of(m);
+            if kind == Some("counter") {
+                names.push(format!("{m}_total"));
+            }
+            let family = m.strip_suffix("_total");
+            if kind.is_none() {
+                kind = family.and_then(kind_of);
+            }
+            let known = declared.iter().any(|(n, _)| *n == m || Some(*n) == family);
+            (names, kind.map(str::to_string), known)
+        })
+        .collect();
+    let mut terms: Vec<TermValue> = expr
+        .terms
+        .iter()
+        .zip(&reads)
+        .map(|((negated, sel), (_, kind, _))| TermValue {
+            negated: *negated,
+            selector: sel.to_string(),
+            kind: kind.clone(),
+            sum: 0.0,
+            count: 0,
+            series: Vec::new(),
+        })
+        .collect();
+    let mut sampled = vec![false; terms.len()];
+    for (i, line) in page.lines().enumerate() {
+        let line = line.trim_start();
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((name, after_name)) = split_name(line) else {
+            continue;
+        };
+        if !reads
+            .iter()
+            .any(|(names, _, _)| names.iter().any(|n| n == name))
+        {
+            continue;
+        }
+        let at = |why: String| {
+            SampleError::parse(format!("metric {name}"), format!("line {}: {why}", i + 1))
+        };
+        let (labels, rest) = match after_name.strip_prefix('{') {
+            Some(l) => parse_labels(l).map_err(at)?,
+            None => (Vec::new(), after_name),
+        };
+        let value = rest
+            .split_whitespace()
+            .next()
+            .ok_or_else(|| at(format!("no value: {line:?}")))?;
+        let v: f64 = value
+            .parse()
+            .map_err(|_| at(format!("bad value {value:?}")))?;
+        if !v.is_finite() || v < 0.0 {
+            return Err(at(format!("value {value} is not a usable count")));
+        }
+        for (t, ((names, _, _), (_, sel))) in reads.iter().zip(&expr.terms).enumerate() {
+            if !names.iter().any(|n| n == name) {
+                continue;
+            }
+            sampled[t] = true;
+            if !sel.selects(&labels) {
+                continue;
+            }
+            let term = &mut terms[t];
+            term.sum += v;
+            term.count += 1;
+            if term.series.len() < MAX_LISTED {
+                let labels: Vec<String> = labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}=\"{}\"", super::expr::escape(v)))
+                    .collect();
+                let labels = if labels.is_empty() {
+                    String::new()
+                } else {
+                    format!("{{{}}}", labels.join(","))
+                };
+                term.series.push(format!("{name}{labels} {value}"));
+            }
+        }
+    }
+    for (t, (_, _, known)) in reads.iter().enumerate() {
+        if !sampled[t] && !known {
+            return Err(SampleError::NotFound(format!(
+                "metric {} is not in the scraped page",
+                expr.terms[t].1.metric
+            )));
+        }
+    }
+    let value: f64 = terms
+        .iter()
+        .map(|t| if t.negated { -t.sum } else { t.sum })
+        .sum();
+    let eval = Evaluation { value, terms };
+    if !value.is_finite() {
+        return Err(SampleError::parse(
+            "expression",
+            format!("the sum overflows: {}", eval.derivation()),
+        ));
+    }
+    if value < 0.0 {
+        return Err(SampleError::Negative(eval.derivation()));
+    }
+    Ok(eval)
 }
 
 /// Extracts the body from a raw HTTP/1.x response: checks the status is 2xx, honours
@@ -349,43 +559,79 @@ pub fn http_get(url: &HttpUrl, original: &str) -> Result<Vec<u8>, SampleError> {
     parse_http_response(&raw, original)
 }
 
-/// A gauge scraped from a Prometheus endpoint, summed over label sets and rounded.
+/// An expression over a Prometheus endpoint's series, evaluated on every scrape and
+/// rounded.
 #[derive(Debug)]
 pub(crate) struct PrometheusInflight {
     original: String,
     url: HttpUrl,
-    metric: String,
+    expr: Expr,
+    /// What `describe` calls it: `prometheus URL#EXPR`, or the preset's name.
+    label: String,
+    last: Option<Evaluation>,
 }
 
 impl PrometheusInflight {
-    /// Validates the URL and metric name. Does not scrape: the service may start after
-    /// the agent, and the first sample reports the problem if it is still there.
-    pub(crate) fn new(url: &str, metric: &str) -> Result<Self, SampleError> {
-        if !is_valid_metric_name(metric) {
-            return Err(SampleError::InvalidSpec(format!(
-                "metric {metric:?}: must match [a-zA-Z_:][a-zA-Z0-9_:]*"
-            )));
-        }
+    /// Validates the URL and parses the expression. Does not scrape: the service may
+    /// start after the agent, and the first sample reports the problem if it is still
+    /// there.
+    pub(crate) fn new(url: &str, expr: &str) -> Result<Self, SampleError> {
+        let label = format!("prometheus {url}#{expr}");
+        Self::with_label(url, expr, label)
+    }
+
+    /// The same, described as `label` (a preset's name and expansion).
+    pub(crate) fn with_label(url: &str, expr: &str, label: String) -> Result<Self, SampleError> {
         Ok(PrometheusInflight {
             original: url.to_string(),
             url: HttpUrl::parse(url)?,
-            metric: metric.to_string(),
+            expr: Expr::parse(expr)?,
+            label,
+            last: None,
         })
     }
 }
 
 impl InflightSource for PrometheusInflight {
     fn sample(&mut self) -> Result<u32, SampleError> {
+        self.last = None;
         let body = http_get(&self.url, &self.original)?;
         let text = String::from_utf8(body)
             .map_err(|_| SampleError::parse(self.original.clone(), "body is not UTF-8"))?;
-        let sum = parse_gauge(&text, &self.metric)?;
+        let eval = evaluate(&text, &self.expr)?;
         // Rounds a fractional gauge; `as` saturates values beyond u32.
-        Ok(sum.round() as u32)
+        let n = eval.value.round() as u32;
+        self.last = Some(eval);
+        Ok(n)
     }
 
     fn describe(&self) -> String {
-        format!("prometheus {}#{}", self.original, self.metric)
+        self.label.clone()
+    }
+
+    fn detail(&self) -> Option<String> {
+        self.last.as_ref().map(Evaluation::derivation)
+    }
+
+    fn series(&self) -> Vec<String> {
+        let Some(eval) = &self.last else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for t in &eval.terms {
+            let sign = if t.negated { '-' } else { '+' };
+            for s in &t.series {
+                out.push(format!("{sign} {s}"));
+            }
+            if t.count > t.series.len() {
+                out.push(format!(
+                    "{sign} ... {} more series of {}",
+                    t.count - t.series.len(),
+                    t.selector
+                ));
+            }
+        }
+        out
     }
 }
 
@@ -435,6 +681,135 @@ other_metric 7
             assert!(parse_gauge(page, "m").is_err(), "{page:?}");
         }
         assert_eq!(parse_gauge("m 1.5e3\nm 0.25\n", "m").unwrap(), 1500.25);
+    }
+
+    fn eval(page: &str, expr: &str) -> Result<Evaluation, SampleError> {
+        evaluate(page, &Expr::parse(expr).unwrap())
+    }
+
+    /// go-grpc-prometheus' counters in the Prometheus text format (Go's client sorts the
+    /// families by name, so `handled` is rendered before `started`).
+    const GRPC: &str = r#"# HELP grpc_server_handled_total Total number of RPCs completed on the server.
+# TYPE grpc_server_handled_total counter
+grpc_server_handled_total{grpc_code="OK",grpc_method="Get",grpc_service="shop.Cart",grpc_type="unary"} 110
+grpc_server_handled_total{grpc_code="Unavailable",grpc_method="Get",grpc_service="shop.Cart",grpc_type="unary"} 7
+grpc_server_handled_total{grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health",grpc_type="unary"} 50
+# HELP grpc_server_started_total Total number of RPCs started on the server.
+# TYPE grpc_server_started_total counter
+grpc_server_started_total{grpc_method="Get",grpc_service="shop.Cart",grpc_type="unary"} 120
+grpc_server_started_total{grpc_method="Put",grpc_service="shop.Cart",grpc_type="unary"} 0
+grpc_server_started_total{grpc_method="Check",grpc_service="grpc.health.v1.Health",grpc_type="unary"} 51
+"#;
+
+    #[test]
+    fn a_difference_of_counters_with_matchers() {
+        let cart = r#"grpc_server_started_total{grpc_service="shop.Cart"} - grpc_server_handled_total{grpc_service="shop.Cart"}"#;
+        let e = eval(GRPC, cart).unwrap();
+        assert_eq!(e.value, 3.0);
+        assert_eq!((e.terms[0].count, e.terms[1].count), (2, 2));
+        assert_eq!(e.terms[0].kind.as_deref(), Some("counter"));
+        assert_eq!(
+            e.derivation(),
+            "grpc_server_started_total{grpc_service=\"shop.Cart\"} 120 (counter, 2 series) - \
+             grpc_server_handled_total{grpc_service=\"shop.Cart\"} 117 (counter, 2 series) = 3"
+        );
+        assert!(e.terms[1].series[1].contains(r#"grpc_code="Unavailable""#));
+        let all = eval(
+            GRPC,
+            "grpc_server_started_total - grpc_server_handled_total",
+        )
+        .unwrap();
+        assert_eq!(all.value, 4.0);
+        let health = r#"grpc_server_started_total{grpc_service=~"grpc\.health\..*"} - grpc_server_handled_total{grpc_service!="shop.Cart"}"#;
+        assert_eq!(eval(GRPC, health).unwrap().value, 1.0);
+        let sum = r#"grpc_server_started_total{grpc_method=~"Get|Put"} + grpc_server_started_total{grpc_method!~"Get|Put"}"#;
+        assert_eq!(eval(GRPC, sum).unwrap().value, 171.0);
+    }
+
+    #[test]
+    fn a_negative_difference_is_an_error_not_a_count() {
+        let page = GRPC.replace("} 110", "} 115");
+        let e = eval(
+            &page,
+            r#"grpc_server_started_total{grpc_service="shop.Cart"} - grpc_server_handled_total{grpc_service="shop.Cart"}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(e, SampleError::Negative(_)), "{e}");
+        assert!(e.to_string().contains("= -2"), "{e}");
+        // A term with no selected series is 0, which is what the difference then is.
+        assert_eq!(
+            eval(GRPC, r#"grpc_server_started_total{grpc_service="none"}"#)
+                .unwrap()
+                .value,
+            0.0
+        );
+        // An unknown metric anywhere in the expression is an error.
+        let e = eval(
+            GRPC,
+            "grpc_server_started_total - grpc_server_handeld_total",
+        )
+        .unwrap_err();
+        assert!(matches!(e, SampleError::NotFound(_)), "{e}");
+    }
+
+    #[test]
+    fn openmetrics_counters_and_eof() {
+        // OpenMetrics: counters are declared by family name, sampled as `_total`, with
+        // `_created` samples, exemplars and a closing `# EOF`.
+        let page = r#"# TYPE grpc_server_started counter
+# HELP grpc_server_started Total number of RPCs started on the server.
+grpc_server_started_total{grpc_service="a"} 12.0 # {trace_id="x"} 1.0 1712345678.0
+grpc_server_started_created{grpc_service="a"} 1.712345678e+09
+# TYPE grpc_server_handled counter
+grpc_server_handled_total{grpc_service="a",grpc_code="OK"} 9.0
+grpc_server_handled_created{grpc_service="a",grpc_code="OK"} 1.712345678e+09
+# TYPE http_server_active_requests gauge
+http_server_active_requests{http_request_method="GET",} 2
+# EOF
+grpc_server_handled_total{grpc_service="a",grpc_code="OK"} 1000
+"#;
+        let by_sample = eval(
+            page,
+            "grpc_server_started_total - grpc_server_handled_total",
+        )
+        .unwrap();
+        assert_eq!(by_sample.value, 3.0);
+        assert_eq!(by_sample.terms[0].kind.as_deref(), Some("counter"));
+        let by_family = eval(page, "grpc_server_started - grpc_server_handled").unwrap();
+        assert_eq!(by_family.value, 3.0);
+        assert_eq!(
+            eval(page, "http_server_active_requests").unwrap().value,
+            2.0
+        );
+        // Declared only: 0 before the first call.
+        let empty =
+            "# TYPE grpc_server_started counter\n# TYPE grpc_server_handled counter\n# EOF\n";
+        assert_eq!(
+            eval(
+                empty,
+                "grpc_server_started_total - grpc_server_handled_total"
+            )
+            .unwrap()
+            .value,
+            0.0
+        );
+        assert!(eval("# EOF\nm 1\n", "m").is_err());
+    }
+
+    #[test]
+    fn label_values_are_unescaped_before_matching() {
+        let page = "m{path=\"/a\\\"b\",x=\"1\"} 2\nm{path=\"/c}\" , x=\"2\" ,} 3\n";
+        assert_eq!(eval(page, r#"m{path="/a\"b"}"#).unwrap().value, 2.0);
+        assert_eq!(eval(page, r#"m{path="/c}"}"#).unwrap().value, 3.0);
+        assert_eq!(eval(page, r#"m{x=~"1|2"}"#).unwrap().value, 5.0);
+        for bad in [
+            "m{path} 1\n",
+            "m{1a=\"x\"} 1\n",
+            "m{a=\"x\" b=\"y\"} 1\n",
+            "m{a=x} 1\n",
+        ] {
+            assert!(eval(bad, "m").is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -530,8 +905,19 @@ other_metric 7
         let reply =
             format!("HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n{PAGE}");
         let (url, server) = serve_once(reply.into_bytes(), Duration::ZERO);
-        let mut src = PrometheusInflight::new(&url, "http_inflight").unwrap();
-        assert_eq!(src.sample().unwrap(), 20);
+        let mut src = PrometheusInflight::new(&url, "http_inflight - other_metric").unwrap();
+        assert_eq!(src.sample().unwrap(), 13);
+        assert_eq!(src.series().len(), 4, "{:?}", src.series());
+        assert!(
+            src.series()[3].starts_with("- other_metric 7"),
+            "{:?}",
+            src.series()
+        );
+        assert!(
+            src.detail().unwrap().ends_with("= 13"),
+            "{:?}",
+            src.detail()
+        );
         let request = server.join().unwrap();
         assert!(
             request.starts_with("GET /metrics HTTP/1.0\r\n"),
@@ -565,6 +951,7 @@ other_metric 7
         let mut src = PrometheusInflight::new(&url, "m").unwrap();
         let err = src.sample().unwrap_err();
         assert!(matches!(err, SampleError::Http(_)), "{err}");
-        assert!(PrometheusInflight::new(&url, "bad-name").is_err());
+        assert!(PrometheusInflight::new(&url, "1bad").is_err());
+        assert!(PrometheusInflight::new(&url, "a - b{").is_err());
     }
 }

@@ -77,38 +77,118 @@ pub fn wait_line(child: &mut Child, prefix: &str) -> String {
     }
 }
 
+/// Reads lines of `child`'s stdout until one starts with `prefix` and returns the rest,
+/// leaving stdout in place for the next read (the lines are read one byte at a time).
+pub fn wait_line_keep(child: &mut Child, prefix: &str) -> String {
+    use std::io::Read;
+    let out = child.stdout.as_mut().expect("piped stdout");
+    loop {
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        loop {
+            match out.read(&mut b) {
+                Ok(1) if b[0] == b'\n' => break,
+                Ok(1) => line.push(b[0]),
+                other => panic!(
+                    "{} exited before printing {prefix:?}: {other:?}",
+                    script().display()
+                ),
+            }
+        }
+        let line = String::from_utf8_lossy(&line).into_owned();
+        if let Some(rest) = line.strip_prefix(prefix) {
+            return rest.trim().to_string();
+        }
+    }
+}
+
 /// The server: its process, port and state file.
 pub struct Server {
     _proc: Proc,
     pub port: u16,
+    /// Where its go-grpc-prometheus counters are served (`serve --metrics`).
+    pub metrics_port: Option<u16>,
     pub state: File,
     _dir: tempfile::TempDir,
 }
 
 impl Server {
     pub fn start(service_ms: f64) -> Server {
+        Self::spawn("serve", service_ms, &[])
+    }
+
+    /// The gRPC server with a server interceptor counting its calls as
+    /// go-grpc-prometheus does, served by prometheus_client.
+    pub fn start_with_metrics(service_ms: f64) -> Server {
+        let ok = Command::new(python())
+            .args(["-c", "import prometheus_client"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        assert!(
+            ok,
+            "this test needs a Python with the package prometheus_client: `{} -c 'import \
+             prometheus_client'` failed (run `bash tests/run`, which installs it)",
+            python().display()
+        );
+        let s = Self::spawn("serve", service_ms, &["--metrics"]);
+        assert!(
+            s.metrics_port.is_some(),
+            "the server printed no metrics port"
+        );
+        s
+    }
+
+    /// The same handler behind HTTP/1.1 with keep-alive (no gRPC).
+    pub fn start_http(service_ms: f64) -> Server {
+        Self::spawn("serve-http", service_ms, &[])
+    }
+
+    fn spawn(mode: &str, service_ms: f64, extra: &[&str]) -> Server {
         require_grpcio();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("inflight");
         let mut child = Command::new(python())
             .arg(script())
-            .args(["serve", "--service-ms", &service_ms.to_string(), "--state"])
+            .args([mode, "--service-ms", &service_ms.to_string(), "--state"])
             .arg(&path)
+            .args(extra)
             .stdout(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start python {}: {e}", script().display()));
+        // `metrics N`, when asked for, comes before `port N`.
+        let metrics_port = extra
+            .contains(&"--metrics")
+            .then(|| wait_line_keep(&mut child, "metrics ").parse().unwrap());
         let port = wait_line(&mut child, "port ").parse().unwrap();
         let state = File::open(&path).unwrap();
         Server {
             _proc: Proc(child),
             port,
+            metrics_port,
             state,
             _dir: dir,
         }
     }
 
+    /// `channels` keep-alive HTTP/1.1 connections to `target`, each making request
+    /// after request; waits until every connection has had an answer.
+    pub fn load_http(&self, target: &str, channels: u32, think_ms: f64, secs: f64) -> Proc {
+        run_load(&[
+            "load-http",
+            "--target",
+            target,
+            "--channels",
+            &channels.to_string(),
+            "--think-ms",
+            &think_ms.to_string(),
+            "--duration",
+            &secs.to_string(),
+        ])
+    }
+
     /// The number of calls inside the server's handler now.
-    fn truth(&self) -> u32 {
+    pub fn truth(&self) -> u32 {
         let mut b = [0u8; 4];
         self.state.read_exact_at(&mut b, 0).unwrap();
         u32::from_le_bytes(b)
@@ -117,19 +197,32 @@ impl Server {
     /// Starts `channels` connections with `callers` concurrent callers each, and waits
     /// until every connection is up.
     pub fn load(&self, channels: u32, callers: u32, think_ms: f64, secs: f64) -> Proc {
-        let mut child = Command::new(python())
-            .arg(script())
-            .args(["load", "--target", &format!("127.0.0.1:{}", self.port)])
-            .args(["--channels", &channels.to_string()])
-            .args(["--callers", &callers.to_string()])
-            .args(["--think-ms", &think_ms.to_string()])
-            .args(["--duration", &secs.to_string()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_line(&mut child, "ready");
-        Proc(child)
+        run_load(&[
+            "load",
+            "--target",
+            &format!("127.0.0.1:{}", self.port),
+            "--channels",
+            &channels.to_string(),
+            "--callers",
+            &callers.to_string(),
+            "--think-ms",
+            &think_ms.to_string(),
+            "--duration",
+            &secs.to_string(),
+        ])
     }
+}
+
+/// Runs the script with `args` (a load mode) and waits for its "ready".
+fn run_load(args: &[&str]) -> Proc {
+    let mut child = Command::new(python())
+        .arg(script())
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_line(&mut child, "ready");
+    Proc(child)
 }
 
 /// One sample: the true in-flight (mean of the readings just before and just after),
