@@ -11,6 +11,9 @@ pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod feed;
+// Entry points for the fuzz targets (`fuzz/`), compiled only when cargo-fuzz sets
+// `--cfg fuzzing`.
+#[cfg(fuzzing)]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ingest;
