@@ -9,6 +9,9 @@ pub mod config;
 pub mod control;
 pub(crate) mod counters;
 pub mod daemon;
+// Entry points for the fuzz targets (`fuzz/`), compiled only when cargo-fuzz sets
+// `--cfg fuzzing`.
+#[cfg(fuzzing)]
 #[doc(hidden)]
 pub mod fuzzing;
 pub(crate) mod metrics;

@@ -12,6 +12,9 @@ pub mod config;
 pub mod daemon;
 pub mod door;
 pub mod feed;
+// Entry points for the fuzz targets (`fuzz/`), compiled only when cargo-fuzz sets
+// `--cfg fuzzing`.
+#[cfg(fuzzing)]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ingest;

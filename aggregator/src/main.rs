@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use ballast_aggregator::cli::{
     CertsCommand, Cli, ClientArgs, Command, CommonArgs, ConfigCommand, RelayArgs, RunArgs,
 };
-use ballast_aggregator::client::{self, Client};
+use ballast_aggregator::client::{self, ApiClient};
 use ballast_aggregator::config::{Config, TlsFiles};
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_aggregator::relay::Relay;
@@ -398,8 +398,17 @@ fn config_restore(backup: &std::path::Path, to: &std::path::Path, exact: bool) -
     Ok(ExitCode::SUCCESS)
 }
 
+/// Runs one client request to its end, on a runtime of its own (one thread).
+fn block_on<T>(request: impl std::future::Future<Output = T>) -> Result<T> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the client's runtime")?;
+    Ok(runtime.block_on(request))
+}
+
 fn services(args: &ClientArgs) -> Result<ExitCode> {
-    let (list, raw) = Client::new(&args.url)?.services()?;
+    let (list, raw) = block_on(ApiClient::new(&args.url)?.services())??;
     if args.json {
         println!("{}", raw.trim_end());
     } else {
@@ -409,7 +418,7 @@ fn services(args: &ClientArgs) -> Result<ExitCode> {
 }
 
 fn service(name: &str, args: &ClientArgs) -> Result<ExitCode> {
-    let (detail, raw) = Client::new(&args.url)?.service(name)?;
+    let (detail, raw) = block_on(ApiClient::new(&args.url)?.service(name))??;
     if args.json {
         println!("{}", raw.trim_end());
     } else {
@@ -419,7 +428,7 @@ fn service(name: &str, args: &ClientArgs) -> Result<ExitCode> {
 }
 
 fn endpoints(name: &str, args: &ClientArgs) -> Result<ExitCode> {
-    let (list, raw) = Client::new(&args.url)?.endpoints(name)?;
+    let (list, raw) = block_on(ApiClient::new(&args.url)?.endpoints(name))??;
     if args.json {
         println!("{}", raw.trim_end());
     } else {
@@ -434,7 +443,8 @@ fn watch(name: &str, args: &ClientArgs) -> Result<ExitCode> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     let mut failed = None;
-    Client::new(&args.url)?.watch(name, |set, raw| {
+    let client = ApiClient::new(&args.url)?;
+    block_on(client.watch(name, |set, raw| {
         let line = if args.json {
             raw.to_string()
         } else {
@@ -448,7 +458,7 @@ fn watch(name: &str, args: &ClientArgs) -> Result<ExitCode> {
                 false
             }
         }
-    })?;
+    }))??;
     match failed {
         Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
         Some(e) => Err(anyhow::Error::new(e).context("writing to stdout")),

@@ -4,14 +4,23 @@
 //! share) are read from the balancer when `/metrics` is scraped, so the two can never
 //! disagree.
 
+use crate::api::views::ServiceSummary;
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
+};
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
+use std::fmt::Write as _;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// A label set with one `reason`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -177,6 +186,10 @@ pub struct Metrics {
     pub cluster_feed_behind_seconds: Gauge<f64, AtomicU64>,
     /// Service files refused (parse or validation), by file.
     pub config_rejected: Family<FileLabel, Counter>,
+    /// The per-service families, filled for the length of one scrape.
+    service_families: ServiceFamilies,
+    /// One scrape with per-service families at a time, so that each encodes its own.
+    scrape: Mutex<()>,
 }
 
 /// A label set with one config `file`.
@@ -260,6 +273,8 @@ impl Metrics {
             cluster_takeovers: Counter::default(),
             cluster_feed_behind_seconds: Gauge::default(),
             cluster_sessions_lost: Counter::default(),
+            service_families: ServiceFamilies::default(),
+            scrape: Mutex::new(()),
             registry: Registry::default(),
         };
         registry.register(
@@ -468,6 +483,7 @@ impl Metrics {
             "Service config files refused, by file",
             m.config_rejected.clone(),
         );
+        registry.register_collector(Box::new(m.service_families.clone()));
         Metrics { registry, ..m }
     }
 
@@ -506,12 +522,145 @@ impl Metrics {
             .inc();
     }
 
-    /// The registry in Prometheus text format.
+    /// The registry in Prometheus text format, without the per-service families.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+
+    /// The registry in Prometheus text format with the per-service families of
+    /// `services` (as of their last cycle), as `/metrics` serves it.
+    pub fn encode_with_services(&self, services: Vec<ServiceSummary>) -> String {
+        let _one = self.scrape.lock().unwrap_or_else(PoisonError::into_inner);
+        self.service_families.set(Some(services));
+        let out = self.encode();
+        self.service_families.set(None);
+        out
+    }
+}
+
+/// A label value escaped as the text format wants it: `\`, `"` and line feed as
+/// `\\`, `\"` and `\n`. prometheus-client (0.22) writes label values as given.
+#[derive(Debug, Clone, Copy)]
+pub struct Escaped<'a>(pub &'a str);
+
+impl EncodeLabelValue for Escaped<'_> {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        for c in self.0.chars() {
+            match c {
+                '\\' => encoder.write_str("\\\\")?,
+                '"' => encoder.write_str("\\\"")?,
+                '\n' => encoder.write_str("\\n")?,
+                c => encoder.write_char(c)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A per-service gauge: its name (after `ballast_`), help, and value.
+type ServiceGauge<T> = (&'static str, &'static str, fn(&ServiceSummary) -> T);
+
+/// The per-service gauges with fractional values.
+const SERVICE_RATIOS: [ServiceGauge<f64>; 4] = [
+    (
+        "service_max_over_avg",
+        "Max over average load of fresh serving endpoints.",
+        |s| s.max_over_avg,
+    ),
+    (
+        "service_p95_over_avg",
+        "95th percentile over average load.",
+        |s| s.p95_over_avg,
+    ),
+    (
+        "service_avg_load",
+        "Average load of fresh serving endpoints.",
+        |s| s.avg,
+    ),
+    (
+        "service_missing_share",
+        "Share of endpoints not draining whose reports are stale.",
+        |s| s.missing_share,
+    ),
+];
+
+/// The per-service gauges that count endpoints.
+const SERVICE_COUNTS: [ServiceGauge<i64>; 3] = [
+    ("service_endpoints", "Known endpoints.", |s| {
+        i64::try_from(s.endpoints).unwrap_or(i64::MAX)
+    }),
+    (
+        "service_inflight_distrusted",
+        "Endpoints whose in-flight count does not follow their weight and is set aside.",
+        |s| i64::try_from(s.inflight_distrusted).unwrap_or(i64::MAX),
+    ),
+    (
+        "service_expiry_held",
+        "Endpoints silent past expire_ms kept with their last weights, because too \
+         much of the service fell silent at once.",
+        |s| i64::try_from(s.expiry_held).unwrap_or(i64::MAX),
+    ),
+];
+
+/// The per-service counters (`_total` is added by the encoder).
+const SERVICE_COUNTERS: [ServiceGauge<u64>; 2] = [
+    (
+        "service_inflight_distrusts",
+        "Times an endpoint's in-flight count was set aside for not following its weight.",
+        |s| s.inflight_distrusts,
+    ),
+    (
+        "service_feed_forward_steps",
+        "Cycles that stepped weights straight to the capacity estimate.",
+        |s| s.feed_forward_steps,
+    ),
+];
+
+/// The families whose series are services (`ballast_service_*{service}`): figures read
+/// from the published weights when `/metrics` is scraped, so that they never disagree
+/// with the API. Empty (not even described) outside such a scrape.
+#[derive(Debug, Clone, Default)]
+struct ServiceFamilies {
+    services: Arc<Mutex<Option<Vec<ServiceSummary>>>>,
+}
+
+impl ServiceFamilies {
+    fn set(&self, services: Option<Vec<ServiceSummary>>) {
+        *self.services.lock().unwrap_or_else(PoisonError::into_inner) = services;
+    }
+}
+
+impl Collector for ServiceFamilies {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let services = self.services.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(services) = services.as_ref() else {
+            return Ok(());
+        };
+        for (name, help, value) in SERVICE_RATIOS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for s in services {
+                let labels = [("service", Escaped(&s.name))];
+                ConstGauge::new(value(s)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        for (name, help, value) in SERVICE_COUNTS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for s in services {
+                let labels = [("service", Escaped(&s.name))];
+                ConstGauge::new(value(s)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        for (name, help, value) in SERVICE_COUNTERS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for s in services {
+                let labels = [("service", Escaped(&s.name))];
+                ConstCounter::new(value(s)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -532,4 +681,73 @@ pub fn tls_reload_counter(
             })
             .inc();
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(name: &str) -> ServiceSummary {
+        ServiceSummary {
+            name: name.to_string(),
+            endpoints: 3,
+            avg: 0.5,
+            max_over_avg: 1.25,
+            p95_over_avg: 1.125,
+            missing_share: 0.0,
+            cycles: 9,
+            version: 4,
+            last_skip: None,
+            inflight_distrusted: 1,
+            inflight_distrusts: 2,
+            feed_forward_steps: 0,
+            expiry_held: 0,
+        }
+    }
+
+    #[test]
+    fn service_label_values_are_escaped() {
+        let m = Metrics::new();
+        let text = m.encode_with_services(vec![summary("a\"b\\c\nd")]);
+        let label = r#"{service="a\"b\\c\nd"}"#;
+        for line in [
+            format!("ballast_service_max_over_avg{label} 1.25"),
+            format!("ballast_service_endpoints{label} 3"),
+            format!("ballast_service_inflight_distrusted{label} 1"),
+            format!("ballast_service_inflight_distrusts_total{label} 2"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+        // Every sample is one line: the raw line feed never reaches the output.
+        assert!(!text.lines().any(|l| l.starts_with("d\"}")), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn service_families_are_described_once_each_and_only_in_a_scrape() {
+        let m = Metrics::new();
+        let text = m.encode_with_services(vec![summary("web"), summary("api")]);
+        for family in [
+            "ballast_service_max_over_avg gauge",
+            "ballast_service_p95_over_avg gauge",
+            "ballast_service_avg_load gauge",
+            "ballast_service_missing_share gauge",
+            "ballast_service_endpoints gauge",
+            "ballast_service_inflight_distrusted gauge",
+            "ballast_service_expiry_held gauge",
+            "ballast_service_inflight_distrusts counter",
+            "ballast_service_feed_forward_steps counter",
+        ] {
+            assert_eq!(
+                text.matches(&format!("# TYPE {family}\n")).count(),
+                1,
+                "{family}"
+            );
+        }
+        assert!(text.contains("ballast_service_avg_load{service=\"api\"} 0.5\n"));
+        assert!(text.contains("ballast_service_feed_forward_steps_total{service=\"web\"} 0\n"));
+        // Outside a scrape of /metrics (the relay's exposition), no per-service family.
+        assert!(!m.encode().contains("ballast_service_"));
+    }
 }

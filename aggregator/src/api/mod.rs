@@ -11,7 +11,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use std::fmt::Write as _;
 use std::sync::Arc;
 
 /// The router over shared state.
@@ -358,80 +357,13 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
             .cluster_feed_behind_seconds
             .set(o.feed_behind().as_secs_f64());
     }
-    let text = state.metrics.encode();
-    let mut out = text.strip_suffix("# EOF\n").unwrap_or(&text).to_string();
-    let published = state.published();
-    type Gauge = (
-        &'static str,
-        &'static str,
-        fn(&views::ServiceSummary) -> f64,
-    );
-    let gauges: [Gauge; 7] = [
-        (
-            "ballast_service_max_over_avg",
-            "Max over average load of fresh serving endpoints",
-            |s| s.max_over_avg,
-        ),
-        (
-            "ballast_service_p95_over_avg",
-            "95th percentile over average load",
-            |s| s.p95_over_avg,
-        ),
-        (
-            "ballast_service_avg_load",
-            "Average load of fresh serving endpoints",
-            |s| s.avg,
-        ),
-        (
-            "ballast_service_missing_share",
-            "Share of endpoints not draining whose reports are stale",
-            |s| s.missing_share,
-        ),
-        ("ballast_service_endpoints", "Known endpoints", |s| {
-            s.endpoints as f64
-        }),
-        (
-            "ballast_service_inflight_distrusted",
-            "Endpoints whose in-flight count does not follow their weight and is set aside",
-            |s| s.inflight_distrusted as f64,
-        ),
-        (
-            "ballast_service_expiry_held",
-            "Endpoints silent past expire_ms kept with their last weights, because too \
-             much of the service fell silent at once",
-            |s| s.expiry_held as f64,
-        ),
-    ];
-    let counters: [Gauge; 2] = [
-        (
-            "ballast_service_inflight_distrusts",
-            "Times an endpoint's in-flight count was set aside for not following its weight",
-            |s| s.inflight_distrusts as f64,
-        ),
-        (
-            "ballast_service_feed_forward_steps",
-            "Cycles that stepped weights straight to the capacity estimate",
-            |s| s.feed_forward_steps as f64,
-        ),
-    ];
-    let summaries: Vec<views::ServiceSummary> = published
+    let summaries: Vec<views::ServiceSummary> = state
+        .published()
         .services
         .values()
         .map(|s| views::ServiceSummary::of(s))
         .collect();
-    for (name, help, value) in gauges {
-        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} gauge");
-        for s in &summaries {
-            let _ = writeln!(out, "{name}{{service=\"{}\"}} {}", s.name, value(s));
-        }
-    }
-    for (name, help, value) in counters {
-        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
-        for s in &summaries {
-            let _ = writeln!(out, "{name}_total{{service=\"{}\"}} {}", s.name, value(s));
-        }
-    }
-    out.push_str("# EOF\n");
+    let out = state.metrics.encode_with_services(summaries);
     (
         [(
             header::CONTENT_TYPE,
