@@ -772,7 +772,7 @@ fn bad_answers_to_the_hello_close_the_client() {
         framed(&Message::Hello(hello("web-1"))),
         [
             framed(&Message::Welcome(Welcome { interval_ms: 1000 })),
-            vec![1],
+            framed(&Message::Welcome(Welcome { interval_ms: 1000 })),
         ]
         .concat(),
         (3u16.to_be_bytes().iter().copied().chain([9, 9, 9])).collect(),
