@@ -97,6 +97,25 @@ impl TrunkProtocol {
         crate::protocol::negotiated_alpn(conn).and_then(|a| TrunkProtocol::from_alpn(&a))
     }
 
+    /// The trunk versions of the agent protocol versions `protocols`: a process that
+    /// speaks only the previous agent protocol (`BALLAST_PROTOCOL=previous`, standing
+    /// for the previous release) speaks only the previous trunk protocol too.
+    pub fn of(protocols: &[crate::protocol::Protocol]) -> Vec<TrunkProtocol> {
+        protocols
+            .iter()
+            .map(|p| match p {
+                crate::protocol::Protocol::V1 => TrunkProtocol::V1,
+                crate::protocol::Protocol::V2 => TrunkProtocol::V2,
+            })
+            .collect()
+    }
+
+    /// The trunk versions this process speaks, from the environment
+    /// ([`crate::protocol::ENV`]).
+    pub fn from_env() -> Result<Vec<TrunkProtocol>, crate::protocol::UnknownChoice> {
+        Ok(Self::of(&crate::protocol::from_env()?))
+    }
+
     /// The names of every version, for an error that lists what was offered.
     pub fn names() -> String {
         TrunkProtocol::ALL.map(|p| p.name()).join(", ")

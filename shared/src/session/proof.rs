@@ -15,7 +15,7 @@
 
 use crate::wire::{Challenge, Hello, Proof};
 use rustls::pki_types::CertificateDer;
-use rustls::sign::SigningKey;
+pub use rustls::sign::SigningKey;
 use rustls::SignatureScheme;
 
 /// What every signature starts with, so that it cannot pass for a signature of
@@ -85,6 +85,13 @@ pub fn signed_bytes(challenge: &Challenge, hello: &Hello) -> Vec<u8> {
         out.extend_from_slice(field.as_bytes().get(..usize::from(len)).unwrap_or_default());
     }
     out
+}
+
+/// The signing key of a private key, as an agent signs its proofs with it.
+pub fn signing_key(
+    key: &rustls::pki_types::PrivateKeyDer<'_>,
+) -> Result<std::sync::Arc<dyn SigningKey>, ProofError> {
+    rustls::crypto::ring::sign::any_supported_type(key).map_err(|_| ProofError::UnsupportedKey)
 }
 
 /// The agent's proof for `challenge`, with its certificate's key `key`, over its own

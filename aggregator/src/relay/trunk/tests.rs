@@ -279,7 +279,7 @@ async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
     let client = ballast_shared::tls::client_config_with_alpns(
         relay.pem.identity("relay").expect("identity"),
         &ca_certs,
-        &trunk_alpns(),
+        &trunk_alpns().expect("the trunk versions"),
     )
     .expect("client config");
     let endpoint = quinn::Endpoint::client(SocketAddr::from((LOCALHOST, 0))).expect("client");
