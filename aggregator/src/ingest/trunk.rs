@@ -244,7 +244,9 @@ impl Driver<'_> {
                             if let TrunkServerEvent::Open { relay, .. } = &event {
                                 if let Err(frame) = self.check_name(relay) {
                                     write(&mut send, conn, self.metrics, frame).await?;
+                                    // The relay reads why before the connection goes.
                                     let _ = send.finish();
+                                    let _ = tokio::time::timeout(CONTROL_WRITE_TIMEOUT, send.stopped()).await;
                                     conn.close(close::REJECTED.into(), b"relay name mismatch");
                                     return Err("relay name mismatch");
                                 }
