@@ -39,6 +39,9 @@ const SWEEP: Duration = Duration::from_secs(1);
 /// How long a relay has to open its control stream and send its open.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a refused relay has to read why before its connection is closed.
+const REFUSAL_GRACE: Duration = Duration::from_secs(1);
+
 /// How long a write on the control stream may wait for the relay to read. A relay
 /// that stops reading would otherwise hold the trunk's task, and with it the checks
 /// of its certificate, its slots' silence and its batches, while its connection
@@ -244,9 +247,10 @@ impl Driver<'_> {
                             if let TrunkServerEvent::Open { relay, .. } = &event {
                                 if let Err(frame) = self.check_name(relay) {
                                     write(&mut send, conn, self.metrics, frame).await?;
-                                    // The relay reads why before the connection goes.
+                                    // The relay reads why, and closes, before the
+                                    // connection goes (a second at most).
                                     let _ = send.finish();
-                                    let _ = tokio::time::timeout(CONTROL_WRITE_TIMEOUT, send.stopped()).await;
+                                    let _ = tokio::time::timeout(REFUSAL_GRACE, conn.closed()).await;
                                     conn.close(close::REJECTED.into(), b"relay name mismatch");
                                     return Err("relay name mismatch");
                                 }
