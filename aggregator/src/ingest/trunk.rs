@@ -337,7 +337,7 @@ impl Driver<'_> {
             } => {
                 if !proven {
                     tracing::warn!(relay = %self.relay, slot, "relayed agent admitted without a proof of its key (admit_unproven_relayed_agents)");
-                    self.metrics.reject("unproven_admitted");
+                    self.metrics.trunk_unproven.inc();
                 }
                 self.attach(slot, chain, source).await.into_iter().collect()
             }

@@ -711,3 +711,61 @@ fn a_trunk_without_proofs_admits_no_agent_unless_the_policy_says_so() {
         }
     }
 }
+
+/// The cost of the proof per attach: attaches through both machines, the agent's
+/// hello admitted and welcomed, with the challenge, the agent's signature and its
+/// check, and without (a trunk that challenges nothing). Run by hand:
+/// `cargo test -p ballast-shared --release -- --ignored --nocapture cost_of_a_proof`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn cost_of_a_proof_per_attach() {
+    const N: u32 = 2000;
+    let t0 = Instant::now();
+    let id = identity("web-1");
+    let hello_bytes = hello_frame("web-1");
+    let mut timed = |challenge: bool| -> Duration {
+        let server = TrunkServerConfig {
+            challenge,
+            admit_unproven: !challenge,
+            max_slots: N + 1,
+            ..TrunkServerConfig::new("a", ServerConfig::new(2000))
+        };
+        let (mut s, mut c) = open(server, TrunkClientConfig::new("relay-1"));
+        let started = Instant::now();
+        for _ in 0..N {
+            let (slot, frame) = c
+                .attach(t0, &hello_bytes, id.chain.clone(), SOURCE.into())
+                .expect("attach");
+            let mut events = s.handle_control(&frame).expect("takes the attach");
+            if let [TrunkServerEvent::Challenged { frame, .. }] = &events[..] {
+                let [TrunkClientEvent::Challenged { challenge, .. }] =
+                    &c.handle_control(frame).expect("the challenge")[..]
+                else {
+                    panic!("no challenge");
+                };
+                let proof =
+                    proof::sign(id.key.as_ref(), challenge, &hello("web-1")).expect("signs");
+                let frame = c.prove(slot, Some(proof)).expect("proof frame");
+                events = s.handle_control(&frame).expect("takes the proof");
+            }
+            assert!(matches!(
+                &events[..],
+                [TrunkServerEvent::AttachRequested { .. }]
+            ));
+            let Ok(Admission::Hello(_)) = s.admit(slot, peer("web-1"), t0) else {
+                panic!("not admitted");
+            };
+            let frame = s.welcome(slot).expect("welcome");
+            c.handle_control(&frame).expect("welcomed");
+        }
+        started.elapsed() / N
+    };
+    let plain = timed(false);
+    let proven = timed(true);
+    let plain_again = timed(false);
+    let plain = plain.min(plain_again);
+    eprintln!(
+        "one attach: {plain:?} without a proof, {proven:?} with (x{:.1}); {N} attaches each",
+        proven.as_secs_f64() / plain.as_secs_f64()
+    );
+}
