@@ -986,3 +986,92 @@ proptest! {
         let _ = server.handle_stream_end();
     }
 }
+
+/// A self-signed certificate for `node` and its signing key.
+fn certified(
+    node: &str,
+) -> (
+    rustls::pki_types::CertificateDer<'static>,
+    std::sync::Arc<dyn proof::SigningKey>,
+) {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = rcgen::CertificateParams::new(vec![node.to_string()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("certificate");
+    let der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("der");
+    (
+        cert.der().clone(),
+        proof::signing_key(&der).expect("signer"),
+    )
+}
+
+#[test]
+fn the_client_answers_a_relays_challenges_before_and_after_the_welcome() {
+    let t0 = Instant::now();
+    let (cert, key) = certified("web-1");
+    let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0).with_key(key);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
+    for nonce in [1u8, 2] {
+        let challenge = wire::Challenge {
+            nonce: [nonce; wire::NONCE_LEN],
+            primary: "r1".into(),
+        };
+        let frame = server.challenge_frame(&challenge).expect("frames");
+        assert_eq!(client.handle_stream(t0, &frame).expect("answered"), None);
+        let proofs = server
+            .handle_proofs(&client.take_stream_out())
+            .expect("proofs");
+        let [proof] = &proofs[..] else {
+            panic!("one proof: {proofs:?}");
+        };
+        assert_eq!(
+            proof::verify(&cert, &challenge, &hello("web-1"), proof),
+            Ok(())
+        );
+        assert!(client.take_stream_out().is_empty());
+        if nonce == 1 {
+            // Then the welcome; the next challenge (a move to another primary) comes
+            // after it.
+            let welcome = framed(&Message::Welcome(Welcome { interval_ms: 1000 }));
+            assert!(matches!(
+                client.handle_stream(t0, &welcome),
+                Ok(Some(ClientEvent::Welcomed { .. }))
+            ));
+        }
+    }
+    assert!(client.is_established());
+    // After the welcome, anything but a challenge breaks the protocol.
+    let reply = framed(&Message::Welcome(Welcome { interval_ms: 1000 }));
+    assert!(matches!(
+        client.handle_stream(t0, &reply),
+        Err(ClientError::Protocol(ProtocolError::Unexpected { .. }))
+    ));
+    // And on the server's side, anything but a proof.
+    assert!(server.handle_proofs(&reply).is_err());
+}
+
+#[test]
+fn a_client_without_its_key_cannot_answer_and_the_previous_protocol_has_no_challenge() {
+    let t0 = Instant::now();
+    let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0);
+    let challenge = wire::Challenge {
+        nonce: [1; wire::NONCE_LEN],
+        primary: "r1".into(),
+    };
+    let frame = framed(&Message::Challenge(challenge.clone()));
+    assert!(matches!(
+        client.handle_stream(t0, &frame),
+        Err(ClientError::Proof(proof::ProofError::UnsupportedKey))
+    ));
+    assert!(client.is_closed());
+    let old = ServerSession::new(
+        peer("web-1"),
+        ServerConfig {
+            protocol: crate::protocol::Protocol::V1,
+            ..ServerConfig::new(1000)
+        },
+        t0,
+    );
+    assert!(old.challenge_frame(&challenge).is_err());
+}
