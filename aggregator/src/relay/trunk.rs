@@ -364,6 +364,9 @@ enum Ended {
     Failed(String),
 }
 
+/// An agent's answer to the challenge of its slot's attach.
+type Proved = (Slot, Option<Proof>);
+
 /// An attach in flight: where its slot's replies will go, where its outcome goes, and
 /// how to ask its agent for a proof.
 type Pending = (
@@ -385,8 +388,8 @@ struct Session<'a> {
     next_slot: Slot,
     /// The agents' answers to the primary's challenges, as they come.
     proved: (
-        mpsc::UnboundedSender<(Slot, Option<Proof>)>,
-        mpsc::UnboundedReceiver<(Slot, Option<Proof>)>,
+        mpsc::UnboundedSender<Proved>,
+        mpsc::UnboundedReceiver<Proved>,
     ),
 }
 

@@ -17,8 +17,10 @@ const WAIT: Duration = Duration::from_secs(5);
 
 /// The keys of the certificates the tests issued, by their leaf (DER): the agents'
 /// proofs are made with them.
-static KEYS: std::sync::Mutex<Vec<(Vec<u8>, Arc<dyn ballast_shared::session::proof::SigningKey>)>> =
-    std::sync::Mutex::new(Vec::new());
+static KEYS: std::sync::Mutex<Vec<(Vec<u8>, Key)>> = std::sync::Mutex::new(Vec::new());
+
+/// A certificate's signing key.
+type Key = Arc<dyn ballast_shared::session::proof::SigningKey>;
 
 /// The chain of `pem`, leaf first (DER), its key kept for the agent's proofs.
 fn chain_from(pem: &ballast_shared::pki::Pem) -> Vec<Vec<u8>> {
@@ -32,7 +34,7 @@ fn chain_from(pem: &ballast_shared::pki::Pem) -> Vec<Vec<u8>> {
 }
 
 /// The key of the certificate whose leaf is `leaf`.
-fn key_of(leaf: &[u8]) -> Option<Arc<dyn ballast_shared::session::proof::SigningKey>> {
+fn key_of(leaf: &[u8]) -> Option<Key> {
     let keys = KEYS.lock().expect("keys");
     keys.iter().find(|(l, _)| l == leaf).map(|(_, k)| k.clone())
 }
@@ -271,7 +273,7 @@ impl Relay {
         &mut self,
         hello: &[u8],
         chain: Vec<Vec<u8>>,
-        key: Option<Arc<dyn ballast_shared::session::proof::SigningKey>>,
+        key: Option<Key>,
     ) -> TrunkClientEvent {
         let (_, frame) = self
             .client

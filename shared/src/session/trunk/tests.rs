@@ -723,7 +723,7 @@ fn cost_of_a_proof_per_attach() {
     let t0 = Instant::now();
     let id = identity("web-1");
     let hello_bytes = hello_frame("web-1");
-    let mut timed = |challenge: bool| -> Duration {
+    let timed = |challenge: bool| -> Duration {
         let server = TrunkServerConfig {
             challenge,
             admit_unproven: !challenge,
