@@ -210,6 +210,14 @@ impl Default for Policy {
     }
 }
 
+/// `texts` as networks, or why one is not.
+fn networks(texts: &[String]) -> Result<Vec<Cidr>, String> {
+    texts
+        .iter()
+        .map(|n| n.parse::<Cidr>().map_err(|e| e.to_string()))
+        .collect()
+}
+
 /// The first of `patterns` that is not a name glob, as the reason it is refused.
 fn bad_glob(patterns: &[String]) -> Option<String> {
     patterns.iter().find(|p| !is_name_glob(p)).map(|bad| {
@@ -294,12 +302,7 @@ impl Policy {
                     return Err(invalid(field, reason));
                 }
             }
-            let networks = r
-                .networks
-                .iter()
-                .map(|n| n.parse::<Cidr>())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| invalid("networks", e.to_string()))?;
+            let networks = networks(&r.networks).map_err(|e| invalid("networks", e))?;
             relay_rules.push(RelayRule {
                 names: r.names,
                 services: r.services,
@@ -332,12 +335,7 @@ impl Policy {
                     return Err(invalid(field, reason));
                 }
             }
-            let networks = r
-                .networks
-                .iter()
-                .map(|n| n.parse::<Cidr>())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| invalid("networks", e.to_string()))?;
+            let networks = networks(&r.networks).map_err(|e| invalid("networks", e))?;
             if r.services.is_empty() && networks.is_empty() && r.hostnames.is_empty() {
                 return Err(invalid(
                     "services",

@@ -150,6 +150,22 @@ pub fn verify(
     }
 }
 
+/// A self-signed certificate naming `node`, with a key of `alg`, and its signing key:
+/// for the tests of the machines that carry proofs.
+#[cfg(test)]
+pub(crate) fn test_identity(
+    node: &str,
+    alg: &'static rcgen::SignatureAlgorithm,
+) -> (CertificateDer<'static>, std::sync::Arc<dyn SigningKey>) {
+    let key = rcgen::KeyPair::generate_for(alg).expect("key");
+    let cert = rcgen::CertificateParams::new(vec![node.to_string()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("certificate");
+    let der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("der");
+    (cert.der().clone(), signing_key(&der).expect("signer"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,16 +188,10 @@ mod tests {
         }
     }
 
-    /// A certificate and its signing key, from `alg`.
     fn identity(
         alg: &'static rcgen::SignatureAlgorithm,
     ) -> (CertificateDer<'static>, std::sync::Arc<dyn SigningKey>) {
-        let key = rcgen::KeyPair::generate_for(alg).expect("key");
-        let params = rcgen::CertificateParams::new(vec!["web-1".to_string()]).expect("params");
-        let cert = params.self_signed(&key).expect("certificate");
-        let der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("der");
-        let signer = rustls::crypto::ring::sign::any_supported_type(&der).expect("signer");
-        (cert.der().clone(), signer)
+        test_identity("web-1", alg)
     }
 
     #[test]

@@ -987,29 +987,10 @@ proptest! {
     }
 }
 
-/// A self-signed certificate for `node` and its signing key.
-fn certified(
-    node: &str,
-) -> (
-    rustls::pki_types::CertificateDer<'static>,
-    std::sync::Arc<dyn proof::SigningKey>,
-) {
-    let key = rcgen::KeyPair::generate().expect("key");
-    let cert = rcgen::CertificateParams::new(vec![node.to_string()])
-        .expect("params")
-        .self_signed(&key)
-        .expect("certificate");
-    let der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("der");
-    (
-        cert.der().clone(),
-        proof::signing_key(&der).expect("signer"),
-    )
-}
-
 #[test]
 fn the_client_answers_a_relays_challenges_before_and_after_the_welcome() {
     let t0 = Instant::now();
-    let (cert, key) = certified("web-1");
+    let (cert, key) = proof::test_identity("web-1", &rcgen::PKCS_ECDSA_P256_SHA256);
     let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0).with_key(key);
     let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
     for nonce in [1u8, 2] {

@@ -781,45 +781,46 @@ async fn a_trunk_of_the_previous_version_admits_agents_only_when_the_policy_says
     }
 }
 
+/// What a primary whose policy has the `[[relay]]` table `table` answers relay-1's
+/// attach of n1 (from 127.0.0.1, for service web); and how many it counted as
+/// `relay_scope`.
+async fn scoped_attach(table: &str) -> (TrunkClientEvent, u64) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let mut cfg = crate::config::Config::default();
+    cfg.authorization.policy = Some(policy(dir.path(), table));
+    let primary = Primary::start_with(cfg, 1000).await;
+    let mut relay = Relay::open(&primary).await;
+    let event = relay
+        .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
+        .await;
+    let counted = primary.rejected("relay_scope");
+    primary.endpoint.close(0u32.into(), b"done");
+    (event, counted)
+}
+
 #[tokio::test]
 async fn a_relay_table_bounds_the_networks_and_services_of_its_agents() {
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let mut cfg = crate::config::Config::default();
-    cfg.authorization.policy = Some(policy(
-        dir.path(),
-        "[[relay]]\nnames = [\"relay-1\"]\nnetworks = [\"10.0.0.0/8\"]\n",
-    ));
-    let primary = Primary::start_with(cfg, 1000).await;
-    let mut relay = Relay::open(&primary).await;
-    match relay
-        .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
-        .await
-    {
-        TrunkClientEvent::Rejected { reject, .. } => {
-            assert_eq!(reject.reason, RejectReason::AddressNotAllowed, "{reject:?}")
+    let cases = [
+        (
+            "[[relay]]\nnames = [\"relay-1\"]\nnetworks = [\"10.0.0.0/8\"]\n",
+            Some(RejectReason::AddressNotAllowed),
+        ),
+        (
+            "[[relay]]\nnames = [\"relay-1\"]\nservices = [\"api\"]\nnetworks = [\"127.0.0.0/8\"]\n",
+            Some(RejectReason::ServiceNotAllowed),
+        ),
+        (
+            "[[relay]]\nnames = [\"relay-1\"]\nservices = [\"web\"]\nnetworks = [\"127.0.0.0/8\"]\n",
+            None,
+        ),
+    ];
+    for (table, refused) in cases {
+        match (scoped_attach(table).await, refused) {
+            ((TrunkClientEvent::Rejected { reject, .. }, 1), Some(reason)) => {
+                assert_eq!(reject.reason, reason, "{table}: {reject:?}")
+            }
+            ((TrunkClientEvent::Attached { .. }, 0), None) => {}
+            (other, _) => panic!("{table}: {other:?}"),
         }
-        other => panic!("an agent from outside the relay's networks: {other:?}"),
     }
-    assert_eq!(primary.rejected("relay_scope"), 1);
-    primary.endpoint.close(0u32.into(), b"done");
-
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let mut cfg = crate::config::Config::default();
-    cfg.authorization.policy = Some(policy(
-        dir.path(),
-        "[[relay]]\nnames = [\"relay-1\"]\nservices = [\"api\"]\nnetworks = [\"127.0.0.0/8\"]\n",
-    ));
-    let primary = Primary::start_with(cfg, 1000).await;
-    let mut relay = Relay::open(&primary).await;
-    match relay
-        .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
-        .await
-    {
-        TrunkClientEvent::Rejected { reject, .. } => {
-            assert_eq!(reject.reason, RejectReason::ServiceNotAllowed, "{reject:?}")
-        }
-        other => panic!("an agent of a service the relay may not carry: {other:?}"),
-    }
-    assert_eq!(primary.rejected("relay_scope"), 1);
-    primary.endpoint.close(0u32.into(), b"done");
 }

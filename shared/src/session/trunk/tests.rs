@@ -29,15 +29,10 @@ struct Identity {
 }
 
 fn identity(node: &str) -> Identity {
-    let key = rcgen::KeyPair::generate().expect("key");
-    let cert = rcgen::CertificateParams::new(vec![node.to_string()])
-        .expect("params")
-        .self_signed(&key)
-        .expect("certificate");
-    let der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).expect("der");
+    let (cert, key) = proof::test_identity(node, &rcgen::PKCS_ECDSA_P256_SHA256);
     Identity {
-        chain: vec![cert.der().to_vec()],
-        key: rustls::crypto::ring::sign::any_supported_type(&der).expect("signer"),
+        chain: vec![cert.to_vec()],
+        key,
     }
 }
 
