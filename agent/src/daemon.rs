@@ -271,11 +271,22 @@ impl Agent {
                 shared.metrics.tls_reloads.counter(),
             )));
         }
+        // Made in memory, the certificate's key is the configured file's if there is
+        // one: a relay's primary asks for proofs made with it.
+        let key = match &live {
+            Some(_) => None,
+            None => shared
+                .config
+                .tls
+                .identity()
+                .ok()
+                .and_then(|id| ballast_shared::session::proof::signing_key(&id.key).ok()),
+        };
         // Last: `stop` waits for the report loop to say goodbye.
         tasks.push(tokio::spawn(crate::report::run(
             shared.clone(),
             sampler,
-            crate::report::Tls { client, live },
+            crate::report::Tls { client, live, key },
             rx,
         )));
         Ok(Agent {

@@ -97,6 +97,39 @@ pub(crate) struct Tls {
     pub(crate) client: quinn::ClientConfig,
     /// The watched files; none for a configuration made in memory.
     pub(crate) live: Option<Arc<LiveTls>>,
+    /// The certificate's key when no files are watched, if known: proofs to a
+    /// relay's primary are signed with it.
+    pub(crate) key: Option<Arc<dyn ballast_shared::session::proof::SigningKey>>,
+}
+
+impl Tls {
+    /// The key of the certificate in force, to prove it through a relay.
+    fn signing_key(&self) -> Option<Arc<dyn ballast_shared::session::proof::SigningKey>> {
+        match &self.live {
+            Some(live) => Some(live.signing_key()),
+            None => self.key.clone(),
+        }
+    }
+}
+
+/// The session's stream, open both ways while the connection lasts: a relay sends its
+/// primaries' challenges on it, and the agent its proofs.
+struct HelloStream {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    /// Whether the aggregator's side is still open.
+    reading: bool,
+}
+
+impl HelloStream {
+    /// Writes what the session has for the stream (proofs).
+    async fn flush(&mut self, s: &mut ClientSession) -> Result<(), SessionError> {
+        let out = s.take_stream_out();
+        if !out.is_empty() {
+            self.send.write_all(&out).await?;
+        }
+        Ok(())
+    }
 }
 
 /// Runs until `shutdown` turns true.
@@ -174,7 +207,8 @@ async fn open(
     addr: SocketAddr,
     server_name: &str,
     hello: ballast_shared::wire::Hello,
-) -> Result<(quinn::Connection, ClientSession, Duration), SessionError> {
+    tls: &Tls,
+) -> Result<(quinn::Connection, ClientSession, Duration, HelloStream), SessionError> {
     let conn = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect(addr, server_name)?)
         .await
         .map_err(|_| SessionError::Timeout)??;
@@ -185,11 +219,22 @@ async fn open(
         ..ClientConfig::default()
     };
     let mut s = ClientSession::new(hello, config, now());
-    let (mut send, mut recv) = conn.open_bi().await?;
+    if let Some(key) = tls.signing_key() {
+        s = s.with_key(key);
+    }
+    let (mut send, recv) = conn.open_bi().await?;
     send.write_all(&s.hello_frame()?).await?;
-    let _ = send.finish();
-    let interval = welcome(&mut s, &mut recv).await?;
-    Ok((conn, s, interval))
+    if config.protocol != Protocol::CURRENT {
+        // The previous protocol has nothing more to say on the stream.
+        let _ = send.finish();
+    }
+    let mut stream = HelloStream {
+        send,
+        recv,
+        reading: true,
+    };
+    let interval = welcome(&mut s, &mut stream).await?;
+    Ok((conn, s, interval, stream))
 }
 
 /// When the certificate `live` has in force expires, in milliseconds since the Unix
@@ -238,8 +283,9 @@ async fn session(
         None => (watch::channel(0).1, false),
     };
     renewed.borrow_and_update();
-    let (mut conn, mut s, interval) =
-        open(&endpoint, addr, &server_name, shared.config.hello()).await?;
+    let (mut conn, mut s, interval, mut stream) =
+        open(&endpoint, addr, &server_name, shared.config.hello(), tls).await?;
+    let mut buf = [0u8; 512];
     let protocol = Protocol::negotiated(&conn).unwrap_or(Protocol::CURRENT);
     tracing::info!(aggregator = %target, interval_ms = interval.as_millis(), %protocol, "connected");
     shared.update(|st| {
@@ -275,6 +321,16 @@ async fn session(
                     return Ok(true);
                 }
                 Err(e) => return Err(e.into()),
+            },
+            read = stream.recv.read(&mut buf), if stream.reading => match read {
+                // A relay moving the agent to another primary: a challenge to answer.
+                Ok(Some(n)) => {
+                    s.handle_stream(now(), buf.get(..n).unwrap_or_default())?;
+                    stream.flush(&mut s).await?;
+                }
+                // Finished (the aggregator has nothing more to say), or gone with the
+                // connection, which the datagrams' end tells.
+                Ok(None) | Err(_) => stream.reading = false,
             },
             datagram = conn.read_datagram() => {
                 let bytes = match datagram {
@@ -320,7 +376,7 @@ async fn session(
                 }
                 tracing::info!(aggregator = %target,
                     "certificate renewed: opening a connection with it");
-                moving = Some(Box::pin(open(&endpoint, addr, &server_name, shared.config.hello())));
+                moving = Some(Box::pin(open(&endpoint, addr, &server_name, shared.config.hello(), tls)));
             }
             moved = async {
                 match moving.as_mut() {
@@ -330,10 +386,11 @@ async fn session(
             }, if moving.is_some() => {
                 moving = None;
                 match moved {
-                    Ok((new_conn, mut new_s, _)) => {
+                    Ok((new_conn, mut new_s, _, new_stream)) => {
                         new_s.take_over(&s);
                         s.close();
                         s = new_s;
+                        stream = new_stream;
                         let old = std::mem::replace(&mut conn, new_conn);
                         old.close(session::close::NORMAL.into(), b"certificate renewed");
                         tracing::info!(aggregator = %target,
@@ -369,12 +426,12 @@ async fn session(
 /// node (the report interval), refuses it, breaks the protocol or runs out of time.
 async fn welcome(
     s: &mut ClientSession,
-    recv: &mut quinn::RecvStream,
+    stream: &mut HelloStream,
 ) -> Result<Duration, SessionError> {
     let mut buf = [0u8; 512];
     loop {
         let read = tokio::select! {
-            r = recv.read(&mut buf) => r?,
+            r = stream.recv.read(&mut buf) => r?,
             _ = until(s.poll_timeout()) => {
                 s.handle_timeout(now())?;
                 continue;
@@ -387,6 +444,8 @@ async fn welcome(
                 None
             }
         };
+        // A relay's challenge comes before its welcome: the proof goes out now.
+        stream.flush(s).await?;
         if let Some(ClientEvent::Welcomed { interval }) = event {
             return Ok(interval);
         }

@@ -110,6 +110,9 @@ pub struct Metrics {
     /// Slots the primary detached, or lost with their trunk, by reason (`moved`,
     /// `revoked`, `expired`, `no_reports`, `protocol`, `relay_gone`).
     pub trunk_detached: Family<Reason, Counter>,
+    /// Agents admitted through a relay without a proof of their key
+    /// (`admit_unproven_relayed_agents`, during an upgrade).
+    pub trunk_unproven: Counter,
     /// Batches of reports received on trunks.
     pub trunk_batches: Counter,
     /// Reports received in trunks' batches: divided by `trunk_batches`, the entries per
@@ -237,6 +240,7 @@ impl Metrics {
             trunks_open: Gauge::default(),
             trunk_slots: Gauge::default(),
             trunk_detached: Family::default(),
+            trunk_unproven: Counter::default(),
             trunk_batches: Counter::default(),
             trunk_reports: Counter::default(),
             crl_reloads: Family::default(),
@@ -329,6 +333,11 @@ impl Metrics {
             "trunk_detached",
             "Agents behind relays detached by this aggregator or lost with their trunk, by reason",
             m.trunk_detached.clone(),
+        );
+        registry.register(
+            "trunk_unproven_admitted",
+            "Agents admitted through a relay without a proof of their key (admit_unproven_relayed_agents)",
+            m.trunk_unproven.clone(),
         );
         registry.register(
             "trunk_batches",

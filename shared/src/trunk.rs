@@ -22,7 +22,10 @@ use std::net::IpAddr;
 
 /// The ALPN protocol name of the current trunk protocol. Agents keep
 /// [`crate::ALPN`].
-pub const RELAY_ALPN: &[u8] = b"ballast-relay/1";
+pub const RELAY_ALPN: &[u8] = b"ballast-relay/2";
+
+/// The ALPN protocol name of the previous trunk protocol, without proofs.
+pub const RELAY_ALPN_V1: &[u8] = b"ballast-relay/1";
 
 /// A version of the trunk protocol, chosen by ALPN as the agents' is
 /// ([`crate::protocol`]): a relay offers every version it speaks, current first, and a
@@ -32,27 +35,31 @@ pub const RELAY_ALPN: &[u8] = b"ballast-relay/1";
 /// without guessing. A relay translates its agents' messages into that version at its
 /// edge, whatever its agents speak.
 ///
-/// There is one version so far. The next change to the trunk, or to the agent
-/// protocol its entries carry, adds a version here (`ballast-relay/2`), keeps this one
-/// for a release, and needs nothing else: the negotiation picks the newest both ends
-/// speak, and a relay and a primary that share none fail the handshake with
-/// `no_application_protocol`, counted at the primary.
+/// The next change to the trunk, or to the agent protocol its entries carry, adds a
+/// version here, keeps the previous one for a release, and needs nothing else: the
+/// negotiation picks the newest both ends speak, and a relay and a primary that share
+/// none fail the handshake with `no_application_protocol`, counted at the primary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TrunkProtocol {
-    /// `ballast-relay/1`: [`TRUNK_VERSION`] 1, entries in `ballast/2`.
+    /// `ballast-relay/1`: [`TRUNK_VERSION`] 1, entries in `ballast/2`; no proofs of
+    /// possession, so its agents are unproven.
     V1,
+    /// `ballast-relay/2`: the frames and batches of `ballast-relay/1`, and the
+    /// primary challenges each attach ([`ToRelay::Challenge`], [`ToPrimary::Proof`]).
+    V2,
 }
 
 impl TrunkProtocol {
     /// The version this build speaks natively.
-    pub const CURRENT: TrunkProtocol = TrunkProtocol::V1;
+    pub const CURRENT: TrunkProtocol = TrunkProtocol::V2;
     /// Every version this build speaks, current first.
-    pub const ALL: [TrunkProtocol; 1] = [TrunkProtocol::V1];
+    pub const ALL: [TrunkProtocol; 2] = [TrunkProtocol::V2, TrunkProtocol::V1];
 
     /// Its ALPN protocol name.
     pub fn alpn(self) -> &'static [u8] {
         match self {
-            TrunkProtocol::V1 => RELAY_ALPN,
+            TrunkProtocol::V1 => RELAY_ALPN_V1,
+            TrunkProtocol::V2 => RELAY_ALPN,
         }
     }
 
@@ -60,6 +67,7 @@ impl TrunkProtocol {
     pub fn name(self) -> &'static str {
         match self {
             TrunkProtocol::V1 => "ballast-relay/1",
+            TrunkProtocol::V2 => "ballast-relay/2",
         }
     }
 
@@ -67,7 +75,15 @@ impl TrunkProtocol {
     /// its control frames are in.
     pub fn entries(self) -> crate::protocol::Protocol {
         match self {
-            TrunkProtocol::V1 => crate::protocol::Protocol::V2,
+            TrunkProtocol::V1 | TrunkProtocol::V2 => crate::protocol::Protocol::V2,
+        }
+    }
+
+    /// Whether the primary challenges each attach for a proof of possession.
+    pub fn proves(self) -> bool {
+        match self {
+            TrunkProtocol::V1 => false,
+            TrunkProtocol::V2 => true,
         }
     }
 
@@ -79,6 +95,25 @@ impl TrunkProtocol {
     /// The version `conn` negotiated, if it is a trunk this build speaks.
     pub fn negotiated(conn: &quinn::Connection) -> Option<TrunkProtocol> {
         crate::protocol::negotiated_alpn(conn).and_then(|a| TrunkProtocol::from_alpn(&a))
+    }
+
+    /// The trunk versions of the agent protocol versions `protocols`: a process that
+    /// speaks only the previous agent protocol (`BALLAST_PROTOCOL=previous`, standing
+    /// for the previous release) speaks only the previous trunk protocol too.
+    pub fn of(protocols: &[crate::protocol::Protocol]) -> Vec<TrunkProtocol> {
+        protocols
+            .iter()
+            .map(|p| match p {
+                crate::protocol::Protocol::V1 => TrunkProtocol::V1,
+                crate::protocol::Protocol::V2 => TrunkProtocol::V2,
+            })
+            .collect()
+    }
+
+    /// The trunk versions this process speaks, from the environment
+    /// ([`crate::protocol::ENV`]).
+    pub fn from_env() -> Result<Vec<TrunkProtocol>, crate::protocol::UnknownChoice> {
+        Ok(Self::of(&crate::protocol::from_env()?))
     }
 
     /// The names of every version, for an error that lists what was offered.
@@ -106,6 +141,9 @@ pub const MAX_BATCH: usize = 16 * 1024;
 /// The largest entry of a batch: its length is one byte.
 pub const MAX_ENTRY: usize = u8::MAX as usize;
 
+/// The longest signature a proof may carry (an Ed25519 or ECDSA one is far shorter).
+pub const MAX_SIGNATURE: usize = 512;
+
 /// The longest name (relay, replica) and the longest reason text a frame carries.
 pub const MAX_TEXT: usize = 256;
 
@@ -132,6 +170,14 @@ pub enum ToPrimary {
     Detach {
         /// Its slot.
         slot: Slot,
+    },
+    /// The answer to [`ToRelay::Challenge`] (`ballast-relay/2` only): the agent's
+    /// proof, or `None` when it cannot make one (it speaks `ballast/1`).
+    Proof {
+        /// Its slot.
+        slot: Slot,
+        /// The agent's proof, as it sent it.
+        proof: Option<crate::wire::Proof>,
     },
 }
 
@@ -184,6 +230,15 @@ pub enum ToRelay {
         code: u32,
         /// Why, for people.
         reason: String,
+    },
+    /// Before it admits the agent of `slot`, the primary asks it to prove that it
+    /// holds its certificate's key (`ballast-relay/2` only); the relay hands the
+    /// challenge to the agent and its answer back ([`ToPrimary::Proof`]).
+    Challenge {
+        /// Its slot.
+        slot: Slot,
+        /// The challenge.
+        challenge: crate::wire::Challenge,
     },
 }
 
@@ -300,6 +355,11 @@ impl ControlMessage for ToPrimary {
             }
             ToPrimary::Attach(a) => a.check(),
             ToPrimary::Detach { .. } => Ok(()),
+            ToPrimary::Proof { proof, .. } => within(
+                "proof",
+                proof.as_ref().map_or(0, |p| p.signature.len()),
+                MAX_SIGNATURE,
+            ),
         }
     }
 }
@@ -333,6 +393,9 @@ impl ControlMessage for ToRelay {
                 within("welcome", welcome.len(), MAX_FRAMED_MESSAGE)
             }
             ToRelay::Detached { reason, .. } => within("reason", reason.len(), MAX_TEXT),
+            ToRelay::Challenge { challenge, .. } => {
+                within("primary name", challenge.primary.len(), MAX_TEXT)
+            }
         }
     }
 }

@@ -39,6 +39,35 @@ pub enum Message {
     Report(Report),
     /// Aggregator to agent, in answer to each report.
     Reply(Reply),
+    /// Relay to agent, on the hello stream: prove that you hold your certificate's key
+    /// to the primary named here ([`crate::session::proof`]). Before the welcome when
+    /// the agent first attaches, at any time after it when the relay moves it to
+    /// another primary. Only in `ballast/2`; a direct aggregator never sends it.
+    Challenge(Challenge),
+    /// Agent to relay, on the hello stream: the answer to a [`Message::Challenge`].
+    Proof(Proof),
+}
+
+/// The length of a challenge's nonce, in bytes.
+pub const NONCE_LEN: usize = 32;
+
+/// A primary's challenge to a relayed agent, handed on by its relay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Challenge {
+    /// Fresh random bytes, one challenge per attach.
+    pub nonce: [u8; NONCE_LEN],
+    /// The name of the primary that asks: the proof is good for it alone.
+    pub primary: String,
+}
+
+/// An agent's answer to a [`Challenge`]: a signature with its certificate's key over
+/// the challenge and its own hello ([`crate::session::proof`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Proof {
+    /// The TLS 1.3 signature scheme of the signature (its IANA number).
+    pub scheme: u16,
+    /// The signature.
+    pub signature: Vec<u8>,
 }
 
 /// Registration: who the node is and where its service listens.
@@ -205,6 +234,9 @@ pub enum EncodeError {
     /// bincode refused the value.
     #[error("encoding failed: {0}")]
     Bincode(String),
+    /// The message does not exist in the version asked for.
+    #[error("{0} does not exist in {1}")]
+    NotInVersion(&'static str, &'static str),
 }
 
 fn config() -> impl bincode::config::Config {
@@ -380,6 +412,14 @@ mod tests {
                 draining: false,
                 load: 0.62,
                 inflight_trusted: true,
+            }),
+            Message::Challenge(Challenge {
+                nonce: [7; NONCE_LEN],
+                primary: "r1".into(),
+            }),
+            Message::Proof(Proof {
+                scheme: 0x0403,
+                signature: vec![1; 72],
             }),
         ];
         for m in msgs {

@@ -35,7 +35,8 @@ fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
         pki,
         xds_aggregator_opts()
             .etcd(&etcd.endpoint(), PREFIX)
-            .cluster(CLUSTER, name),
+            .cluster(CLUSTER, name)
+            .relays(&["relay-*"]),
     )
 }
 

@@ -87,7 +87,11 @@ impl Ingest {
 /// the current), and relays' trunks in every version of theirs.
 pub(crate) fn aggregator_alpns() -> Result<Vec<&'static [u8]>, IngestError> {
     let mut alpns = agent_alpns()?;
-    alpns.extend(TrunkProtocol::ALL.map(TrunkProtocol::alpn));
+    alpns.extend(
+        TrunkProtocol::from_env()?
+            .into_iter()
+            .map(TrunkProtocol::alpn),
+    );
     Ok(alpns)
 }
 

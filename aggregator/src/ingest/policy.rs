@@ -11,10 +11,20 @@
 //! # rules below grant services.
 //! certificate_services = true
 //!
-//! # The relays whose trunks are accepted, by their certificate's identity (globs).
-//! # Without this key, any certificate from the client CA that has the relay role
-//! # (`ballast://role/relay`, from `certs relay`) may relay.
+//! # The relays whose trunks are accepted, by their certificate's identity (globs);
+//! # each must also have the relay role (`ballast://role/relay`, from `certs relay`).
+//! # Without this key (or a [[relay]] table naming it) no relay is accepted.
 //! relays = ["relay-*"]
+//!
+//! # Whether agents that cannot prove they hold their certificate's key through a
+//! # relay (behind a relay of the previous release, or speaking ballast/1) are
+//! # admitted: only while such a relay or agent is being upgraded. Default false.
+//! admit_unproven_relayed_agents = false
+//!
+//! [[relay]]
+//! names = ["relay-eu-*"]            # relays this table applies to (and accepts)
+//! services = ["web", "api-*"]       # the services their agents may serve (globs)
+//! networks = ["10.1.0.0/16"]        # the source addresses their agents may have
 //!
 //! [[rule]]
 //! nodes = ["batch-*"]               # glob patterns on the certificate's node identity
@@ -88,7 +98,63 @@ struct PolicyFile {
     certificate_services: bool,
     relays: Option<Vec<String>>,
     #[serde(default)]
+    admit_unproven_relayed_agents: bool,
+    #[serde(default)]
+    relay: Vec<RelayFile>,
+    #[serde(default)]
     rule: Vec<RuleFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RelayFile {
+    names: Vec<String>,
+    #[serde(default)]
+    services: Vec<String>,
+    #[serde(default)]
+    networks: Vec<String>,
+}
+
+/// What the agents behind the relays a `[[relay]]` table names may be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RelayRule {
+    names: Vec<String>,
+    /// Service globs; empty: any.
+    services: Vec<String>,
+    /// Source networks; empty: any.
+    networks: Vec<Cidr>,
+}
+
+/// What the agents behind one relay may be: every `[[relay]]` table that names it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RelayScope {
+    /// Service globs, or `None`: any service.
+    services: Option<Vec<String>>,
+    /// Source networks, or `None`: any source.
+    networks: Option<Vec<Cidr>>,
+}
+
+impl RelayScope {
+    /// Whether an agent at `source` may be carried: `Err` with the reason if not.
+    pub(crate) fn source_allowed(&self, source: std::net::IpAddr) -> Result<(), String> {
+        match &self.networks {
+            Some(nets) if !nets.iter().any(|n| n.contains(source)) => Err(format!(
+                "the relay may not carry agents from {source} (the policy's [[relay]] networks)"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether an agent of `service` may be carried: `Err` with the reason if not.
+    pub(crate) fn service_allowed(&self, service: &str) -> Result<(), String> {
+        use ballast_shared::session::authz::glob_match;
+        match &self.services {
+            Some(globs) if !globs.iter().any(|g| glob_match(g, service)) => Err(format!(
+                "the relay may not carry service {service:?} (the policy's [[relay]] services)"
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -122,8 +188,12 @@ struct Rule {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Policy {
     certificate_services: bool,
-    /// Identity patterns of the relays allowed; `None`: every relay-role certificate.
+    /// Identity patterns of the relays allowed; `None`: none.
     relays: Option<Vec<String>>,
+    /// Whether agents that cannot prove their key through a relay are admitted.
+    admit_unproven_relayed_agents: bool,
+    /// What each relay's agents may be.
+    relay_rules: Vec<RelayRule>,
     rules: Vec<Rule>,
 }
 
@@ -133,9 +203,19 @@ impl Default for Policy {
         Policy {
             certificate_services: true,
             relays: None,
+            admit_unproven_relayed_agents: false,
+            relay_rules: Vec::new(),
             rules: Vec::new(),
         }
     }
+}
+
+/// `texts` as networks, or why one is not.
+fn networks(texts: &[String]) -> Result<Vec<Cidr>, String> {
+    texts
+        .iter()
+        .map(|n| n.parse::<Cidr>().map_err(|e| e.to_string()))
+        .collect()
 }
 
 /// The first of `patterns` that is not a name glob, as the reason it is refused.
@@ -204,6 +284,31 @@ impl Policy {
                 reason,
             });
         }
+        let mut relay_rules = Vec::with_capacity(file.relay.len());
+        for (i, r) in file.relay.into_iter().enumerate() {
+            let invalid = |field: &'static str, reason: String| PolicyError::InvalidKey {
+                path: origin.to_string(),
+                field,
+                reason: format!("[[relay]] {}: {reason}", i + 1),
+            };
+            if r.names.is_empty() {
+                return Err(invalid(
+                    "names",
+                    "must name at least one relay pattern".into(),
+                ));
+            }
+            for (field, patterns) in [("names", &r.names), ("services", &r.services)] {
+                if let Some(reason) = bad_glob(patterns) {
+                    return Err(invalid(field, reason));
+                }
+            }
+            let networks = networks(&r.networks).map_err(|e| invalid("networks", e))?;
+            relay_rules.push(RelayRule {
+                names: r.names,
+                services: r.services,
+                networks,
+            });
+        }
         let mut rules = Vec::with_capacity(file.rule.len());
         for (i, r) in file.rule.into_iter().enumerate() {
             let invalid = |field: &'static str, reason: String| PolicyError::Invalid {
@@ -230,12 +335,7 @@ impl Policy {
                     return Err(invalid(field, reason));
                 }
             }
-            let networks = r
-                .networks
-                .iter()
-                .map(|n| n.parse::<Cidr>())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| invalid("networks", e.to_string()))?;
+            let networks = networks(&r.networks).map_err(|e| invalid("networks", e))?;
             if r.services.is_empty() && networks.is_empty() && r.hostnames.is_empty() {
                 return Err(invalid(
                     "services",
@@ -255,6 +355,8 @@ impl Policy {
         Ok(Policy {
             certificate_services: file.certificate_services,
             relays: file.relays,
+            admit_unproven_relayed_agents: file.admit_unproven_relayed_agents,
+            relay_rules,
             rules,
         })
     }
@@ -289,13 +391,63 @@ impl Policy {
     }
 
     /// Whether a relay whose certificate names `identity` (and the relay role, which
-    /// the caller checks) may open a trunk: any, unless `relays` lists patterns.
+    /// the caller checks) may open a trunk: only if `relays` or a `[[relay]]` table
+    /// names it.
     pub(crate) fn relay_allowed(&self, identity: &str) -> bool {
-        self.relays.as_ref().is_none_or(|patterns| {
-            patterns
+        use ballast_shared::session::authz::glob_match;
+        let listed = self
+            .relays
+            .iter()
+            .flatten()
+            .any(|p| glob_match(p, identity));
+        listed
+            || self
+                .relay_rules
                 .iter()
-                .any(|p| ballast_shared::session::authz::glob_match(p, identity))
-        })
+                .any(|r| r.names.iter().any(|p| glob_match(p, identity)))
+    }
+
+    /// What the agents behind relay `identity` may be: the services and networks of
+    /// every `[[relay]]` table that names it; anything when none does, or when one
+    /// that does leaves a key out.
+    pub(crate) fn relay_scope(&self, identity: &str) -> RelayScope {
+        use ballast_shared::session::authz::glob_match;
+        let mut scope = RelayScope::default();
+        let mut any_services = false;
+        let mut any_networks = false;
+        for r in &self.relay_rules {
+            if !r.names.iter().any(|p| glob_match(p, identity)) {
+                continue;
+            }
+            if r.services.is_empty() {
+                any_services = true;
+            } else {
+                scope
+                    .services
+                    .get_or_insert_with(Vec::new)
+                    .extend(r.services.iter().cloned());
+            }
+            if r.networks.is_empty() {
+                any_networks = true;
+            } else {
+                scope
+                    .networks
+                    .get_or_insert_with(Vec::new)
+                    .extend(r.networks.iter().copied());
+            }
+        }
+        if any_services {
+            scope.services = None;
+        }
+        if any_networks {
+            scope.networks = None;
+        }
+        scope
+    }
+
+    /// Whether relayed agents that cannot prove their key are admitted.
+    pub(crate) fn admit_unproven_relayed_agents(&self) -> bool {
+        self.admit_unproven_relayed_agents
     }
 
     /// How many rules it has, for the start-up log.
@@ -410,8 +562,43 @@ mod tests {
     }
 
     #[test]
-    fn relays_are_any_unless_listed() {
-        assert!(Policy::default().relay_allowed("relay-1"));
+    fn a_relay_table_accepts_its_relays_and_bounds_their_agents() {
+        let p = Policy::parse(
+            "admit_unproven_relayed_agents = true\n\
+             [[relay]]\nnames = [\"relay-eu-*\"]\nservices = [\"web\", \"api-*\"]\nnetworks = [\"10.1.0.0/16\"]\n\
+             [[relay]]\nnames = [\"relay-eu-2\"]\nservices = [\"batch\"]\n",
+            "p.toml",
+        )
+        .expect("parses");
+        assert!(p.admit_unproven_relayed_agents());
+        assert!(p.relay_allowed("relay-eu-1") && !p.relay_allowed("relay-us-1"));
+        let one = p.relay_scope("relay-eu-1");
+        assert!(one.service_allowed("web").is_ok() && one.service_allowed("api-x").is_ok());
+        assert!(one.service_allowed("batch").is_err());
+        assert!(one.source_allowed([10, 1, 2, 3].into()).is_ok());
+        assert!(one.source_allowed([10, 2, 0, 1].into()).is_err());
+        // Two tables: their services add up; the second leaves networks to the first.
+        let two = p.relay_scope("relay-eu-2");
+        assert!(two.service_allowed("batch").is_ok() && two.service_allowed("web").is_ok());
+        assert!(
+            two.source_allowed([10, 2, 0, 1].into()).is_ok(),
+            "a table without networks allows any"
+        );
+        // A relay no table names is bound by nothing but the grants of its agents.
+        assert_eq!(p.relay_scope("relay-us-1"), RelayScope::default());
+        assert!(Policy::parse("[[relay]]\nnames = []\n", "p.toml").is_err());
+        assert!(
+            Policy::parse("[[relay]]\nnames = [\"r\"]\nnetworks = [\"x\"]\n", "p.toml").is_err()
+        );
+    }
+
+    #[test]
+    fn relays_are_refused_unless_listed() {
+        assert!(
+            !Policy::default().relay_allowed("relay-1"),
+            "no relay by default"
+        );
+        assert!(!Policy::default().admit_unproven_relayed_agents());
         let p = Policy::parse("relays = [\"relay-eu-*\", \"edge\"]\n", "p.toml").expect("parses");
         assert!(p.relay_allowed("relay-eu-3") && p.relay_allowed("edge"));
         assert!(!p.relay_allowed("relay-us-1") && !p.relay_allowed("edge-2"));

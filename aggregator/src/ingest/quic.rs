@@ -12,15 +12,20 @@
 //! connections: each has its own task and a bad one is closed.
 
 use super::revocation::Verdict;
-use super::upstream::{Admitted, Arrival, Downstream, Forwarded, Link, Trunk, Upstream};
+use super::upstream::{
+    Admitted, Arrival, Downstream, Forwarded, Link, ProofRequest, Prover, Trunk, Upstream,
+};
 use super::Ingest;
 use crate::metrics::Metrics;
 use ballast_shared::protocol::Protocol;
 use ballast_shared::session::driver::{now, until};
+use ballast_shared::session::ProtocolError;
 use ballast_shared::session::{Peer, ServerConfig, ServerError, ServerEvent, ServerSession};
 use ballast_shared::tls::{CertInfo, CertificateDer};
 use ballast_shared::trunk::TrunkProtocol;
+use ballast_shared::wire::Proof;
 use ballast_shared::wire::{Message, Reject};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -157,6 +162,90 @@ pub(super) fn peer(ingest: &Ingest, info: CertInfo, source: std::net::IpAddr) ->
     }
 }
 
+/// How long a challenge may wait for the agent to read it.
+const CHALLENGE_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A connection's end of its agent's proofs of possession: the challenges a relay's
+/// primaries send go out on the hello stream, and the agent's proofs come back on it,
+/// in the same order.
+struct Proofs {
+    protocol: Protocol,
+    requests: tokio::sync::mpsc::UnboundedReceiver<ProofRequest>,
+    waiting: VecDeque<tokio::sync::oneshot::Sender<Option<Proof>>>,
+    /// Whether the agent's side of the stream is still open.
+    reading: bool,
+}
+
+impl Proofs {
+    /// Hands a challenge to the agent; one that cannot take it (`ballast/1`, or its
+    /// stream ended) is answered `None` at once.
+    async fn ask(
+        &mut self,
+        request: Option<ProofRequest>,
+        session: &ServerSession,
+        send: &mut quinn::SendStream,
+    ) {
+        let Some(request) = request else { return };
+        if self.protocol != Protocol::CURRENT || !self.reading {
+            let _ = request.answer.send(None);
+            return;
+        }
+        let sent = match session.challenge_frame(&request.challenge) {
+            Ok(frame) => matches!(
+                tokio::time::timeout(CHALLENGE_WRITE_TIMEOUT, send.write_all(&frame)).await,
+                Ok(Ok(()))
+            ),
+            Err(_) => false,
+        };
+        if sent {
+            self.waiting.push_back(request.answer);
+        } else {
+            let _ = request.answer.send(None);
+        }
+    }
+
+    /// Takes what the agent sent on its hello stream: each proof answers the oldest
+    /// challenge waiting. Anything else there breaks the protocol.
+    fn take(
+        &mut self,
+        read: Result<Option<usize>, quinn::ReadError>,
+        buf: &[u8],
+        session: &mut ServerSession,
+    ) -> Result<(), ProtocolError> {
+        let n = match read {
+            Ok(Some(n)) => n,
+            Ok(None) | Err(_) => {
+                // The agent finished its stream (one of the previous release does
+                // after its hello): no proof can come any more.
+                self.reading = false;
+                self.waiting.clear();
+                return Ok(());
+            }
+        };
+        for proof in session.handle_proofs(buf.get(..n).unwrap_or_default())? {
+            // A proof nobody asked for is dropped.
+            if let Some(answer) = self.waiting.pop_front() {
+                let _ = answer.send(Some(proof));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Closes a connection whose agent sent something other than proofs on its hello
+/// stream: the reason.
+fn proof_fault(
+    conn: &quinn::Connection,
+    metrics: &Metrics,
+    node: &str,
+    e: &ProtocolError,
+) -> &'static str {
+    tracing::warn!(%node, error = %e, "connection closed: a bad frame on the hello stream");
+    metrics.reject_connection(e.label());
+    conn.close(close::PROTOCOL.into(), b"a bad frame on the hello stream");
+    "bad frame on the hello stream"
+}
+
 async fn handle<U: Upstream>(
     conn: &quinn::Connection,
     protocol: Protocol,
@@ -232,13 +321,39 @@ async fn handle<U: Upstream>(
             Err(e) => return Err(fault(conn, metrics, &session, &e)),
         }
     };
+    let (prover, requests) = Prover::new();
+    let mut proofs = Proofs {
+        protocol,
+        requests,
+        waiting: VecDeque::new(),
+        reading: true,
+    };
+    let peer = session.peer().clone();
     let arrival = Arrival {
-        peer: session.peer(),
+        peer: &peer,
         chain: &chain,
         remote: conn.remote_address(),
         hello: &hello,
+        prover: Some(&prover),
     };
-    let (interval_ms, mut link) = match upstream.admit(arrival).await {
+    // A relay's primary may challenge the agent while it is admitted: the challenges
+    // go out on the hello stream, and the proofs come back on it.
+    let admitted = {
+        let admit = upstream.admit(arrival);
+        tokio::pin!(admit);
+        loop {
+            tokio::select! {
+                admitted = &mut admit => break admitted,
+                request = proofs.requests.recv() => proofs.ask(request, &session, &mut send).await,
+                read = recv.read(&mut buf), if proofs.reading => {
+                    if let Err(e) = proofs.take(read, &buf, &mut session) {
+                        return Err(proof_fault(conn, metrics, &hello.node, &e));
+                    }
+                }
+            }
+        }
+    };
+    let (interval_ms, mut link) = match admitted {
         Ok(Admitted { interval_ms, link }) => (interval_ms, link),
         Err(reject) => {
             return match session.reject(reject.reason, reject.detail.clone()) {
@@ -256,7 +371,10 @@ async fn handle<U: Upstream>(
     if send.write_all(&welcome).await.is_err() {
         return Err("welcome failed");
     }
-    let _ = send.finish();
+    if protocol != Protocol::CURRENT {
+        // No challenge can follow in the previous protocol.
+        let _ = send.finish();
+    }
     tracing::info!(node = %hello.node, service = %hello.service, address = %hello.address, zone = %hello.zone, agent_version = %hello.version, "agent connected");
 
     let expired = tokio::time::sleep(expires_in(not_after_unix_s));
@@ -276,6 +394,16 @@ async fn handle<U: Upstream>(
                 Ok(b) => b,
                 Err(_) => return Ok(()),
             },
+            request = proofs.requests.recv() => {
+                proofs.ask(request, &session, &mut send).await;
+                continue;
+            }
+            read = recv.read(&mut buf), if proofs.reading => {
+                if let Err(e) = proofs.take(read, &buf, &mut session) {
+                    return Err(proof_fault(conn, metrics, &hello.node, &e));
+                }
+                continue;
+            }
             _ = &mut silence => {
                 tracing::info!(node = %hello.node, after = ?silence_limit, "connection closed: no report");
                 metrics.reject_connection("no_reports");

@@ -39,6 +39,9 @@ const SWEEP: Duration = Duration::from_secs(1);
 /// How long a relay has to open its control stream and send its open.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a refused relay has to read why before its connection is closed.
+const REFUSAL_GRACE: Duration = Duration::from_secs(1);
+
 /// How long a write on the control stream may wait for the relay to read. A relay
 /// that stops reading would otherwise hold the trunk's task, and with it the checks
 /// of its certificate, its slots' silence and its batches, while its connection
@@ -91,12 +94,14 @@ pub(super) async fn serve(local: &Local, trunk: Trunk<'_>) -> Result<(), End> {
         return Err(reason);
     }
     let mut revocations = admit_identity(conn, metrics, ingest, place, &info.identity, &chain)?;
+    let protocol = TrunkProtocol::negotiated(conn).unwrap_or(TrunkProtocol::CURRENT);
     metrics.trunks_open.inc();
     let mut driver = Driver {
         conn,
         metrics,
         ingest,
         local,
+        scope: ingest.policy.relay_scope(&info.identity),
         relay: info.identity,
         relay_chain: chain,
         relay_not_after: info.not_after_unix_s,
@@ -104,13 +109,14 @@ pub(super) async fn serve(local: &Local, trunk: Trunk<'_>) -> Result<(), End> {
             replica: local.replica().to_string(),
             max_slots: ingest.limits.trunk_max_slots,
             max_batch_bytes: batch_limit(conn.max_datagram_size()),
+            // Each attach proves its agent's key, on every trunk version that can.
+            challenge: protocol.proves(),
+            admit_unproven: ingest.policy.admit_unproven_relayed_agents(),
             ..TrunkServerConfig::new(
                 local.replica(),
                 ServerConfig {
                     // The agents' messages in the version the trunk's carries.
-                    protocol: TrunkProtocol::negotiated(conn)
-                        .unwrap_or(TrunkProtocol::CURRENT)
-                        .entries(),
+                    protocol: protocol.entries(),
                     ..ServerConfig::new(local.report_interval_ms())
                 },
             )
@@ -194,6 +200,8 @@ struct Driver<'a> {
     local: &'a Local,
     /// The relay's identity.
     relay: String,
+    /// What the relay's agents may be, by the policy's `[[relay]]` tables.
+    scope: crate::ingest::policy::RelayScope,
     /// The relay's own chain, checked again when the revocation list changes.
     relay_chain: Vec<CertificateDer<'static>>,
     /// When the relay's certificate expires.
@@ -236,7 +244,18 @@ impl Driver<'_> {
                             Err(e) => return Err(self.fault(&e)),
                         };
                         for event in events {
-                            opened |= matches!(event, TrunkServerEvent::Open { .. });
+                            if let TrunkServerEvent::Open { relay, .. } = &event {
+                                if let Err(frame) = self.check_name(relay) {
+                                    write(&mut send, conn, self.metrics, frame).await?;
+                                    // The relay reads why, and closes, before the
+                                    // connection goes (a second at most).
+                                    let _ = send.finish();
+                                    let _ = tokio::time::timeout(REFUSAL_GRACE, conn.closed()).await;
+                                    conn.close(close::REJECTED.into(), b"relay name mismatch");
+                                    return Err("relay name mismatch");
+                                }
+                                opened = true;
+                            }
                             let frames = self.on_control(event).await;
                             write(&mut send, conn, self.metrics, frames).await?;
                         }
@@ -284,6 +303,25 @@ impl Driver<'_> {
         }
     }
 
+    /// Whether the name the relay gives itself in its open is its certificate's: the
+    /// `Closed` frame to send before closing the trunk if not
+    /// (`relay_name_mismatch`).
+    fn check_name(&mut self, named: &str) -> Result<(), Option<Vec<u8>>> {
+        if named == self.relay {
+            return Ok(());
+        }
+        tracing::warn!(relay = %self.relay, %named, "trunk refused: the relay names itself other than its certificate");
+        self.metrics.reject_connection("relay_name_mismatch");
+        let text = format!(
+            "the relay named itself {named:?}, its certificate {:?}",
+            self.relay
+        );
+        Err(self
+            .server
+            .refuse(RejectReason::IdentityMismatch, &text)
+            .ok())
+    }
+
     /// What to send for one of the relay's control frames.
     async fn on_control(&mut self, event: TrunkServerEvent) -> Vec<Vec<u8>> {
         match event {
@@ -295,7 +333,20 @@ impl Driver<'_> {
                 slot,
                 chain,
                 source,
-            } => self.attach(slot, chain, source).await.into_iter().collect(),
+                proven,
+            } => {
+                if !proven {
+                    tracing::warn!(relay = %self.relay, slot, "relayed agent admitted without a proof of its key (admit_unproven_relayed_agents)");
+                    self.metrics.trunk_unproven.inc();
+                }
+                self.attach(slot, chain, source).await.into_iter().collect()
+            }
+            TrunkServerEvent::Challenged { frame, .. } => vec![frame],
+            TrunkServerEvent::ProofRefused { slot, error, frame } => {
+                tracing::warn!(relay = %self.relay, slot, reason = error.label(), "relayed agent refused: {error}");
+                self.metrics.reject_connection(error.label());
+                vec![frame]
+            }
             TrunkServerEvent::Refused { slot, frame } => {
                 tracing::debug!(relay = %self.relay, slot, "attach refused: the trunk is full");
                 self.metrics.reject(&RejectReason::LimitReached.to_string());
@@ -313,6 +364,14 @@ impl Driver<'_> {
     async fn attach(&mut self, slot: Slot, chain: Vec<Vec<u8>>, source: IpAddr) -> Option<Vec<u8>> {
         let chain: Vec<CertificateDer<'static>> =
             chain.into_iter().map(CertificateDer::from).collect();
+        if let Err(text) = self.scope.source_allowed(source) {
+            tracing::warn!(relay = %self.relay, slot, "relayed agent refused: {text}");
+            self.metrics.reject_connection("relay_scope");
+            return self
+                .server
+                .refuse_attach(slot, RejectReason::AddressNotAllowed, &text)
+                .ok();
+        }
         if let Some((code, reason, text)) = chain_refusal(self.ingest.revocation.judge(&chain)) {
             tracing::warn!(relay = %self.relay, slot, reason, "relayed agent refused: {text}");
             self.metrics.reject_connection(reason);
@@ -346,6 +405,14 @@ impl Driver<'_> {
                 return None;
             }
         };
+        if let Err(text) = self.scope.service_allowed(&hello.service) {
+            tracing::warn!(relay = %self.relay, slot, node = %hello.node, "relayed hello rejected: {text}");
+            self.metrics.reject_connection("relay_scope");
+            return self
+                .server
+                .reject(slot, RejectReason::ServiceNotAllowed, &text)
+                .ok();
+        }
         let session = match self.server.session(slot) {
             Some(s) => s,
             None => return None,
@@ -355,6 +422,7 @@ impl Driver<'_> {
             chain: &chain,
             remote: SocketAddr::new(source, 0),
             hello: &hello,
+            prover: None,
         };
         match self.local.admit(arrival).await {
             Ok(Admitted { interval_ms, link }) => {

@@ -10,7 +10,7 @@
 
 use ballast_shared::session::{Assignment, Peer};
 use ballast_shared::tls::CertificateDer;
-use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
+use ballast_shared::wire::{Challenge, Hello, Proof, Reject, RejectReason, Report};
 use bytes::Bytes;
 use std::borrow::Cow;
 use std::future::Future;
@@ -30,6 +30,43 @@ pub(crate) struct Arrival<'a> {
     pub(crate) remote: SocketAddr,
     /// Its hello.
     pub(crate) hello: &'a Hello,
+    /// How to ask the agent to prove that it holds its certificate's key, for an
+    /// upstream that hands it on (a relay's primary challenges each attach); `None`
+    /// where the agent's handshake was this process's own.
+    pub(crate) prover: Option<&'a Prover>,
+}
+
+/// Asks an agent, over its connection's hello stream, to answer challenges
+/// ([`ballast_shared::session::proof`]). Cloned into whatever may need a proof later
+/// (a relay's link, which attaches again when its agent's service moves).
+#[derive(Debug, Clone)]
+pub(crate) struct Prover(tokio::sync::mpsc::UnboundedSender<ProofRequest>);
+
+/// One challenge for the agent, and where its proof goes: `None` when it cannot
+/// prove (it speaks `ballast/1`, or its stream or connection ended).
+#[derive(Debug)]
+pub(crate) struct ProofRequest {
+    /// The primary's challenge.
+    pub(crate) challenge: Challenge,
+    /// The agent's answer.
+    pub(crate) answer: tokio::sync::oneshot::Sender<Option<Proof>>,
+}
+
+impl Prover {
+    /// A prover, and the requests its connection's driver answers.
+    pub(crate) fn new() -> (Prover, tokio::sync::mpsc::UnboundedReceiver<ProofRequest>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (Prover(tx), rx)
+    }
+
+    /// Asks for the agent's proof of `challenge`: its answer, `None` if it cannot
+    /// give one.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // asked by the relay, which needs etcd
+    pub(crate) async fn prove(&self, challenge: Challenge) -> Option<Proof> {
+        let (answer, rx) = tokio::sync::oneshot::channel();
+        self.0.send(ProofRequest { challenge, answer }).ok()?;
+        rx.await.ok().flatten()
+    }
 }
 
 /// An admitted agent: the report interval its welcome gives it, and the link its

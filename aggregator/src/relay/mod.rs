@@ -158,7 +158,7 @@ mod running {
         // Watched below: a trunk dialled after a renewal presents the new certificate.
         let relay_tls = LiveTls::client_from(&relay.tls, relay_identity, relay_ca)
             .map_err(|e| tls("the relay's identity (relay.tls)", e))?;
-        let client = ballast_shared::tls::client_config_live(&relay_tls, &trunk_alpns())
+        let client = ballast_shared::tls::client_config_live(&relay_tls, &trunk_alpns()?)
             .map_err(|e| tls("the relay's client configuration", e))?;
         let (server, ingest) =
             crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::agent_alpns()?)?;

@@ -10,6 +10,7 @@
 
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
+use crate::ingest::upstream::Prover;
 use ballast_shared::reconnect::{host_part, Backoff};
 use ballast_shared::session::close;
 use ballast_shared::session::driver::{now, until};
@@ -17,7 +18,7 @@ use ballast_shared::session::trunk::{
     TrunkClient, TrunkClientConfig, TrunkClientError, TrunkClientEvent,
 };
 use ballast_shared::trunk::{Slot, MAX_BATCH};
-use ballast_shared::wire::Reject;
+use ballast_shared::wire::{Proof, Reject};
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -29,9 +30,12 @@ use tokio::sync::{mpsc, oneshot, watch};
 use ballast_shared::trunk::TrunkProtocol;
 
 /// What a relay offers a primary: every version of the trunk protocol it speaks,
-/// current first.
-pub(crate) fn trunk_alpns() -> Vec<&'static [u8]> {
-    TrunkProtocol::ALL.map(TrunkProtocol::alpn).to_vec()
+/// current first, unless `BALLAST_PROTOCOL` narrows them.
+pub(crate) fn trunk_alpns() -> Result<Vec<&'static [u8]>, crate::ingest::IngestError> {
+    Ok(TrunkProtocol::from_env()?
+        .into_iter()
+        .map(TrunkProtocol::alpn)
+        .collect())
 }
 
 /// The TLS alert a server ends a handshake with when it speaks none of the
@@ -75,6 +79,8 @@ pub(crate) enum Command {
         down: mpsc::UnboundedSender<Down>,
         /// Where the outcome goes.
         answer: oneshot::Sender<Result<Attached, AttachError>>,
+        /// How to ask the agent for the proof the primary challenges it for.
+        prover: Prover,
     },
     /// An attached slot's report, as its agent sent it.
     Report {
@@ -358,10 +364,15 @@ enum Ended {
     Failed(String),
 }
 
-/// An attach in flight: where its slot's replies will go, and where its outcome goes.
+/// An agent's answer to the challenge of its slot's attach.
+type Proved = (Slot, Option<Proof>);
+
+/// An attach in flight: where its slot's replies will go, where its outcome goes, and
+/// how to ask its agent for a proof.
 type Pending = (
     mpsc::UnboundedSender<Down>,
     oneshot::Sender<Result<Attached, AttachError>>,
+    Prover,
 );
 
 /// One connection of a trunk: its slots and attaches in flight.
@@ -375,6 +386,11 @@ struct Session<'a> {
     waiting: Vec<Command>,
     /// The number the next slot gets.
     next_slot: Slot,
+    /// The agents' answers to the primary's challenges, as they come.
+    proved: (
+        mpsc::UnboundedSender<Proved>,
+        mpsc::UnboundedReceiver<Proved>,
+    ),
 }
 
 impl<'a> Session<'a> {
@@ -387,6 +403,7 @@ impl<'a> Session<'a> {
             pending: HashMap::new(),
             waiting: Vec::new(),
             next_slot,
+            proved: mpsc::unbounded_channel(),
         }
     }
 
@@ -395,7 +412,7 @@ impl<'a> Session<'a> {
         for (_, down) in self.slots.drain() {
             let _ = down.send(Down::Lost);
         }
-        for (_, (_, answer)) in self.pending.drain() {
+        for (_, (_, answer, _)) in self.pending.drain() {
             let _ = answer.send(Err(AttachError::TrunkDown));
         }
         for cmd in self.waiting.drain(..) {
@@ -512,13 +529,22 @@ impl<'a> Session<'a> {
                         let _ = conn.send_datagram(batch.into());
                     }
                     for slot in expired.timed_out {
-                        if let Some((_, answer)) = self.pending.remove(&slot) {
+                        if let Some((_, answer, _)) = self.pending.remove(&slot) {
                             let _ = answer.send(Err(AttachError::Timeout));
                         }
                     }
                     control.extend(expired.control);
                 }
                 _ = sweep.tick() => self.sweep(&mut client, &mut control),
+                Some((slot, proof)) = self.proved.1.recv() => {
+                    if proof.is_none() {
+                        self.dialer.metrics.refuse_attach("unproven");
+                    }
+                    // An attach that timed out meanwhile is gone: its answer with it.
+                    if let Ok(frame) = client.prove(slot, proof) {
+                        control.extend(frame);
+                    }
+                }
                 () = &mut opened_by, if !client.is_open() => {
                     return Ended::Failed(format!("no answer to the open in {OPEN_TIMEOUT:?}"));
                 }
@@ -555,11 +581,12 @@ impl<'a> Session<'a> {
                 source,
                 down,
                 answer,
+                prover,
             } => match client.attach(now(), &hello, chain, source) {
                 Ok((slot, frame)) => {
                     self.next_slot = client.next_slot();
                     control.extend(frame);
-                    self.pending.insert(slot, (down, answer));
+                    self.pending.insert(slot, (down, answer, prover));
                 }
                 Err(TrunkClientError::SlotsFull(_)) => {
                     let _ = answer.send(Err(AttachError::SlotsFull));
@@ -617,7 +644,7 @@ impl<'a> Session<'a> {
                 )));
             }
             TrunkClientEvent::Attached { slot, welcome } => {
-                if let Some((down, answer)) = self.pending.remove(&slot) {
+                if let Some((down, answer, _)) = self.pending.remove(&slot) {
                     let attached = Attached {
                         slot,
                         interval_ms: welcome.interval_ms,
@@ -631,15 +658,31 @@ impl<'a> Session<'a> {
                 }
             }
             TrunkClientEvent::Rejected { slot, reject } => {
-                if let Some((_, answer)) = self.pending.remove(&slot) {
+                if let Some((_, answer, _)) = self.pending.remove(&slot) {
                     let _ = answer.send(Err(AttachError::Rejected(reject)));
                 }
             }
             TrunkClientEvent::Detached { slot, code, reason } => {
                 if let Some(down) = self.slots.remove(&slot) {
                     let _ = down.send(Down::Detached { code, reason });
-                } else if let Some((_, answer)) = self.pending.remove(&slot) {
+                } else if let Some((_, answer, _)) = self.pending.remove(&slot) {
                     let _ = answer.send(Err(AttachError::Closed { code, reason }));
+                }
+            }
+            TrunkClientEvent::Challenged { slot, challenge } => {
+                // The agent signs on its own connection; its answer comes back
+                // through `proved`, within the attach's deadline.
+                if let Some((_, _, prover)) = self.pending.get(&slot) {
+                    let prover = prover.clone();
+                    let proved = self.proved.0.clone();
+                    let within = self.dialer.attach_timeout;
+                    tokio::spawn(async move {
+                        if let Ok(proof) =
+                            tokio::time::timeout(within, prover.prove(challenge)).await
+                        {
+                            let _ = proved.send((slot, proof));
+                        }
+                    });
                 }
             }
         }

@@ -15,7 +15,9 @@
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
 use super::trunk::{close_reason, AttachError, Attached, Command, Down, Trunks};
-use crate::ingest::upstream::{Admitted, Arrival, Close, Downstream, Forwarded, Link, Upstream};
+use crate::ingest::upstream::{
+    Admitted, Arrival, Close, Downstream, Forwarded, Link, Prover, Upstream,
+};
 use ballast_shared::session::close;
 use ballast_shared::wire::{Message, Reject, RejectReason, Report};
 use bytes::Bytes;
@@ -81,6 +83,8 @@ struct Agent {
     hello: Vec<u8>,
     chain: Vec<Vec<u8>>,
     source: IpAddr,
+    /// Asks the agent for the proof each owner challenges it for.
+    prover: Prover,
 }
 
 /// An attach in flight: its answer, and where its slot's replies will come.
@@ -103,6 +107,7 @@ fn attempt(trunks: &Trunks, replica: &str, agent: &Agent) -> Result<Attempt, Att
             source: agent.source,
             down: down_tx,
             answer: answer_tx,
+            prover: agent.prover.clone(),
         })
         .map_err(|_| AttachError::TrunkDown)?;
     Ok(Attempt {
@@ -139,6 +144,10 @@ impl Upstream for RelayUpstream {
             hello,
             chain: arrival.chain.iter().map(|c| c.to_vec()).collect(),
             source: arrival.remote.ip(),
+            prover: arrival.prover.cloned().ok_or_else(|| Reject {
+                reason: RejectReason::IdentityMismatch,
+                detail: "the relay cannot ask the agent for a proof of its key".into(),
+            })?,
         };
         if let Err(e) = ballast_shared::trunk::check_attach(&agent.hello, &agent.chain) {
             tracing::warn!(node = %arrival.peer.identity, %service, error = %e,

@@ -1,8 +1,10 @@
 //! The agent's side of a session.
 
+use super::proof::{self, ProofError};
 use super::{clamp_interval_ms, Assignment, FrameReader, MessageKind, ProtocolError};
 use crate::protocol::Protocol;
-use crate::wire::{EncodeError, Hello, Message, NodeState, Reject, Report};
+use crate::wire::{Challenge, EncodeError, Hello, Message, NodeState, Reject, Report};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The client's timing.
@@ -96,13 +98,16 @@ pub enum ClientError {
     /// A message could not be encoded.
     #[error(transparent)]
     Encode(#[from] EncodeError),
+    /// A relay's challenge could not be answered: no key, or one of a type proofs do
+    /// not use.
+    #[error("cannot prove the key to the relay's primary: {0}")]
+    Proof(#[from] ProofError),
 }
 
 #[derive(Debug)]
 enum State {
     AwaitingWelcome {
         deadline: Option<Instant>,
-        reader: FrameReader,
     },
     Established {
         next_report: Instant,
@@ -114,14 +119,31 @@ enum State {
 /// The agent's side of one connection: sends the hello, takes the welcome or reject,
 /// numbers the reports, keeps the latest assignment and the interval the aggregator
 /// asks for, and gives the connection up when replies stop.
-#[derive(Debug)]
 pub struct ClientSession {
     hello: Hello,
     config: ClientConfig,
     state: State,
+    /// The hello stream's reader, for the answer and any challenges after it.
+    reader: FrameReader,
+    /// The certificate's key, to answer a relay's challenges.
+    key: Option<Arc<dyn rustls::sign::SigningKey>>,
+    /// Proofs to write on the hello stream.
+    stream_out: Vec<u8>,
     interval_ms: u32,
     pub(super) next_seq: u32,
     assignment: Option<Assignment>,
+}
+
+impl std::fmt::Debug for ClientSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientSession")
+            .field("hello", &self.hello)
+            .field("state", &self.state)
+            .field("interval_ms", &self.interval_ms)
+            .field("next_seq", &self.next_seq)
+            .field("has_key", &self.key.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ClientSession {
@@ -132,16 +154,32 @@ impl ClientSession {
             config,
             state: State::AwaitingWelcome {
                 deadline: now.checked_add(config.welcome_timeout),
-                reader: FrameReader::new(config.protocol),
             },
+            reader: FrameReader::new(config.protocol),
+            key: None,
+            stream_out: Vec::new(),
             interval_ms: super::MIN_INTERVAL_MS,
             next_seq: 1,
             assignment: None,
         }
     }
 
-    /// The framed hello to write on the session's stream, which the driver then
-    /// finishes.
+    /// The same session with its certificate's key, with which it answers the
+    /// challenges of a relay's primary ([`proof`]).
+    pub fn with_key(mut self, key: Arc<dyn rustls::sign::SigningKey>) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// Bytes to write on the hello stream now: the proofs that answer the challenges
+    /// taken so far. The driver writes them after each call that takes stream bytes,
+    /// and keeps the stream open while the connection lasts (a relay challenges again
+    /// when it moves the agent to another primary).
+    pub fn take_stream_out(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.stream_out)
+    }
+
+    /// The framed hello to write on the session's stream.
     pub fn hello_frame(&self) -> Result<Vec<u8>, ClientError> {
         Ok(self
             .config
@@ -150,47 +188,71 @@ impl ClientSession {
     }
 
     /// Takes bytes the aggregator sent on the hello stream. A whole welcome
-    /// establishes the session; a reject, a timeout or bad bytes close it.
+    /// establishes the session; a reject, a timeout or bad bytes close it. A relay's
+    /// challenge, before the welcome or after it, is answered with a proof
+    /// ([`ClientSession::take_stream_out`]).
     pub fn handle_stream(
         &mut self,
         now: Instant,
         bytes: &[u8],
     ) -> Result<Option<ClientEvent>, ClientError> {
         self.check_welcome_deadline(now)?;
-        let reader = match &mut self.state {
-            State::AwaitingWelcome { reader, .. } => reader,
-            // The driver stops reading after the welcome; anything more is dropped.
-            State::Established { .. } if bytes.is_empty() => return Ok(None),
-            State::Established { .. } => {
-                return Err(ProtocolError::TrailingFrame(bytes.len()).into())
-            }
-            State::Closed => return Err(ClientError::Closed),
-        };
-        let msg = match reader.push(bytes) {
-            Ok(Some(msg)) => msg,
-            Ok(None) => return Ok(None),
+        if matches!(self.state, State::Closed) {
+            return Err(ClientError::Closed);
+        }
+        let msgs = match self.reader.push_many(bytes) {
+            Ok(msgs) => msgs,
             Err(e) => return Err(self.fail(e.into())),
         };
-        match msg {
-            Message::Welcome(w) => {
-                self.interval_ms = clamp_interval_ms(w.interval_ms);
-                self.state = State::Established {
-                    next_report: now,
-                    last_reply: now,
-                };
-                Ok(Some(ClientEvent::Welcomed {
-                    interval: self.interval(),
-                }))
-            }
-            Message::Reject(r) => Err(self.fail(ClientError::Rejected(r))),
-            other => Err(self.fail(
-                ProtocolError::Unexpected {
-                    expected: "a welcome or a reject",
-                    got: MessageKind::of(&other),
+        let mut event = None;
+        for msg in msgs {
+            let established = self.is_established();
+            match msg {
+                Message::Challenge(c) => {
+                    if let Err(e) = self.prove(&c) {
+                        return Err(self.fail(e));
+                    }
                 }
-                .into(),
-            )),
+                Message::Welcome(w) if !established => {
+                    self.interval_ms = clamp_interval_ms(w.interval_ms);
+                    self.state = State::Established {
+                        next_report: now,
+                        last_reply: now,
+                    };
+                    event = Some(ClientEvent::Welcomed {
+                        interval: self.interval(),
+                    });
+                }
+                Message::Reject(r) if !established => {
+                    return Err(self.fail(ClientError::Rejected(r)))
+                }
+                other => {
+                    let expected = if established {
+                        "a challenge"
+                    } else {
+                        "a welcome, a reject or a challenge"
+                    };
+                    return Err(self.fail(
+                        ProtocolError::Unexpected {
+                            expected,
+                            got: MessageKind::of(&other),
+                        }
+                        .into(),
+                    ));
+                }
+            }
         }
+        Ok(event)
+    }
+
+    /// Signs `challenge` and the hello with the certificate's key: the framed proof
+    /// goes out on the stream.
+    fn prove(&mut self, challenge: &Challenge) -> Result<(), ClientError> {
+        let key = self.key.as_ref().ok_or(ProofError::UnsupportedKey)?;
+        let proof = proof::sign(key.as_ref(), challenge, &self.hello)?;
+        let frame = self.config.protocol.frame(&Message::Proof(proof))?;
+        self.stream_out.extend_from_slice(&frame);
+        Ok(())
     }
 
     /// The aggregator finished the hello stream. Before the answer came, that ends the

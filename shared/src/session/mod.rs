@@ -35,6 +35,7 @@
 pub mod authz;
 mod client;
 pub mod driver;
+pub mod proof;
 mod server;
 #[cfg(test)]
 mod tests;
@@ -121,6 +122,10 @@ pub enum MessageKind {
     Report,
     /// [`Message::Reply`].
     Reply,
+    /// [`Message::Challenge`].
+    Challenge,
+    /// [`Message::Proof`].
+    Proof,
 }
 
 impl MessageKind {
@@ -132,6 +137,8 @@ impl MessageKind {
             Message::Reject(_) => MessageKind::Reject,
             Message::Report(_) => MessageKind::Report,
             Message::Reply(_) => MessageKind::Reply,
+            Message::Challenge(_) => MessageKind::Challenge,
+            Message::Proof(_) => MessageKind::Proof,
         }
     }
 }
@@ -144,6 +151,8 @@ impl fmt::Display for MessageKind {
             MessageKind::Reject => "a reject",
             MessageKind::Report => "a report",
             MessageKind::Reply => "a reply",
+            MessageKind::Challenge => "a challenge",
+            MessageKind::Proof => "a proof",
         })
     }
 }
@@ -208,6 +217,36 @@ impl FrameReader {
             buf: Vec::new(),
             done: false,
         }
+    }
+
+    /// Takes the next bytes of a stream that carries any number of frames: the messages
+    /// whose frames they complete. The length prefix of each is checked before its
+    /// bytes are kept.
+    pub(crate) fn push_many(&mut self, mut bytes: &[u8]) -> Result<Vec<Message>, ProtocolError> {
+        let mut out = Vec::new();
+        while !bytes.is_empty() {
+            let head = (2usize.saturating_sub(self.buf.len())).min(bytes.len());
+            let (prefix, rest) = bytes.split_at(head);
+            self.buf.extend_from_slice(prefix);
+            bytes = rest;
+            let Some(&[hi, lo]) = self.buf.first_chunk::<2>() else {
+                break;
+            };
+            let len = usize::from(u16::from_be_bytes([hi, lo]));
+            if len > MAX_MESSAGE {
+                return Err(ProtocolError::FrameTooLarge(len));
+            }
+            let missing = 2 + len - self.buf.len();
+            let (take, rest) = bytes.split_at(missing.min(bytes.len()));
+            self.buf.extend_from_slice(take);
+            bytes = rest;
+            if self.buf.len() == 2 + len {
+                let msg = self.protocol.decode(self.buf.get(2..).unwrap_or_default());
+                self.buf.clear();
+                out.push(msg?);
+            }
+        }
+        Ok(out)
     }
 
     /// Takes the next bytes of the stream; the message once its frame is whole. Bytes

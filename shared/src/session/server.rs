@@ -5,7 +5,9 @@ use super::{
     clamp_interval_ms, close, seq_newer, Assignment, FrameReader, MessageKind, ProtocolError,
 };
 use crate::protocol::Protocol;
-use crate::wire::{EncodeError, Hello, Message, Reject, RejectReason, Reply, Report, Welcome};
+use crate::wire::{
+    Challenge, EncodeError, Hello, Message, Proof, Reject, RejectReason, Reply, Report, Welcome,
+};
 use std::time::{Duration, Instant};
 
 /// The longest reject detail sent, in bytes, so that a reject always fits its frame
@@ -162,6 +164,8 @@ pub struct ServerSession {
     config: ServerConfig,
     interval_ms: u32,
     state: State,
+    /// The hello stream after the hello: the proofs a relay's agent sends.
+    proofs: FrameReader,
 }
 
 impl ServerSession {
@@ -176,7 +180,33 @@ impl ServerSession {
                 deadline: now.checked_add(config.hello_timeout),
                 reader: FrameReader::new(config.protocol),
             },
+            proofs: FrameReader::new(config.protocol),
         }
+    }
+
+    /// A relay's primary's challenge, framed for the agent's hello stream. Only
+    /// `ballast/2` has challenges; an agent of `ballast/1` cannot be asked.
+    pub fn challenge_frame(&self, challenge: &Challenge) -> Result<Vec<u8>, ServerError> {
+        Ok(self
+            .config
+            .protocol
+            .frame(&Message::Challenge(challenge.clone()))?)
+    }
+
+    /// Takes bytes the agent sent on its hello stream after the hello: the proofs
+    /// they complete. Anything but a proof there breaks the protocol.
+    pub fn handle_proofs(&mut self, bytes: &[u8]) -> Result<Vec<Proof>, ProtocolError> {
+        self.proofs
+            .push_many(bytes)?
+            .into_iter()
+            .map(|m| match m {
+                Message::Proof(p) => Ok(p),
+                other => Err(ProtocolError::Unexpected {
+                    expected: "a proof",
+                    got: MessageKind::of(&other),
+                }),
+            })
+            .collect()
     }
 
     /// When the driver must call [`ServerSession::handle_timeout`]: the hello's

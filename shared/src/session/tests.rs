@@ -772,7 +772,7 @@ fn bad_answers_to_the_hello_close_the_client() {
         framed(&Message::Hello(hello("web-1"))),
         [
             framed(&Message::Welcome(Welcome { interval_ms: 1000 })),
-            vec![1],
+            framed(&Message::Welcome(Welcome { interval_ms: 1000 })),
         ]
         .concat(),
         (3u16.to_be_bytes().iter().copied().chain([9, 9, 9])).collect(),
@@ -985,4 +985,74 @@ proptest! {
         let _ = server.handle_stream(t0, b);
         let _ = server.handle_stream_end();
     }
+}
+
+#[test]
+fn the_client_answers_a_relays_challenges_before_and_after_the_welcome() {
+    let t0 = Instant::now();
+    let (cert, key) = proof::test_identity("web-1", &rcgen::PKCS_ECDSA_P256_SHA256);
+    let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0).with_key(key);
+    let mut server = ServerSession::new(peer("web-1"), ServerConfig::new(1000), t0);
+    for nonce in [1u8, 2] {
+        let challenge = wire::Challenge {
+            nonce: [nonce; wire::NONCE_LEN],
+            primary: "r1".into(),
+        };
+        let frame = server.challenge_frame(&challenge).expect("frames");
+        assert_eq!(client.handle_stream(t0, &frame).expect("answered"), None);
+        let proofs = server
+            .handle_proofs(&client.take_stream_out())
+            .expect("proofs");
+        let [proof] = &proofs[..] else {
+            panic!("one proof: {proofs:?}");
+        };
+        assert_eq!(
+            proof::verify(&cert, &challenge, &hello("web-1"), proof),
+            Ok(())
+        );
+        assert!(client.take_stream_out().is_empty());
+        if nonce == 1 {
+            // Then the welcome; the next challenge (a move to another primary) comes
+            // after it.
+            let welcome = framed(&Message::Welcome(Welcome { interval_ms: 1000 }));
+            assert!(matches!(
+                client.handle_stream(t0, &welcome),
+                Ok(Some(ClientEvent::Welcomed { .. }))
+            ));
+        }
+    }
+    assert!(client.is_established());
+    // After the welcome, anything but a challenge breaks the protocol.
+    let reply = framed(&Message::Welcome(Welcome { interval_ms: 1000 }));
+    assert!(matches!(
+        client.handle_stream(t0, &reply),
+        Err(ClientError::Protocol(ProtocolError::Unexpected { .. }))
+    ));
+    // And on the server's side, anything but a proof.
+    assert!(server.handle_proofs(&reply).is_err());
+}
+
+#[test]
+fn a_client_without_its_key_cannot_answer_and_the_previous_protocol_has_no_challenge() {
+    let t0 = Instant::now();
+    let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0);
+    let challenge = wire::Challenge {
+        nonce: [1; wire::NONCE_LEN],
+        primary: "r1".into(),
+    };
+    let frame = framed(&Message::Challenge(challenge.clone()));
+    assert!(matches!(
+        client.handle_stream(t0, &frame),
+        Err(ClientError::Proof(proof::ProofError::UnsupportedKey))
+    ));
+    assert!(client.is_closed());
+    let old = ServerSession::new(
+        peer("web-1"),
+        ServerConfig {
+            protocol: crate::protocol::Protocol::V1,
+            ..ServerConfig::new(1000)
+        },
+        t0,
+    );
+    assert!(old.challenge_frame(&challenge).is_err());
 }

@@ -15,6 +15,7 @@
 //! ([`TrunkServer::reply`]); either end detaches it. Slots increase per trunk and are
 //! never reused, so an answer for a slot that is gone is only counted.
 
+use super::proof::{self, ProofError};
 use super::{
     close, server, Assignment, FrameReader, Peer, ProtocolError, ServerConfig, ServerError,
     ServerEvent, ServerSession,
@@ -23,7 +24,7 @@ use crate::trunk::{
     decode_batch, encode_control, Attach, BatchEncoder, BatchKind, ControlReader, Entry, Slot,
     ToPrimary, ToRelay, TrunkError, MAX_TEXT,
 };
-use crate::wire::{Hello, Message, Reject, RejectReason, Welcome};
+use crate::wire::{Challenge, Hello, Message, Proof, Reject, RejectReason, Welcome};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -45,6 +46,13 @@ pub struct TrunkServerConfig {
     pub max_bad_batches: u32,
     /// The settings of each slot's session.
     pub session: ServerConfig,
+    /// Whether each attach is challenged for a proof of possession
+    /// ([`crate::trunk::TrunkProtocol::proves`]: the trunk's version carries proofs).
+    pub challenge: bool,
+    /// Whether an agent that cannot prove it holds its key (behind a relay of the
+    /// previous release, or speaking `ballast/1`) is admitted all the same. Only for
+    /// the time of an upgrade; refused by default.
+    pub admit_unproven: bool,
 }
 
 impl TrunkServerConfig {
@@ -56,6 +64,8 @@ impl TrunkServerConfig {
             max_batch_bytes: 1200,
             max_bad_batches: 64,
             session,
+            challenge: true,
+            admit_unproven: false,
         }
     }
 }
@@ -79,6 +89,26 @@ pub enum TrunkServerEvent {
         chain: Vec<Vec<u8>>,
         /// Its source address at the relay.
         source: IpAddr,
+        /// Whether the agent proved that it holds its certificate's key (`false`: it
+        /// could not, and [`TrunkServerConfig::admit_unproven`] let it in).
+        proven: bool,
+    },
+    /// An attach to challenge: send `frame` (`Challenge`) and wait for the proof.
+    Challenged {
+        /// Its slot.
+        slot: Slot,
+        /// The `Challenge` frame.
+        frame: Vec<u8>,
+    },
+    /// An attach whose proof is missing or wrong, refused here: send `frame`. The
+    /// slot is gone.
+    ProofRefused {
+        /// Its slot.
+        slot: Slot,
+        /// What was wrong ([`ProofError::label`] for metrics).
+        error: ProofError,
+        /// The `Rejected` frame.
+        frame: Vec<u8>,
     },
     /// An attach over [`TrunkServerConfig::max_slots`], refused here: send `frame`.
     Refused {
@@ -169,7 +199,16 @@ pub enum TrunkServerError {
 
 #[derive(Debug)]
 enum ServerSlot {
-    Requested { hello: Vec<u8> },
+    /// Challenged, waiting for the agent's proof.
+    Challenged {
+        hello: Vec<u8>,
+        chain: Vec<Vec<u8>>,
+        source: IpAddr,
+        challenge: Challenge,
+    },
+    Requested {
+        hello: Vec<u8>,
+    },
     Session(Box<ServerSession>),
 }
 
@@ -239,7 +278,96 @@ impl TrunkServer {
             (_, ToPrimary::Open { .. }) => Err(TrunkServerError::Unexpected("a second open")),
             (_, ToPrimary::Attach(a)) => self.on_attach(a).map(Some),
             (_, ToPrimary::Detach { slot }) => Ok(self.on_detach(slot)),
+            (_, ToPrimary::Proof { slot, proof }) => self.on_proof(slot, proof),
         }
+    }
+
+    /// The agent's answer to the challenge of `slot`: its attach goes on if the proof
+    /// is its certificate key's over this challenge and its own hello.
+    fn on_proof(
+        &mut self,
+        slot: Slot,
+        proof: Option<Proof>,
+    ) -> Result<Option<TrunkServerEvent>, TrunkServerError> {
+        match self.slots.get(&slot) {
+            Some(ServerSlot::Challenged { .. }) => {}
+            Some(_) => {
+                return Err(TrunkServerError::Unexpected(
+                    "a proof for a slot that was not challenged",
+                ))
+            }
+            None => {
+                // Detached meanwhile (the relay gave up on the attach): counted.
+                self.unknown = self.unknown.saturating_add(1);
+                return Ok(None);
+            }
+        }
+        let Some(ServerSlot::Challenged {
+            hello,
+            chain,
+            source,
+            challenge,
+        }) = self.slots.remove(&slot)
+        else {
+            return Err(TrunkServerError::Closed);
+        };
+        let checked = match &proof {
+            None if self.config.admit_unproven => Ok(false),
+            None => Err(ProofError::Unproven("ballast/1".into())),
+            Some(p) => self
+                .check_proof(&hello, &chain, &challenge, p)
+                .map(|()| true),
+        };
+        match checked {
+            Ok(proven) => {
+                self.slots.insert(slot, ServerSlot::Requested { hello });
+                Ok(Some(TrunkServerEvent::AttachRequested {
+                    slot,
+                    chain,
+                    source,
+                    proven,
+                }))
+            }
+            Err(error) => Ok(Some(self.proof_refused(slot, error)?)),
+        }
+    }
+
+    /// Whether `proof` is the agent's over `challenge` and the hello it sent.
+    fn check_proof(
+        &self,
+        hello: &[u8],
+        chain: &[Vec<u8>],
+        challenge: &Challenge,
+        proof: &Proof,
+    ) -> Result<(), ProofError> {
+        let leaf = chain
+            .first()
+            .map(|c| rustls::pki_types::CertificateDer::from(c.as_slice()))
+            .ok_or_else(|| ProofError::BadCertificate("no certificate".into()))?;
+        // The hello as the agent sent it: a proof over another is no proof of it.
+        let hello = match FrameReader::new(self.config.session.protocol).push(hello) {
+            Ok(Some(Message::Hello(h))) => h,
+            _ => return Err(ProofError::BadSignature),
+        };
+        proof::verify(&leaf, challenge, &hello, proof)
+    }
+
+    /// Refuses the slot for `error`: the event with its `Rejected` frame.
+    fn proof_refused(
+        &mut self,
+        slot: Slot,
+        error: ProofError,
+    ) -> Result<TrunkServerEvent, TrunkServerError> {
+        self.slots.remove(&slot);
+        let reject = Reject {
+            reason: RejectReason::IdentityMismatch,
+            detail: cut(&format!("no proof of possession: {error}")),
+        };
+        Ok(TrunkServerEvent::ProofRefused {
+            slot,
+            error,
+            frame: rejected(slot, reject)?,
+        })
     }
 
     fn on_attach(&mut self, a: Attach) -> Result<TrunkServerEvent, TrunkServerError> {
@@ -258,12 +386,40 @@ impl TrunkServer {
                 frame,
             });
         }
+        if self.config.challenge {
+            let challenge = Challenge {
+                nonce: rand::random(),
+                primary: cut(&self.config.replica),
+            };
+            let frame = to_relay(&ToRelay::Challenge {
+                slot: a.slot,
+                challenge: challenge.clone(),
+            })?;
+            self.slots.insert(
+                a.slot,
+                ServerSlot::Challenged {
+                    hello: a.hello,
+                    chain: a.chain,
+                    source: a.source,
+                    challenge,
+                },
+            );
+            return Ok(TrunkServerEvent::Challenged {
+                slot: a.slot,
+                frame,
+            });
+        }
         self.slots
             .insert(a.slot, ServerSlot::Requested { hello: a.hello });
+        if !self.config.admit_unproven {
+            // A trunk without proofs: its relay is of the previous release.
+            return self.proof_refused(a.slot, ProofError::Unproven("ballast-relay/1".into()));
+        }
         Ok(TrunkServerEvent::AttachRequested {
             slot: a.slot,
             chain: a.chain,
             source: a.source,
+            proven: false,
         })
     }
 
@@ -413,7 +569,9 @@ impl TrunkServer {
         for Entry { slot, message } in entries {
             let event = match self.slots.get_mut(&slot) {
                 Some(ServerSlot::Session(s)) => s.handle_datagram(message),
-                Some(ServerSlot::Requested { .. }) => Err(ServerError::BeforeWelcome),
+                Some(ServerSlot::Requested { .. } | ServerSlot::Challenged { .. }) => {
+                    Err(ServerError::BeforeWelcome)
+                }
                 None => {
                     self.unknown = self.unknown.saturating_add(1);
                     continue;
@@ -610,6 +768,14 @@ pub enum TrunkClientEvent {
         code: u32,
         /// Why.
         reason: String,
+    },
+    /// The primary asks the attaching slot's agent to prove that it holds its key:
+    /// hand the challenge to the agent, and its answer to [`TrunkClient::prove`].
+    Challenged {
+        /// The slot.
+        slot: Slot,
+        /// The challenge.
+        challenge: Challenge,
     },
 }
 
@@ -893,7 +1059,24 @@ impl TrunkClient {
             (_, ToRelay::Detached { slot, code, reason }) => Ok(self
                 .take_any(slot)
                 .then_some(TrunkClientEvent::Detached { slot, code, reason })),
+            (_, ToRelay::Challenge { slot, challenge }) => {
+                if self.pending.contains_key(&slot) {
+                    return Ok(Some(TrunkClientEvent::Challenged { slot, challenge }));
+                }
+                self.unknown = self.unknown.saturating_add(1);
+                Ok(None)
+            }
         }
+    }
+
+    /// The agent's answer to the challenge of attaching `slot` (`None`: it cannot
+    /// prove, as it speaks `ballast/1`): the `Proof` frame.
+    pub fn prove(&mut self, slot: Slot, proof: Option<Proof>) -> Result<Vec<u8>, TrunkClientError> {
+        self.check_open()?;
+        if !self.pending.contains_key(&slot) {
+            return Err(TrunkClientError::UnknownSlot(slot));
+        }
+        encode_control(&ToPrimary::Proof { slot, proof }).map_err(TrunkClientError::Encode)
     }
 
     fn on_attached(

@@ -241,6 +241,11 @@ impl LiveTls {
         self.generation.subscribe()
     }
 
+    /// The key of the certificate in force, to sign with (a relayed agent's proofs).
+    pub fn signing_key(&self) -> Arc<dyn rustls::sign::SigningKey> {
+        self.current().key.clone()
+    }
+
     fn current(&self) -> Arc<CertifiedKey> {
         self.key.read().unwrap_or_else(|p| p.into_inner()).clone()
     }

@@ -135,15 +135,23 @@ impl From<Reply> for CurrentReply {
     }
 }
 
-impl From<&Current> for Message {
-    fn from(m: &Current) -> Self {
-        match m {
+impl TryFrom<&Current> for Message {
+    type Error = EncodeError;
+
+    /// Today's message in this version; the challenge and the proof of a relayed
+    /// attach do not exist in it.
+    fn try_from(m: &Current) -> Result<Self, EncodeError> {
+        Ok(match m {
             Current::Hello(h) => Message::Hello(h.clone()),
             Current::Welcome(w) => Message::Welcome(*w),
             Current::Reject(r) => Message::Reject(r.clone()),
             Current::Report(r) => Message::Report(r.into()),
             Current::Reply(r) => Message::Reply(r.into()),
-        }
+            Current::Challenge(_) => {
+                return Err(EncodeError::NotInVersion("a challenge", "ballast/1"))
+            }
+            Current::Proof(_) => return Err(EncodeError::NotInVersion("a proof", "ballast/1")),
+        })
     }
 }
 
@@ -171,7 +179,7 @@ pub fn decode_raw(bytes: &[u8]) -> Result<Message, DecodeError> {
 
 /// Encodes today's message in the previous protocol, translating what changed.
 pub fn encode(msg: &Current) -> Result<Vec<u8>, EncodeError> {
-    encode_raw(&Message::from(msg))
+    encode_raw(&Message::try_from(msg)?)
 }
 
 /// Decodes a message of the previous protocol into today's, translating what changed.

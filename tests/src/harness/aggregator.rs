@@ -94,6 +94,10 @@ pub struct AggregatorOpts {
     /// `BALLAST_PROTOCOL`: the agent protocol versions it accepts (`previous` stands
     /// for an aggregator of the previous release); default: every version.
     pub protocol: Option<String>,
+    /// The authorization policy file's text (`[authorization] policy`), written next
+    /// to the aggregator's other files; joined with any `[authorization]` table of
+    /// `config_toml`.
+    pub policy_toml: Option<String>,
 }
 
 impl Default for AggregatorOpts {
@@ -111,6 +115,7 @@ impl Default for AggregatorOpts {
             netns: None,
             cluster: None,
             protocol: None,
+            policy_toml: None,
         }
     }
 }
@@ -157,6 +162,19 @@ impl AggregatorOpts {
     pub fn protocol(mut self, choice: &str) -> Self {
         self.protocol = Some(choice.to_string());
         self
+    }
+
+    /// With the policy `policy` (the text of its file).
+    pub fn policy(mut self, policy: &str) -> Self {
+        self.policy_toml = Some(policy.to_string());
+        self
+    }
+
+    /// Accepting the trunks of the relays whose certificates match `patterns` (the
+    /// policy's `relays`; without it no relay is accepted).
+    pub fn relays(self, patterns: &[&str]) -> Self {
+        let list: Vec<String> = patterns.iter().map(|p| format!("{p:?}")).collect();
+        self.policy(&format!("relays = [{}]\n", list.join(", ")))
     }
 
     /// As replica `replica` of cluster `name` (with [`AggregatorOpts::etcd`]).
@@ -287,7 +305,21 @@ impl Aggregator {
         if self.opts.log_json {
             cmd.arg("--log-json");
         }
-        if let Some(toml) = &self.opts.config_toml {
+        let mut toml = self.opts.config_toml.clone();
+        if let Some(policy) = &self.opts.policy_toml {
+            let path = self.dir.path().join("policy.toml");
+            std::fs::write(&path, policy).expect("write policy.toml");
+            let line = format!("policy = {path:?}\n");
+            let text = toml.unwrap_or_default();
+            toml = Some(match text.find("[authorization]\n") {
+                Some(at) => {
+                    let end = at + "[authorization]\n".len();
+                    format!("{}{line}{}", &text[..end], &text[end..])
+                }
+                None => format!("{text}\n[authorization]\n{line}"),
+            });
+        }
+        if let Some(toml) = &toml {
             let path = self.dir.path().join("aggregator.toml");
             std::fs::write(&path, toml).expect("write aggregator.toml");
             cmd.arg("--config").arg(path);

@@ -21,4 +21,5 @@ pub mod ports;
 pub mod process;
 pub mod quic;
 pub mod relay;
+pub mod trunk;
 pub mod wait;

@@ -15,8 +15,40 @@ use std::sync::Arc;
 const LOCALHOST: [u8; 4] = [127, 0, 0, 1];
 const WAIT: Duration = Duration::from_secs(5);
 
+/// The keys of the certificates the tests issued, by their leaf (DER): the agents'
+/// proofs are made with them.
+static KEYS: std::sync::Mutex<Vec<(Vec<u8>, Key)>> = std::sync::Mutex::new(Vec::new());
+
+/// A certificate's signing key.
+type Key = Arc<dyn ballast_shared::session::proof::SigningKey>;
+
+/// The chain of `pem`, leaf first (DER), its key kept for the agent's proofs.
+fn chain_from(pem: &ballast_shared::pki::Pem) -> Vec<Vec<u8>> {
+    let identity = pem.identity("test").expect("identity");
+    let key = ballast_shared::session::proof::signing_key(&identity.key).expect("key");
+    let chain: Vec<Vec<u8>> = identity.chain.iter().map(|c| c.to_vec()).collect();
+    if let Some(leaf) = chain.first() {
+        KEYS.lock().expect("keys").push((leaf.clone(), key));
+    }
+    chain
+}
+
+/// The key of the certificate whose leaf is `leaf`.
+fn key_of(leaf: &[u8]) -> Option<Key> {
+    let keys = KEYS.lock().expect("keys");
+    keys.iter().find(|(l, _)| l == leaf).map(|(_, k)| k.clone())
+}
+
+/// A policy file that accepts the relays `relay-*`, and `extra`.
+fn policy(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
+    let path = dir.join("policy.toml");
+    std::fs::write(&path, format!("relays = [\"relay-*\"]\n{extra}")).expect("policy");
+    path
+}
+
 /// An aggregator's QUIC server on a port of its own, serving its own balancer.
 struct Primary {
+    _dir: tempfile::TempDir,
     ca: Ca,
     ca_certs: Vec<CertificateDer<'static>>,
     addr: SocketAddr,
@@ -35,7 +67,11 @@ impl Primary {
     }
 
     /// A primary whose certificates come from `ca`.
-    async fn start_from(ca: Ca, cfg: crate::config::Config, interval_ms: u32) -> Primary {
+    async fn start_from(ca: Ca, mut cfg: crate::config::Config, interval_ms: u32) -> Primary {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        if cfg.authorization.policy.is_none() {
+            cfg.authorization.policy = Some(policy(dir.path(), ""));
+        }
         let server = ca
             .issue_server(&["localhost".to_string()])
             .expect("server certificate");
@@ -62,6 +98,7 @@ impl Primary {
         let local = Arc::new(Local::new(state, &ingest));
         tokio::spawn(serve(endpoint.clone(), metrics.clone(), ingest, local));
         Primary {
+            _dir: dir,
             ca,
             ca_certs,
             addr,
@@ -115,8 +152,7 @@ impl Primary {
 /// The leaf of node `node`'s certificate from `ca`, for service `web` (DER).
 fn chain_of(ca: &Ca, node: &str) -> Vec<Vec<u8>> {
     let issued = ca.issue_node(node, &["web".to_string()]).expect("node");
-    let certs = ballast_shared::tls::certs_from_pem(&issued.pem.cert, "node").expect("leaf");
-    certs.into_iter().map(|c| c.to_vec()).collect()
+    chain_from(&issued.pem)
 }
 
 fn hello(node: &str, port: u16) -> Vec<u8> {
@@ -154,15 +190,12 @@ struct Relay {
 
 impl Relay {
     async fn open(primary: &Primary) -> Relay {
-        let conn = primary
-            .connect(primary.relay_identity("relay-1"), RELAY_ALPN)
-            .await
-            .expect("handshake");
-        let (mut send, recv) = conn.open_bi().await.expect("control stream");
-        let client = TrunkClient::new(TrunkClientConfig::new("relay-1"));
-        send.write_all(&client.open_frame().expect("open"))
-            .await
-            .expect("sent");
+        Relay::open_as(primary, RELAY_ALPN).await
+    }
+
+    /// A trunk of version `alpn`, opened by relay-1.
+    async fn open_as(primary: &Primary, alpn: &[u8]) -> Relay {
+        let (conn, send, recv, client) = Relay::dial(primary, "relay-1", alpn).await;
         let mut relay = Relay {
             conn,
             send,
@@ -180,6 +213,32 @@ impl Relay {
             other => panic!("not opened: {other:?}"),
         }
         relay
+    }
+
+    /// A connection with relay-1's certificate, and its open sent naming it `name`.
+    async fn dial(
+        primary: &Primary,
+        name: &str,
+        alpn: &[u8],
+    ) -> (
+        quinn::Connection,
+        quinn::SendStream,
+        quinn::RecvStream,
+        TrunkClient,
+    ) {
+        let conn = primary
+            .connect(primary.relay_identity("relay-1"), alpn)
+            .await
+            .expect("handshake");
+        let (mut send, recv) = conn.open_bi().await.expect("control stream");
+        let client = TrunkClient::new(TrunkClientConfig {
+            protocol: TrunkProtocol::from_alpn(alpn).expect("a trunk version"),
+            ..TrunkClientConfig::new(name)
+        });
+        send.write_all(&client.open_frame().expect("open"))
+            .await
+            .expect("sent");
+        (conn, send, recv, client)
     }
 
     /// The next control events.
@@ -201,15 +260,45 @@ impl Relay {
         }
     }
 
+    /// Attaches an agent whose proof is made with its own key, as an honest relay
+    /// hands it on: what the primary answered.
     async fn attach(&mut self, hello: &[u8], chain: Vec<Vec<u8>>) -> TrunkClientEvent {
+        let key = chain.first().and_then(|leaf| key_of(leaf));
+        self.attach_signed(hello, chain, key).await
+    }
+
+    /// Attaches an agent of `hello` and `chain`, the primary's challenge answered
+    /// with a proof by `key` (none: no proof): what the primary answered at last.
+    async fn attach_signed(
+        &mut self,
+        hello: &[u8],
+        chain: Vec<Vec<u8>>,
+        key: Option<Key>,
+    ) -> TrunkClientEvent {
         let (_, frame) = self
             .client
             .attach(Instant::now(), hello, chain, IpAddr::from(LOCALHOST))
             .expect("attach");
         self.send.write_all(&frame).await.expect("sent");
-        let mut events = self.events().await;
-        assert_eq!(events.len(), 1, "{events:?}");
-        events.remove(0)
+        loop {
+            let mut events = self.events().await;
+            assert_eq!(events.len(), 1, "{events:?}");
+            match events.remove(0) {
+                TrunkClientEvent::Challenged { slot, challenge } => {
+                    let said = match ballast_shared::wire::decode(hello.get(2..).expect("framed")) {
+                        Ok(Message::Hello(h)) => h,
+                        other => panic!("not a hello: {other:?}"),
+                    };
+                    let proof = key.as_ref().map(|k| {
+                        ballast_shared::session::proof::sign(k.as_ref(), &challenge, &said)
+                            .expect("signs")
+                    });
+                    let frame = self.client.prove(slot, proof).expect("proof frame");
+                    self.send.write_all(&frame).await.expect("sent");
+                }
+                other => return other,
+            }
+        }
     }
 }
 
@@ -291,11 +380,7 @@ async fn a_relay_attaches_agents_and_hears_their_weights_and_bad_attaches_are_re
     let relay_chain = {
         let spec = RelaySpec::new("relay-2", Duration::from_secs(3600)).expect("spec");
         let issued = primary.ca.issue_relay(&spec).expect("relay");
-        ballast_shared::tls::certs_from_pem(&issued.pem.cert, "relay")
-            .expect("leaf")
-            .into_iter()
-            .map(|c| c.to_vec())
-            .collect()
+        chain_from(&issued.pem)
     };
     match relay.attach(&hello("relay-2", 8092), relay_chain).await {
         TrunkClientEvent::Rejected { .. } => {}
@@ -538,7 +623,7 @@ async fn a_relay_that_shares_no_trunk_version_with_the_primary_is_refused_and_co
     }
     // A relay of a release that speaks only a version this one does not (one gone
     // before, or one to come) fails the handshake, which the primary counts.
-    for unknown in [&b"ballast-relay/0"[..], b"ballast-relay/2"] {
+    for unknown in [&b"ballast-relay/0"[..], b"ballast-relay/3"] {
         let err = primary
             .connect(primary.relay_identity("relay-1"), unknown)
             .await
@@ -591,4 +676,151 @@ fn refused_chains_are_told_apart() {
         code(Err(E::InvalidCertificate(C::BadEncoding))),
         Some((close::REJECTED, "bad_certificate"))
     );
+}
+
+#[tokio::test]
+async fn a_relay_with_only_a_nodes_public_certificate_cannot_attach_it() {
+    let primary = Primary::start().await;
+    let mut relay = Relay::open(&primary).await;
+    // An agent really behind the relay is admitted.
+    match relay
+        .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
+        .await
+    {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("not attached: {other:?}"),
+    }
+    // n2's node.pem is no secret; its key is. The relay signs with its own key.
+    let victim = chain_of(&primary.ca, "n2");
+    let own = {
+        let identity = primary.relay_identity("relay-1");
+        ballast_shared::session::proof::signing_key(&identity.key).expect("key")
+    };
+    for (key, reason) in [(Some(own), "bad_proof"), (None, "unproven")] {
+        match relay
+            .attach_signed(&hello("n2", 9999), victim.clone(), key)
+            .await
+        {
+            TrunkClientEvent::Rejected { reject, .. } => {
+                assert_eq!(reject.reason, RejectReason::IdentityMismatch);
+                assert!(reject.detail.contains("proof of possession"), "{reject:?}");
+            }
+            other => panic!("the forged attach was taken: {other:?}"),
+        }
+        assert_eq!(primary.rejected(reason), 1, "{reason}");
+    }
+    // The agent that proved is attached still, and the trunk open.
+    assert_eq!(primary.metrics.trunk_slots.get(), 1);
+    assert!(relay.client.is_open() && relay.conn.close_reason().is_none());
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+#[tokio::test]
+async fn unlisted_relays_and_relays_naming_themselves_falsely_are_refused() {
+    // A policy without `relays`: no relay is accepted.
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("none.toml");
+    std::fs::write(&path, "certificate_services = true\n").expect("policy");
+    let mut cfg = crate::config::Config::default();
+    cfg.authorization.policy = Some(path);
+    let primary = Primary::start_with(cfg, 1000).await;
+    let (conn, ..) = Relay::dial(&primary, "relay-1", RELAY_ALPN).await;
+    refused(&conn).await;
+    assert_eq!(primary.rejected("relay_not_allowed"), 1);
+    primary.endpoint.close(0u32.into(), b"done");
+
+    // A listed relay's certificate, and an open that names another relay.
+    let primary = Primary::start().await;
+    let (conn, _send, mut recv, mut client) = Relay::dial(&primary, "relay-9", RELAY_ALPN).await;
+    let mut buf = [0u8; 4096];
+    let n = tokio::time::timeout(WAIT, recv.read(&mut buf))
+        .await
+        .expect("in time")
+        .expect("read")
+        .expect("a frame");
+    match &client
+        .handle_control(buf.get(..n).expect("read"))
+        .expect("frames")[..]
+    {
+        [TrunkClientEvent::Closed(reject)] => {
+            assert!(reject.detail.contains("relay-9"), "{reject:?}")
+        }
+        other => panic!("not closed: {other:?}"),
+    }
+    refused(&conn).await;
+    assert_eq!(primary.rejected("relay_name_mismatch"), 1);
+    assert_eq!(primary.metrics.trunks_open.get(), 0);
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+#[tokio::test]
+async fn a_trunk_of_the_previous_version_admits_agents_only_when_the_policy_says_so() {
+    for admit in [false, true] {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let mut cfg = crate::config::Config::default();
+        cfg.authorization.policy = Some(policy(
+            dir.path(),
+            &format!("admit_unproven_relayed_agents = {admit}\n"),
+        ));
+        let primary = Primary::start_with(cfg, 1000).await;
+        let mut relay = Relay::open_as(&primary, TrunkProtocol::V1.alpn()).await;
+        let event = relay
+            .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
+            .await;
+        match (admit, event) {
+            (true, TrunkClientEvent::Attached { .. }) => {
+                assert_eq!(primary.metrics.trunk_unproven.get(), 1);
+            }
+            (false, TrunkClientEvent::Rejected { reject, .. }) => {
+                assert!(reject.detail.contains("ballast-relay/1"), "{reject:?}");
+                assert_eq!(primary.rejected("unproven"), 1);
+            }
+            (_, other) => panic!("admit_unproven {admit}: {other:?}"),
+        }
+        primary.endpoint.close(0u32.into(), b"done");
+    }
+}
+
+/// What a primary whose policy has the `[[relay]]` table `table` answers relay-1's
+/// attach of n1 (from 127.0.0.1, for service web); and how many it counted as
+/// `relay_scope`.
+async fn scoped_attach(table: &str) -> (TrunkClientEvent, u64) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let mut cfg = crate::config::Config::default();
+    cfg.authorization.policy = Some(policy(dir.path(), table));
+    let primary = Primary::start_with(cfg, 1000).await;
+    let mut relay = Relay::open(&primary).await;
+    let event = relay
+        .attach(&hello("n1", 8080), chain_of(&primary.ca, "n1"))
+        .await;
+    let counted = primary.rejected("relay_scope");
+    primary.endpoint.close(0u32.into(), b"done");
+    (event, counted)
+}
+
+#[tokio::test]
+async fn a_relay_table_bounds_the_networks_and_services_of_its_agents() {
+    let cases = [
+        (
+            "[[relay]]\nnames = [\"relay-1\"]\nnetworks = [\"10.0.0.0/8\"]\n",
+            Some(RejectReason::AddressNotAllowed),
+        ),
+        (
+            "[[relay]]\nnames = [\"relay-1\"]\nservices = [\"api\"]\nnetworks = [\"127.0.0.0/8\"]\n",
+            Some(RejectReason::ServiceNotAllowed),
+        ),
+        (
+            "[[relay]]\nnames = [\"relay-1\"]\nservices = [\"web\"]\nnetworks = [\"127.0.0.0/8\"]\n",
+            None,
+        ),
+    ];
+    for (table, refused) in cases {
+        match (scoped_attach(table).await, refused) {
+            ((TrunkClientEvent::Rejected { reject, .. }, 1), Some(reason)) => {
+                assert_eq!(reject.reason, reason, "{table}: {reject:?}")
+            }
+            ((TrunkClientEvent::Attached { .. }, 0), None) => {}
+            (other, _) => panic!("{table}: {other:?}"),
+        }
+    }
 }

@@ -100,6 +100,8 @@ impl Rig {
                 source: IpAddr::from(LOCALHOST),
                 down,
                 answer,
+                // This primary challenges no attach.
+                prover: crate::ingest::upstream::Prover::new().0,
             })
             .await
             .expect("the trunk takes commands");
@@ -180,6 +182,7 @@ async fn primary_script(
                         let _ = seen.send(Seen::Detach(slot));
                         continue;
                     }
+                    ToPrimary::Proof { .. } => continue,
                 };
                 let frame = encode_control(&reply).expect("frame");
                 if send.write_all(&frame).await.is_err() {
@@ -267,7 +270,7 @@ async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
     let ca_certs: Vec<CertificateDer<'static>> =
         ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
     // A primary of a release that speaks only a trunk version this relay does not.
-    let primary = primary_endpoint(&ca, &ca_certs, &[b"ballast-relay/2"]);
+    let primary = primary_endpoint(&ca, &ca_certs, &[b"ballast-relay/3"]);
     let addr = primary.local_addr().expect("address");
     tokio::spawn(async move {
         while let Some(incoming) = primary.accept().await {
@@ -279,7 +282,7 @@ async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
     let client = ballast_shared::tls::client_config_with_alpns(
         relay.pem.identity("relay").expect("identity"),
         &ca_certs,
-        &trunk_alpns(),
+        &trunk_alpns().expect("the trunk versions"),
     )
     .expect("client config");
     let endpoint = quinn::Endpoint::client(SocketAddr::from((LOCALHOST, 0))).expect("client");
@@ -290,7 +293,7 @@ async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
         .expect_err("no common trunk version");
     let text = dial_error(addr, &err);
     assert!(
-        text.contains("speaks none of the trunk protocols this relay offers (ballast-relay/1)"),
+        text.contains("speaks none of the trunk protocols this relay offers (ballast-relay/2, ballast-relay/1)"),
         "{text}"
     );
 }
