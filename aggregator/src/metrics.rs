@@ -4,7 +4,6 @@
 //! share) are read from the balancer when `/metrics` is scraped, so the two can never
 //! disagree.
 
-use crate::api::views::ServiceSummary;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{
@@ -541,7 +540,7 @@ impl Metrics {
 
     /// The registry in Prometheus text format with the per-service families of
     /// `services` (as of their last cycle), as `/metrics` serves it.
-    pub fn encode_with_services(&self, services: Vec<ServiceSummary>) -> String {
+    pub fn encode_with_services(&self, services: Vec<ServiceRow>) -> String {
         let _one = self.scrape.lock().unwrap_or_else(PoisonError::into_inner);
         self.service_families.set(Some(services));
         let out = self.encode();
@@ -569,8 +568,34 @@ impl EncodeLabelValue for Escaped<'_> {
     }
 }
 
+/// One service's figures for its `ballast_service_*` series, as of its last cycle
+/// (the API builds them from the same summary it serves).
+#[derive(Debug, Clone, Default)]
+pub struct ServiceRow {
+    /// The service.
+    pub name: String,
+    /// Known endpoints.
+    pub endpoints: usize,
+    /// Average load of fresh serving endpoints.
+    pub avg: f64,
+    /// Max over average load.
+    pub max_over_avg: f64,
+    /// 95th percentile over average load.
+    pub p95_over_avg: f64,
+    /// Share of endpoints not draining whose reports are stale.
+    pub missing_share: f64,
+    /// Endpoints whose in-flight count is set aside now.
+    pub inflight_distrusted: usize,
+    /// Times an endpoint's in-flight count was set aside.
+    pub inflight_distrusts: u64,
+    /// Cycles that stepped weights straight to the capacity estimate.
+    pub feed_forward_steps: u64,
+    /// Endpoints silent past `expire_ms` kept with their last weights.
+    pub expiry_held: usize,
+}
+
 /// A per-service gauge: its name (after `ballast_`), help, and value.
-type ServiceGauge<T> = (&'static str, &'static str, fn(&ServiceSummary) -> T);
+type ServiceGauge<T> = (&'static str, &'static str, fn(&ServiceRow) -> T);
 
 /// The per-service gauges with fractional values.
 const SERVICE_RATIOS: [ServiceGauge<f64>; 4] = [
@@ -633,11 +658,11 @@ const SERVICE_COUNTERS: [ServiceGauge<u64>; 2] = [
 /// with the API. Empty (not even described) outside such a scrape.
 #[derive(Debug, Clone, Default)]
 struct ServiceFamilies {
-    services: Arc<Mutex<Option<Vec<ServiceSummary>>>>,
+    services: Arc<Mutex<Option<Vec<ServiceRow>>>>,
 }
 
 impl ServiceFamilies {
-    fn set(&self, services: Option<Vec<ServiceSummary>>) {
+    fn set(&self, services: Option<Vec<ServiceRow>>) {
         *self.services.lock().unwrap_or_else(PoisonError::into_inner) = services;
     }
 }
@@ -696,17 +721,14 @@ pub fn tls_reload_counter(
 mod tests {
     use super::*;
 
-    fn summary(name: &str) -> ServiceSummary {
-        ServiceSummary {
+    fn summary(name: &str) -> ServiceRow {
+        ServiceRow {
             name: name.to_string(),
             endpoints: 3,
             avg: 0.5,
             max_over_avg: 1.25,
             p95_over_avg: 1.125,
             missing_share: 0.0,
-            cycles: 9,
-            version: 4,
-            last_skip: None,
             inflight_distrusted: 1,
             inflight_distrusts: 2,
             feed_forward_steps: 0,

@@ -357,11 +357,11 @@ async fn metrics(AxState(state): AxState<Arc<State>>) -> impl IntoResponse {
             .cluster_feed_behind_seconds
             .set(o.feed_behind().as_secs_f64());
     }
-    let summaries: Vec<views::ServiceSummary> = state
+    let summaries: Vec<crate::metrics::ServiceRow> = state
         .published()
         .services
         .values()
-        .map(|s| views::ServiceSummary::of(s))
+        .map(|s| views::ServiceSummary::of(s).into())
         .collect();
     let out = state.metrics.encode_with_services(summaries);
     (

@@ -101,6 +101,23 @@ pub struct ServiceSummary {
     pub expiry_held: usize,
 }
 
+impl From<ServiceSummary> for crate::metrics::ServiceRow {
+    fn from(s: ServiceSummary) -> Self {
+        crate::metrics::ServiceRow {
+            name: s.name,
+            endpoints: s.endpoints,
+            avg: s.avg,
+            max_over_avg: s.max_over_avg,
+            p95_over_avg: s.p95_over_avg,
+            missing_share: s.missing_share,
+            inflight_distrusted: s.inflight_distrusted,
+            inflight_distrusts: s.inflight_distrusts,
+            feed_forward_steps: s.feed_forward_steps,
+            expiry_held: s.expiry_held,
+        }
+    }
+}
+
 impl ServiceSummary {
     /// The summary of `svc`.
     pub fn of(svc: &PublishedService) -> Self {
