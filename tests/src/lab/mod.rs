@@ -24,7 +24,11 @@
 //! 4. degraded: part way through, one backend's handler stalls on a sleep instead of
 //!    burning CPU — low CPU, piling-up requests;
 //! 5. restart: one backend is drained, stopped, started again and undrained, under
-//!    load.
+//!    load;
+//! 6. the peers, what an HAProxy user would pick instead of Ballast ([`PEERS`]):
+//!    `balance leastconn` and `balance random(2)`, each in an HAProxy of its own over
+//!    the same servers with equal weights, first steady (runs 6 and 7, as runs 1–3),
+//!    then with the same stall as run 4 (runs 8 and 9).
 //!
 //! Every process is a harness [`Proc`] (killed on drop, and by the kernel if the lab's
 //! thread dies) and the cgroups are a [`Cgroups`] guard declared first, so dropped
@@ -77,6 +81,10 @@ pub const CONVERGENCE_WINDOW_S: f64 = 3.0;
 pub const CONVERGENCE_BAND: f64 = 1.05;
 /// The stalled backend's share of new requests that counts as steered away.
 pub const STALLED_SHARE: f64 = 0.03;
+/// What an HAProxy user would pick instead of Ballast, as (run name, `balance`
+/// algorithm): each runs in an HAProxy of its own over the same servers, with equal
+/// weights and no agent-check, steady and then with run 4's stall.
+pub const PEERS: [(&str, &str); 2] = [("leastconn", "leastconn"), ("random2", "random(2)")];
 
 /// What the lab runs, and for how long.
 #[derive(Debug, Clone)]
@@ -386,6 +394,9 @@ pub struct Degraded {
     /// Latency of the requests due from the reaction time on that the other backends
     /// served.
     pub others: Summary,
+    /// Latency of every request due from the reaction time on: what the service's
+    /// clients saw, the stalled backend's answers included.
+    pub all: Summary,
 }
 
 /// What the restart run showed.
@@ -414,7 +425,7 @@ pub struct LabResult {
     pub calibration: Calibration,
     /// The oracle's HAProxy weights, by backend.
     pub oracle_weights: Vec<u32>,
-    /// The five runs.
+    /// The runs, in order: five of Ballast's scenario, then the peers'.
     pub runs: Vec<RunResult>,
     /// Run 3's saturated start.
     pub saturation: Saturation,
@@ -422,6 +433,8 @@ pub struct LabResult {
     pub convergence: Convergence,
     /// Run 4.
     pub degraded: Degraded,
+    /// The stall under each of [`PEERS`], by run name, in their order.
+    pub peer_degraded: Vec<(&'static str, Degraded)>,
     /// Run 5.
     pub restart: Restart,
     /// Every sample, on the lab's clock.
@@ -626,6 +639,35 @@ fn hap_set_weights(hap: &Haproxy, names: &[String], weights: &[u32]) {
     );
 }
 
+/// HAProxy's process id, from its runtime API.
+fn hap_pid(hap: &Haproxy) -> u32 {
+    hap.command("show info")
+        .lines()
+        .find_map(|l| l.strip_prefix("Pid: "))
+        .and_then(|p| p.trim().parse().ok())
+        .expect("HAProxy's pid in `show info`")
+}
+
+/// Waits until `hap` (running `what`) shows every server up.
+fn wait_all_up(hap: &Haproxy, names: &[String], what: &str) {
+    wait_for(
+        Duration::from_secs(15),
+        &format!("HAProxy {what} to show every server up"),
+        || {
+            let st = hap.show_servers_state();
+            let down: Vec<&String> = names
+                .iter()
+                .filter(|n| st.get(*n).is_none_or(|s| s.op_state != OP_RUNNING))
+                .collect();
+            if down.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("not up: {down:?}"))
+            }
+        },
+    );
+}
+
 /// The oracle's weights: proportional to the quotas, 100 on average. The quotas are
 /// the backends' true capacities: every backend runs the same code, so a request costs
 /// the same CPU on each at the same utilization, which is what these weights give
@@ -717,15 +759,30 @@ pub fn run(plan: &Plan) -> LabResult {
     );
     // Runs 1 and 2 use static weights: no agent may move one.
     hap_all(&hap, &names, "disable agent");
-    let hap_pid: u32 = hap
-        .command("show info")
-        .lines()
-        .find_map(|l| l.strip_prefix("Pid: "))
-        .and_then(|p| p.trim().parse().ok())
-        .expect("HAProxy's pid in `show info`");
     cgroups
-        .attach(&infra, hap_pid)
+        .attach(&infra, hap_pid(&hap))
         .unwrap_or_else(|e| panic!("{e}"));
+    // What users would pick instead: an HAProxy of its own for each algorithm, over the
+    // same servers, with equal weights that no agent moves.
+    let peers: Vec<Haproxy> = PEERS
+        .iter()
+        .map(|(_, balance)| {
+            let peer = Haproxy::start(
+                0,
+                &servers,
+                &HaproxyOpts {
+                    agent_inter_ms: plan.agent_inter_ms,
+                    balance: (*balance).to_string(),
+                    ..HaproxyOpts::default()
+                },
+            );
+            hap_all(&peer, &names, "disable agent");
+            cgroups
+                .attach(&infra, hap_pid(&peer))
+                .unwrap_or_else(|e| panic!("{e}"));
+            peer
+        })
+        .collect();
 
     let targets: Vec<sampler::Target> = backends
         .iter()
@@ -853,16 +910,23 @@ pub fn run(plan: &Plan) -> LabResult {
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i);
-        let stall_url = |ms: u64| format!("http://{}/admin/stall?ms={ms}", backends[k].addr);
-        let h = open_loop(frontend, Mode::Open { rate }, plan.degraded.0);
-        let start = since(epoch, h.started());
-        sleep_until(h.started() + plan.degraded.1);
-        http.post(&stall_url(plan.stall_ms))
-            .unwrap_or_else(|e| panic!("stall {}: {e}", names[k]));
-        let stalled_at = now() - start;
-        let run4 = h.join().expect("run 4");
-        http.post(&stall_url(0))
-            .unwrap_or_else(|e| panic!("unstall {}: {e}", names[k]));
+        let stalled_addr = backends[k].addr;
+        let stall_url = |ms: u64| format!("http://{stalled_addr}/admin/stall?ms={ms}");
+        // One run with backend k stalled part way: its start, requests, and when the
+        // stall began in its seconds.
+        let stalled_run = |frontend: SocketAddr, what: &str| {
+            let h = open_loop(frontend, Mode::Open { rate }, plan.degraded.0);
+            let start = since(epoch, h.started());
+            sleep_until(h.started() + plan.degraded.1);
+            http.post(&stall_url(plan.stall_ms))
+                .unwrap_or_else(|e| panic!("stall {}: {e}", names[k]));
+            let stalled_at = now() - start;
+            let run = h.join().expect(what);
+            http.post(&stall_url(0))
+                .unwrap_or_else(|e| panic!("unstall {}: {e}", names[k]));
+            (start, run, stalled_at)
+        };
+        let (start, run4, stalled_at) = stalled_run(frontend, "run 4");
         runs.push((start, run4));
         eprintln!("run 4 (degraded) done at {:.0} s", now());
 
@@ -925,6 +989,28 @@ pub fn run(plan: &Plan) -> LabResult {
         runs.push((start, h.join().expect("run 5")));
         eprintln!("run 5 (restart) done at {:.0} s", now());
 
+        // Runs 6–9: the peers, steady and then stalled, each once every server is up
+        // in its HAProxy (run 5 restarted one).
+        for ((name, _), peer) in PEERS.iter().zip(&peers) {
+            wait_all_up(peer, &names, name);
+            let h = open_loop(peer.frontend(), Mode::Open { rate }, plan.rr.0);
+            let start = since(epoch, h.started());
+            runs.push((start, h.join().expect(name)));
+            eprintln!("run {} (HAProxy {name}) done at {:.0} s", runs.len(), now());
+        }
+        let mut peer_stalled = Vec::new();
+        for ((name, _), peer) in PEERS.iter().zip(&peers) {
+            wait_all_up(peer, &names, name);
+            let (start, run, stalled_at) = stalled_run(peer.frontend(), name);
+            runs.push((start, run));
+            peer_stalled.push(stalled_at);
+            eprintln!(
+                "run {} (HAProxy {name}, degraded) done at {:.0} s",
+                runs.len(),
+                now()
+            );
+        }
+
         // One more sample, so that the last run's tail is measured.
         std::thread::sleep(plan.sample_every + Duration::from_millis(100));
         drop(guard);
@@ -937,11 +1023,13 @@ pub fn run(plan: &Plan) -> LabResult {
             runs,
             saturation: (smallest, surge_rate, start_weights),
             stalled: (k, stalled_at),
+            peer_stalled,
             restart: (j, marks),
             samples,
         }
     });
     drop(hap);
+    drop(peers);
     let result = analyse(plan, layout.name(), names, raw, host, started);
     eprintln!("lab ({}) took {:.0} s", plan.name, result.seconds);
     result
@@ -957,6 +1045,8 @@ struct Raw {
     saturation: (usize, f64, Vec<Option<u32>>),
     /// The stalled backend and when, in run 4's seconds.
     stalled: (usize, f64),
+    /// When it stalled in each peer's stalled run, in that run's seconds.
+    peer_stalled: Vec<f64>,
     /// The restarted backend and run 5's marks.
     restart: (usize, [f64; 5]),
     samples: Vec<Sample>,
@@ -992,6 +1082,62 @@ fn share(run: &LoadRun, name: &str, from: f64, to: f64) -> f64 {
     s.by_backend.get(name).copied().unwrap_or(0) as f64 / (s.ok.max(1)) as f64
 }
 
+/// What a run with backend `k` (named `name`) stalled from `at` (run seconds) showed:
+/// `start` is the run's start on the lab's clock, `rate` the offered rate.
+#[allow(clippy::too_many_arguments)]
+fn degraded_of(
+    plan: &Plan,
+    samples: &[Sample],
+    name: &str,
+    k: usize,
+    at: f64,
+    start: f64,
+    run: &LoadRun,
+    rate: f64,
+) -> Degraded {
+    let n = plan.quotas.len();
+    let late = at + plan.degraded.2.as_secs_f64();
+    let end = plan.degraded.0.as_secs_f64();
+    let before = sampler::inflight(samples, k, start, start + at);
+    let after_late = sampler::inflight(samples, k, start + late, start + end);
+    let share_before = share(run, name, 0.0, at);
+    let mut share_by_second = Vec::new();
+    let mut b = at;
+    while b + 0.5 <= end {
+        share_by_second.push(share(run, name, b, (b + 1.0).min(end)));
+        b += 1.0;
+    }
+    let share_low_after = (0..share_by_second.len())
+        .find(|&i| share_by_second[i..].iter().all(|v| *v < STALLED_SHARE))
+        .map(|i| i as f64);
+    let stalled_peak = |from: f64| {
+        sampler::peak(samples, start + from, start + end, |s| s.inflight_peak[k]).unwrap_or(0)
+    };
+    Degraded {
+        backend: k,
+        at,
+        share: (share_before, share(run, name, late, end)),
+        share_by_second,
+        share_low_after,
+        inflight_mean: (
+            mean(before.iter().map(|&v| f64::from(v))),
+            mean(after_late.iter().map(|&v| f64::from(v))),
+        ),
+        inflight_max: stalled_peak(at),
+        inflight_max_late: stalled_peak(late),
+        flood_at_old_share: share_before * rate * plan.stall_ms as f64 / 1000.0,
+        cpu_late: sampler::mean_util(samples, n, start + late, start + end)
+            .get(k)
+            .copied()
+            .unwrap_or(0.0),
+        others: summarize(
+            run.window(late, end)
+                .filter(|o| o.backend.as_deref() != Some(name)),
+        ),
+        all: summarize(run.window(late, end)),
+    }
+}
+
 fn analyse(
     plan: &Plan,
     layout: &str,
@@ -1006,7 +1152,7 @@ fn analyse(
     let rate = calibration.offered;
     let step = plan.sample_every.as_secs_f64();
 
-    let specs: [(&'static str, &'static str, Duration, Duration); 5] = [
+    let specs: [(&'static str, &'static str, Duration, Duration); 9] = [
         ("rr", "1. round robin", plan.rr.0, plan.rr.1),
         ("oracle", "2. oracle", plan.oracle.0, plan.oracle.1),
         ("ballast", "3. Ballast", plan.ballast.0, plan.ballast.1),
@@ -1020,6 +1166,20 @@ fn analyse(
             "restart",
             "5. stop and restart",
             plan.restart.0,
+            Duration::ZERO,
+        ),
+        ("leastconn", "6. HAProxy leastconn", plan.rr.0, plan.rr.1),
+        ("random2", "7. HAProxy random(2)", plan.rr.0, plan.rr.1),
+        (
+            "leastconn_degraded",
+            "8. leastconn, degraded backend",
+            plan.degraded.0,
+            Duration::ZERO,
+        ),
+        (
+            "random2_degraded",
+            "9. random(2), degraded backend",
+            plan.degraded.0,
             Duration::ZERO,
         ),
     ];
@@ -1125,46 +1285,17 @@ fn analyse(
     };
 
     let (k, at) = raw.stalled;
-    let (start4, run4) = &raw.runs[3];
-    let late = at + plan.degraded.2.as_secs_f64();
-    let end4 = plan.degraded.0.as_secs_f64();
-    let before = sampler::inflight(&samples, k, *start4, start4 + at);
-    let after_late = sampler::inflight(&samples, k, start4 + late, start4 + end4);
-    let share_before = share(run4, &names[k], 0.0, at);
-    let mut share_by_second = Vec::new();
-    let mut b = at;
-    while b + 0.5 <= end4 {
-        share_by_second.push(share(run4, &names[k], b, (b + 1.0).min(end4)));
-        b += 1.0;
-    }
-    let share_low_after = (0..share_by_second.len())
-        .find(|&i| share_by_second[i..].iter().all(|v| *v < STALLED_SHARE))
-        .map(|i| i as f64);
-    let stalled_peak = |from: f64| {
-        sampler::peak(&samples, start4 + from, start4 + end4, |s| {
-            s.inflight_peak[k]
-        })
-        .unwrap_or(0)
+    let stalled = |(start, run): &(f64, LoadRun), at: f64| {
+        degraded_of(plan, &samples, &names[k], k, at, *start, run, rate)
     };
-    let degraded = Degraded {
-        backend: k,
-        at,
-        share: (share_before, share(run4, &names[k], late, end4)),
-        share_by_second,
-        share_low_after,
-        inflight_mean: (
-            mean(before.iter().map(|&v| f64::from(v))),
-            mean(after_late.iter().map(|&v| f64::from(v))),
-        ),
-        inflight_max: stalled_peak(at),
-        inflight_max_late: stalled_peak(late),
-        flood_at_old_share: share_before * rate * plan.stall_ms as f64 / 1000.0,
-        cpu_late: sampler::mean_util(&samples, n, start4 + late, start4 + end4)[k],
-        others: summarize(
-            run4.window(late, end4)
-                .filter(|o| o.backend.as_deref() != Some(names[k].as_str())),
-        ),
-    };
+    let degraded = stalled(&raw.runs[3], at);
+    // Runs 8 and 9: the peers' stalls, after their steady runs 6 and 7.
+    let peer_degraded = PEERS
+        .iter()
+        .zip(&raw.peer_stalled)
+        .zip(raw.runs.iter().skip(5 + PEERS.len()))
+        .map(|(((name, _), at), run)| (*name, stalled(run, *at)))
+        .collect();
 
     let (j, marks) = raw.restart;
     let (_, run5) = &raw.runs[4];
@@ -1190,6 +1321,7 @@ fn analyse(
         saturation,
         convergence,
         degraded,
+        peer_degraded,
         restart,
         samples,
         host,

@@ -648,6 +648,66 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         rs.whole.requests,
     );
 
+    let _ = writeln!(
+        out,
+        "### 6.–9. What users would pick instead\n\n\
+         An HAProxy user without Ballast would pick `balance leastconn` or `balance \
+         random(2)` (the least loaded of two random servers) rather than static weights. \
+         Each ran in an HAProxy of its own over the same servers, equal weights, in this \
+         lab run: steady as runs 1–3, then with run 4's stall (from {:.0} s, measured from \
+         {:.0} s after it).\n\n\
+         | balancer | steady max/avg | steady p99 ms | stalled backend's share | its share \
+         stayed below {:.0} % from | service p99 ms | other backends' p99 ms | errors / \
+         requests |\n|---|---|---|---|---|---|---|---|",
+        d.at,
+        p.degraded.2.as_secs_f64(),
+        STALLED_SHARE * 100.0,
+    );
+    let stall_cells = |d: &super::Degraded, run: &RunResult| {
+        format!(
+            "{:.1} % | {} | {:.0} | {:.0} | {} / {}",
+            d.share.1 * 100.0,
+            d.share_low_after
+                .map_or("never".to_string(), |t| format!("{t:.0} s")),
+            d.all.p99_ms,
+            d.others.p99_ms,
+            run.whole.errors,
+            run.whole.requests
+        )
+    };
+    for (title, steady, stalled) in [
+        ("round robin", rr, None),
+        ("oracle (static weights ∝ quotas)", or, None),
+        ("Ballast, shipped defaults", ba, Some((d, dg))),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {title} | {:.3} | {:.0} | {} |",
+            steady.spread.max_over_avg,
+            steady.load.p99_ms,
+            stalled.map_or("– | – | – | – | –".to_string(), |(d, run)| {
+                stall_cells(d, run)
+            })
+        );
+    }
+    for ((name, balance), (_, pd)) in super::PEERS.iter().zip(&r.peer_degraded) {
+        let steady = r.run(name);
+        let run = r.run(&format!("{name}_degraded"));
+        let _ = writeln!(
+            out,
+            "| HAProxy `{balance}` | {:.3} | {:.0} | {} |",
+            steady.spread.max_over_avg,
+            steady.load.p99_ms,
+            stall_cells(pd, run)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nThe service's p99 counts every request due in the measured phase, the stalled \
+         backend's answers included: while it keeps even 1 % of the requests, its stall \
+         is the service's p99.\n"
+    );
+
     let cost = |run: &RunResult| {
         let cores: f64 = run.util.iter().zip(&p.quotas).map(|(u, q)| u * q).sum();
         cores * 1000.0 / c.offered.max(1e-9)
