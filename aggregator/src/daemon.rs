@@ -282,9 +282,14 @@ impl Daemon {
                 let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .map_err(bind_error)?;
+                let inputs = crate::feed::xds::Inputs {
+                    publications: state.subscribe(),
+                    limits: (&state.limits).into(),
+                    metrics: state.metrics.xds.clone(),
+                };
                 let server = crate::feed::xds::XdsServer::start_supervised(
                     listener,
-                    state.clone(),
+                    inputs,
                     cfg.xds_lb_policy,
                     xds_tls,
                     &supervisor,

@@ -8,7 +8,7 @@ use super::resources::{
     split_assignment, EndpointInput, ResourceType, ServiceResources, Snapshot,
     LOCALITY_WEIGHT_TOTAL, RING_SIZE, ZONE_WEIGHT_TOTAL,
 };
-use super::{LbPolicy, XdsServer};
+use super::{Inputs, LbPolicy, XdsServer};
 use crate::clock::Clock;
 use crate::config::locality::{Localities, LocalitySplit};
 use crate::metrics::XdsResource;
@@ -1233,6 +1233,15 @@ fn state() -> (Arc<State>, tempfile::TempDir) {
     (Arc::new(State::new(balancer, store, clock, 1000)), dir)
 }
 
+/// What the daemon gives the feed of `state`: its publications, limits and counters.
+fn inputs(state: &State) -> Inputs {
+    Inputs {
+        publications: state.subscribe(),
+        limits: (&state.limits).into(),
+        metrics: state.metrics.xds.clone(),
+    }
+}
+
 impl Harness {
     async fn start(endpoints: &[(&str, &str)]) -> Harness {
         let zoned: Vec<(&str, &str, &str)> =
@@ -1255,7 +1264,7 @@ impl Harness {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let server = XdsServer::start(listener, state.clone(), LbPolicy::RingHash).expect("start");
+        let server = XdsServer::start(listener, inputs(&state), LbPolicy::RingHash).expect("start");
         Harness {
             state,
             server,
@@ -1266,7 +1275,8 @@ impl Harness {
     fn nacks(&self) -> u64 {
         self.state
             .metrics
-            .xds_nacks
+            .xds
+            .nacks
             .get_or_create(&XdsResource::of("endpoints"))
             .get()
     }
@@ -1302,7 +1312,8 @@ impl Harness {
     fn pushes(&self, t: ResourceType) -> u64 {
         self.state
             .metrics
-            .xds_pushes
+            .xds
+            .pushes
             .get_or_create(&XdsResource::of(t.label()))
             .get()
     }
@@ -1514,7 +1525,8 @@ async fn nack_is_counted_the_client_keeps_its_version_and_the_next_one_is_served
     let pushes = h
         .state
         .metrics
-        .xds_pushes
+        .xds
+        .pushes
         .get_or_create(&XdsResource::of("endpoints"))
         .get();
     assert_eq!(pushes, 6, "r1, rb, again, back, r2, rb2");
@@ -1750,14 +1762,15 @@ async fn limited(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
-    let server = XdsServer::start(listener, state.clone(), LbPolicy::RingHash).expect("start");
+    let server = XdsServer::start(listener, inputs(&state), LbPolicy::RingHash).expect("start");
     (server, state, dir)
 }
 
 fn refused(state: &State, reason: &str) -> u64 {
     state
         .metrics
-        .xds_refused
+        .xds
+        .refused
         .get_or_create(&crate::metrics::Reason {
             reason: reason.to_string(),
         })
@@ -1821,7 +1834,7 @@ async fn what_a_stream_keeps_is_bounded_node_names_and_bytes() {
     b.send(ResourceType::Endpoints, &long_names[..7], "", "", None)
         .await;
     let _ = b.recv().await;
-    assert!(state.metrics.xds_stream_bytes.get() >= 7 * 200);
+    assert!(state.metrics.xds.stream_bytes.get() >= 7 * 200);
     b.send(ResourceType::Cluster, &long_names[7..], "", "", None)
         .await;
     assert_eq!(b.ended().await.code(), tonic::Code::ResourceExhausted);
@@ -1830,11 +1843,11 @@ async fn what_a_stream_keeps_is_bounded_node_names_and_bytes() {
     // Everything kept is given back with the streams.
     drop((long, zone, c, b));
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while state.metrics.xds_stream_bytes.get() != 0 {
+    while state.metrics.xds.stream_bytes.get() != 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "stream bytes left: {}",
-            state.metrics.xds_stream_bytes.get()
+            state.metrics.xds.stream_bytes.get()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -1880,7 +1893,7 @@ async fn streams_and_connections_are_capped_per_source_and_in_all() {
     drop(held);
     drop(channel);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while state.metrics.xds_connections.get() != 0 {
+    while state.metrics.xds.connections.get() != 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "connections left open"
@@ -1917,7 +1930,7 @@ async fn streams_and_connections_are_capped_per_source_and_in_all() {
     let (e_closed, _e) = closed(from([127, 0, 0, 3]).await).await;
     assert!(e_closed, "a fourth connection was kept past the cap in all");
     assert_eq!(refused(&state, "connections"), 1);
-    assert_eq!(state.metrics.xds_connections.get(), 3);
+    assert_eq!(state.metrics.xds.connections.get(), 3);
     let (a_closed, _a) = closed(a).await;
     assert!(!a_closed, "a connection under the caps was closed");
     drop(b);
