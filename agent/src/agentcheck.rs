@@ -96,15 +96,22 @@ mod tests {
         Arc::new(Shared::new(AgentConfig::default()))
     }
 
+    /// An assignment of `weight`, as a reply carries it.
+    fn assignment(weight: f64) -> ballast_shared::session::Assignment {
+        ballast_shared::session::Assignment {
+            weight,
+            cycle: 1,
+            draining: false,
+            load: 0.5,
+            inflight_trusted: true,
+        }
+    }
+
     #[test]
     fn replies_follow_weight_drain_and_staleness() {
         let sh = shared();
         assert_eq!(reply(&sh), "ready up 100%\n", "no weight yet: the mean");
-        sh.update(|s| {
-            s.weight = Some(1.5);
-            s.weight_unix_ms = Some(ballast_shared::unix_ms());
-            s.weight_at = Some(Instant::now());
-        });
+        sh.publish_assignment(assignment(1.5));
         assert_eq!(reply(&sh), "ready up 150%\n");
         sh.draining.store(true, Ordering::Relaxed);
         assert_eq!(reply(&sh), "drain\n");
@@ -127,8 +134,8 @@ mod tests {
         let arrived = Instant::now();
         let hour = 3_600_000;
         for stamp in [0, ballast_shared::unix_ms() + hour, u64::MAX] {
+            sh.publish_assignment(assignment(1.5));
             sh.update(|s| {
-                s.weight = Some(1.5);
                 s.weight_unix_ms = Some(stamp);
                 s.weight_at = Some(arrived);
             });
@@ -172,10 +179,7 @@ mod tests {
     #[tokio::test]
     async fn answers_one_line_per_connection() {
         let sh = shared();
-        sh.update(|s| {
-            s.weight = Some(0.42);
-            s.weight_at = Some(Instant::now());
-        });
+        sh.publish_assignment(assignment(0.42));
         let listener = bind("127.0.0.1:0".parse().expect("addr"))
             .await
             .expect("bind");

@@ -529,19 +529,10 @@ fn rejection_of(e: &SessionError, target: &str) -> Option<crate::status::Rejecti
     })
 }
 
-/// Keeps what the aggregator assigned: in the status, and published to every
-/// subscriber (the synthetic source follows its weight).
+/// Keeps what the aggregator assigned, published to every subscriber (the status
+/// shows it; the synthetic source follows its weight).
 pub(crate) fn assigned(shared: &Shared, a: Assignment) {
     shared.publish_assignment(a);
-    shared.update(|st| {
-        st.weight = Some(a.weight);
-        st.weight_cycle = Some(a.cycle);
-        st.weight_unix_ms = Some(ballast_shared::unix_ms());
-        st.weight_at = Some(Instant::now());
-        st.drain_acknowledged = a.draining;
-        st.aggregator_load = Some(a.load);
-        st.inflight_trusted = Some(a.inflight_trusted);
-    });
 }
 
 /// Sends the session's next report, of measurement `m`. A failed sample sends

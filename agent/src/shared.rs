@@ -27,7 +27,8 @@ pub struct Shared {
     pub draining: AtomicBool,
     /// Counters for `/metrics` that the status does not hold.
     pub metrics: Metrics,
-    /// The aggregator's latest assignment, published by the report loop.
+    /// The aggregator's latest assignment, published by the report loop: the one
+    /// place the agent keeps it (the status shows it from here, with when it arrived).
     assignment: watch::Sender<Option<Assignment>>,
 }
 
@@ -54,8 +55,14 @@ impl Shared {
     /// subscriber. A lost connection does not take it back: the load balancers keep
     /// applying the last weights they were given, so it stays the node's best
     /// knowledge of its share until a new reply comes.
+    /// It arrives now: the status says when, and the two change under the status's
+    /// lock, so that a copy of the status never pairs a weight with another's time.
     pub(crate) fn publish_assignment(&self, assignment: Assignment) {
-        self.assignment.send_replace(Some(assignment));
+        self.update(|st| {
+            st.weight_unix_ms = Some(ballast_shared::unix_ms());
+            st.weight_at = Some(Instant::now());
+            self.assignment.send_replace(Some(assignment));
+        });
     }
 
     /// A receiver of the aggregator's current assignment (`None` until the first
@@ -107,12 +114,12 @@ impl Shared {
         status.stop_verdict(now, quiet, max_age)
     }
 
-    /// A copy of the status.
+    /// A copy of the status, with the current assignment.
     pub fn status(&self) -> Status {
-        self.status
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_else(|p| p.into_inner().clone())
+        let guard = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        let mut status = guard.clone();
+        status.show_assignment(self.assignment.borrow().as_ref());
+        status
     }
 
     /// Changes the status in place.

@@ -1,6 +1,7 @@
 //! What the running agent knows about itself, for `ballast-agent status` and the
 //! HAProxy agent-check.
 
+use ballast_shared::session::Assignment;
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
@@ -37,7 +38,10 @@ pub struct Status {
     #[serde(default)]
     pub inflight_detail: Option<String>,
     /// The load the aggregator steers this node by (it judges the in-flight count
-    /// against the fleet), from its last reply.
+    /// against the fleet), from its last reply. Like the weight, its cycle, the drain
+    /// acknowledgment and the in-flight trust, it is shown from the assignment, which
+    /// the agent keeps in one place ([`crate::shared::Shared::assignment`]) and
+    /// [`Status::show_assignment`] writes into a copy of the status.
     #[serde(default)]
     pub aggregator_load: Option<f64>,
     /// Whether the aggregator trusts this node's in-flight count, from its last reply.
@@ -212,6 +216,15 @@ impl Status {
             (Some(w), Some(at)) if now.saturating_duration_since(at) <= max_age => Some(w),
             _ => None,
         }
+    }
+
+    /// Shows `assignment` (the aggregator's last, if any) in this copy of the status.
+    pub(crate) fn show_assignment(&mut self, assignment: Option<&Assignment>) {
+        self.weight = assignment.map(|a| a.weight);
+        self.weight_cycle = assignment.map(|a| a.cycle);
+        self.drain_acknowledged = assignment.is_some_and(|a| a.draining);
+        self.aggregator_load = assignment.map(|a| a.load);
+        self.inflight_trusted = assignment.map(|a| a.inflight_trusted);
     }
 
     /// How long ago the weight arrived, at `now`, on the monotonic clock.

@@ -3,7 +3,8 @@
 //! ClusterLoadAssignment with the new version. A figure, not a timed assertion.
 //!
 //! The xDS server runs in-process over real TCP on 127.0.0.1, started as the server
-//! tests start it (`XdsServer::start` on a `State` around a `Balancer`), on its own
+//! tests start it (`XdsServer::start` on the publications, limits and counters of a
+//! `State` around a `Balancer`), on its own
 //! Tokio runtime. The clients are tonic ADS clients on a second runtime: `channels`
 //! HTTP/2 connections, each multiplexing `per_channel` streams. Every stream subscribes
 //! to the service's ClusterLoadAssignment (EDS), stamps each response on arrival and
@@ -28,7 +29,7 @@
 
 use ballast_aggregator::clock::Clock;
 use ballast_aggregator::feed::xds::resources::{ResourceType, Snapshot};
-use ballast_aggregator::feed::xds::{LbPolicy, XdsServer};
+use ballast_aggregator::feed::xds::{Inputs, LbPolicy, XdsServer};
 use ballast_aggregator::metrics::XdsResource;
 use ballast_aggregator::state::State;
 use ballast_aggregator::store::file::FileStore;
@@ -132,9 +133,13 @@ fn main() {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .expect("bind");
     let server = {
-        let state = state.clone();
+        let inputs = Inputs {
+            publications: state.subscribe(),
+            limits: (&state.limits).into(),
+            metrics: state.metrics.xds.clone(),
+        };
         server_rt
-            .block_on(async move { XdsServer::start(listener, state, POLICY) })
+            .block_on(async move { XdsServer::start(listener, inputs, POLICY) })
             .expect("xDS server")
     };
     let addr = server.local_addr();
@@ -143,12 +148,14 @@ fn main() {
 
     let pushes = state
         .metrics
-        .xds_pushes
+        .xds
+        .pushes
         .get_or_create(&XdsResource::of("endpoints"))
         .get();
     let nacks = state
         .metrics
-        .xds_nacks
+        .xds
+        .nacks
         .get_or_create(&XdsResource::of("endpoints"))
         .get();
     server_rt.block_on(server.stop());
@@ -320,7 +327,7 @@ async fn run(
     let endpoints = cla.endpoints.iter().map(|l| l.lb_endpoints.len()).sum();
     let localities = cla.endpoints.len();
     let cla_bytes = sample[0].value.len();
-    let streams_open = state.metrics.xds_streams.get();
+    let streams_open = state.metrics.xds.streams.get();
     if streams_open != n as i64 {
         return Err(format!("the server counts {streams_open} streams, not {n}"));
     }

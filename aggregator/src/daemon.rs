@@ -78,8 +78,6 @@ pub struct Daemon {
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
     ends: crate::supervise::Ends,
-    /// The cycle loop's door, for the cluster's task.
-    door: Door,
     /// As a cluster replica: the signal that hands the buckets on, and the task that
     /// does it.
     cluster: Option<(
@@ -112,7 +110,7 @@ impl Daemon {
             Some(cluster) => Self::start_replica(cfg, cluster, identity, client_ca).await,
             None => {
                 let store = crate::store::open(&cfg.store)?;
-                Self::start_with_store(cfg, identity, client_ca, store, None).await
+                Self::start_with_store(cfg, identity, client_ca, store, None, Door::new()).await
             }
         }
     }
@@ -139,16 +137,24 @@ impl Daemon {
             },
         )?;
         let dyn_store: Arc<dyn RoutingStore> = store.clone();
-        let mut daemon =
-            Self::start_with_store(cfg, identity, client_ca, dyn_store, Some(ownership.clone()))
-                .await?;
+        // The cluster's task moves services through the cycle loop's door.
+        let (door, inbox) = Door::new();
+        let mut daemon = Self::start_with_store(
+            cfg,
+            identity,
+            client_ca,
+            dyn_store,
+            Some(ownership.clone()),
+            (door.clone(), inbox),
+        )
+        .await?;
         let advertise = cluster
             .advertise
             .clone()
             .unwrap_or_else(|| default_advertise(daemon.quic_addr));
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let member = crate::cluster::etcd::Replica::new(
-            daemon.door.clone(),
+            door,
             daemon.state.metrics.clone(),
             store,
             ownership,
@@ -179,13 +185,16 @@ impl Daemon {
 
     /// Starts everything with the given routing store (any [`RoutingStore`], so that
     /// tests can bring their own): restores from it, then writes to it in the
-    /// background.
+    /// background. The cycle loop takes its commands from `door`'s inbox; the caller
+    /// keeps a clone of the door for the tasks it starts besides (a replica's cluster
+    /// membership).
     pub(crate) async fn start_with_store(
         cfg: &Config,
         identity: Identity,
         client_ca: &[CertificateDer<'static>],
         store: Arc<dyn RoutingStore>,
         ownership: Option<Arc<crate::cluster::Ownership>>,
+        (door, inbox): (Door, Inbox),
     ) -> Result<Daemon, DaemonError> {
         let clock = Clock::start();
         let restored = store.load().await?;
@@ -209,7 +218,6 @@ impl Daemon {
             state = state.with_ownership(ownership);
         }
         let state = Arc::new(state);
-        let (door, inbox) = Door::new();
         let restored_by_takeover = crate::store::Restored::default();
         let mut overlay = Overlay::new(restored_by_takeover.clone());
         if state.ownership.is_some() {
@@ -274,9 +282,14 @@ impl Daemon {
                 let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .map_err(bind_error)?;
+                let inputs = crate::feed::xds::Inputs {
+                    publications: state.subscribe(),
+                    limits: (&state.limits).into(),
+                    metrics: state.metrics.xds.clone(),
+                };
                 let server = crate::feed::xds::XdsServer::start_supervised(
                     listener,
-                    state.clone(),
+                    inputs,
                     cfg.xds_lb_policy,
                     xds_tls,
                     &supervisor,
@@ -333,7 +346,6 @@ impl Daemon {
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
             ends,
-            door,
             cluster: None,
         })
     }
@@ -549,10 +561,16 @@ mod tests {
         let identity = server.identity("server").expect("identity");
         let client_ca = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
         let cfg = loopback_config();
-        let mut daemon =
-            Daemon::start_with_store(&cfg, identity, &client_ca, Arc::new(PanickingStore), None)
-                .await
-                .expect("starts");
+        let mut daemon = Daemon::start_with_store(
+            &cfg,
+            identity,
+            &client_ca,
+            Arc::new(PanickingStore),
+            None,
+            Door::new(),
+        )
+        .await
+        .expect("starts");
         // A publication with something to store makes the writer call the store.
         let state = daemon.state.clone();
         let now = state.clock.now();

@@ -86,6 +86,38 @@ impl XdsResource {
     }
 }
 
+/// The xDS feed's counters: the part of [`Metrics`] the feed is given.
+#[derive(Debug, Default)]
+pub struct XdsMetrics {
+    /// xDS responses sent, by resource type.
+    pub pushes: Family<XdsResource, Counter>,
+    /// xDS responses clients rejected (NACK), by resource type.
+    pub nacks: Family<XdsResource, Counter>,
+    /// xDS streams open now.
+    pub streams: Gauge,
+    /// xDS streams and requests refused for a limit, by reason.
+    pub refused: Family<Reason, Counter>,
+    /// TCP connections to the xDS listener open now, TLS handshakes included.
+    pub connections: Gauge,
+    /// Bytes the open xDS streams keep for their subscriptions and clients' nodes, as
+    /// `xds_max_stream_bytes` counts them.
+    pub stream_bytes: Gauge,
+    /// NACK warnings left out of the log by its rate limit (every NACK is still
+    /// counted in `nacks`).
+    pub nack_logs_suppressed: Counter,
+}
+
+impl XdsMetrics {
+    /// Counts an xDS refusal for `reason`.
+    pub fn refuse(&self, reason: &str) {
+        self.refused
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+}
+
 /// Every counter the daemon keeps.
 pub struct Metrics {
     registry: Registry,
@@ -152,22 +184,8 @@ pub struct Metrics {
     /// Services whose latest value is too large for the routing store, kept there at
     /// their last value that fitted.
     pub store_too_large: Gauge,
-    /// xDS responses sent, by resource type.
-    pub xds_pushes: Family<XdsResource, Counter>,
-    /// xDS responses clients rejected (NACK), by resource type.
-    pub xds_nacks: Family<XdsResource, Counter>,
-    /// xDS streams open now.
-    pub xds_streams: Gauge,
-    /// xDS streams and requests refused for a limit, by reason.
-    pub xds_refused: Family<Reason, Counter>,
-    /// TCP connections to the xDS listener open now, TLS handshakes included.
-    pub xds_connections: Gauge,
-    /// Bytes the open xDS streams keep for their subscriptions and clients' nodes, as
-    /// `xds_max_stream_bytes` counts them.
-    pub xds_stream_bytes: Gauge,
-    /// NACK warnings left out of the log by its rate limit (every NACK is still
-    /// counted in `xds_nacks`).
-    pub xds_nack_logs_suppressed: Counter,
+    /// The xDS feed's counters, all it gets of these.
+    pub xds: Arc<XdsMetrics>,
     /// HTTP connections and watch streams refused or cut off for a limit, by reason.
     pub http_refused: Family<Reason, Counter>,
     /// HTTP watch (server-sent) events sent, by service.
@@ -208,15 +226,6 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Counts an xDS refusal for `reason`.
-    pub fn refuse_xds(&self, reason: &str) {
-        self.xds_refused
-            .get_or_create(&Reason {
-                reason: reason.to_string(),
-            })
-            .inc();
-    }
-
     /// Counts an HTTP refusal for `reason`.
     pub fn refuse_http(&self, reason: &str) {
         self.http_refused
@@ -260,13 +269,7 @@ impl Metrics {
             store_corrupt: Family::default(),
             store_refused: Family::default(),
             store_too_large: Gauge::default(),
-            xds_pushes: Family::default(),
-            xds_nacks: Family::default(),
-            xds_streams: Gauge::default(),
-            xds_refused: Family::default(),
-            xds_connections: Gauge::default(),
-            xds_stream_bytes: Gauge::default(),
-            xds_nack_logs_suppressed: Counter::default(),
+            xds: Arc::new(XdsMetrics::default()),
             http_refused: Family::default(),
             watch_events: Family::default(),
             watch_streams: Gauge::default(),
@@ -438,33 +441,33 @@ impl Metrics {
         registry.register(
             "xds_pushes",
             "xDS responses sent, by resource type",
-            m.xds_pushes.clone(),
+            m.xds.pushes.clone(),
         );
         registry.register(
             "xds_nacks",
             "xDS responses rejected by clients (NACK), by resource type",
-            m.xds_nacks.clone(),
+            m.xds.nacks.clone(),
         );
-        registry.register("xds_streams", "xDS streams open", m.xds_streams.clone());
+        registry.register("xds_streams", "xDS streams open", m.xds.streams.clone());
         registry.register(
             "xds_refused",
             "xDS streams and requests refused for a limit, by reason",
-            m.xds_refused.clone(),
+            m.xds.refused.clone(),
         );
         registry.register(
             "xds_connections",
             "TCP connections to the xDS listener open, TLS handshakes included",
-            m.xds_connections.clone(),
+            m.xds.connections.clone(),
         );
         registry.register(
             "xds_stream_bytes",
             "Bytes the open xDS streams keep for subscriptions and client nodes",
-            m.xds_stream_bytes.clone(),
+            m.xds.stream_bytes.clone(),
         );
         registry.register(
             "xds_nack_logs_suppressed",
             "NACK warnings left out of the log by its rate limit",
-            m.xds_nack_logs_suppressed.clone(),
+            m.xds.nack_logs_suppressed.clone(),
         );
         registry.register(
             "http_refused",

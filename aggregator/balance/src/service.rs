@@ -501,8 +501,40 @@ impl Service {
         // Registrations out of order and removals since the last cycle left the slots
         // out of node order, which every sum below is taken in.
         self.slots.sort();
-        // One walk says whether anything expires or moved away; most cycles nothing
-        // does, and each of the two would otherwise walk every endpoint.
+        let gone = self.forget_gone(now);
+        let census = self.take_census(now);
+        let spread = Spread::of(&census.loads);
+        let level = fleet_level(&census.loads);
+        let skipped = self.skip_reason(now, grace_until, &census, spread, level);
+        if !census.loads.is_empty() {
+            self.remember_level(skipped, level);
+        }
+        self.update_weights(now, skipped, spread);
+        // Drains and returns take effect even in a skipped cycle: they are operator
+        // actions, not inferences from possibly missing data.
+        let changed = self.publish_mixture();
+        if changed {
+            self.version += 1;
+        }
+        self.record(now, skipped, spread, census.missing_share, gone.expiry_held);
+        CycleResult {
+            service: self.name.clone(),
+            cycle,
+            skipped,
+            changed,
+            spread,
+            missing_share: census.missing_share,
+            expired: gone.expired,
+            expiry_held: gone.expiry_held,
+            moved: gone.moved,
+        }
+    }
+
+    /// Forgets the endpoints silent past `expire_ms` while the rest of the service is
+    /// heard (see [`Service::expire`]) and those whose node moved away. One walk says
+    /// whether either may apply; most cycles neither does, and each would otherwise
+    /// walk every endpoint.
+    fn forget_gone(&mut self, now: Millis) -> Gone {
         let (any_past, any_gone) = {
             let params = &self.params;
             self.slots
@@ -521,16 +553,26 @@ impl Service {
             (Vec::new(), 0)
         };
         let moved = self.forget_moved(now, any_gone);
+        Gone {
+            expired,
+            expiry_held,
+            moved,
+        }
+    }
 
-        let params = self.params.clone();
+    /// Assesses the loads (see [`Service::assess_loads`]) and, in the walk that
+    /// writes them and the in-flight trust, counts the endpoints that are missing and
+    /// takes the fresh serving endpoints' loads.
+    ///
+    /// A draining endpoint is left out: a lame duck whose agent was stopped after the
+    /// drain is silent on purpose and carries no traffic, so its silence hides no
+    /// load, and maintenance on a few nodes must not freeze the rest. So is one that
+    /// has not reported yet (see [`Service::cycle`]).
+    fn take_census(&mut self, now: Millis) -> Census {
         let (assessed_slots, assessed) = self.assess_loads(now);
-        // The walk that counts also writes the assessed loads and trust.
+        let params = &self.params;
         let mut assessed = assessed_slots.iter().zip(&assessed).peekable();
         let mut newly = 0u64;
-        // A draining endpoint is left out: a lame duck whose agent was stopped after
-        // the drain is silent on purpose and carries no traffic, so its silence hides
-        // no load, and maintenance on a few nodes must not freeze the rest. So is one
-        // that has not reported yet (see above).
         let mut known = 0usize;
         let mut missing = 0usize;
         let mut distrusted = 0usize;
@@ -545,7 +587,7 @@ impl Service {
             if e.draining {
                 continue;
             }
-            let fresh = e.is_fresh(now, &params);
+            let fresh = e.is_fresh(now, params);
             if e.last_report().is_some() {
                 known += 1;
                 missing += usize::from(!fresh);
@@ -561,21 +603,35 @@ impl Service {
         } else {
             missing as f64 / known as f64
         };
-        let spread = Spread::of(&loads);
-        let level = fleet_level(&loads);
+        Census {
+            loads,
+            missing_share,
+        }
+    }
 
-        let skipped = if now < grace_until {
+    /// Why this cycle changes no weights, if it does not: the first of the rules that
+    /// holds, in order.
+    fn skip_reason(
+        &self,
+        now: Millis,
+        grace_until: Millis,
+        census: &Census,
+        spread: Spread,
+        level: f64,
+    ) -> Option<SkipReason> {
+        let params = &self.params;
+        if now < grace_until {
             Some(SkipReason::Grace {
                 remaining_ms: grace_until - now,
             })
-        } else if missing_share > params.missing_threshold {
+        } else if census.missing_share > params.missing_threshold {
             Some(SkipReason::Missing {
-                share: missing_share,
+                share: census.missing_share,
                 threshold: params.missing_threshold,
             })
-        } else if loads.is_empty() {
+        } else if census.loads.is_empty() {
             Some(SkipReason::NoServingEndpoints)
-        } else if cycle <= self.settle_through {
+        } else if self.stats.cycles <= self.settle_through {
             Some(SkipReason::Settling)
         } else if spread.avg < params.thin_load {
             Some(SkipReason::ThinFeedback {
@@ -585,22 +641,29 @@ impl Service {
         } else {
             self.jumped(level)
                 .map(|from| SkipReason::LoadJump { from, to: level })
-        };
-
-        if !loads.is_empty() {
-            let run = match (skipped, self.last_avg) {
-                (Some(SkipReason::LoadJump { .. }), Some((_, run))) => run + 1,
-                _ => 0,
-            };
-            self.last_avg = Some((level, run));
         }
+    }
+
+    /// Keeps this cycle's load level for the load-jump rule, with how many cycles in a
+    /// row before it were skipped for a jump.
+    fn remember_level(&mut self, skipped: Option<SkipReason>, level: f64) {
+        let run = match (skipped, self.last_avg) {
+            (Some(SkipReason::LoadJump { .. }), Some((_, run))) => run + 1,
+            _ => 0,
+        };
+        self.last_avg = Some((level, run));
+    }
+
+    /// Updates the controller weights (or puts back a feed-forward step that did not
+    /// help), unless the cycle is skipped; then counts why.
+    fn update_weights(&mut self, now: Millis, skipped: Option<SkipReason>, spread: Spread) {
         match skipped {
             None => {
                 if !self.undo_feed_forward(spread.max_over_avg) {
                     self.last_step = self.step_pid(now, spread.avg);
                 }
                 self.stats.updates += 1;
-                self.weights_cycle = cycle;
+                self.weights_cycle = self.stats.cycles;
             }
             Some(reason) => {
                 *self
@@ -611,13 +674,17 @@ impl Service {
                 self.last_step = 0.0;
             }
         }
-        // Drains and returns take effect even in a skipped cycle: they are operator
-        // actions, not inferences from possibly missing data.
-        let changed = self.publish_mixture();
-        if changed {
-            self.version += 1;
-        }
+    }
 
+    /// Keeps the cycle's figures in the stats, and its point in the history.
+    fn record(
+        &mut self,
+        now: Millis,
+        skipped: Option<SkipReason>,
+        spread: Spread,
+        missing_share: f64,
+        expiry_held: usize,
+    ) {
         self.stats.last_skip = skipped;
         self.stats.spread = spread;
         self.stats.missing_share = missing_share;
@@ -627,22 +694,11 @@ impl Service {
             self.history.pop_front();
         }
         self.history.push_back(HistoryPoint {
-            cycle,
+            cycle: self.stats.cycles,
             at: now,
             spread,
             skipped: skipped.is_some(),
         });
-        CycleResult {
-            service: self.name.clone(),
-            cycle,
-            skipped,
-            changed,
-            spread,
-            missing_share,
-            expired,
-            expiry_held,
-            moved,
-        }
     }
 
     /// Assesses the load of every fresh serving endpoint: its CPU and error penalty,
@@ -759,123 +815,171 @@ impl Service {
 
     /// One controller step; returns the largest relative change of a controller weight.
     fn step_pid(&mut self, now: Millis, avg: f64) -> f64 {
-        let params = &self.params;
-        let slots = &mut self.slots;
-        let lo = params.max_shrink - 1.0;
-        let hi = params.max_growth - 1.0;
-        let all = slots.len();
-        let mut fresh: Vec<usize> = Vec::with_capacity(all);
-        let mut held: Vec<usize> = Vec::new();
-        // Their controller weights before the step, to tell how far it moved them.
-        let mut fresh_before: Vec<f64> = Vec::with_capacity(all);
-        let mut held_before: Vec<f64> = Vec::new();
-        let mut serving = 0usize;
-        for (slot, ep) in slots.hot.iter().enumerate() {
+        let split = self.split_by_news(now);
+        let stepped = if self.feed_forward_due(&split, avg) {
+            self.step_feed_forward(now, &split.fresh, avg)
+        } else {
+            self.step_controllers(now, &split.fresh, avg)
+        };
+        self.any_established |= !split.fresh.is_empty();
+        self.share_out(split, stepped)
+    }
+
+    /// The serving endpoints, split into those with news, which the step updates, and
+    /// those it holds. Only a report newer than the last update says anything new: an
+    /// endpoint whose report was lost holds its weight, like a missing one, instead of
+    /// having its last error applied a second time.
+    fn split_by_news(&self, now: Millis) -> Split {
+        let all = self.slots.len();
+        let mut split = Split {
+            fresh: Vec::with_capacity(all),
+            fresh_before: Vec::with_capacity(all),
+            held: Vec::new(),
+            held_before: Vec::new(),
+            serving: 0,
+        };
+        for (slot, ep) in self.slots.hot.iter().enumerate() {
             if ep.draining {
                 continue;
             }
-            serving += 1;
-            // Only a report newer than the last update says anything new: an endpoint
-            // whose report was lost holds its weight, like a missing one, instead of
-            // having its last error applied a second time.
+            split.serving += 1;
             let has_news = match (ep.last_report(), ep.last_update()) {
                 (Some(r), Some(u)) => r > u,
                 (Some(_), None) => true,
                 (None, _) => false,
             };
-            if ep.is_fresh(now, params) && has_news {
-                fresh_before.push(ep.strategy_weights.get(Strategy::Pid));
-                fresh.push(slot);
+            if ep.is_fresh(now, &self.params) && has_news {
+                split
+                    .fresh_before
+                    .push(ep.strategy_weights.get(Strategy::Pid));
+                split.fresh.push(slot);
             } else {
-                held_before.push(ep.strategy_weights.get(Strategy::Pid));
-                held.push(slot);
+                split
+                    .held_before
+                    .push(ep.strategy_weights.get(Strategy::Pid));
+                split.held.push(slot);
             }
         }
-        // The fresh endpoints' controller weights after the step, as it writes them.
-        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
-        let cycle = self.stats.cycles;
-        let feed_forward = params.feed_forward
-            && held.is_empty()
+        split
+    }
+
+    /// Whether this step is a feed-forward step: configured, nothing held, the weights
+    /// steady, past the hold-off of the last one, and the loads fit to estimate
+    /// capacities from (see [`feed_forward_applies`]).
+    fn feed_forward_due(&self, split: &Split, avg: f64) -> bool {
+        self.params.feed_forward
+            && split.held.is_empty()
             && self.last_step < FEED_FORWARD_STEADY
-            && cycle >= self.feed_forward_from
-            && feed_forward_applies(slots, &fresh, avg);
-        if feed_forward {
-            // Each endpoint's capacity is about its weight over its load: step straight
-            // to weights in that proportion, and let the controllers trim from there.
-            // What the step replaces is kept, to be put back if it made things worse.
-            self.feed_forward_undo = Some(FeedForwardUndo {
-                weights: fresh
-                    .iter()
-                    .map(|&s| {
-                        (
-                            slots.cold[s].names.node.to_string(),
-                            slots.hot[s].strategy_weights.get(Strategy::Pid),
-                        )
-                    })
-                    .collect(),
-                max_over_avg: fresh.iter().map(|&s| slots.hot[s].load).fold(0.0, f64::max) / avg,
-                waited: 0,
-            });
-            // Where the in-flight term stands out against the fleet the estimate divides
-            // by the CPU (and errors) instead: an overloaded node queues requests, which
-            // says it is over capacity but not by how much, while its CPU says how much
-            // of its capacity the traffic used.
-            let loads: Vec<f64> = fresh
+            && self.stats.cycles >= self.feed_forward_from
+            && feed_forward_applies(&self.slots, &split.fresh, avg)
+    }
+
+    /// The feed-forward step: each endpoint's capacity is about its weight over its
+    /// load, so the `fresh` endpoints step straight to weights in that proportion, and
+    /// the controllers trim from there. What the step replaces is kept, to be put back
+    /// if it made things worse. Returns the stepped weights, in the order of `fresh`.
+    fn step_feed_forward(&mut self, now: Millis, fresh: &[usize], avg: f64) -> Vec<f64> {
+        let params = &self.params;
+        let slots = &mut self.slots;
+        let cycle = self.stats.cycles;
+        self.feed_forward_undo = Some(FeedForwardUndo {
+            weights: fresh
                 .iter()
                 .map(|&s| {
-                    let estimate = &slots.inflight[s].estimate;
-                    let queued = estimate.binding
-                        && estimate.derivation == inflight::Derivation::FleetRelative;
-                    if queued && params.metric == crate::LoadMetric::Max {
-                        slots.obs[s].base_load(params)
-                    } else {
-                        slots.hot[s].load
-                    }
+                    (
+                        slots.cold[s].names.node.to_string(),
+                        slots.hot[s].strategy_weights.get(Strategy::Pid),
+                    )
                 })
-                .collect();
-            let base_avg = loads.iter().sum::<f64>() / fresh.len() as f64;
-            for (&s, load) in fresh.iter().zip(&loads) {
-                let factor = (base_avg / load.max(f64::MIN_POSITIVE))
-                    .clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
-                let ep = &mut slots.hot[s];
-                let w = ep.strategy_weights.get(Strategy::Pid) * factor;
-                ep.strategy_weights.set(Strategy::Pid, w);
-                stepped.push(w);
-                ep.set_last_update(Some(now));
-                ep.established = true;
-                slots.pid[s].reset();
-            }
-            self.stats.feed_forward_steps += 1;
-            self.settle_through = cycle + FEED_FORWARD_SETTLE;
-            self.feed_forward_from = cycle + FEED_FORWARD_HOLDOFF;
-        } else {
-            for &s in &fresh {
-                let ep = &mut slots.hot[s];
-                let pid = &mut slots.pid[s];
-                let error = (avg - ep.load) / avg;
-                let dt = ep
-                    .last_update()
-                    .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
-                    .unwrap_or(1.0);
-                let delta = pid.update(&params.pid, error, dt, (lo, hi));
-                let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
-                ep.strategy_weights.set(Strategy::Pid, w);
-                stepped.push(w);
-                ep.set_last_update(Some(now));
-                ep.established = true;
-                // The ramp ends once the newcomer carries its share; its integral, built
-                // up on the way, would otherwise carry it past the average.
-                if ep.warming && ep.load >= avg * 0.95 {
-                    ep.warming = false;
-                    pid.integral = 0.0;
+                .collect(),
+            max_over_avg: fresh.iter().map(|&s| slots.hot[s].load).fold(0.0, f64::max) / avg,
+            waited: 0,
+        });
+        // Where the in-flight term stands out against the fleet the estimate divides
+        // by the CPU (and errors) instead: an overloaded node queues requests, which
+        // says it is over capacity but not by how much, while its CPU says how much
+        // of its capacity the traffic used.
+        let loads: Vec<f64> = fresh
+            .iter()
+            .map(|&s| {
+                let estimate = &slots.inflight[s].estimate;
+                let queued =
+                    estimate.binding && estimate.derivation == inflight::Derivation::FleetRelative;
+                if queued && params.metric == crate::LoadMetric::Max {
+                    slots.obs[s].base_load(params)
+                } else {
+                    slots.hot[s].load
                 }
+            })
+            .collect();
+        let base_avg = loads.iter().sum::<f64>() / fresh.len() as f64;
+        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
+        for (&s, load) in fresh.iter().zip(&loads) {
+            let factor = (base_avg / load.max(f64::MIN_POSITIVE))
+                .clamp(1.0 / FEED_FORWARD_MAX, FEED_FORWARD_MAX);
+            let ep = &mut slots.hot[s];
+            let w = ep.strategy_weights.get(Strategy::Pid) * factor;
+            ep.strategy_weights.set(Strategy::Pid, w);
+            stepped.push(w);
+            ep.set_last_update(Some(now));
+            ep.established = true;
+            slots.pid[s].reset();
+        }
+        self.stats.feed_forward_steps += 1;
+        self.settle_through = cycle + FEED_FORWARD_SETTLE;
+        self.feed_forward_from = cycle + FEED_FORWARD_HOLDOFF;
+        stepped
+    }
+
+    /// The controllers' step: each of the `fresh` endpoints' PID moves its weight by
+    /// its error against the average, within the growth and shrink bounds. Returns the
+    /// stepped weights, in the order of `fresh`.
+    fn step_controllers(&mut self, now: Millis, fresh: &[usize], avg: f64) -> Vec<f64> {
+        let params = &self.params;
+        let slots = &mut self.slots;
+        let lo = params.max_shrink - 1.0;
+        let hi = params.max_growth - 1.0;
+        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
+        for &s in fresh {
+            let ep = &mut slots.hot[s];
+            let pid = &mut slots.pid[s];
+            let error = (avg - ep.load) / avg;
+            let dt = ep
+                .last_update()
+                .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
+                .unwrap_or(1.0);
+            let delta = pid.update(&params.pid, error, dt, (lo, hi));
+            let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
+            ep.strategy_weights.set(Strategy::Pid, w);
+            stepped.push(w);
+            ep.set_last_update(Some(now));
+            ep.established = true;
+            // The ramp ends once the newcomer carries its share; its integral, built
+            // up on the way, would otherwise carry it past the average.
+            if ep.warming && ep.load >= avg * 0.95 {
+                ep.warming = false;
+                pid.integral = 0.0;
             }
         }
-        self.any_established |= !fresh.is_empty();
-        // Held endpoints (missing, or without a new report) keep their weights: the
-        // updated ones share what is left of a mean weight of 1. When that cannot be
-        // done within the bounds, normalisation wins and everyone is rescaled.
-        // The held weights are as they were before the step.
+        stepped
+    }
+
+    /// Normalises the step's weights and writes them; returns the largest relative
+    /// change of a controller weight.
+    ///
+    /// Held endpoints (missing, or without a new report) keep their weights: the
+    /// updated ones share what is left of a mean weight of 1. When that cannot be
+    /// done within the bounds, normalisation wins and everyone is rescaled.
+    /// The held weights are as they were before the step.
+    fn share_out(&mut self, split: Split, stepped: Vec<f64>) -> f64 {
+        let params = &self.params;
+        let Split {
+            fresh,
+            fresh_before,
+            held,
+            held_before,
+            serving,
+        } = split;
         let held_sum: f64 = held_before.iter().sum();
         let target = serving as f64 - held_sum;
         let n = fresh.len() as f64;
@@ -896,11 +1000,44 @@ impl Service {
         // room) kept their weights.
         let mut step: f64 = 0.0;
         for ((&s, w), b) in group.iter().zip(ws).zip(before) {
-            slots.hot[s].strategy_weights.set(Strategy::Pid, w);
+            self.slots.hot[s].strategy_weights.set(Strategy::Pid, w);
             step = step.max((w / b.max(f64::MIN_POSITIVE) - 1.0).abs());
         }
         step
     }
+}
+
+/// What a cycle forgot, and what it held instead of forgetting.
+struct Gone {
+    /// Endpoints silent past `expire_ms` and forgotten.
+    expired: Vec<String>,
+    /// Endpoints silent past `expire_ms` but held (see [`ServiceStats::expiry_held`]).
+    expiry_held: usize,
+    /// Endpoints forgotten because their node moved.
+    moved: Vec<String>,
+}
+
+/// The serving endpoints as one cycle finds them.
+struct Census {
+    /// The fresh serving endpoints' loads, in node order.
+    loads: Vec<f64>,
+    /// The share of the serving endpoints that have reported and are not fresh.
+    missing_share: f64,
+}
+
+/// The serving endpoints of one controller step: those with news, which it updates,
+/// and those it holds, each with its controller weight before the step.
+struct Split {
+    /// The updated endpoints' slots.
+    fresh: Vec<usize>,
+    /// Their controller weights before the step, to tell how far it moved them.
+    fresh_before: Vec<f64>,
+    /// The held endpoints' slots.
+    held: Vec<usize>,
+    /// Their controller weights, which they keep.
+    held_before: Vec<f64>,
+    /// Serving (not draining) endpoints in all.
+    serving: usize,
 }
 
 /// A feed-forward step moves no weight by more than this factor: a load near zero says

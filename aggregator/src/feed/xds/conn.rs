@@ -13,7 +13,7 @@
 //! comes to revoke is closed when the list changes.
 
 use crate::ingest::revocation::{Revocation, Verdict};
-use crate::metrics::Metrics;
+use crate::metrics::XdsMetrics;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
@@ -147,7 +147,7 @@ pub(crate) struct Acceptor {
     pub(crate) places: Arc<Places>,
     pub(crate) max: usize,
     pub(crate) per_source: usize,
-    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<XdsMetrics>,
 }
 
 impl Acceptor {
@@ -175,7 +175,7 @@ impl Acceptor {
                         Full::All => "connections",
                         Full::Source => "source_connections",
                     };
-                    self.metrics.refuse_xds(reason);
+                    self.metrics.refuse(reason);
                     tracing::debug!(%peer, reason, "xDS connection refused");
                     continue;
                 }
@@ -196,12 +196,12 @@ impl Acceptor {
                         let stream = match shaken {
                             Ok(Ok(s)) => s,
                             Ok(Err(e)) => {
-                                metrics.refuse_xds("tls");
+                                metrics.refuse("tls");
                                 tracing::debug!(%peer, error = %e, "xDS TLS handshake failed");
                                 return;
                             }
                             Err(_) => {
-                                metrics.refuse_xds("tls");
+                                metrics.refuse("tls");
                                 tracing::debug!(%peer, "xDS TLS handshake timed out");
                                 return;
                             }
@@ -225,7 +225,7 @@ impl Acceptor {
 fn revoked(
     revocation: Arc<Revocation>,
     chain: Vec<rustls::pki_types::CertificateDer<'static>>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<XdsMetrics>,
 ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     let mut changes = revocation.subscribe();
     Box::pin(async move {
@@ -239,7 +239,7 @@ fn revoked(
                 Verdict::Revoked => "revoked",
                 Verdict::Expired => "expired",
             };
-            metrics.refuse_xds(reason);
+            metrics.refuse(reason);
             tracing::info!(
                 reason,
                 "xDS connection closed: its client certificate is no longer valid"
@@ -251,13 +251,13 @@ fn revoked(
 
 /// A connection's place, and the open connections' gauge, for as long as it lives.
 struct Counted {
-    metrics: Arc<Metrics>,
+    metrics: Arc<XdsMetrics>,
     _place: Place,
 }
 
 impl Counted {
-    fn new(metrics: Arc<Metrics>, place: Place) -> Self {
-        metrics.xds_connections.inc();
+    fn new(metrics: Arc<XdsMetrics>, place: Place) -> Self {
+        metrics.connections.inc();
         Counted {
             metrics,
             _place: place,
@@ -267,7 +267,7 @@ impl Counted {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.metrics.xds_connections.dec();
+        self.metrics.connections.dec();
     }
 }
 

@@ -28,9 +28,8 @@
 use super::conn::{Acceptor, Full, Place, Places, XdsTls};
 use super::protocol::{StreamState, Verdict};
 use super::resources::{ResourceType, Snapshot};
-use super::LbPolicy;
-use crate::metrics::XdsResource;
-use crate::state::State;
+use super::{Inputs, LbPolicy, XdsLimits};
+use crate::metrics::{XdsMetrics, XdsResource};
 use crate::supervise::Supervisor;
 use ballast_balance::Published;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
@@ -68,22 +67,22 @@ pub struct XdsServer {
 }
 
 impl XdsServer {
-    /// Serves ADS on `listener` from `state`, with clusters of `policy`. Must be
-    /// called within a Tokio runtime. Fails only if the listener's address cannot be
-    /// read, before anything is spawned.
+    /// Serves ADS on `listener` from the publications of `inputs`, with clusters of
+    /// `policy`. Must be called within a Tokio runtime. Fails only if the listener's
+    /// address cannot be read, before anything is spawned.
     pub fn start(
         listener: tokio::net::TcpListener,
-        state: Arc<State>,
+        inputs: Inputs,
         policy: LbPolicy,
     ) -> std::io::Result<XdsServer> {
-        Self::start_supervised(listener, state, policy, None, &Supervisor::detached())
+        Self::start_supervised(listener, inputs, policy, None, &Supervisor::detached())
     }
 
     /// Like [`XdsServer::start`], over TLS when `tls` is given, with its tasks
     /// watched by `supervisor`.
     pub fn start_supervised(
         listener: tokio::net::TcpListener,
-        state: Arc<State>,
+        inputs: Inputs,
         policy: LbPolicy,
         tls: Option<XdsTls>,
         supervisor: &Supervisor,
@@ -96,23 +95,28 @@ impl XdsServer {
         };
         let builder = tonic::transport::Server::builder();
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let first = build(&state.published(), policy, &Snapshot::default());
+        let Inputs {
+            publications,
+            limits,
+            metrics,
+        } = inputs;
+        let first = build(&publications.borrow(), policy, &Snapshot::default());
         let (snapshots, snapshots_rx) = watch::channel(Arc::new(first));
         let publisher = supervisor.spawn(
             "xDS publisher",
-            publish(state.clone(), policy, snapshots, shutdown_rx.clone()),
+            publish(publications, policy, snapshots, shutdown_rx.clone()),
         );
-        let limits = state.limits.clone();
         let acceptor = Acceptor {
             listener,
             tls,
             places: Arc::new(Places::default()),
-            max: limits.xds_max_connections,
-            per_source: limits.xds_max_connections_per_source,
-            metrics: state.metrics.clone(),
+            max: limits.max_connections,
+            per_source: limits.max_connections_per_source,
+            metrics: metrics.clone(),
         };
         let ads = Ads {
-            state,
+            limits,
+            metrics,
             snapshots: snapshots_rx,
             shutdown: shutdown_rx.clone(),
             open: Arc::new(Places::default()),
@@ -130,10 +134,10 @@ impl XdsServer {
                 // Streams live for hours: find dead clients without waiting for TCP.
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
                 .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-                .max_concurrent_streams(Some(limits.xds_max_streams_per_connection))
+                .max_concurrent_streams(Some(limits.max_streams_per_connection))
                 .serve_with_incoming_shutdown(
                     AggregatedDiscoveryServiceServer::new(ads)
-                        .max_decoding_message_size(limits.xds_max_request_bytes),
+                        .max_decoding_message_size(limits.max_request_bytes),
                     incoming,
                     async move { stopping(&mut stop).await },
                 )
@@ -181,12 +185,11 @@ fn build(published: &Published, policy: LbPolicy, previous: &Snapshot) -> Snapsh
 
 /// Keeps the shared snapshot current until shutdown.
 async fn publish(
-    state: Arc<State>,
+    mut published: watch::Receiver<Arc<Published>>,
     policy: LbPolicy,
     snapshots: watch::Sender<Arc<Snapshot>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut published = state.subscribe();
     published.mark_changed();
     loop {
         tokio::select! {
@@ -204,11 +207,12 @@ async fn publish(
 
 /// The ADS service.
 struct Ads {
-    state: Arc<State>,
+    limits: XdsLimits,
+    metrics: Arc<XdsMetrics>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     shutdown: watch::Receiver<bool>,
-    /// Streams open, against `limits.xds_max_streams` and
-    /// `limits.xds_max_streams_per_source`.
+    /// Streams open, against `limits.max_streams` and
+    /// `limits.max_streams_per_source`.
     open: Arc<Places>,
     /// The NACK warnings' rate limit, over every stream.
     nack_log: Arc<Mutex<NackLog>>,
@@ -277,19 +281,18 @@ impl AggregatedDiscoveryService for Ads {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
         let peer = request.remote_addr();
-        let limits = &self.state.limits;
-        let (max, per_source) = (limits.xds_max_streams, limits.xds_max_streams_per_source);
+        let (max, per_source) = (self.limits.max_streams, self.limits.max_streams_per_source);
         let slot = match self.open.take(peer.map(|p| p.ip()), max, per_source) {
             Ok(slot) => slot,
             Err(Full::All) => {
-                self.state.metrics.refuse_xds("streams");
+                self.metrics.refuse("streams");
                 tracing::debug!(?peer, max, "xDS stream refused: too many open streams");
                 return Err(Status::resource_exhausted(format!(
                     "this xDS server has {max} streams open, its limit"
                 )));
             }
             Err(Full::Source) => {
-                self.state.metrics.refuse_xds("source_streams");
+                self.metrics.refuse("source_streams");
                 tracing::debug!(
                     ?peer,
                     per_source,
@@ -311,7 +314,8 @@ impl AggregatedDiscoveryService for Ads {
         });
         let (alive, gone) = oneshot::channel();
         let requests = AdsStream {
-            state: self.state.clone(),
+            limits: self.limits,
+            metrics: self.metrics.clone(),
             shared: shared.clone(),
             shutdown: self.shutdown.clone(),
             peer,
@@ -321,7 +325,7 @@ impl AggregatedDiscoveryService for Ads {
         };
         tokio::spawn(requests.run(request.into_inner()));
         let outbound = Outbound {
-            state: self.state.clone(),
+            metrics: self.metrics.clone(),
             shared,
             snapshots: self.snapshots.clone(),
             shutdown: self.shutdown.clone(),
@@ -433,7 +437,8 @@ impl Shared {
 /// The request side of one ADS stream: reads the client's requests into the protocol
 /// state and wakes the outbound side.
 struct AdsStream {
-    state: Arc<State>,
+    limits: XdsLimits,
+    metrics: Arc<XdsMetrics>,
     shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
     peer: Option<SocketAddr>,
@@ -445,17 +450,14 @@ struct AdsStream {
 
 impl AdsStream {
     async fn run(mut self, mut requests: Streaming<DiscoveryRequest>) {
-        self.state.metrics.xds_streams.inc();
+        self.metrics.streams.inc();
         tracing::debug!(peer = ?self.peer, "xDS stream opened");
         let outcome = self.serve(&mut requests).await;
-        self.state.metrics.xds_streams.dec();
+        self.metrics.streams.dec();
         let mut session = self.shared.lock();
         // What it kept goes with the request side; the outbound side only reads it.
         let kept = std::mem::take(&mut session.kept);
-        self.state
-            .metrics
-            .xds_stream_bytes
-            .dec_by(gauge(kept.bytes()));
+        self.metrics.stream_bytes.dec_by(gauge(kept.bytes()));
         match &outcome {
             Ok(()) => {
                 tracing::debug!(peer = ?self.peer, node = %session.node_id(), "xDS stream closed")
@@ -477,9 +479,9 @@ impl AdsStream {
             tokio::select! {
                 msg = requests.message() => match msg {
                     Ok(Some(req)) => {
-                        let max = self.state.limits.xds_max_resource_names;
+                        let max = self.limits.max_resource_names;
                         if req.resource_names.len() > max {
-                            self.state.metrics.refuse_xds("resource_names");
+                            self.metrics.refuse("resource_names");
                             return Err(Status::invalid_argument(format!(
                                 "{} resource names in one request; the limit is {max}",
                                 req.resource_names.len()
@@ -502,14 +504,14 @@ impl AdsStream {
 
     /// Applies one request; an error ends the stream (a limit it broke).
     fn on_request(&self, req: DiscoveryRequest) -> Result<(), Status> {
-        let limits = &self.state.limits;
+        let limits = &self.limits;
         let mut session = self.shared.lock();
         if session.node.is_none() {
             if let Some(node) = &req.node {
                 let zone = node.locality.as_ref().map_or("", |l| l.zone.as_str());
-                let max = limits.xds_max_node_bytes;
+                let max = limits.max_node_bytes;
                 if node.id.len() > max || zone.len() > max {
-                    self.state.metrics.refuse_xds("node");
+                    self.metrics.refuse("node");
                     return Err(Status::invalid_argument(format!(
                         "node id of {} bytes, zone of {}; the limit is {max} each",
                         node.id.len(),
@@ -522,10 +524,7 @@ impl AdsStream {
                     zone: zone.to_string(),
                 });
                 session.kept.node = node.id.len() + zone.len();
-                self.state
-                    .metrics
-                    .xds_stream_bytes
-                    .inc_by(gauge(session.kept.node));
+                self.metrics.stream_bytes.inc_by(gauge(session.kept.node));
             }
         }
         let Some(t) = ResourceType::from_type_url(&req.type_url) else {
@@ -540,18 +539,18 @@ impl AdsStream {
             session.kept.names() - before.0 + names,
             session.kept.bytes() - before.1 + bytes,
         );
-        if all_names > limits.xds_max_names_per_stream {
-            self.state.metrics.refuse_xds("stream_names");
+        if all_names > limits.max_names_per_stream {
+            self.metrics.refuse("stream_names");
             return Err(Status::resource_exhausted(format!(
                 "this stream would subscribe {all_names} names; the limit is {}",
-                limits.xds_max_names_per_stream
+                limits.max_names_per_stream
             )));
         }
-        if all_bytes > limits.xds_max_stream_bytes {
-            self.state.metrics.refuse_xds("stream_bytes");
+        if all_bytes > limits.max_stream_bytes {
+            self.metrics.refuse("stream_bytes");
             return Err(Status::resource_exhausted(format!(
                 "this stream would keep {all_bytes} bytes of names; the limit is {}",
-                limits.xds_max_stream_bytes
+                limits.max_stream_bytes
             )));
         }
         let error = req
@@ -564,7 +563,7 @@ impl AdsStream {
                 .on_request(t, &req.resource_names, &req.response_nonce, error);
         if verdict != Verdict::Stale {
             session.kept.names[t as usize] = (names, bytes);
-            let metric = &self.state.metrics.xds_stream_bytes;
+            let metric = &self.metrics.stream_bytes;
             metric.inc_by(gauge(bytes));
             metric.dec_by(gauge(before.1));
         }
@@ -586,12 +585,11 @@ impl AdsStream {
                             "xDS client rejected resources (NACK); it keeps its last accepted version");
                     }
                     None => {
-                        self.state.metrics.xds_nack_logs_suppressed.inc();
+                        self.metrics.nack_logs_suppressed.inc();
                     }
                 }
-                self.state
-                    .metrics
-                    .xds_nacks
+                self.metrics
+                    .nacks
                     .get_or_create(&XdsResource::of(t.label()))
                     .inc();
             }
@@ -609,7 +607,7 @@ impl AdsStream {
 /// The outbound side of one ADS stream: the response stream tonic polls. Each poll
 /// builds at most one response, from the snapshot current when its round began.
 struct Outbound {
-    state: Arc<State>,
+    metrics: Arc<XdsMetrics>,
     shared: Arc<Shared>,
     snapshots: watch::Receiver<Arc<Snapshot>>,
     shutdown: watch::Receiver<bool>,
@@ -701,9 +699,8 @@ impl Outbound {
             }
             let sel = snap.select(t, wildcard, names, zone);
             let nonce = protocol.record_sent(t, &sel.version);
-            self.state
-                .metrics
-                .xds_pushes
+            self.metrics
+                .pushes
                 .get_or_create(&XdsResource::of(t.label()))
                 .inc();
             return Step::Send(DiscoveryResponse {

@@ -15,8 +15,8 @@
 //! ([`TrunkServer::reply`]); either end detaches it. Slots increase per trunk and are
 //! never reused, so an answer for a slot that is gone is only counted.
 
-use super::proof::{self, ProofError};
-use super::{
+use crate::session::proof::{self, ProofError};
+use crate::session::{
     close, server, Assignment, FrameReader, Peer, ProtocolError, ServerConfig, ServerError,
     ServerEvent, ServerSession,
 };
