@@ -245,7 +245,7 @@ impl Daemon {
                 server,
                 cfg.quic,
                 cfg.quic_threads,
-                state.metrics.clone(),
+                state.metrics.ingest.clone(),
                 ingest,
                 local,
             )
