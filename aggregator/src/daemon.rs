@@ -253,7 +253,7 @@ impl Daemon {
                 server,
                 cfg.quic,
                 cfg.quic_threads,
-                state.metrics.clone(),
+                state.metrics.ingest.clone(),
                 ingest,
                 local,
             )

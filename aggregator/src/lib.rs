@@ -24,7 +24,8 @@ pub mod relay;
 pub mod reload;
 pub mod state;
 pub mod store;
-pub mod supervise;
+// The watched tasks, shared with the relay: `ballast-ingest` holds them.
+pub use ballast_ingest::supervise;
 #[cfg(test)]
 mod test_http;
 pub mod ui;

@@ -21,22 +21,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// A label set with one `reason`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct Reason {
-    /// Why.
-    pub reason: String,
-}
-
-/// The labels of a TLS file reload: which file, and what came of it.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TlsReloadLabels {
-    /// `certificate` (with its key) or `ca`; `relay_` before either for a relay's
-    /// trunk files.
-    pub file: String,
-    /// `applied`, or why refused.
-    pub result: String,
-}
+use ballast_ingest::metrics::IngestMetrics;
+pub use ballast_ingest::metrics::{ProtocolLabel, Reason, TlsReloadLabels};
 
 /// A label set with a `service` and a `reason`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -45,22 +31,6 @@ pub struct ServiceReason {
     pub service: String,
     /// Why.
     pub reason: String,
-}
-
-/// A label set with one agent `protocol` version (its ALPN name, `ballast/2`).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ProtocolLabel {
-    /// The version.
-    pub protocol: String,
-}
-
-impl ProtocolLabel {
-    /// The label set of `protocol`.
-    pub fn of(protocol: ballast_shared::protocol::Protocol) -> Self {
-        ProtocolLabel {
-            protocol: protocol.name().to_string(),
-        }
-    }
 }
 
 /// A label set with one `service`.
@@ -121,38 +91,9 @@ impl XdsMetrics {
 /// Every counter the daemon keeps.
 pub struct Metrics {
     registry: Registry,
-    /// Reports accepted into the balancer.
-    pub reports_accepted: Counter,
-    /// Reports and hellos refused, by reason.
-    pub reports_rejected: Family<Reason, Counter>,
-    /// Connections refused or closed for a protocol fault, by reason.
-    pub connections_rejected: Family<Reason, Counter>,
-    /// Agent connections open now.
-    pub connections_open: Gauge,
-    /// Agent connections open now, by the protocol version they negotiated: when the
-    /// previous version's stays at 0, no agent of the previous release is left.
-    pub agent_connections: Family<ProtocolLabel, Gauge>,
-    /// Agent connections accepted, by the protocol version they negotiated.
-    pub agent_connections_accepted: Family<ProtocolLabel, Counter>,
-    /// Trunks from relays open now.
-    pub trunks_open: Gauge,
-    /// Agents attached through trunks now (slots welcomed and not yet detached).
-    pub trunk_slots: Gauge,
-    /// Slots the primary detached, or lost with their trunk, by reason (`moved`,
-    /// `revoked`, `expired`, `no_reports`, `protocol`, `relay_gone`).
-    pub trunk_detached: Family<Reason, Counter>,
-    /// Agents admitted through a relay without a proof of their key
-    /// (`admit_unproven_relayed_agents`, during an upgrade).
-    pub trunk_unproven: Counter,
-    /// Batches of reports received on trunks.
-    pub trunk_batches: Counter,
-    /// Reports received in trunks' batches: divided by `trunk_batches`, the entries per
-    /// batch.
-    pub trunk_reports: Counter,
-    /// Certificate revocation list reloads, by outcome (`applied`, `error`).
-    pub crl_reloads: Family<Reason, Counter>,
-    /// Reloads of the TLS files (certificate and key, CA bundle), by file and result.
-    pub tls_reloads: Family<TlsReloadLabels, Counter>,
+    /// Ingest's families: agents' connections and reports, relays' trunks, TLS and
+    /// revocation list reloads.
+    pub ingest: Arc<IngestMetrics>,
     /// Cycles run, by service.
     pub cycles: Family<ServiceLabel, Counter>,
     /// Cycles that changed nothing, by service and reason.
@@ -239,20 +180,7 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("ballast");
         let m = Metrics {
-            reports_accepted: Counter::default(),
-            reports_rejected: Family::default(),
-            connections_rejected: Family::default(),
-            connections_open: Gauge::default(),
-            agent_connections: Family::default(),
-            agent_connections_accepted: Family::default(),
-            trunks_open: Gauge::default(),
-            trunk_slots: Gauge::default(),
-            trunk_detached: Family::default(),
-            trunk_unproven: Counter::default(),
-            trunk_batches: Counter::default(),
-            trunk_reports: Counter::default(),
-            crl_reloads: Family::default(),
-            tls_reloads: Family::default(),
+            ingest: Arc::new(IngestMetrics::new()),
             cycles: Family::default(),
             cycles_skipped: Family::default(),
             endpoints_expired: Family::default(),
@@ -283,85 +211,7 @@ impl Metrics {
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
-        registry.register(
-            "reports_accepted",
-            "Reports accepted",
-            m.reports_accepted.clone(),
-        );
-        registry.register(
-            "reports_rejected",
-            "Reports and hellos rejected, by reason",
-            m.reports_rejected.clone(),
-        );
-        registry.register(
-            "connections_rejected",
-            "Agent connections refused or closed, by reason",
-            m.connections_rejected.clone(),
-        );
-        registry.register(
-            "connections_open",
-            "Agent connections open",
-            m.connections_open.clone(),
-        );
-        registry.register(
-            "agent_connections",
-            "Agent connections open, by the protocol version they negotiated",
-            m.agent_connections.clone(),
-        );
-        registry.register(
-            "agent_connections_accepted",
-            "Agent connections accepted, by the protocol version they negotiated",
-            m.agent_connections_accepted.clone(),
-        );
-        // Every version shows, at 0 until an agent speaks it: a scrape tells "none
-        // left" from "not counted".
-        for p in ballast_shared::protocol::Protocol::ALL {
-            let _ = m.agent_connections.get_or_create(&ProtocolLabel::of(p));
-            let _ = m
-                .agent_connections_accepted
-                .get_or_create(&ProtocolLabel::of(p));
-        }
-        registry.register(
-            "trunks_open",
-            "Trunks from relays open",
-            m.trunks_open.clone(),
-        );
-        registry.register(
-            "trunk_slots",
-            "Agents attached through trunks from relays",
-            m.trunk_slots.clone(),
-        );
-        registry.register(
-            "trunk_detached",
-            "Agents behind relays detached by this aggregator or lost with their trunk, by reason",
-            m.trunk_detached.clone(),
-        );
-        registry.register(
-            "trunk_unproven_admitted",
-            "Agents admitted through a relay without a proof of their key (admit_unproven_relayed_agents)",
-            m.trunk_unproven.clone(),
-        );
-        registry.register(
-            "trunk_batches",
-            "Batches of reports received on trunks",
-            m.trunk_batches.clone(),
-        );
-        registry.register(
-            "trunk_reports",
-            "Reports received in trunks' batches",
-            m.trunk_reports.clone(),
-        );
-        registry.register(
-            "crl_reloads",
-            "Certificate revocation list reloads, by outcome",
-            m.crl_reloads.clone(),
-        );
-        registry.register(
-            "tls_reloads",
-            "Reloads of changed TLS files (certificate with its key, CA bundle), by file \
-             and result (applied, or why refused)",
-            m.tls_reloads.clone(),
-        );
+        m.ingest.register(&mut registry);
         registry.register("cycles", "Balancing cycles run", m.cycles.clone());
         registry.register(
             "cluster_buckets_owned",
@@ -496,41 +346,6 @@ impl Metrics {
         );
         registry.register_collector(Box::new(m.service_families.clone()));
         Metrics { registry, ..m }
-    }
-
-    /// Counts an agent connection that negotiated `protocol`; the gauge of those open
-    /// now, for the caller to raise and lower around the connection.
-    pub fn agent_connections(&self, protocol: ballast_shared::protocol::Protocol) -> Gauge {
-        let label = ProtocolLabel::of(protocol);
-        self.agent_connections_accepted.get_or_create(&label).inc();
-        self.agent_connections.get_or_create(&label).clone()
-    }
-
-    /// Counts a rejected report or hello.
-    pub fn reject(&self, reason: &str) {
-        self.reports_rejected
-            .get_or_create(&Reason {
-                reason: reason.to_string(),
-            })
-            .inc();
-    }
-
-    /// Counts a refused or faulty connection.
-    pub(crate) fn reject_connection(&self, reason: &str) {
-        self.connections_rejected
-            .get_or_create(&Reason {
-                reason: reason.to_string(),
-            })
-            .inc();
-    }
-
-    /// Counts a slot of a trunk detached for `reason`.
-    pub(crate) fn detach_slot(&self, reason: &str) {
-        self.trunk_detached
-            .get_or_create(&Reason {
-                reason: reason.to_string(),
-            })
-            .inc();
     }
 
     /// The registry in Prometheus text format, without the per-service families.
@@ -702,22 +517,12 @@ impl Collector for ServiceFamilies {
 }
 
 /// A counter of TLS file reloads for [`ballast_shared::tls::live::LiveTls::watch`],
-/// into `metrics`, its `file` label prefixed with `prefix` (`""` for the files of
-/// `tls`, `"relay_"` for those of `relay.tls`).
+/// into `metrics`' ingest families, its `file` label prefixed with `prefix`.
 pub fn tls_reload_counter(
-    metrics: &std::sync::Arc<Metrics>,
+    metrics: &Metrics,
     prefix: &'static str,
 ) -> ballast_shared::tls::live::ReloadCounter {
-    let metrics = metrics.clone();
-    std::sync::Arc::new(move |file, result| {
-        metrics
-            .tls_reloads
-            .get_or_create(&TlsReloadLabels {
-                file: format!("{prefix}{}", file.label()),
-                result: result.label().to_string(),
-            })
-            .inc();
-    })
+    ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, prefix)
 }
 
 #[cfg(test)]

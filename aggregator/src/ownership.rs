@@ -17,62 +17,9 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-/// FNV-1a over `bytes`: stable across replicas, platforms and releases, unlike the
-/// standard library's hasher, since every replica must put a service in the same
-/// bucket.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-/// A finaliser that spreads FNV's low-entropy high bits (splitmix64's).
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// The bucket of `service` among `buckets` (at least one).
-pub fn bucket_of(service: &str, buckets: u32) -> u32 {
-    let n = u64::from(buckets.max(1));
-    u32::try_from(mix(fnv1a(service.as_bytes())) % n).unwrap_or(0)
-}
-
-/// The member that rendezvous hashing ranks first for `bucket`: the one with the
-/// highest score of member and bucket. Ties (which need a 64-bit collision) go to the
-/// smaller name, so every replica agrees.
-pub fn preferred<'m>(members: impl IntoIterator<Item = &'m str>, bucket: u32) -> Option<&'m str> {
-    members
-        .into_iter()
-        .map(|m| (mix(fnv1a(m.as_bytes()) ^ mix(u64::from(bucket) + 1)), m))
-        .max_by(|(sa, ma), (sb, mb)| sa.cmp(sb).then(mb.cmp(ma)))
-        .map(|(_, m)| m)
-}
-
-/// The key prefix of cluster `name`: `<prefix>/cluster/<name>/`.
-pub fn cluster_prefix(prefix: &str, name: &str) -> String {
-    format!("{prefix}/cluster/{name}/")
-}
-
-/// The key under which a member keeps its lease-bound presence.
-pub fn member_key(prefix: &str, name: &str, replica: &str) -> String {
-    format!("{}members/{replica}", cluster_prefix(prefix, name))
-}
-
-/// The key whose holder owns `bucket`.
-pub fn owner_key(prefix: &str, name: &str, bucket: u32) -> String {
-    format!("{}owners/{bucket:05}", cluster_prefix(prefix, name))
-}
-
-/// The key that holds the cluster's bucket count, set by its first replica: every
-/// replica must hash services into the same number of buckets.
-pub fn config_key(prefix: &str, name: &str) -> String {
-    format!("{}config", cluster_prefix(prefix, name))
-}
+pub use ballast_etcd::cluster::{
+    bucket_of, cluster_prefix, config_key, member_key, owner_key, preferred,
+};
 
 /// Whether a replica with `ownership` balances `service` itself: always, for a lone
 /// aggregator (`None`), which owns every service. The routing store writes only those.

@@ -75,16 +75,17 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         let core = ballast_balance::Limits::default();
+        let ingest = ballast_ingest::Limits::default();
         Limits {
             max_services: core.max_services,
             max_endpoints_per_service: core.max_endpoints_per_service,
             services_per_identity: 1,
-            quic_max_connections: 65_536,
-            quic_max_connections_per_identity: 4,
-            quic_retry: true,
-            quic_max_datagrams_per_second: 50,
-            quic_report_timeout_ms: 30_000,
-            trunk_max_slots: 100_000,
+            quic_max_connections: ingest.quic_max_connections,
+            quic_max_connections_per_identity: ingest.quic_max_connections_per_identity,
+            quic_retry: ingest.quic_retry,
+            quic_max_datagrams_per_second: ingest.quic_max_datagrams_per_second,
+            quic_report_timeout_ms: ingest.quic_report_timeout_ms,
+            trunk_max_slots: ingest.trunk_max_slots,
             xds_max_streams: 10_000,
             xds_max_streams_per_source: 256,
             xds_max_connections: 4096,
@@ -104,6 +105,18 @@ impl Default for Limits {
 }
 
 impl Limits {
+    /// The limits ingest holds agents' connections and relays' trunks to.
+    pub fn ingest(&self) -> ballast_ingest::Limits {
+        ballast_ingest::Limits {
+            quic_max_connections: self.quic_max_connections,
+            quic_max_connections_per_identity: self.quic_max_connections_per_identity,
+            quic_retry: self.quic_retry,
+            quic_max_datagrams_per_second: self.quic_max_datagrams_per_second,
+            quic_report_timeout_ms: self.quic_report_timeout_ms,
+            trunk_max_slots: self.trunk_max_slots,
+        }
+    }
+
     /// Checks that every limit admits something.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
         let positive: [(&str, u64); 22] = [

@@ -635,6 +635,20 @@ impl Default for Config {
 }
 
 impl Config {
+    /// What ingest is set up from: `tls`, `[authorization]`, the config directory's
+    /// rule for unknown services, and the QUIC `[limits]`.
+    pub fn ingest(&self) -> ballast_ingest::Settings {
+        ballast_ingest::Settings {
+            tls: self.tls.clone(),
+            policy: self.authorization.policy.clone(),
+            crl: self.authorization.crl.clone(),
+            crl_check: std::time::Duration::from_millis(self.authorization.crl_check_ms),
+            config_dir: self.service_config.dir.is_some(),
+            accept_unknown_services: self.service_config.accept_unknown_services,
+            limits: self.limits.ingest(),
+        }
+    }
+
     /// Parses and validates TOML text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         let cfg: Config = ballast_shared::config::parse_toml(text, origin)?;

@@ -6,10 +6,12 @@
 //! ends its connection with MOVED when the replica loses the service, so that the
 //! agent goes on to the replica that took it over.
 
-use super::upstream::{Admitted, Arrival, Close, Downstream, Forwarded, Link, Trunk, Upstream};
-use super::Ingest;
 use crate::state::State;
 use ballast_balance::{BalanceError, Balancer, Millis, Observation, Published};
+use ballast_ingest::upstream::{
+    lost, Admitted, Arrival, Close, Downstream, Forwarded, Link, Replica, Trunk, Upstream,
+};
+use ballast_ingest::Ingest;
 use ballast_shared::session::{close, Assignment};
 use ballast_shared::wire::{Hello, Reject, RejectReason, Report};
 use std::borrow::Cow;
@@ -30,26 +32,8 @@ impl Local {
     pub(crate) fn new(state: Arc<State>, ingest: &Ingest) -> Self {
         Local {
             state,
-            require_service_file: ingest.require_service_file,
+            require_service_file: ingest.require_service_file(),
         }
-    }
-
-    /// The replica's name, told to relays; `aggregator` for a lone one.
-    pub(super) fn replica(&self) -> &str {
-        self.state
-            .ownership
-            .as_ref()
-            .map_or("aggregator", |o| o.replica())
-    }
-
-    /// The report interval agents are told to use, in milliseconds.
-    pub(super) fn report_interval_ms(&self) -> u32 {
-        self.state.report_interval_ms
-    }
-
-    /// Moves whenever this replica loses a bucket; `None` for a lone aggregator.
-    pub(super) fn losses(&self) -> Option<watch::Receiver<u64>> {
-        self.state.ownership.as_ref().map(|o| o.watch_losses())
     }
 
     /// The admission, which needs nothing to wait for.
@@ -122,7 +106,26 @@ impl Upstream for Local {
     }
 
     fn trunk(&self, trunk: Trunk<'_>) -> impl Future<Output = Result<(), &'static str>> + Send {
-        super::trunk::serve(self, trunk)
+        ballast_ingest::trunk::serve(self, trunk)
+    }
+}
+
+impl Replica for Local {
+    /// The replica's name, told to relays; `aggregator` for a lone one.
+    fn name(&self) -> &str {
+        self.state
+            .ownership
+            .as_ref()
+            .map_or("aggregator", |o| o.replica())
+    }
+
+    fn report_interval_ms(&self) -> u32 {
+        self.state.report_interval_ms
+    }
+
+    /// Moves whenever this replica loses a bucket; `None` for a lone aggregator.
+    fn losses(&self) -> Option<watch::Receiver<u64>> {
+        self.state.ownership.as_ref().map(|o| o.watch_losses())
     }
 }
 
@@ -161,20 +164,6 @@ impl Link for LocalLink {
                 });
             }
         }
-    }
-}
-
-/// Resolves when the replica has lost a bucket since the last call; never for a lone
-/// aggregator, or once the ownership is gone with the daemon. Cancel-safe.
-pub(super) async fn lost(losses: &mut Option<watch::Receiver<u64>>) {
-    match losses {
-        Some(rx) => {
-            if rx.changed().await.is_err() {
-                *losses = None;
-                std::future::pending::<()>().await;
-            }
-        }
-        None => std::future::pending().await,
     }
 }
 
@@ -329,3 +318,6 @@ fn observation(r: &Report) -> Observation {
         draining: r.state == ballast_shared::wire::NodeState::Draining,
     }
 }
+
+#[cfg(test)]
+mod trunk_tests;

@@ -160,8 +160,12 @@ mod running {
             .map_err(|e| tls("the relay's identity (relay.tls)", e))?;
         let client = ballast_shared::tls::client_config_live(&relay_tls, &trunk_alpns()?)
             .map_err(|e| tls("the relay's client configuration", e))?;
-        let (server, ingest) =
-            crate::ingest::setup_with(cfg, identity, &client_ca, &crate::ingest::agent_alpns()?)?;
+        let (server, ingest) = ballast_ingest::setup_with(
+            &cfg.ingest(),
+            identity,
+            &client_ca,
+            &crate::ingest::agent_alpns()?,
+        )?;
 
         let (supervisor, ends) = crate::supervise::supervisor();
         let metrics = Arc::new(crate::metrics::Metrics::new());
@@ -207,7 +211,7 @@ mod running {
                 server,
                 cfg.quic,
                 cfg.quic_threads,
-                metrics.clone(),
+                metrics.ingest.clone(),
                 ingest,
                 upstream,
             )

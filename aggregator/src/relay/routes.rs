@@ -10,7 +10,8 @@
 
 use crate::cluster::{bucket_of, cluster_prefix, parse_view, ClusterKv, View};
 use crate::config::EtcdConfig;
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use ballast_etcd::Connection;
+use etcd_client::{EventType, GetOptions, WatchOptions};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -119,10 +120,7 @@ pub enum RoutesError {
 
 /// Follows one cluster's routes in etcd.
 pub(crate) struct Follower {
-    endpoints: Vec<String>,
-    options: ConnectOptions,
-    connect_timeout: Duration,
-    request_timeout: Duration,
+    connection: Connection,
     prefix: String,
     tx: watch::Sender<Arc<Routes>>,
     freshness: Arc<Freshness>,
@@ -134,14 +132,11 @@ pub(crate) type Following = (Follower, watch::Receiver<Arc<Routes>>, Arc<Freshne
 /// The follower of cluster `cluster` on `etcd`, the receiver of its routes (empty until
 /// the first reading) and their freshness. Nothing is contacted yet.
 pub(crate) fn follower(etcd: &EtcdConfig, cluster: &str) -> Result<Following, RoutesError> {
-    let options = crate::store::etcd::connect_options(etcd)?;
+    let connection = crate::store::etcd::connection(etcd)?;
     let (tx, rx) = watch::channel(Arc::new(Routes::default()));
     let freshness = Arc::new(Freshness::new());
     let follower = Follower {
-        endpoints: etcd.endpoints.clone(),
-        options,
-        connect_timeout: Duration::from_millis(etcd.connect_timeout_ms),
-        request_timeout: Duration::from_millis(etcd.request_timeout_ms),
+        connection,
         prefix: cluster_prefix(&etcd.prefix, cluster),
         tx,
         freshness: freshness.clone(),
@@ -197,30 +192,19 @@ impl Follower {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, E>>,
     ) -> Result<T, String> {
-        tokio::time::timeout(self.request_timeout, fut)
+        let limit = self.connection.request_timeout();
+        tokio::time::timeout(limit, fut)
             .await
-            .map_err(|_| format!("{what} timed out after {:?}", self.request_timeout))?
+            .map_err(|_| format!("{what} timed out after {limit:?}"))?
             .map_err(|e| format!("{what}: {}", ballast_shared::error_chain(&e)))
     }
 
     /// One connection's life: read, then watch. Why it ended, and whether it read the
     /// routes.
     async fn session(&self) -> (String, bool) {
-        let limit = self.connect_timeout + self.request_timeout;
-        let mut client = match tokio::time::timeout(
-            limit,
-            Client::connect(self.endpoints.clone(), Some(self.options.clone())),
-        )
-        .await
-        {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                return (
-                    format!("connecting: {}", ballast_shared::error_chain(&e)),
-                    false,
-                )
-            }
-            Err(_) => return (format!("connecting timed out after {limit:?}"), false),
+        let mut client = match self.connection.connect().await {
+            Ok(c) => c,
+            Err(e) => return (e, false),
         };
         let resp = match self
             .bounded(

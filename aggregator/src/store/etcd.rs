@@ -45,12 +45,10 @@ use super::{RoutingStore, StoreError, StoreFuture};
 use crate::config::EtcdConfig;
 use crate::ownership::Ownership;
 use ballast_balance::ServiceSnapshot;
-use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
-    KvClient, TlsOptions, Txn, TxnOp,
-};
+use ballast_etcd::{describe, Connect, Connection};
+use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, KvClient, Txn, TxnOp};
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -150,10 +148,6 @@ fn txn_chunks(batch: &[(String, Vec<u8>)], max_ops: usize) -> Vec<&[(String, Vec
 
 /// An etcd client error with its causes: tonic's transport errors say only
 /// "transport error" on their own, the TLS or connection failure is in their source.
-fn describe(e: &etcd_client::Error) -> String {
-    ballast_shared::error_chain(e)
-}
-
 /// How the store talks to etcd, to explain its errors.
 #[derive(Debug, Clone)]
 struct Credentials {
@@ -216,80 +210,23 @@ impl Credentials {
     }
 }
 
-/// Reads a file an etcd setting names, at start.
-fn read_setting(setting: &str, path: &Path) -> Result<String, StoreError> {
-    std::fs::read_to_string(path).map_err(|e| StoreError::Setup {
-        setting: format!("store.etcd.{setting}"),
-        reason: format!("{}: {e}", path.display()),
+/// The connection to the etcd `cfg` describes, the files it names read and checked
+/// now: the store's, and the relay's.
+pub(crate) fn connection(cfg: &EtcdConfig) -> Result<Connection, StoreError> {
+    Connection::new(&Connect {
+        endpoints: cfg.endpoints.clone(),
+        connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+        request_timeout: Duration::from_millis(cfg.request_timeout_ms),
+        ca_file: cfg.ca_file.clone(),
+        cert_file: cfg.cert_file.clone(),
+        key_file: cfg.key_file.clone(),
+        user: cfg.user.clone(),
+        password_file: cfg.password_file.clone(),
     })
-}
-
-fn setup_error(setting: &str, reason: impl std::fmt::Display) -> StoreError {
-    StoreError::Setup {
-        setting: format!("store.etcd.{setting}"),
-        reason: reason.to_string(),
-    }
-}
-
-/// The client's options from `cfg`: timeouts, TLS and the user, with the files they
-/// name read and checked now.
-pub(crate) fn connect_options(cfg: &EtcdConfig) -> Result<ConnectOptions, StoreError> {
-    let mut options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
-        .with_timeout(Duration::from_millis(cfg.request_timeout_ms))
-        // A simple token dies with the etcd member that issued it: log in again.
-        .with_auto_token_refresh(true);
-    if cfg.uses_tls() {
-        let ca_path = cfg
-            .ca_file
-            .as_deref()
-            .ok_or_else(|| setup_error("ca_file", "required with https:// endpoints"))?;
-        let ca = read_setting("ca_file", ca_path)?;
-        ballast_shared::tls::certs_from_pem(&ca, &ca_path.display().to_string())
-            .map_err(|e| setup_error("ca_file", e))?;
-        let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(ca));
-        if let (Some(cert_path), Some(key_path)) = (&cfg.cert_file, &cfg.key_file) {
-            let cert = read_setting("cert_file", cert_path)?;
-            let key = read_setting("key_file", key_path)?;
-            ballast_shared::tls::Identity::from_pem(&cert, &key, &cert_path.display().to_string())
-                .map_err(|e| setup_error("cert_file", e))?;
-            tls = tls.identity(Identity::from_pem(cert, key));
-        }
-        options = options.with_tls(tls);
-    }
-    if let (Some(user), Some(path)) = (&cfg.user, &cfg.password_file) {
-        let text = read_setting("password_file", path)?;
-        let password = text
-            .strip_suffix('\n')
-            .map(|p| p.strip_suffix('\r').unwrap_or(p))
-            .unwrap_or(&text);
-        if password.is_empty() {
-            return Err(setup_error(
-                "password_file",
-                format!("{} is empty", path.display()),
-            ));
-        }
-        warn_if_readable_by_others(path);
-        if !cfg.uses_tls() {
-            tracing::warn!(
-                user = %user,
-                "the etcd password goes over http:// in clear text: use https:// endpoints \
-                 unless etcd is on this host"
-            );
-        }
-        options = options.with_user(user.clone(), password.to_string());
-    }
-    Ok(options)
-}
-
-fn warn_if_readable_by_others(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(path) {
-        if meta.permissions().mode() & 0o007 != 0 {
-            tracing::warn!(file = %path.display(),
-                "the etcd password file is open to every user on this host (chmod o-rwx it)");
-        }
-    }
+    .map_err(|e| StoreError::Setup {
+        setting: e.setting,
+        reason: e.reason,
+    })
 }
 
 /// Why etcd is considered unreachable.
@@ -521,11 +458,9 @@ impl LocalCopy {
 
 /// A routing store in etcd. See the module documentation.
 pub(crate) struct EtcdStore {
-    endpoints: Vec<String>,
     prefix: String,
-    options: ConnectOptions,
+    connection: Connection,
     credentials: Credentials,
-    connect_timeout: Duration,
     request_timeout: Duration,
     /// Connected on first use; kept once connected (the client reconnects by itself),
     /// dropped never, retried when connecting fails (authentication does at connect).
@@ -574,17 +509,15 @@ impl EtcdStore {
             setting: e.setting,
             reason: e.reason,
         })?;
-        let options = connect_options(cfg)?;
+        let connection = connection(cfg)?;
         Ok(EtcdStore {
-            endpoints: cfg.endpoints.clone(),
             prefix: cfg.prefix.clone(),
-            options,
+            connection,
             credentials: Credentials {
                 tls: cfg.uses_tls(),
                 client_cert: cfg.cert_file.is_some(),
                 user: cfg.user.clone(),
             },
-            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
             request_timeout: Duration::from_millis(cfg.request_timeout_ms),
             client: tokio::sync::Mutex::new(None),
             ledger: Mutex::new(Ledger::new(
@@ -634,7 +567,7 @@ impl EtcdStore {
     }
 
     fn members(&self) -> String {
-        self.endpoints.join(",")
+        self.connection.endpoints().join(",")
     }
 
     /// A KV client, connecting first if need be. Connecting authenticates the user,
@@ -654,14 +587,7 @@ impl EtcdStore {
         let client = match slot.as_ref() {
             Some(client) => client.clone(),
             None => {
-                let limit = self.connect_timeout + self.request_timeout;
-                let client = tokio::time::timeout(
-                    limit,
-                    Client::connect(self.endpoints.clone(), Some(self.options.clone())),
-                )
-                .await
-                .map_err(|_| format!("connecting timed out after {limit:?}"))?
-                .map_err(|e| format!("connecting: {}", describe(&e)))?;
+                let client = self.connection.connect().await?;
                 slot.insert(client).clone()
             }
         };

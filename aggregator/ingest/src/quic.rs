@@ -8,7 +8,7 @@
 //! the silence rule, the metrics, and the end of a connection whose certificate is
 //! revoked or expires. What serves an admitted agent and its reports is the driver's
 //! [`Upstream`] ([`super::upstream`]): the aggregator's own balancer
-//! ([`super::local::Local`]) or another. Faults are counted and never reach other
+//! (the aggregator's `Local`) or another. Faults are counted and never reach other
 //! connections: each has its own task and a bad one is closed.
 
 use super::revocation::Verdict;
@@ -16,7 +16,7 @@ use super::upstream::{
     Admitted, Arrival, Downstream, Forwarded, Link, ProofRequest, Prover, Trunk, Upstream,
 };
 use super::Ingest;
-use crate::metrics::Metrics;
+use crate::metrics::IngestMetrics;
 use ballast_shared::protocol::Protocol;
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::ProtocolError;
@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// QUIC application error codes for closing connections; the protocol's own.
-pub(crate) use ballast_shared::session::close;
+pub use ballast_shared::session::close;
 
 /// The TLS alerts a refused client certificate ends its handshake with (RFC 8446),
 /// each with the reason it is counted under: the alert says why. rustls sends
@@ -50,9 +50,9 @@ const HANDSHAKE_ALERTS: [(u8, &str); 6] = [
 
 /// Accepts connections until the endpoint closes, each served by a task of its own on
 /// the caller's runtime, its agent by `upstream`.
-pub(crate) async fn serve<U: Upstream>(
+pub async fn serve<U: Upstream>(
     endpoint: quinn::Endpoint,
-    metrics: Arc<Metrics>,
+    metrics: Arc<IngestMetrics>,
     ingest: Arc<Ingest>,
     upstream: Arc<U>,
 ) {
@@ -138,7 +138,7 @@ fn is_trunk(conn: &quinn::Connection) -> bool {
 
 /// The certificate of a peer: its chain as presented (leaf first) and what its leaf
 /// says.
-pub(super) fn certificate_of(
+pub(crate) fn certificate_of(
     conn: &quinn::Connection,
 ) -> Result<(Vec<CertificateDer<'static>>, CertInfo), ballast_shared::tls::TlsError> {
     let chain = ballast_shared::tls::peer_chain(conn)?;
@@ -151,7 +151,7 @@ pub(super) fn certificate_of(
 
 /// Who an agent with the certificate `info` is, and what it may claim from `source`
 /// under the policy.
-pub(super) fn peer(ingest: &Ingest, info: CertInfo, source: std::net::IpAddr) -> Peer {
+pub(crate) fn peer(ingest: &Ingest, info: CertInfo, source: std::net::IpAddr) -> Peer {
     let grant = ingest
         .policy
         .grant(&info.identity, info.spiffe_id.as_deref(), &info.services);
@@ -236,7 +236,7 @@ impl Proofs {
 /// stream: the reason.
 fn proof_fault(
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     node: &str,
     e: &ProtocolError,
 ) -> &'static str {
@@ -249,7 +249,7 @@ fn proof_fault(
 async fn handle<U: Upstream>(
     conn: &quinn::Connection,
     protocol: Protocol,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     ingest: &Ingest,
     upstream: &U,
     slot: &mut super::limits::Slot,
@@ -526,9 +526,9 @@ fn to_agent(
 /// certificate under the revocation list in force; closes it, with the reason, if it
 /// is over the per-node cap or its certificate is no longer good. The receiver that
 /// sees the list's changes from before the check on.
-pub(super) fn admit_identity(
+pub(crate) fn admit_identity(
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     ingest: &Ingest,
     slot: &mut super::limits::Slot,
     identity: &str,
@@ -559,7 +559,7 @@ const EXPIRY_TIMER_MAX: Duration = Duration::from_secs(24 * 3600);
 
 /// How long until a certificate valid until `not_after_unix_s` expires: zero if it
 /// has, and at most [`EXPIRY_TIMER_MAX`].
-pub(super) fn expires_in(not_after_unix_s: i64) -> Duration {
+pub(crate) fn expires_in(not_after_unix_s: i64) -> Duration {
     let now_ms = i64::try_from(ballast_shared::unix_ms()).unwrap_or(i64::MAX);
     let left_ms = not_after_unix_s
         .saturating_mul(1000)
@@ -572,7 +572,7 @@ pub(super) fn expires_in(not_after_unix_s: i64) -> Duration {
 /// force changed since the handshake); the reason, if it did.
 fn credentials_end(
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     ingest: &Ingest,
     node: &str,
     chain: &[CertificateDer<'static>],
@@ -585,9 +585,9 @@ fn credentials_end(
 
 /// Closes a connection whose certificate is no longer good, with the code that says
 /// why, and counts it.
-pub(super) fn close_for(
+pub(crate) fn close_for(
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     node: &str,
     verdict: Verdict,
 ) -> &'static str {
@@ -605,7 +605,7 @@ pub(super) fn close_for(
 /// over it. Returns the fault in words, for the log.
 fn fault(
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     session: &ServerSession,
     e: &ServerError,
 ) -> &'static str {
@@ -626,7 +626,7 @@ fn fault(
 /// Sends a reject, counts it by reason, and closes the connection.
 async fn refuse(
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     identity: &str,
     send: &mut quinn::SendStream,
     reject: Reject,
@@ -645,7 +645,7 @@ async fn refuse(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ingest::upstream::Close;
+    use crate::upstream::Close;
     use ballast_shared::frame;
     use ballast_shared::pki::Ca;
     use ballast_shared::wire::{Hello, Message, NodeState, Reply, Report};
@@ -724,9 +724,12 @@ mod tests {
             .issue_server(&["localhost".to_string()])
             .expect("server certificate");
         let ca_certs = ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
-        let cfg = crate::config::Config::default();
-        let (server_config, ingest) = super::super::setup(
-            &cfg,
+        let settings = crate::Settings::new(ballast_shared::config::TlsFiles::in_dir(
+            std::path::Path::new("/etc/ballast/tls"),
+            "server",
+        ));
+        let (server_config, ingest) = crate::setup(
+            &settings,
             server.identity("server").expect("identity"),
             &ca_certs,
         )
@@ -743,7 +746,7 @@ mod tests {
             reports: reports_tx,
             downstream: std::sync::Mutex::new(Some(down_rx)),
         });
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(IngestMetrics::new());
         tokio::spawn(serve(
             endpoint.clone(),
             metrics.clone(),

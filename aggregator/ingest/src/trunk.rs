@@ -6,20 +6,19 @@
 //! once: its chain is checked here with this aggregator's own verifier and revocation
 //! list, its identity and grant are worked out from its certificate and the policy as
 //! a direct agent's are, and its hello goes through a session of its own, held to the
-//! same rules; then [`Local`] admits it as it admits a direct agent. Reports come in
-//! batches, each through its slot's session and [`LocalLink`] as a direct report is,
+//! same rules; then the [`Replica`] admits it as it admits a direct agent. Reports come
+//! in batches, each through its slot's session and [`Link`] as a direct report is,
 //! and the replies go back in batches, right after the batch they answer. Each slot
 //! keeps a direct agent's rate limit and silence rule, and is detached when its
 //! service leaves this replica (MOVED) or its certificate is revoked or expires; the
 //! whole trunk ends when the relay's own certificate is.
 
 use super::limits::{report_timeout, Rate};
-use super::local::{lost, Local, LocalLink};
 use super::quic::{admit_identity, certificate_of, close, close_for, expires_in, peer};
 use super::revocation::Verdict;
-use super::upstream::{Admitted, Arrival, Downstream, Forwarded, Link, Trunk, Upstream};
+use super::upstream::{lost, Admitted, Arrival, Downstream, Forwarded, Link, Replica, Trunk};
 use super::Ingest;
-use crate::metrics::Metrics;
+use crate::metrics::IngestMetrics;
 use ballast_shared::session::driver::now;
 use ballast_shared::session::trunk::{Admission, SlotEvent, TrunkServerError, TrunkServerEvent};
 use ballast_shared::session::TrunkServerConfig;
@@ -49,9 +48,9 @@ const REFUSAL_GRACE: Duration = Duration::from_secs(1);
 const CONTROL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One agent attached through the trunk.
-struct Agent {
+struct Agent<L> {
     /// Where its reports go.
-    link: LocalLink,
+    link: L,
     /// Its certificate chain, leaf first, checked again when the revocation list
     /// changes.
     chain: Vec<CertificateDer<'static>>,
@@ -71,7 +70,7 @@ struct Agent {
 type End = &'static str;
 
 /// Serves a trunk until it ends: admits the relay, then drives the trunk.
-pub(super) async fn serve(local: &Local, trunk: Trunk<'_>) -> Result<(), End> {
+pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End> {
     let Trunk {
         conn,
         metrics,
@@ -100,24 +99,24 @@ pub(super) async fn serve(local: &Local, trunk: Trunk<'_>) -> Result<(), End> {
         conn,
         metrics,
         ingest,
-        local,
+        replica,
         scope: ingest.policy.relay_scope(&info.identity),
         relay: info.identity,
         relay_chain: chain,
         relay_not_after: info.not_after_unix_s,
         server: TrunkServer::new(TrunkServerConfig {
-            replica: local.replica().to_string(),
+            replica: replica.name().to_string(),
             max_slots: ingest.limits.trunk_max_slots,
             max_batch_bytes: batch_limit(conn.max_datagram_size()),
             // Each attach proves its agent's key, on every trunk version that can.
             challenge: protocol.proves(),
             admit_unproven: ingest.policy.admit_unproven_relayed_agents(),
             ..TrunkServerConfig::new(
-                local.replica(),
+                replica.name(),
                 ServerConfig {
                     // The agents' messages in the version the trunk's carries.
                     protocol: protocol.entries(),
-                    ..ServerConfig::new(local.report_interval_ms())
+                    ..ServerConfig::new(replica.report_interval_ms())
                 },
             )
         }),
@@ -176,7 +175,7 @@ fn chain_refusal(
 async fn write(
     send: &mut quinn::SendStream,
     conn: &quinn::Connection,
-    metrics: &Metrics,
+    metrics: &IngestMetrics,
     frames: impl IntoIterator<Item = Vec<u8>>,
 ) -> Result<(), End> {
     for frame in frames {
@@ -193,25 +192,25 @@ async fn write(
     Ok(())
 }
 
-struct Driver<'a> {
+struct Driver<'a, R: Replica> {
     conn: &'a quinn::Connection,
-    metrics: &'a Metrics,
+    metrics: &'a IngestMetrics,
     ingest: &'a Ingest,
-    local: &'a Local,
+    replica: &'a R,
     /// The relay's identity.
     relay: String,
     /// What the relay's agents may be, by the policy's `[[relay]]` tables.
-    scope: crate::ingest::policy::RelayScope,
+    scope: crate::policy::RelayScope,
     /// The relay's own chain, checked again when the revocation list changes.
     relay_chain: Vec<CertificateDer<'static>>,
     /// When the relay's certificate expires.
     relay_not_after: i64,
     server: TrunkServer,
     /// The welcomed slots.
-    agents: HashMap<Slot, Agent>,
+    agents: HashMap<Slot, Agent<R::Link>>,
 }
 
-impl Driver<'_> {
+impl<R: Replica> Driver<'_, R> {
     async fn run(
         &mut self,
         revocations: &mut tokio::sync::watch::Receiver<u64>,
@@ -232,7 +231,7 @@ impl Driver<'_> {
         let mut buf = vec![0u8; MAX_CONTROL_FRAME];
         let mut sweep = tokio::time::interval(SWEEP);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut losses = self.local.losses();
+        let mut losses = self.replica.losses();
         let mut watching = true;
         loop {
             tokio::select! {
@@ -424,7 +423,7 @@ impl Driver<'_> {
             hello: &hello,
             prover: None,
         };
-        match self.local.admit(arrival).await {
+        match self.replica.admit(arrival).await {
             Ok(Admitted { interval_ms, link }) => {
                 if let Some(s) = self.server.session_mut(slot) {
                     s.set_interval_ms(interval_ms);
@@ -500,7 +499,7 @@ impl Driver<'_> {
             match event {
                 Ok(ServerEvent::Report(report)) => {
                     agent.heard = at;
-                    // The local link reads the report, not its bytes.
+                    // The replica's link reads the report, not its bytes.
                     match agent.link.report(&report, &[]) {
                         Forwarded::Assigned {
                             assignment,
@@ -643,4 +642,42 @@ impl Driver<'_> {
 }
 
 #[cfg(test)]
-mod tests;
+mod tests {
+    //! The trunk's own arithmetic; the trunk served in-process with the aggregator's
+    //! balancer behind it is tested there (`aggregator/src/ingest/local/trunk_tests.rs`).
+
+    use super::*;
+
+    #[test]
+    fn batches_fit_a_datagram_and_the_protocol() {
+        assert_eq!(batch_limit(None), 1200);
+        assert_eq!(batch_limit(Some(1452)), 1452);
+        assert_eq!(
+            batch_limit(Some(1 << 20)),
+            u32::try_from(MAX_BATCH).expect("small")
+        );
+    }
+
+    #[test]
+    fn refused_chains_are_told_apart() {
+        use quinn::rustls::{CertificateError as C, Error as E};
+        assert!(chain_refusal(Ok(Verdict::Valid)).is_none());
+        let code = |j| chain_refusal(j).map(|(code, reason, _)| (code, reason));
+        assert_eq!(
+            code(Ok(Verdict::Revoked)),
+            Some((close::REVOKED, "revoked"))
+        );
+        assert_eq!(
+            code(Ok(Verdict::Expired)),
+            Some((close::EXPIRED, "expired"))
+        );
+        assert_eq!(
+            code(Err(E::InvalidCertificate(C::UnknownIssuer))),
+            Some((close::REJECTED, "unknown_ca"))
+        );
+        assert_eq!(
+            code(Err(E::InvalidCertificate(C::BadEncoding))),
+            Some((close::REJECTED, "bad_certificate"))
+        );
+    }
+}

@@ -15,7 +15,7 @@
 
 use super::upstream::Upstream;
 use super::Ingest;
-use crate::metrics::Metrics;
+use crate::metrics::IngestMetrics;
 use std::net::{SocketAddr, UdpSocket};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -51,14 +51,13 @@ pub enum ThreadsError {
 }
 
 /// The running threads.
-pub(crate) struct Threads {
+pub struct Threads {
     /// Each thread's endpoint, to close them all at shutdown.
     endpoints: Vec<quinn::Endpoint>,
     /// Each thread's runtime, for work that belongs beside its connections.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // the relay's, which needs etcd
     runtimes: Vec<tokio::runtime::Handle>,
     /// The bound address, its port resolved.
-    pub(crate) addr: SocketAddr,
+    pub addr: SocketAddr,
     /// How many threads still run.
     running: watch::Receiver<usize>,
     /// The panic that ended a thread, if one did.
@@ -80,11 +79,11 @@ impl Drop for Running {
 /// Binds `count` sockets to `addr` and starts a thread for each that accepts and serves
 /// agents' connections until its endpoint is closed, each agent by `upstream`. Runs in
 /// the daemon's runtime, where it starts the revocation list's watcher.
-pub(crate) async fn start<U: Upstream>(
+pub async fn start<U: Upstream>(
     server: quinn::ServerConfig,
     addr: SocketAddr,
     count: usize,
-    metrics: Arc<Metrics>,
+    metrics: Arc<IngestMetrics>,
     ingest: Ingest,
     upstream: Arc<U>,
 ) -> Result<Threads, ThreadsError> {
@@ -173,7 +172,7 @@ fn serve<U: Upstream>(
     socket: UdpSocket,
     config: quinn::EndpointConfig,
     server: quinn::ServerConfig,
-    metrics: Arc<Metrics>,
+    metrics: Arc<IngestMetrics>,
     ingest: Arc<Ingest>,
     upstream: Arc<U>,
     ready: oneshot::Sender<std::io::Result<(quinn::Endpoint, tokio::runtime::Handle)>>,
@@ -258,7 +257,7 @@ fn bind(addr: SocketAddr, count: usize) -> Result<Vec<UdpSocket>, ThreadsError> 
 impl Threads {
     /// Resolves when a thread has ended, as it must not before shutdown; carries on
     /// the panic that ended it, if one did.
-    pub(crate) async fn ended(&self) {
+    pub async fn ended(&self) {
         let mut running = self.running.clone();
         let all = self.endpoints.len();
         let _ = running.wait_for(|n| *n < all).await;
@@ -274,20 +273,19 @@ impl Threads {
 
     /// The first thread's runtime: work spawned there runs beside that thread's
     /// connections, and hands them data with no wake-up of another thread.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // the relay's, which needs etcd
-    pub(crate) fn runtime(&self) -> Option<&tokio::runtime::Handle> {
+    pub fn runtime(&self) -> Option<&tokio::runtime::Handle> {
         self.runtimes.first()
     }
 
     /// Closes every endpoint: agents see the connection close.
-    pub(crate) fn close(&self, code: u32, reason: &[u8]) {
+    pub fn close(&self, code: u32, reason: &[u8]) {
         for e in &self.endpoints {
             e.close(quinn::VarInt::from_u32(code), reason);
         }
     }
 
     /// Waits until every thread has ended, its connections closed.
-    pub(crate) async fn stopped(&self) {
+    pub async fn stopped(&self) {
         let mut running = self.running.clone();
         let _ = running.wait_for(|n| *n == 0).await;
     }

@@ -7,7 +7,7 @@
 //! changes, and closes itself if the certificate is now revoked.
 
 use super::IngestError;
-use crate::metrics::{Metrics, Reason};
+use crate::metrics::{IngestMetrics, Reason};
 use ballast_shared::tls::{self, CertificateDer, CertificateRevocationListDer, ClientVerifier};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 /// What a certificate is worth now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub enum Verdict {
     /// Still good.
     Valid,
     /// On the revocation list in force.
@@ -26,7 +26,7 @@ pub(crate) enum Verdict {
 }
 
 /// The revocation list in force and where it comes from.
-pub(crate) struct Revocation {
+pub struct Revocation {
     verifier: Arc<ClientVerifier>,
     path: Option<PathBuf>,
     check_every: Duration,
@@ -72,7 +72,7 @@ fn read_crls(
 impl Revocation {
     /// The verifier for certificates from `client_ca`, with the list in `path` if one
     /// is configured, checked for changes every `check_every`.
-    pub(crate) fn load(
+    pub fn load(
         client_ca: &[CertificateDer<'static>],
         path: Option<PathBuf>,
         check_every: Duration,
@@ -101,17 +101,17 @@ impl Revocation {
     }
 
     /// The handshake's verifier.
-    pub(crate) fn verifier(&self) -> Arc<ClientVerifier> {
+    pub fn verifier(&self) -> Arc<ClientVerifier> {
         self.verifier.clone()
     }
 
     /// A receiver that sees every change of the list from now on.
-    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.generation.subscribe()
     }
 
     /// What `chain` (leaf first) is worth under the list in force now.
-    pub(crate) fn verdict(&self, chain: &[CertificateDer<'static>]) -> Verdict {
+    pub fn verdict(&self, chain: &[CertificateDer<'static>]) -> Verdict {
         self.judge(chain).unwrap_or_else(|e| {
             // Nothing else can have changed since the handshake: the CAs stay.
             tracing::debug!(error = %e, "a live certificate checked again");
@@ -123,7 +123,7 @@ impl Revocation {
     /// or why no handshake would take it at all (another CA, a certificate that does
     /// not parse or is not for a client): for a chain that no handshake here has
     /// checked, a relayed agent's.
-    pub(super) fn judge(
+    pub fn judge(
         &self,
         chain: &[CertificateDer<'static>],
     ) -> Result<Verdict, quinn::rustls::Error> {
@@ -145,7 +145,7 @@ impl Revocation {
     /// Watches the list's file until the task ends: a changed file is read and put in
     /// force, then every live connection checks its certificate again. A file that is
     /// unusable, or gone, leaves the list in force as it was.
-    pub(crate) async fn watch(self: Arc<Self>, metrics: Arc<Metrics>) {
+    pub async fn watch(self: Arc<Self>, metrics: Arc<IngestMetrics>) {
         let Some(path) = self.path.clone() else {
             return std::future::pending().await;
         };
@@ -208,7 +208,7 @@ impl Revocation {
     }
 }
 
-fn count(metrics: &Metrics, outcome: &str) {
+fn count(metrics: &IngestMetrics, outcome: &str) {
     metrics
         .crl_reloads
         .get_or_create(&Reason {

@@ -5,7 +5,7 @@
 //! the hello and its deadline, the connection caps, the rate limit, the silence rule,
 //! and the end of a connection whose certificate is revoked or expires. What is done
 //! with an admitted agent and its reports is an [`Upstream`]'s: the aggregator's own
-//! balancer ([`super::local::Local`]), or another process the reports are handed on to,
+//! balancer (the aggregator's `Local`), or another process the reports are handed on to,
 //! whose answers then come back later through [`Link::next`].
 
 use ballast_shared::session::{Assignment, Peer};
@@ -19,50 +19,48 @@ use std::net::SocketAddr;
 /// An agent whose hello the session has accepted, as the upstream is asked to admit
 /// it: who it is by its certificate, and what it says of itself.
 #[derive(Debug, Clone, Copy)]
-#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // read by the relay, which needs etcd
-pub(crate) struct Arrival<'a> {
+pub struct Arrival<'a> {
     /// The identity its certificate names, its source address and what it may claim.
-    pub(crate) peer: &'a Peer,
+    pub peer: &'a Peer,
     /// Its certificate chain as presented, leaf first (DER): for an upstream that must
     /// have it checked again elsewhere.
-    pub(crate) chain: &'a [CertificateDer<'static>],
+    pub chain: &'a [CertificateDer<'static>],
     /// The connection's source address and port.
-    pub(crate) remote: SocketAddr,
+    pub remote: SocketAddr,
     /// Its hello.
-    pub(crate) hello: &'a Hello,
+    pub hello: &'a Hello,
     /// How to ask the agent to prove that it holds its certificate's key, for an
     /// upstream that hands it on (a relay's primary challenges each attach); `None`
     /// where the agent's handshake was this process's own.
-    pub(crate) prover: Option<&'a Prover>,
+    pub prover: Option<&'a Prover>,
 }
 
 /// Asks an agent, over its connection's hello stream, to answer challenges
 /// ([`ballast_shared::session::proof`]). Cloned into whatever may need a proof later
 /// (a relay's link, which attaches again when its agent's service moves).
 #[derive(Debug, Clone)]
-pub(crate) struct Prover(tokio::sync::mpsc::UnboundedSender<ProofRequest>);
+pub struct Prover(tokio::sync::mpsc::UnboundedSender<ProofRequest>);
 
 /// One challenge for the agent, and where its proof goes: `None` when it cannot
 /// prove (it speaks `ballast/1`, or its stream or connection ended).
 #[derive(Debug)]
-pub(crate) struct ProofRequest {
+pub struct ProofRequest {
     /// The primary's challenge.
-    pub(crate) challenge: Challenge,
+    pub challenge: Challenge,
     /// The agent's answer.
-    pub(crate) answer: tokio::sync::oneshot::Sender<Option<Proof>>,
+    pub answer: tokio::sync::oneshot::Sender<Option<Proof>>,
 }
 
 impl Prover {
     /// A prover, and the requests its connection's driver answers.
-    pub(crate) fn new() -> (Prover, tokio::sync::mpsc::UnboundedReceiver<ProofRequest>) {
+    pub fn new() -> (Prover, tokio::sync::mpsc::UnboundedReceiver<ProofRequest>) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         (Prover(tx), rx)
     }
 
     /// Asks for the agent's proof of `challenge`: its answer, `None` if it cannot
     /// give one.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // asked by the relay, which needs etcd
-    pub(crate) async fn prove(&self, challenge: Challenge) -> Option<Proof> {
+    pub async fn prove(&self, challenge: Challenge) -> Option<Proof> {
         let (answer, rx) = tokio::sync::oneshot::channel();
         self.0.send(ProofRequest { challenge, answer }).ok()?;
         rx.await.ok().flatten()
@@ -72,17 +70,17 @@ impl Prover {
 /// An admitted agent: the report interval its welcome gives it, and the link its
 /// reports go through.
 #[derive(Debug)]
-pub(crate) struct Admitted<L> {
+pub struct Admitted<L> {
     /// The report interval the agent is told to use, in milliseconds. The connection's
     /// silence rule is counted from it too.
-    pub(crate) interval_ms: u32,
+    pub interval_ms: u32,
     /// Where the agent's reports go, and its replies come from, until the connection
     /// ends; dropped when it ends.
-    pub(crate) link: L,
+    pub link: L,
 }
 
 /// What serves the agents that a connection driver admits.
-pub(crate) trait Upstream: Send + Sync + 'static {
+pub trait Upstream: Send + Sync + 'static {
     /// One admitted agent's link.
     type Link: Link;
 
@@ -107,13 +105,43 @@ pub(crate) trait Upstream: Send + Sync + 'static {
     }
 }
 
+/// An upstream that serves relays' trunks as a primary ([`crate::trunk::serve`]): each
+/// agent behind a trunk is admitted through [`Upstream::admit`] as a direct agent is,
+/// and the trunk tells its relay what this says besides. A trunk's reports reach the
+/// links decoded only: [`Link::report`] is given no datagram (`raw` is empty).
+pub trait Replica: Upstream {
+    /// The replica's name, told to relays.
+    fn name(&self) -> &str;
+
+    /// The report interval agents are told to use, in milliseconds.
+    fn report_interval_ms(&self) -> u32;
+
+    /// Moves whenever this replica loses services: each link is then asked
+    /// ([`Link::next`]) whether its agent must go. `None` when it never loses any.
+    fn losses(&self) -> Option<tokio::sync::watch::Receiver<u64>>;
+}
+
+/// Resolves when `losses` has moved since the last call; never when there is none, or
+/// once its sender is gone. Cancel-safe.
+pub async fn lost(losses: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    match losses {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                *losses = None;
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// A connection that negotiated the relays' protocol, as the driver hands it on, with
 /// what serves it.
-pub(crate) struct Trunk<'a> {
+pub struct Trunk<'a> {
     /// The connection.
     pub(crate) conn: &'a quinn::Connection,
     /// The daemon's metrics.
-    pub(crate) metrics: &'a crate::metrics::Metrics,
+    pub(crate) metrics: &'a crate::metrics::IngestMetrics,
     /// The policy, the revocation list and the limits.
     pub(crate) ingest: &'a super::Ingest,
     /// The connection's place among the open ones, to claim for the relay's identity.
@@ -122,7 +150,7 @@ pub(crate) struct Trunk<'a> {
 
 /// One admitted agent's path to what serves it. Dropping it lets go of the agent
 /// there.
-pub(crate) trait Link: Send + 'static {
+pub trait Link: Send + 'static {
     /// Takes a report the session accepted, with its datagram in today's protocol
     /// (`raw`: as it came, or translated from the agent's previous version).
     /// Called for every report on the connection's task: it must not block, and the
@@ -139,7 +167,7 @@ pub(crate) trait Link: Send + 'static {
 
 /// What became of a report.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Forwarded {
+pub enum Forwarded {
     /// Recorded (`accepted`), or a newer one from another session of the node was
     /// already; either way the reply tells the agent `assignment`.
     Assigned {
@@ -149,8 +177,6 @@ pub(crate) enum Forwarded {
         accepted: bool,
     },
     /// Handed on: its reply, if any, comes through [`Link::next`].
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    // constructed by the relay, which needs etcd
     Queued,
     /// Refused for `reason`, unanswered: counted as a rejected report.
     Refused(RejectReason),
@@ -160,11 +186,9 @@ pub(crate) enum Forwarded {
 
 /// What an upstream tells the agent later.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Downstream {
+pub enum Downstream {
     /// A reply datagram, encoded in today's protocol, to send to the agent (translated
     /// first for an agent of the previous version).
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    // constructed by the relay, which needs etcd
     Reply(Bytes),
     /// The connection is to be closed.
     Close(Close),
@@ -172,12 +196,12 @@ pub(crate) enum Downstream {
 
 /// How and why an upstream ends a connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Close {
+pub struct Close {
     /// The application close code ([`super::quic::close`]): it tells the agent what to
     /// do next (MOVED: try the next aggregator).
-    pub(crate) code: u32,
+    pub code: u32,
     /// The reason the close is counted under in `ballast_connections_rejected_total`.
-    pub(crate) reason: &'static str,
+    pub reason: &'static str,
     /// The close's text, for the agent's log and this one's.
-    pub(crate) detail: Cow<'static, str>,
+    pub detail: Cow<'static, str>,
 }

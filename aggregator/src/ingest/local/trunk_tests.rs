@@ -1,16 +1,22 @@
-//! A relay's trunk against the QUIC server in-process: attaches, replies, refusals.
+//! A relay's trunk against the QUIC server in-process, this aggregator's balancer
+//! behind it ([`Local`]): attaches, replies, refusals.
 
 use super::*;
-use crate::ingest::quic::serve;
-use crate::metrics::Reason;
 use crate::state::State;
 use ballast_balance::Balancer;
+use ballast_ingest::metrics::{IngestMetrics as Metrics, Reason};
+use ballast_ingest::quic::{close, serve};
 use ballast_shared::pki::{Ca, RelaySpec};
 use ballast_shared::session::trunk::{TrunkClientConfig, TrunkClientEvent};
 use ballast_shared::session::TrunkClient;
+use ballast_shared::tls::CertInfo;
+use ballast_shared::tls::CertificateDer;
+use ballast_shared::trunk::TrunkProtocol;
 use ballast_shared::trunk::RELAY_ALPN;
 use ballast_shared::wire::{Hello, Message, NodeState, Report};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 const LOCALHOST: [u8; 4] = [127, 0, 0, 1];
 const WAIT: Duration = Duration::from_secs(5);
@@ -87,7 +93,7 @@ impl Primary {
         let ingest = Arc::new(ingest);
         let metrics = Arc::new(Metrics::new());
         // The revocation list's file watched, as the daemon's QUIC threads watch it.
-        tokio::spawn(ingest.revocation.clone().watch(metrics.clone()));
+        tokio::spawn(ingest.revocation().watch(metrics.clone()));
         let addr = endpoint.local_addr().expect("address");
         let clock = crate::clock::Clock::start();
         let balancer = Balancer::new(ballast_balance::Params::default(), clock.now());
@@ -643,39 +649,6 @@ async fn a_relay_that_shares_no_trunk_version_with_the_primary_is_refused_and_co
     assert_eq!(primary.rejected("no_common_protocol"), 2);
     assert_eq!(primary.metrics.trunks_open.get(), 0);
     primary.endpoint.close(0u32.into(), b"done");
-}
-
-#[test]
-fn batches_fit_a_datagram_and_the_protocol() {
-    assert_eq!(batch_limit(None), 1200);
-    assert_eq!(batch_limit(Some(1452)), 1452);
-    assert_eq!(
-        batch_limit(Some(1 << 20)),
-        u32::try_from(MAX_BATCH).expect("small")
-    );
-}
-
-#[test]
-fn refused_chains_are_told_apart() {
-    use quinn::rustls::{CertificateError as C, Error as E};
-    assert!(chain_refusal(Ok(Verdict::Valid)).is_none());
-    let code = |j| chain_refusal(j).map(|(code, reason, _)| (code, reason));
-    assert_eq!(
-        code(Ok(Verdict::Revoked)),
-        Some((close::REVOKED, "revoked"))
-    );
-    assert_eq!(
-        code(Ok(Verdict::Expired)),
-        Some((close::EXPIRED, "expired"))
-    );
-    assert_eq!(
-        code(Err(E::InvalidCertificate(C::UnknownIssuer))),
-        Some((close::REJECTED, "unknown_ca"))
-    );
-    assert_eq!(
-        code(Err(E::InvalidCertificate(C::BadEncoding))),
-        Some((close::REJECTED, "bad_certificate"))
-    );
 }
 
 #[tokio::test]
