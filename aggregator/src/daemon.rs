@@ -44,6 +44,9 @@ pub enum DaemonError {
     /// The authorization policy or the certificate revocation list is unusable.
     #[error(transparent)]
     Ingest(#[from] crate::ingest::IngestError),
+    /// The HTTP API's token file is unusable.
+    #[error("HTTP API: {0}")]
+    Auth(#[from] crate::api::auth::AuthError),
     /// A thread of the QUIC ingest could not start.
     #[error(transparent)]
     Quic(crate::ingest::ThreadsError),
@@ -252,6 +255,12 @@ impl Daemon {
             .await?,
         );
         let quic_addr = quic.addr;
+        let auth = crate::api::auth::Auth::new(cfg, state.metrics.clone())?;
+        let http_tls = cfg
+            .http_tls
+            .as_ref()
+            .map(crate::api::listener::tls_config)
+            .transpose()?;
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| DaemonError::Bind {
@@ -313,9 +322,29 @@ impl Daemon {
                 Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
             ),
         ));
-        let app = crate::api::router(state.clone());
-        let listener =
+        let app = crate::api::router_with(state.clone(), auth.clone())
+            .into_make_service_with_connect_info::<crate::api::listener::Peer>();
+        let mut listener =
             crate::api::listener::Limited::new(listener, state.metrics.clone(), &state.limits);
+        if let Some((config, live)) = http_tls {
+            listener = listener.with_tls(config);
+            tasks.push(supervisor.spawn(
+                "HTTP TLS files",
+                live.watch(
+                    ballast_shared::tls::live::CHECK_EVERY,
+                    crate::metrics::tls_reload_counter(&state.metrics, "http_"),
+                ),
+            ));
+        }
+        if let Some(watch) = auth.watch_tokens() {
+            tasks.push(supervisor.spawn("HTTP token file", watch));
+        }
+        tracing::info!(
+            tls = cfg.http_tls.is_some(),
+            tokens = auth.takes_tokens(),
+            certificates = auth.takes_certificates(),
+            "HTTP API credentials"
+        );
         tasks.push(supervisor.spawn("HTTP API", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP API stopped");

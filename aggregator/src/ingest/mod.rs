@@ -8,7 +8,7 @@
 
 mod limits;
 pub(crate) mod local;
-mod policy;
+pub(crate) mod policy;
 pub(crate) mod quic;
 pub(crate) mod revocation;
 pub(crate) mod threads;
