@@ -406,9 +406,9 @@ fn config_restore(backup: &std::path::Path, to: &std::path::Path, exact: bool) -
 /// The API client `args` describe: the URL, and the credentials and CA to use.
 fn api_client(args: &ClientArgs) -> Result<ApiClient> {
     let token = match &args.token_file {
-        Some(path) => Some(
-            client::read_token(path).with_context(|| format!("reading {}", path.display()))?,
-        ),
+        Some(path) => {
+            Some(client::read_token(path).with_context(|| format!("reading {}", path.display()))?)
+        }
         None => None,
     };
     let options = client::ClientOptions {
@@ -425,7 +425,8 @@ fn token_hash(name: &str, role: ballast_aggregator::api::auth::Role) -> Result<E
     std::io::stdin()
         .read_line(&mut line)
         .context("reading the token from standard input")?;
-    let entry = ballast_aggregator::api::auth::hash_entry(name, role, line.trim_end_matches(['\r', '\n']))?;
+    let entry =
+        ballast_aggregator::api::auth::hash_entry(name, role, line.trim_end_matches(['\r', '\n']))?;
     print!("{entry}");
     Ok(ExitCode::SUCCESS)
 }

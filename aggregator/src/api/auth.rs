@@ -329,7 +329,11 @@ impl TokenStore {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let (entries, generation) = {
             let tokens = self.read();
-            if let Some(entry) = tokens.cache.get(&digest).and_then(|&i| tokens.entries.get(i)) {
+            if let Some(entry) = tokens
+                .cache
+                .get(&digest)
+                .and_then(|&i| tokens.entries.get(i))
+            {
                 return Some((entry.name.clone(), entry.role));
             }
             (tokens.entries.clone(), tokens.generation)

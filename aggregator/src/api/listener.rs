@@ -491,8 +491,7 @@ pub(crate) fn tls_config(
     let identity = files.identity()?;
     let cas = files.ca_certs()?;
     let verifier = Arc::new(ballast_shared::tls::ClientVerifier::new(&cas, Vec::new())?);
-    let live =
-        ballast_shared::tls::live::LiveTls::server(files, identity, cas, verifier.clone())?;
+    let live = ballast_shared::tls::live::LiveTls::server(files, identity, cas, verifier.clone())?;
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))

@@ -38,7 +38,10 @@ pub fn router_with(state: Arc<State>, auth: Arc<auth::Auth>) -> Router {
         .layer(axum::Extension(Arc::new(
             crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.clone()),
         )))
-        .layer(axum::middleware::from_fn_with_state(auth, auth::authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            auth::authenticate,
+        ))
         .with_state(state)
 }
 

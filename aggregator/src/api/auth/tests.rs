@@ -72,20 +72,50 @@ async fn roles_reach_their_routes_and_only_those() {
     let app = app(auth(dir.path(), MetricsAccess::ScrapeAndViewers));
     assert_eq!(call(&app, "GET", "/healthz", None).await.0, 200);
     assert_eq!(call(&app, "GET", "/v1/services", None).await.0, 401);
-    assert_eq!(call(&app, "GET", "/v1/services", Some("nope-nope-nope-nope")).await.0, 401);
-    assert_eq!(call(&app, "GET", "/v1/services", Some(VIEWER_TOKEN)).await.0, 200);
-    assert_eq!(call(&app, "GET", "/metrics", Some(VIEWER_TOKEN)).await.0, 200);
-    assert_eq!(call(&app, "GET", "/v1/services", Some(SCRAPE_TOKEN)).await.0, 403);
-    assert_eq!(call(&app, "GET", "/metrics", Some(SCRAPE_TOKEN)).await.0, 200);
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some("nope-nope-nope-nope"))
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some(VIEWER_TOKEN))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(VIEWER_TOKEN)).await.0,
+        200
+    );
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some(SCRAPE_TOKEN))
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(SCRAPE_TOKEN)).await.0,
+        200
+    );
     // The guard of a route that acts.
-    assert_eq!(call(&app, "POST", "/v1/act", Some(VIEWER_TOKEN)).await.0, 403);
+    assert_eq!(
+        call(&app, "POST", "/v1/act", Some(VIEWER_TOKEN)).await.0,
+        403
+    );
     assert_eq!(call(&app, "POST", "/v1/act", None).await.0, 401);
     let (status, body) = call(&app, "POST", "/v1/act", Some(OPERATOR_TOKEN)).await;
     assert_eq!((status, body.as_str()), (200, "acted as oncall"));
 
     let app = self::app(auth(dir.path(), MetricsAccess::ScrapeOnly));
-    assert_eq!(call(&app, "GET", "/metrics", Some(VIEWER_TOKEN)).await.0, 403);
-    assert_eq!(call(&app, "GET", "/metrics", Some(SCRAPE_TOKEN)).await.0, 200);
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(VIEWER_TOKEN)).await.0,
+        403
+    );
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(SCRAPE_TOKEN)).await.0,
+        200
+    );
 }
 
 #[tokio::test]
@@ -94,7 +124,10 @@ async fn a_removed_token_is_refused_though_it_was_cached() {
     let path = token_file(dir.path());
     let store = TokenStore::load(&path).expect("load");
     let metrics = Metrics::new();
-    assert_eq!(store.verify(VIEWER_TOKEN).await.map(|(_, r)| r), Some(Role::Viewer));
+    assert_eq!(
+        store.verify(VIEWER_TOKEN).await.map(|(_, r)| r),
+        Some(Role::Viewer)
+    );
     // Cached now: the second check costs a hash.
     let t = std::time::Instant::now();
     assert!(store.verify(VIEWER_TOKEN).await.is_some());
