@@ -385,3 +385,102 @@ fn tls_tokens_and_client_certificates_admit_by_role() {
         assert!(!log.contains(token), "the log holds a token");
     }
 }
+
+/// The dashboard behind bearer tokens, in a real browser: the sign-in form, the token
+/// kept in memory only, pages, charts and the watch feed all carrying it.
+#[test]
+fn the_dashboard_signs_in_with_a_token_kept_in_memory() {
+    use ballast_tests::harness::browser::Browser;
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("api-tokens.toml");
+    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
+    // Tokens without TLS: allowed on loopback, and the browser needs no CA.
+    let agg = Aggregator::start(
+        &pki,
+        AggregatorOpts {
+            config_toml: Some(format!("[http_auth]\ntokens = {tokens:?}\n")),
+            cycle_ms: 400,
+            report_interval_ms: 400,
+            ..AggregatorOpts::default()
+        },
+    );
+    // The harness's own requests are anonymous here: /healthz only.
+    let agent = Agent::start(&pki, &agg, AgentOpts::new(SERVICE, "web-1"));
+    agent.wait_weight(Duration::from_secs(15));
+    let base = format!("http://{}", agg.http_addr());
+    let mut browser = Browser::launch(1200, 900);
+    browser.navigate(&format!("{base}/ui"));
+    assert_eq!(
+        browser
+            .eval("!!document.getElementById('login')")
+            .expect("eval"),
+        true,
+        "no sign-in form"
+    );
+    let submit = |b: &mut Browser, token: &str| {
+        b.eval(&format!(
+            "document.getElementById('token').value = {token:?}; \
+             document.querySelector('#login button').click(); true"
+        ))
+        .expect("submit");
+    };
+    // A wrong token: the form says so.
+    submit(&mut browser, "not-a-token-at-all");
+    wait_for(
+        Duration::from_secs(10),
+        "the refusal shown",
+        || match browser.eval("document.getElementById('login-error').textContent") {
+            Ok(serde_json::Value::String(s)) if s.contains("refused") => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    );
+    // The 401s of the sign-in page and the wrong token are expected.
+    browser.clear_errors();
+    let navigations = browser.navigations();
+    submit(&mut browser, VIEWER_TOKEN);
+    wait_for(Duration::from_secs(10), "the overview", || {
+        match browser.eval(&format!(
+            "!!document.querySelector('tr[data-service=\"{SERVICE}\"] a')"
+        )) {
+            Ok(serde_json::Value::Bool(true)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    // To the service page: swapped in place, its charts and watch feed with the token.
+    browser
+        .eval(&format!(
+            "document.querySelector('tr[data-service=\"{SERVICE}\"] a').click(); true"
+        ))
+        .expect("click");
+    wait_for(Duration::from_secs(15), "the service page live", || {
+        let v = browser
+            .eval(
+                "[location.pathname, ballastUi.events, \
+                  Array.from(document.querySelectorAll('img[data-chart]')) \
+                    .every(i => i.complete && i.naturalWidth > 0), \
+                  document.querySelectorAll('img[data-chart]').length]",
+            )
+            .map_err(|e| e.to_string())?;
+        let ok = v[0] == format!("/ui/services/{SERVICE}")
+            && v[1].as_u64().unwrap_or(0) >= 1
+            && v[2] == true
+            && v[3].as_u64().unwrap_or(0) >= 1;
+        ok.then_some(()).ok_or_else(|| format!("{v}"))
+    });
+    assert_eq!(
+        browser.navigations(),
+        navigations,
+        "the page navigated: the token would be lost"
+    );
+    let stored = browser
+        .eval("[localStorage.length, sessionStorage.length, document.cookie]")
+        .expect("storage");
+    assert_eq!(
+        stored,
+        serde_json::json!([0, 0, ""]),
+        "the token was stored"
+    );
+    assert_eq!(browser.errors(), Vec::new(), "the page reported errors");
+    drop(agent);
+}

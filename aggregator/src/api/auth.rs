@@ -6,7 +6,9 @@
 //!   the [`Operator`] extractor.
 //! - `scrape` reads `/metrics` only.
 //!
-//! `/healthz` is always open. With no credential configured the API is open to
+//! `/healthz`, `/` (a redirect) and the dashboard's static files are always open. A
+//! browser that asks for a dashboard page with no credential gets the sign-in form
+//! (401), whose script keeps a token in memory and sends it with every request. With no credential configured the API is open to
 //! whoever reaches it, as an operator: the daemon refuses that off loopback unless
 //! `insecure_http` is set ([`crate::config::Config::check_http_exposure`]).
 //!
@@ -557,9 +559,15 @@ pub(crate) async fn authenticate(
         return next.run(req).await;
     }
     let path = req.uri().path().to_string();
-    if path == "/healthz" {
+    // The health check, the dashboard's redirect and its static files hold no data.
+    if path == "/healthz" || path == "/" || path.starts_with("/ui/assets/") {
         return next.run(req).await;
     }
+    let wants_html = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/html"));
     let authorization = req.headers().get(header::AUTHORIZATION).cloned();
     let cert = req
         .extensions()
@@ -567,6 +575,16 @@ pub(crate) async fn authenticate(
         .and_then(|ConnectInfo(peer)| peer.cert.clone());
     let principal = match auth.identify(authorization, cert).await {
         Ok(p) => p,
+        Err(Failure::Missing) if wants_html && (path == "/ui" || path.starts_with("/ui/")) => {
+            // A browser: the sign-in form, whose script sends the token from then on.
+            let mut response = auth.refuse(Failure::Missing, &path);
+            let challenge = response.headers_mut().remove(header::WWW_AUTHENTICATE);
+            response = crate::ui::login_page();
+            if let Some(c) = challenge {
+                response.headers_mut().insert(header::WWW_AUTHENTICATE, c);
+            }
+            return response;
+        }
         Err(failure) => return auth.refuse(failure, &path),
     };
     let allowed = if path == "/metrics" {
