@@ -77,13 +77,11 @@ fn write_atomically(path: &Path, text: &str) {
 /// A client of the API trusting the harness's CA, with `identity` (a TLS directory
 /// holding node.pem and node.key) if given, and no token.
 fn client(pki: &Pki, identity: Option<&Path>) -> reqwest::blocking::Client {
-    let ca = std::fs::read(pki.dir().join("ca.pem")).expect("ca.pem");
-    let mut b = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .no_proxy()
-        .use_rustls_tls()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(reqwest::Certificate::from_pem(&ca).expect("CA"));
+    let mut b = ApiAccess {
+        ca: pki.dir().join("ca.pem"),
+        token: None,
+    }
+    .builder();
     if let Some(dir) = identity {
         let mut pem = std::fs::read(dir.join("node.pem")).expect("node.pem");
         pem.extend(std::fs::read(dir.join("node.key")).expect("node.key"));

@@ -329,39 +329,45 @@ impl TokenStore {
     /// The name and role of the entry `token` matches, if any.
     pub async fn verify(&self, token: &str) -> Option<(String, Role)> {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let (entries, generation) = {
-            let tokens = self.read();
-            if let Some(entry) = tokens
-                .cache
-                .get(&digest)
-                .and_then(|&i| tokens.entries.get(i))
-            {
-                return Some((entry.name.clone(), entry.role));
-            }
-            (tokens.entries.clone(), tokens.generation)
-        };
-        let _permit = self.verifying.acquire().await.ok()?;
-        let token = token.to_string();
-        let candidates = entries.clone();
-        let found = tokio::task::spawn_blocking(move || {
-            candidates.iter().position(|e| {
-                PasswordHash::new(&e.hash).is_ok_and(|hash| {
-                    argon2::Argon2::default()
-                        .verify_password(token.as_bytes(), &hash)
-                        .is_ok()
+        // A file that changes during a verification is verified against once more: its
+        // entry may be gone, or new.
+        for _ in 0..2 {
+            let (entries, generation) = {
+                let tokens = self.read();
+                if let Some(entry) = tokens
+                    .cache
+                    .get(&digest)
+                    .and_then(|&i| tokens.entries.get(i))
+                {
+                    return Some((entry.name.clone(), entry.role));
+                }
+                (tokens.entries.clone(), tokens.generation)
+            };
+            let permit = self.verifying.acquire().await.ok()?;
+            let token = token.to_string();
+            let candidates = entries.clone();
+            let found = tokio::task::spawn_blocking(move || {
+                candidates.iter().position(|e| {
+                    PasswordHash::new(&e.hash).is_ok_and(|hash| {
+                        argon2::Argon2::default()
+                            .verify_password(token.as_bytes(), &hash)
+                            .is_ok()
+                    })
                 })
             })
-        })
-        .await
-        .ok()??;
-        let mut tokens = self.write();
-        if tokens.generation != generation {
-            // The file changed meanwhile: the entry may be gone. Ask again.
-            return None;
+            .await
+            .ok()?;
+            drop(permit);
+            let mut tokens = self.write();
+            if tokens.generation != generation {
+                continue;
+            }
+            let index = found?;
+            tokens.cache.insert(digest, index);
+            let entry = entries.get(index)?;
+            return Some((entry.name.clone(), entry.role));
         }
-        tokens.cache.insert(digest, found);
-        let entry = entries.get(found)?;
-        Some((entry.name.clone(), entry.role))
+        None
     }
 
     /// Takes the file's new contents: parsed, they replace the entries in force; a

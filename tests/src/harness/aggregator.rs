@@ -117,6 +117,12 @@ pub struct ApiAccess {
 impl ApiAccess {
     /// A blocking client that trusts `ca` alone and sends `token`.
     pub fn client(&self) -> reqwest::blocking::Client {
+        self.builder().build().expect("HTTPS client")
+    }
+
+    /// The builder of [`ApiAccess::client`], for a test to add to (a client
+    /// certificate, say).
+    pub fn builder(&self) -> reqwest::blocking::ClientBuilder {
         let pem = std::fs::read(&self.ca).expect("read the API's CA");
         let mut builder = reqwest::blocking::Client::builder()
             .timeout(Duration::from_secs(5))
@@ -132,7 +138,7 @@ impl ApiAccess {
             );
             builder = builder.default_headers(headers);
         }
-        builder.build().expect("HTTPS client")
+        builder
     }
 }
 
