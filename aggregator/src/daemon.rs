@@ -242,6 +242,23 @@ impl Daemon {
         // mode, checks clients against its CAs and revocation list: one set of watched
         // files, taken live by both.
         let xds_tls = xds_tls(cfg, &ingest)?;
+        // The HTTP listener's TLS: on the files of [tls], the QUIC listener's live
+        // certificate and verifier (its revocation list included); on files of its own,
+        // watched here.
+        let http_tls = match &cfg.http_tls {
+            Some(files) if *files == cfg.tls => Some((
+                crate::api::listener::server_config(
+                    ingest.live_tls(),
+                    ingest.revocation().verifier(),
+                )?,
+                None,
+            )),
+            Some(files) => {
+                let (config, live) = crate::api::listener::tls_config(files)?;
+                Some((config, Some(live)))
+            }
+            None => None,
+        };
         let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
         let quic = Arc::new(
             crate::ingest::threads::start(
@@ -256,11 +273,6 @@ impl Daemon {
         );
         let quic_addr = quic.addr;
         let auth = crate::api::auth::Auth::new(cfg, state.metrics.clone())?;
-        let http_tls = cfg
-            .http_tls
-            .as_ref()
-            .map(crate::api::listener::tls_config)
-            .transpose()?;
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| DaemonError::Bind {
@@ -326,15 +338,17 @@ impl Daemon {
             .into_make_service_with_connect_info::<crate::api::listener::Peer>();
         let mut listener =
             crate::api::listener::Limited::new(listener, state.metrics.clone(), &state.limits);
-        if let Some((config, live)) = http_tls {
+        if let Some((config, own)) = http_tls {
             listener = listener.with_tls(config);
-            tasks.push(supervisor.spawn(
-                "HTTP TLS files",
-                live.watch(
-                    ballast_shared::tls::live::CHECK_EVERY,
-                    crate::metrics::tls_reload_counter(&state.metrics, "http_"),
-                ),
-            ));
+            if let Some(live) = own {
+                tasks.push(supervisor.spawn(
+                    "HTTP TLS files",
+                    live.watch(
+                        ballast_shared::tls::live::CHECK_EVERY,
+                        crate::metrics::tls_reload_counter(&state.metrics, "http_"),
+                    ),
+                ));
+            }
         }
         if let Some(watch) = auth.watch_tokens() {
             tasks.push(supervisor.spawn("HTTP token file", watch));

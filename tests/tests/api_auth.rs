@@ -13,7 +13,8 @@
 //!    - the viewer's token reads `/v1/services`, the dashboard and `/metrics`; the
 //!      scrape token reads `/metrics` and is refused (403) everything else;
 //!    - a client certificate of the CA named `ops-alice` reads; one of the CA named
-//!      `node-1` holds no role (403); one of another CA is refused at the handshake;
+//!      `node-1` holds no role (403); one of another CA is refused at the handshake,
+//!      and so is one revoked while the aggregator runs (`[authorization] crl`);
 //!    - the OpenAPI document served names the bearer and mutualTLS schemes;
 //!    - `ballast-aggregator services --url https://… --ca … --token-file …` lists the
 //!      service, and `--cert/--key` does too; without a credential it fails with 401;
@@ -206,10 +207,12 @@ fn start() -> Setup {
     let config = format!(
         "[http_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n\n\
          [http_auth]\ntokens = {tokens:?}\ntokens_check_ms = 200\n\n\
-         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n",
+         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n\n\
+         [authorization]\ncrl = {:?}\ncrl_check_ms = 200\n",
         tls.join("ca.pem"),
         tls.join("server.pem"),
         tls.join("server.key"),
+        pki.crl_path(),
     );
     let agg = Aggregator::start(
         &pki,

@@ -492,12 +492,22 @@ pub(crate) fn tls_config(
     let cas = files.ca_certs()?;
     let verifier = Arc::new(ballast_shared::tls::ClientVerifier::new(&cas, Vec::new())?);
     let live = ballast_shared::tls::live::LiveTls::server(files, identity, cas, verifier.clone())?;
+    Ok((server_config(live.clone(), verifier)?, live))
+}
+
+/// The HTTP listener's TLS presenting the certificate `live` has in force, client
+/// certificates (optional) checked by `verifier`: the QUIC listener's own when
+/// `[http_tls]` names the files of `[tls]`, so that its revocation list holds here too.
+pub(crate) fn server_config(
+    live: Arc<ballast_shared::tls::live::LiveTls>,
+    verifier: Arc<ballast_shared::tls::ClientVerifier>,
+) -> Result<Arc<rustls::ServerConfig>, ballast_shared::tls::TlsError> {
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
     .with_safe_default_protocol_versions()?
     .with_client_cert_verifier(Arc::new(OptionalClientCert(verifier)))
-    .with_cert_resolver(live.clone());
+    .with_cert_resolver(live);
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok((Arc::new(config), live))
+    Ok(Arc::new(config))
 }
