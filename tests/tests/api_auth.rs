@@ -303,6 +303,22 @@ fn tls_tokens_and_client_certificates_admit_by_role() {
         refused.is_err(),
         "a certificate of another CA was served: {refused:?}"
     );
+    // A certificate revoked (`certs revoke`, the list of [authorization] crl) fails its
+    // next handshake.
+    let bob = pki.node_tls_dir("ops-bob");
+    assert_eq!(
+        status(&client(pki, Some(&bob)), agg, "/v1/services", None),
+        200
+    );
+    pki.revoke("ops-bob");
+    wait_for(
+        Duration::from_secs(5),
+        "the revoked certificate refused",
+        || match get(&client(pki, Some(&bob)), agg, "/v1/services", None) {
+            Err(_) => Ok(()),
+            Ok((code, _, _)) => Err(format!("status {code}")),
+        },
+    );
 
     // The document says how to authenticate.
     let doc: serde_json::Value = agg.get_json("/v1/openapi.json");
