@@ -34,6 +34,9 @@ pub enum Command {
     /// The per-service config directory: check it offline, restore a backup.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Bearer tokens of the HTTP API.
+    #[command(subcommand)]
+    Token(TokenCommand),
     /// Validate a configuration file and exit: 0 if valid, 1 if not.
     Check {
         /// The file.
@@ -77,6 +80,34 @@ pub struct ClientArgs {
     /// Print the API's JSON as it is (for `watch`, one object per line).
     #[arg(long)]
     pub json: bool,
+    /// A file holding the bearer token to send (its first line).
+    #[arg(long, env = "BALLAST_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// The CA certificate (PEM) the aggregator's https:// certificate is checked
+    /// against; without it, the system's roots are not used and https:// fails.
+    #[arg(long, env = "BALLAST_CA")]
+    pub ca: Option<PathBuf>,
+    /// A client certificate (PEM) to present over https://; needs --key.
+    #[arg(long, env = "BALLAST_CERT", requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "BALLAST_KEY", requires = "cert")]
+    pub key: Option<PathBuf>,
+}
+
+/// Token subcommands.
+#[derive(Subcommand)]
+pub enum TokenCommand {
+    /// Read a token from standard input (one line) and print a `[[token]]` entry of
+    /// the token file with its argon2 hash: the token itself is never written.
+    Hash {
+        /// The token's name, as the logs and metrics show it.
+        #[arg(long)]
+        name: String,
+        /// Its role: viewer, operator or scrape.
+        #[arg(long, value_enum)]
+        role: crate::api::auth::Role,
+    },
 }
 
 /// Config-directory subcommands.
@@ -251,6 +282,10 @@ pub struct RunArgs {
     /// `mutual` (clients need a certificate from the CA) or `plaintext` [default: tls].
     #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
     pub xds_tls: Option<crate::config::XdsTls>,
+    /// Serve the HTTP API on an address other than loopback without TLS or
+    /// credentials (`insecure_http = true`).
+    #[arg(long, env = "BALLAST_INSECURE_HTTP")]
+    pub insecure_http: bool,
     /// Per-service config directory (`<service>.toml` files), merged live.
     #[arg(long, env = "BALLAST_CONFIG_DIR")]
     pub config_dir: Option<PathBuf>,
@@ -310,6 +345,7 @@ impl RunArgs {
         self.common.inherit(&top.common);
         fill!(self, top; xds, xds_tls, config_dir, store, replica, cycle_ms, grace_ms,
             report_interval_ms);
+        self.insecure_http |= top.insecure_http;
     }
 }
 

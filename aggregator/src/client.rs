@@ -127,18 +127,49 @@ pub struct ApiClient {
     http: reqwest::Client,
 }
 
+/// What a client presents and trusts beyond the URL.
+#[derive(Debug, Clone, Default)]
+pub struct ClientOptions {
+    /// The bearer token sent with every request.
+    pub token: Option<String>,
+    /// The CA certificate (PEM file) an `https://` aggregator's certificate is checked
+    /// against: the only root trusted.
+    pub ca: Option<std::path::PathBuf>,
+    /// A client certificate and its key (PEM files), presented over `https://`.
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+/// The token in a token file: its first line, without surrounding blanks.
+pub fn read_token(path: &std::path::Path) -> Result<String, std::io::Error> {
+    let text = std::fs::read_to_string(path)?;
+    let token = text.lines().next().unwrap_or_default().trim().to_string();
+    if token.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the token file is empty",
+        ));
+    }
+    Ok(token)
+}
+
 impl ApiClient {
-    /// A client of the aggregator at `url`, `http://host[:port][/prefix]`.
+    /// A client of the aggregator at `url`, `http://host[:port][/prefix]`, with no
+    /// credentials.
     pub fn new(url: &str) -> Result<ApiClient, ClientError> {
+        Self::with_options(url, &ClientOptions::default())
+    }
+
+    /// A client of the aggregator at `url`, `http://` or `https://host[:port][/prefix]`,
+    /// presenting and trusting what `options` say.
+    pub fn with_options(url: &str, options: &ClientOptions) -> Result<ApiClient, ClientError> {
         let bad = |reason: &str| ClientError::Url {
             url: url.to_string(),
             reason: reason.to_string(),
         };
         let base = reqwest::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
         match base.scheme() {
-            "http" => {}
-            "https" => return Err(bad("https:// is not supported yet; use http://")),
-            _ => return Err(bad("only http:// is supported")),
+            "http" | "https" => {}
+            _ => return Err(bad("only http:// and https:// are supported")),
         }
         if base.host_str().is_none_or(str::is_empty) {
             return Err(bad("no host"));
@@ -149,14 +180,47 @@ impl ApiClient {
         if base.query().is_some() || base.fragment().is_some() {
             return Err(bad("a query or fragment"));
         }
-        let http = reqwest::Client::builder()
+        let https = base.scheme() == "https";
+        if !https && (options.ca.is_some() || options.identity.is_some()) {
+            return Err(bad("--ca, --cert and --key need an https:// URL"));
+        }
+        let mut builder = reqwest::Client::builder()
             .user_agent(concat!("ballast-aggregator/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(CONNECT_TIMEOUT)
             .read_timeout(WATCH_READ_TIMEOUT)
             // The aggregator is addressed directly, whatever proxy the environment names.
-            .no_proxy()
-            .build()
-            .map_err(|e| bad(&root_cause(&e)))?;
+            .no_proxy();
+        if https {
+            builder = builder.use_rustls_tls().tls_built_in_root_certs(false);
+        }
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| bad(&format!("{}: {e}", path.display())))
+        };
+        if let Some(ca) = &options.ca {
+            let pem = read(ca)?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| bad(&format!("{}: {}", ca.display(), root_cause(&e))))?;
+            for cert in certs {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        if let Some((cert, key)) = &options.identity {
+            let mut pem = read(cert)?;
+            pem.push(b'\n');
+            pem.extend(read(key)?);
+            let identity = reqwest::Identity::from_pem(&pem)
+                .map_err(|e| bad(&format!("{}: {}", cert.display(), root_cause(&e))))?;
+            builder = builder.identity(identity);
+        }
+        if let Some(token) = &options.token {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+                .map_err(|_| bad("the token is not printable ASCII"))?;
+            value.set_sensitive(true);
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+            builder = builder.default_headers(headers);
+        }
+        let http = builder.build().map_err(|e| bad(&root_cause(&e)))?;
         Ok(ApiClient {
             url: url.trim_end_matches('/').to_string(),
             base,
@@ -628,8 +692,16 @@ mod tests {
         );
         let c = ApiClient::new("http://agg.example").unwrap();
         assert_eq!(c.base.port_or_known_default(), Some(80));
+        assert!(ApiClient::new("https://agg.example").is_ok());
+        let ca_on_http = ClientOptions {
+            ca: Some("/ca.pem".into()),
+            ..ClientOptions::default()
+        };
+        assert!(matches!(
+            ApiClient::with_options("http://x", &ca_on_http),
+            Err(ClientError::Url { .. })
+        ));
         for bad in [
-            "https://x",
             "ftp://x",
             "127.0.0.1:7401",
             "http://",

@@ -44,6 +44,9 @@ pub enum DaemonError {
     /// The authorization policy or the certificate revocation list is unusable.
     #[error(transparent)]
     Ingest(#[from] crate::ingest::IngestError),
+    /// The HTTP API's token file is unusable.
+    #[error("HTTP API: {0}")]
+    Auth(#[from] crate::api::auth::AuthError),
     /// A thread of the QUIC ingest could not start.
     #[error(transparent)]
     Quic(crate::ingest::ThreadsError),
@@ -247,6 +250,23 @@ impl Daemon {
         // mode, checks clients against its CAs and revocation list: one set of watched
         // files, taken live by both.
         let xds_tls = xds_tls(cfg, &ingest)?;
+        // The HTTP listener's TLS: on the files of [tls], the QUIC listener's live
+        // certificate and verifier (its revocation list included); on files of its own,
+        // watched here.
+        let http_tls = match &cfg.http_tls {
+            Some(files) if *files == cfg.tls => Some((
+                crate::api::listener::server_config(
+                    ingest.live_tls(),
+                    ingest.revocation().verifier(),
+                )?,
+                None,
+            )),
+            Some(files) => {
+                let (config, live) = crate::api::listener::tls_config(files)?;
+                Some((config, Some(live)))
+            }
+            None => None,
+        };
         let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
         let quic = Arc::new(
             crate::ingest::threads::start(
@@ -260,6 +280,7 @@ impl Daemon {
             .await?,
         );
         let quic_addr = quic.addr;
+        let auth = crate::api::auth::Auth::new(cfg, state.metrics.clone())?;
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| DaemonError::Bind {
@@ -326,9 +347,31 @@ impl Daemon {
                 Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
             ),
         ));
-        let app = crate::api::router(state.clone());
-        let listener =
+        let app = crate::api::router_with(state.clone(), auth.clone())
+            .into_make_service_with_connect_info::<crate::api::listener::Peer>();
+        let mut listener =
             crate::api::listener::Limited::new(listener, state.metrics.clone(), &state.limits);
+        if let Some((config, own)) = http_tls {
+            listener = listener.with_tls(config);
+            if let Some(live) = own {
+                tasks.push(supervisor.spawn(
+                    "HTTP TLS files",
+                    live.watch(
+                        ballast_shared::tls::live::CHECK_EVERY,
+                        crate::metrics::tls_reload_counter(&state.metrics, "http_"),
+                    ),
+                ));
+            }
+        }
+        if let Some(watch) = auth.watch_tokens() {
+            tasks.push(supervisor.spawn("HTTP token file", watch));
+        }
+        tracing::info!(
+            tls = cfg.http_tls.is_some(),
+            tokens = auth.takes_tokens(),
+            certificates = auth.takes_certificates(),
+            "HTTP API credentials"
+        );
         tasks.push(supervisor.spawn("HTTP API", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP API stopped");

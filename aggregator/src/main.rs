@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use ballast_aggregator::cli::{
     CertsCommand, Cli, ClientArgs, Command, CommonArgs, ConfigCommand, RelayArgs, RunArgs,
+    TokenCommand,
 };
 use ballast_aggregator::client::{self, ApiClient};
 use ballast_aggregator::config::{Config, TlsFiles};
@@ -44,6 +45,7 @@ fn main() -> ExitCode {
         Some(Command::Certs(CertsCommand::Revoke { dir, node, serial })) => {
             certs_revoke(&dir, node, serial)
         }
+        Some(Command::Token(TokenCommand::Hash { name, role })) => token_hash(&name, role),
         Some(Command::Check { config }) => check(&config),
         Some(Command::Config(ConfigCommand::Check { dir })) => config_check(&dir, &cli.run),
         Some(Command::Config(ConfigCommand::Restore { backup, to, exact })) => {
@@ -148,7 +150,10 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
     }
+    cfg.insecure_http |= args.insecure_http;
     cfg.validate().with_context(|| origin(&args.common))?;
+    cfg.check_http_exposure()
+        .with_context(|| origin(&args.common))?;
     Ok(cfg)
 }
 
@@ -398,6 +403,34 @@ fn config_restore(backup: &std::path::Path, to: &std::path::Path, exact: bool) -
     Ok(ExitCode::SUCCESS)
 }
 
+/// The API client `args` describe: the URL, and the credentials and CA to use.
+fn api_client(args: &ClientArgs) -> Result<ApiClient> {
+    let token = match &args.token_file {
+        Some(path) => {
+            Some(client::read_token(path).with_context(|| format!("reading {}", path.display()))?)
+        }
+        None => None,
+    };
+    let options = client::ClientOptions {
+        token,
+        ca: args.ca.clone(),
+        identity: args.cert.clone().zip(args.key.clone()),
+    };
+    Ok(ApiClient::with_options(&args.url, &options)?)
+}
+
+/// Prints a token file entry for the token on standard input.
+fn token_hash(name: &str, role: ballast_aggregator::api::auth::Role) -> Result<ExitCode> {
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("reading the token from standard input")?;
+    let entry =
+        ballast_aggregator::api::auth::hash_entry(name, role, line.trim_end_matches(['\r', '\n']))?;
+    print!("{entry}");
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Runs one client request to its end, on a runtime of its own (one thread).
 fn block_on<T>(request: impl std::future::Future<Output = T>) -> Result<T> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -408,7 +441,7 @@ fn block_on<T>(request: impl std::future::Future<Output = T>) -> Result<T> {
 }
 
 fn services(args: &ClientArgs) -> Result<ExitCode> {
-    let (list, raw) = block_on(ApiClient::new(&args.url)?.services())??;
+    let (list, raw) = block_on(api_client(args)?.services())??;
     if args.json {
         println!("{}", raw.trim_end());
     } else {
@@ -418,7 +451,7 @@ fn services(args: &ClientArgs) -> Result<ExitCode> {
 }
 
 fn service(name: &str, args: &ClientArgs) -> Result<ExitCode> {
-    let (detail, raw) = block_on(ApiClient::new(&args.url)?.service(name))??;
+    let (detail, raw) = block_on(api_client(args)?.service(name))??;
     if args.json {
         println!("{}", raw.trim_end());
     } else {
@@ -428,7 +461,7 @@ fn service(name: &str, args: &ClientArgs) -> Result<ExitCode> {
 }
 
 fn endpoints(name: &str, args: &ClientArgs) -> Result<ExitCode> {
-    let (list, raw) = block_on(ApiClient::new(&args.url)?.endpoints(name))??;
+    let (list, raw) = block_on(api_client(args)?.endpoints(name))??;
     if args.json {
         println!("{}", raw.trim_end());
     } else {
@@ -443,7 +476,7 @@ fn watch(name: &str, args: &ClientArgs) -> Result<ExitCode> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     let mut failed = None;
-    let client = ApiClient::new(&args.url)?;
+    let client = api_client(args)?;
     block_on(client.watch(name, |set, raw| {
         let line = if args.json {
             raw.to_string()

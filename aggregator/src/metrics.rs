@@ -129,6 +129,11 @@ pub struct Metrics {
     pub xds: Arc<XdsMetrics>,
     /// HTTP connections and watch streams refused or cut off for a limit, by reason.
     pub http_refused: Family<Reason, Counter>,
+    /// HTTP requests and TLS handshakes refused for their credential, by reason
+    /// (`missing`, `bad_token`, `bad_cert`, `forbidden`).
+    pub http_auth_failures: Family<Reason, Counter>,
+    /// Changes of the HTTP API's token file, by outcome (`applied`, `invalid`).
+    pub http_token_reloads: Family<Reason, Counter>,
     /// HTTP watch (server-sent) events sent, by service.
     pub watch_events: Family<ServiceLabel, Counter>,
     /// HTTP watch streams open now.
@@ -176,6 +181,24 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts an HTTP request or handshake refused for its credential, for `reason`.
+    pub fn fail_http_auth(&self, reason: &str) {
+        self.http_auth_failures
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a change of the token file, by `result`.
+    pub fn reload_tokens(&self, result: &str) {
+        self.http_token_reloads
+            .get_or_create(&Reason {
+                reason: result.to_string(),
+            })
+            .inc();
+    }
+
     /// Registers every metric under the `ballast` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("ballast");
@@ -199,6 +222,8 @@ impl Metrics {
             store_too_large: Gauge::default(),
             xds: Arc::new(XdsMetrics::default()),
             http_refused: Family::default(),
+            http_auth_failures: Family::default(),
+            http_token_reloads: Family::default(),
             watch_events: Family::default(),
             watch_streams: Gauge::default(),
             config_reloads: Family::default(),
@@ -323,6 +348,16 @@ impl Metrics {
             "http_refused",
             "HTTP connections and watch streams refused or cut off for a limit, by reason",
             m.http_refused.clone(),
+        );
+        registry.register(
+            "http_auth_failures",
+            "HTTP requests and TLS handshakes refused for their credential, by reason",
+            m.http_auth_failures.clone(),
+        );
+        registry.register(
+            "http_token_reloads",
+            "Changes of the HTTP API's token file, by outcome",
+            m.http_token_reloads.clone(),
         );
         registry.register(
             "watch_events",

@@ -11,7 +11,7 @@
 
 mod limits;
 pub mod metrics;
-mod policy;
+pub mod policy;
 pub mod quic;
 pub mod revocation;
 pub mod supervise;

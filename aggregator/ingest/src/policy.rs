@@ -219,7 +219,7 @@ fn networks(texts: &[String]) -> Result<Vec<Cidr>, String> {
 }
 
 /// The first of `patterns` that is not a name glob, as the reason it is refused.
-fn bad_glob(patterns: &[String]) -> Option<String> {
+pub fn bad_glob(patterns: &[String]) -> Option<String> {
     patterns.iter().find(|p| !is_name_glob(p)).map(|bad| {
         format!(
             "{bad:?} is not a name pattern (letters, digits, '.', '_', '-', \

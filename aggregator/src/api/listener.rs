@@ -3,6 +3,11 @@
 //! timeout. A client that trickles its headers, on a new connection or on one that
 //! has had its answers, or a watcher that stops reading, holds a connection for a
 //! bounded time, and no number of them can take more than the cap.
+//!
+//! With TLS (`[http_tls]`), each connection's handshake runs in a task of its own, under
+//! the same deadline, so that a slow handshake holds up no other connection; a client
+//! certificate is optional, and one that does not verify fails the handshake (counted
+//! as `bad_cert`). The certificate's name travels with the connection ([`Peer`]).
 
 use crate::config::limits::Limits;
 use crate::metrics::Metrics;
@@ -16,7 +21,24 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
+
+/// Who is at the other end of a connection: its address, and the name of the client
+/// certificate it presented over TLS, if any (for [`super::auth`]).
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The remote address.
+    pub addr: SocketAddr,
+    /// The client certificate's name ([`ballast_shared::tls::CertInfo::identity`]).
+    pub cert: Option<Arc<str>>,
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Limited>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, Limited>) -> Self {
+        stream.remote_addr().clone()
+    }
+}
 
 /// Accepts at most `http_max_connections` at a time; the rest wait in the backlog.
 pub(crate) struct Limited {
@@ -28,6 +50,10 @@ pub(crate) struct Limited {
     request: Duration,
     /// How long a connection may then go without a byte either way.
     idle: Duration,
+    /// TLS, when configured.
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Handshakes under way.
+    handshakes: JoinSet<Option<(Conn, Peer)>>,
 }
 
 impl Limited {
@@ -40,38 +66,39 @@ impl Limited {
             metrics,
             request: Duration::from_millis(limits.http_request_timeout_ms),
             idle: Duration::from_millis(limits.http_idle_timeout_ms),
+            tls: None,
+            handshakes: JoinSet::new(),
         }
     }
-}
 
-impl axum::serve::Listener for Limited {
-    type Io = Guarded;
-    type Addr = SocketAddr;
+    /// Serves TLS with `config` on every connection.
+    pub(crate) fn with_tls(mut self, config: Arc<rustls::ServerConfig>) -> Self {
+        self.tls = Some(tokio_rustls::TlsAcceptor::from(config));
+        self
+    }
 
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+    /// The next TCP connection, under the cap.
+    async fn next_tcp(
+        inner: &TcpListener,
+        permits: &Arc<Semaphore>,
+        metrics: &Metrics,
+    ) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
         loop {
-            let permit = match self.permits.clone().try_acquire_owned() {
+            let permit = match permits.clone().try_acquire_owned() {
                 Ok(p) => p,
                 Err(_) => {
-                    self.metrics.refuse_http("connections");
-                    match self.permits.clone().acquire_owned().await {
+                    metrics.refuse_http("connections");
+                    match permits.clone().acquire_owned().await {
                         Ok(p) => p,
                         // The semaphore is never closed.
                         Err(_) => continue,
                     }
                 }
             };
-            match self.inner.accept().await {
+            match inner.accept().await {
                 Ok((stream, addr)) => {
                     let _ = stream.set_nodelay(true);
-                    let guarded = Guarded::new(
-                        stream,
-                        permit,
-                        self.metrics.clone(),
-                        self.request,
-                        self.idle,
-                    );
-                    return (guarded, addr);
+                    return (stream, addr, permit);
                 }
                 Err(e) => {
                     // Out of descriptors, say: wait a little rather than spin.
@@ -81,9 +108,161 @@ impl axum::serve::Listener for Limited {
             }
         }
     }
+}
+
+/// Runs the TLS handshake of `stream`; `None` (logged, and counted when the client's
+/// certificate was refused) if it fails or misses the connection's deadline.
+async fn handshake(
+    acceptor: tokio_rustls::TlsAcceptor,
+    stream: Guarded,
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+) -> Option<(Conn, Peer)> {
+    match acceptor.accept(stream).await {
+        Ok(tls) => {
+            let cert = tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .and_then(|leaf| ballast_shared::tls::CertInfo::parse(leaf).ok())
+                .map(|info| Arc::from(info.identity.as_str()));
+            Some((Conn::Tls(Box::new(tls)), Peer { addr, cert }))
+        }
+        Err(e) => {
+            let refused_cert = e
+                .get_ref()
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                .is_some_and(|r| {
+                    matches!(
+                        r,
+                        rustls::Error::InvalidCertificate(_)
+                            | rustls::Error::InvalidCertRevocationList(_)
+                    )
+                });
+            if refused_cert {
+                metrics.fail_http_auth(super::auth::Failure::BadCert.label());
+            }
+            tracing::debug!(%addr, error = %e, "HTTP TLS handshake failed");
+            None
+        }
+    }
+}
+
+/// An accepted connection: plain, or TLS once its handshake is done.
+pub(crate) enum Conn {
+    /// Plain HTTP.
+    Plain(Guarded),
+    /// HTTPS.
+    Tls(Box<tokio_rustls::server::TlsStream<Guarded>>),
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write(cx, data),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, data),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_flush(cx),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Conn::Plain(s) => s.is_write_vectored(),
+            Conn::Tls(s) => s.is_write_vectored(),
+        }
+    }
+}
+
+impl axum::serve::Listener for Limited {
+    type Io = Conn;
+    type Addr = Peer;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Limited {
+                inner,
+                permits,
+                metrics,
+                handshakes,
+                ..
+            } = self;
+            let (stream, addr, permit) = tokio::select! {
+                Some(done) = handshakes.join_next(), if !handshakes.is_empty() => {
+                    match done {
+                        Ok(Some(conn)) => return conn,
+                        _ => continue,
+                    }
+                }
+                next = Self::next_tcp(inner, permits, metrics) => next,
+            };
+            let guarded = Guarded::new(
+                stream,
+                permit,
+                self.metrics.clone(),
+                self.request,
+                self.idle,
+            );
+            match &self.tls {
+                None => return (Conn::Plain(guarded), Peer { addr, cert: None }),
+                Some(acceptor) => {
+                    self.handshakes.spawn(handshake(
+                        acceptor.clone(),
+                        guarded,
+                        addr,
+                        self.metrics.clone(),
+                    ));
+                }
+            }
+        }
+    }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.inner.local_addr()
+        Ok(Peer {
+            addr: self.inner.local_addr()?,
+            cert: None,
+        })
     }
 }
 
@@ -244,4 +423,91 @@ impl AsyncWrite for Guarded {
     fn is_write_vectored(&self) -> bool {
         self.stream.is_write_vectored()
     }
+}
+
+/// A client certificate is optional on the HTTP listener: one that is presented is
+/// checked by the CA verifier, and refused at the handshake if it does not verify.
+#[derive(Debug)]
+struct OptionalClientCert(Arc<ballast_shared::tls::ClientVerifier>);
+
+impl rustls::server::danger::ClientCertVerifier for OptionalClientCert {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.0.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        self.0.verify_client_cert(end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// The HTTP listener's TLS from `files` (`[http_tls]`): the certificate and key, taken
+/// live by the returned [`LiveTls`](ballast_shared::tls::live::LiveTls) as the QUIC
+/// listener's are (run its `watch`), and client certificates, optional, checked against
+/// the CA file (also taken live). HTTP/1.1 only.
+pub(crate) fn tls_config(
+    files: &crate::config::TlsFiles,
+) -> Result<
+    (
+        Arc<rustls::ServerConfig>,
+        Arc<ballast_shared::tls::live::LiveTls>,
+    ),
+    ballast_shared::tls::TlsError,
+> {
+    let identity = files.identity()?;
+    let cas = files.ca_certs()?;
+    let verifier = Arc::new(ballast_shared::tls::ClientVerifier::new(&cas, Vec::new())?);
+    let live = ballast_shared::tls::live::LiveTls::server(files, identity, cas, verifier.clone())?;
+    Ok((server_config(live.clone(), verifier)?, live))
+}
+
+/// The HTTP listener's TLS presenting the certificate `live` has in force, client
+/// certificates (optional) checked by `verifier`: the QUIC listener's own when
+/// `[http_tls]` names the files of `[tls]`, so that its revocation list holds here too.
+pub(crate) fn server_config(
+    live: Arc<ballast_shared::tls::live::LiveTls>,
+    verifier: Arc<ballast_shared::tls::ClientVerifier>,
+) -> Result<Arc<rustls::ServerConfig>, ballast_shared::tls::TlsError> {
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_client_cert_verifier(Arc::new(OptionalClientCert(verifier)))
+    .with_cert_resolver(live);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }

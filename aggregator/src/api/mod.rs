@@ -1,6 +1,7 @@
 //! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
 
-pub(crate) mod listener;
+pub mod auth;
+pub mod listener;
 pub(crate) mod openapi;
 pub mod views;
 
@@ -13,8 +14,14 @@ use axum::routing::get;
 use axum::{Json, Router};
 use std::sync::Arc;
 
-/// The router over shared state.
+/// The router over shared state, open to whoever reaches it.
 pub fn router(state: Arc<State>) -> Router {
+    let auth = auth::Auth::open(state.metrics.clone());
+    router_with(state, auth)
+}
+
+/// The router over shared state, each request admitted by `auth`.
+pub fn router_with(state: Arc<State>, auth: Arc<auth::Auth>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
@@ -31,13 +38,17 @@ pub fn router(state: Arc<State>) -> Router {
         .layer(axum::Extension(Arc::new(
             crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.clone()),
         )))
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            auth::authenticate,
+        ))
         .with_state(state)
 }
 
 /// A JSON error body with its status.
 pub(crate) struct ApiError {
-    status: StatusCode,
-    message: String,
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
 }
 
 impl ApiError {
@@ -171,10 +182,10 @@ async fn config(AxState(state): AxState<Arc<State>>) -> Json<views::ConfigView> 
     summary = "This document: the API in OpenAPI 3.1",
     responses((status = 200, description = "The OpenAPI document", body = Object))
 )]
-async fn openapi_v1() -> impl IntoResponse {
+async fn openapi_v1(axum::Extension(auth): axum::Extension<Arc<auth::Auth>>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "application/json")],
-        openapi::document(),
+        openapi::document_for(&auth),
     )
 }
 
@@ -188,8 +199,8 @@ async fn openapi_v1() -> impl IntoResponse {
     description = "The same document as `/v1/openapi.json`, kept for existing clients.",
     responses((status = 200, description = "The OpenAPI document", body = Object))
 )]
-async fn openapi() -> impl IntoResponse {
-    openapi_v1().await
+async fn openapi(auth: axum::Extension<Arc<auth::Auth>>) -> impl IntoResponse {
+    openapi_v1(auth).await
 }
 
 #[utoipa::path(

@@ -96,14 +96,108 @@ impl utoipa::PartialSchema for WeightEvent {
 
 impl utoipa::ToSchema for WeightEvent {}
 
-/// The document, built once: OpenAPI 3.1 as JSON text.
+/// The document of an open API, built once: OpenAPI 3.1 as JSON text.
+#[cfg(test)]
 pub(crate) fn document() -> &'static str {
-    static DOC: OnceLock<String> = OnceLock::new();
-    DOC.get_or_init(|| {
+    document_with(false, false)
+}
+
+/// The document as an aggregator with `auth` serves it: with the security schemes
+/// it takes (bearer tokens, client certificates) on every route but `/healthz`.
+pub(crate) fn document_for(auth: &super::auth::Auth) -> &'static str {
+    document_with(auth.takes_tokens(), auth.takes_certificates())
+}
+
+fn document_with(bearer: bool, mutual_tls: bool) -> &'static str {
+    static DOCS: [OnceLock<String>; 4] = [
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+    ];
+    DOCS[usize::from(bearer) * 2 + usize::from(mutual_tls)].get_or_init(|| {
         let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
         fix_up(&mut doc);
+        secure(&mut doc, bearer, mutual_tls);
         serde_json::to_string_pretty(&doc).unwrap_or_default()
     })
+}
+
+/// Adds the security schemes in force, as the requirement of every operation but the
+/// health check, with the answers of a refused request.
+fn secure(doc: &mut Value, bearer: bool, mutual_tls: bool) {
+    use serde_json::json;
+    if !bearer && !mutual_tls {
+        return;
+    }
+    let mut schemes = serde_json::Map::new();
+    let mut requirements = Vec::new();
+    if bearer {
+        schemes.insert(
+            "bearer".into(),
+            json!({
+                "type": "http",
+                "scheme": "bearer",
+                "description": "A token of the aggregator's token file \
+                    (`[http_auth] tokens`), as `Authorization: Bearer TOKEN`. Its role: \
+                    `viewer` reads every route, `operator` also acts, `scrape` reads \
+                    `/metrics` only."
+            }),
+        );
+        requirements.push(json!({ "bearer": [] }));
+    }
+    if mutual_tls {
+        schemes.insert(
+            "mutualTLS".into(),
+            json!({
+                "type": "mutualTLS",
+                "description": "A client certificate from the CA of `[http_tls] ca`, \
+                    whose name holds a role by `[http_auth.cert_roles]`."
+            }),
+        );
+        requirements.push(json!({ "mutualTLS": [] }));
+    }
+    if let Some(Value::Object(components)) = doc.pointer_mut("/components") {
+        components.insert("securitySchemes".into(), Value::Object(schemes));
+    }
+    if let Value::Object(top) = doc {
+        top.insert("security".into(), Value::Array(requirements));
+    }
+    let error = |description: &str| {
+        json!({
+            "description": description,
+            "content": { "application/json": {
+                "schema": { "$ref": "#/components/schemas/ErrorBody" }
+            } }
+        })
+    };
+    let Some(Value::Object(paths)) = doc.pointer_mut("/paths") else {
+        return;
+    };
+    for (path, item) in paths.iter_mut() {
+        let Value::Object(operations) = item else {
+            continue;
+        };
+        for operation in operations.values_mut() {
+            let Value::Object(op) = operation else {
+                continue;
+            };
+            if path == "/healthz" {
+                op.insert("security".into(), json!([]));
+                continue;
+            }
+            if let Some(Value::Object(responses)) = op.get_mut("responses") {
+                responses.insert(
+                    "401".into(),
+                    error("No credential, or a token that is not valid"),
+                );
+                responses.insert(
+                    "403".into(),
+                    error("The credential's role does not reach this route"),
+                );
+            }
+        }
+    }
 }
 
 /// The fix-ups the module's documentation lists, on the document as JSON.

@@ -558,6 +558,105 @@ impl AuthorizationConfig {
     }
 }
 
+/// Who may read `/metrics` (`http_auth.metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MetricsAccess {
+    /// The `scrape` role, and every role that reads the API (`viewer`, `operator`).
+    #[default]
+    ScrapeAndViewers,
+    /// The `scrape` role alone: a viewer's credential does not read the metrics.
+    ScrapeOnly,
+}
+
+/// Client certificates that hold each role on the HTTP API (`[http_auth.cert_roles]`):
+/// glob patterns (`*`, `?`) on the certificate's name, its first DNS subject
+/// alternative name, else its common name. A name that matches several roles holds the
+/// one that may do most.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CertRoles {
+    /// May read the API, the dashboard, the metrics and the watch streams.
+    pub viewer: Vec<String>,
+    /// A viewer that may also act (the API's POST and DELETE routes).
+    pub operator: Vec<String>,
+    /// May read `/metrics` only.
+    pub scrape: Vec<String>,
+}
+
+impl CertRoles {
+    /// Whether no certificate holds any role.
+    pub fn is_empty(&self) -> bool {
+        self.viewer.is_empty() && self.operator.is_empty() && self.scrape.is_empty()
+    }
+}
+
+/// Who may use the HTTP API (`[http_auth]`): bearer tokens from a file of hashes, and
+/// client certificates by name. With neither, the API is open to whoever reaches it
+/// (the default, on loopback). `/healthz` is always open.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpAuthConfig {
+    /// The token file: `[[token]]` entries, each a `name`, a `role` (`viewer`,
+    /// `operator` or `scrape`) and the argon2 `hash` of the token
+    /// (`ballast-aggregator token hash` makes one). Re-read when it changes: a token
+    /// removed is refused from then on.
+    pub tokens: Option<PathBuf>,
+    /// How often the token file is checked for changes, in milliseconds.
+    pub tokens_check_ms: u64,
+    /// Who may read `/metrics`: `scrape_and_viewers` (the default) or `scrape_only`.
+    pub metrics: MetricsAccess,
+    /// The roles of client certificates (from the CA of `[http_tls] ca`), by name.
+    pub cert_roles: CertRoles,
+}
+
+impl Default for HttpAuthConfig {
+    fn default() -> Self {
+        HttpAuthConfig {
+            tokens: None,
+            tokens_check_ms: 1000,
+            metrics: MetricsAccess::default(),
+            cert_roles: CertRoles::default(),
+        }
+    }
+}
+
+impl HttpAuthConfig {
+    /// Whether any credential is configured, and so required.
+    pub fn enabled(&self) -> bool {
+        self.tokens.is_some() || !self.cert_roles.is_empty()
+    }
+
+    fn validate(&self, tls: bool) -> Result<(), InvalidSetting> {
+        if !(100..=3_600_000).contains(&self.tokens_check_ms) {
+            return Err(InvalidSetting::new(
+                "http_auth.tokens_check_ms",
+                "must be between 100 and 3600000",
+            ));
+        }
+        for (role, patterns) in [
+            ("viewer", &self.cert_roles.viewer),
+            ("operator", &self.cert_roles.operator),
+            ("scrape", &self.cert_roles.scrape),
+        ] {
+            if let Some(reason) = crate::ingest::policy::bad_glob(patterns) {
+                return Err(InvalidSetting::new(
+                    format!("http_auth.cert_roles.{role}"),
+                    reason,
+                ));
+            }
+        }
+        if !self.cert_roles.is_empty() && !tls {
+            return Err(InvalidSetting::new(
+                "http_auth.cert_roles",
+                "client certificates need TLS on the HTTP listener: add [http_tls] with \
+                 ca, cert and key",
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn beside(file: &Path, name: &str) -> PathBuf {
     file.parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -579,6 +678,15 @@ pub struct Config {
     pub quic_threads: usize,
     /// TCP address of the HTTP API.
     pub http: SocketAddr,
+    /// Serve the HTTP API on an address other than loopback without TLS or without
+    /// credentials. Off by default: `run` refuses such a listener.
+    pub insecure_http: bool,
+    /// TLS on the HTTP API: its certificate and key, and the CA client certificates
+    /// are checked against (a client certificate is optional). Reloaded when the files
+    /// change, as `tls` is. None by default: plain HTTP.
+    pub http_tls: Option<TlsFiles>,
+    /// Who may use the HTTP API: tokens and client certificates, by role.
+    pub http_auth: HttpAuthConfig,
     /// How often agents report, in milliseconds.
     pub report_interval_ms: u32,
     /// TLS files.
@@ -617,6 +725,9 @@ impl Default for Config {
             quic: SocketAddr::from(([0, 0, 0, 0], 7400)),
             quic_threads: 1,
             http: SocketAddr::from(([127, 0, 0, 1], 7401)),
+            insecure_http: false,
+            http_tls: None,
+            http_auth: HttpAuthConfig::default(),
             report_interval_ms: 1000,
             tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "server"),
             store: StoreConfig::default(),
@@ -733,7 +844,41 @@ impl Config {
         self.service_config.validate()?;
         self.limits.validate()?;
         self.authorization.validate()?;
+        self.http_auth.validate(self.http_tls.is_some())?;
         Ok(())
+    }
+
+    /// Checks that the HTTP API is not served beyond this host unprotected: on an
+    /// address other than loopback it needs TLS and at least one credential source,
+    /// unless `insecure_http` says otherwise. The error says what to add. (`run`'s
+    /// check; the relay's HTTP port serves no API.)
+    pub fn check_http_exposure(&self) -> Result<(), InvalidSetting> {
+        if self.http.ip().is_loopback() || self.insecure_http {
+            return Ok(());
+        }
+        let mut missing = Vec::new();
+        if self.http_tls.is_none() {
+            missing.push(
+                "TLS: [http_tls] with ca = \"...\", cert = \"...\" and key = \"...\" \
+                 (the files of [tls] will do)",
+            );
+        }
+        if !self.http_auth.enabled() {
+            missing.push(
+                "credentials: [http_auth] with tokens = \"/etc/ballast/api-tokens.toml\" \
+                 (entries from `ballast-aggregator token hash`) or [http_auth.cert_roles] \
+                 viewer = [\"NAME-PATTERN\", ...]",
+            );
+        }
+        Err(InvalidSetting::new(
+            "http",
+            format!(
+                "{} is not a loopback address, and the API would serve anyone who reaches \
+                 it; add {}; or set insecure_http = true to serve it unprotected anyway",
+                self.http,
+                missing.join(", and ")
+            ),
+        ))
     }
 }
 

@@ -4,8 +4,8 @@
 pub(crate) mod local;
 
 pub use ballast_ingest::{
-    agent_alpns, aggregator_alpns, quic, revocation, threads, upstream, Ingest, IngestError,
-    PolicyError, ThreadsError,
+    agent_alpns, aggregator_alpns, policy, quic, revocation, threads, upstream, Ingest,
+    IngestError, PolicyError, ThreadsError,
 };
 
 use crate::config::Config;

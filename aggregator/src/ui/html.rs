@@ -95,6 +95,22 @@ pub(crate) fn page(title: &str, crumbs: &str, main: &str, watch: Option<&str>) -
     )
 }
 
+/// The sign-in page of a dashboard behind bearer tokens: a form whose token the page's
+/// script keeps in memory and sends with every request.
+pub(crate) fn login() -> String {
+    let main = "<h1>Sign in</h1>\n\
+        <p>This aggregator's dashboard needs a credential: a client certificate, or a \
+        bearer token with the viewer or operator role. The token stays in this page, \
+        never stored: a reload asks for it again.</p>\n\
+        <form id=\"login\" class=\"login\" autocomplete=\"off\">\n\
+        <label for=\"token\">Token</label>\n\
+        <input type=\"password\" id=\"token\" name=\"token\" autocomplete=\"off\" required>\n\
+        <button type=\"submit\">Sign in</button>\n\
+        <p id=\"login-error\" class=\"error\" role=\"alert\"></p>\n\
+        </form>";
+    page("Sign in", "", main, None)
+}
+
 /// The services overview page; its table is [`services_table`].
 pub(crate) fn overview(services: &[&PublishedService]) -> String {
     let main = format!(

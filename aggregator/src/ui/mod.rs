@@ -32,7 +32,7 @@ const SCRIPT: &str = include_str!("assets/app.js");
 const ICON: &str = include_str!("assets/icon.svg");
 
 /// What pages may load: only this server's own script, styles and images.
-const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; \
                    connect-src 'self'; base-uri 'none'; form-action 'none'; \
                    frame-ancestors 'none'";
 
@@ -98,6 +98,12 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
         HeaderValue::from_static("public, max-age=300"),
     );
     r
+}
+
+/// The sign-in page, answered (401) to a browser that asks for a dashboard page with no
+/// credential.
+pub(crate) fn login_page() -> Response {
+    html(StatusCode::UNAUTHORIZED, html::login())
 }
 
 /// One service of the last publication.

@@ -98,6 +98,48 @@ pub struct AggregatorOpts {
     /// to the aggregator's other files; joined with any `[authorization]` table of
     /// `config_toml`.
     pub policy_toml: Option<String>,
+    /// How the harness reads an API served over TLS (`[http_tls]` in `config_toml`):
+    /// none for plain HTTP. Without it, an aggregator in a namespace is started with
+    /// `--insecure-http`, its API being on an address other than loopback.
+    pub api: Option<ApiAccess>,
+}
+
+/// How the harness reaches an HTTPS API: the CA its certificate is checked against,
+/// and the credential the harness's own requests carry.
+#[derive(Debug, Clone)]
+pub struct ApiAccess {
+    /// The CA certificate (PEM) of the API's server certificate.
+    pub ca: PathBuf,
+    /// A bearer token sent with every request of the harness.
+    pub token: Option<String>,
+}
+
+impl ApiAccess {
+    /// A blocking client that trusts `ca` alone and sends `token`.
+    pub fn client(&self) -> reqwest::blocking::Client {
+        self.builder().build().expect("HTTPS client")
+    }
+
+    /// The builder of [`ApiAccess::client`], for a test to add to (a client
+    /// certificate, say).
+    pub fn builder(&self) -> reqwest::blocking::ClientBuilder {
+        let pem = std::fs::read(&self.ca).expect("read the API's CA");
+        let mut builder = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .no_proxy()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&pem).expect("CA PEM"));
+        if let Some(token) = &self.token {
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(
+                reqwest::header::AUTHORIZATION,
+                format!("Bearer {token}").parse().expect("header"),
+            );
+            builder = builder.default_headers(headers);
+        }
+        builder
+    }
 }
 
 impl Default for AggregatorOpts {
@@ -116,6 +158,7 @@ impl Default for AggregatorOpts {
             cluster: None,
             protocol: None,
             policy_toml: None,
+            api: None,
         }
     }
 }
@@ -213,11 +256,14 @@ impl Aggregator {
             .prefix("ballast-agg-")
             .tempdir()
             .expect("temporary directory for the aggregator");
-        let http_client = reqwest::blocking::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .no_proxy()
-            .build()
-            .expect("HTTP client");
+        let http_client = match &opts.api {
+            Some(api) => api.client(),
+            None => reqwest::blocking::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .no_proxy()
+                .build()
+                .expect("HTTP client"),
+        };
         let mut agg = Aggregator {
             opts,
             tls_dir: pki.server_tls_dir(),
@@ -328,6 +374,9 @@ impl Aggregator {
             cmd.env("BALLAST_PROTOCOL", choice);
         }
         if let Some(ns) = &self.opts.netns {
+            if self.opts.api.is_none() {
+                cmd.arg("--insecure-http");
+            }
             ns.enter(&mut cmd);
         }
         let mut proc = Proc::spawn(cmd, "ballast-aggregator", &log, 40);
@@ -445,6 +494,16 @@ impl Aggregator {
         self.http
     }
 
+    /// The HTTP API's URL: `https://` when [`AggregatorOpts::api`] says it has TLS.
+    pub fn base_url(&self) -> String {
+        let scheme = if self.opts.api.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.http)
+    }
+
     /// The xDS address; panics unless started with `xds`.
     pub fn xds_addr(&self) -> SocketAddr {
         self.xds
@@ -490,7 +549,7 @@ impl Aggregator {
 
     /// GET `path`: status and body, or the transport error.
     pub fn try_get(&self, path: &str) -> Result<(u16, String), String> {
-        let url = format!("http://{}{path}", self.http);
+        let url = format!("{}{path}", self.base_url());
         let resp = self
             .http_client
             .get(&url)

@@ -1,0 +1,184 @@
+use super::*;
+use axum::body::Body;
+use axum::routing::{get, post};
+use axum::Router;
+
+const VIEWER_TOKEN: &str = "viewer-token-0123456789";
+const OPERATOR_TOKEN: &str = "operator-token-0123456789";
+const SCRAPE_TOKEN: &str = "scrape-token-0123456789";
+
+fn token_file(dir: &Path) -> PathBuf {
+    let mut text = String::new();
+    for (name, role, token) in [
+        ("grafana", Role::Viewer, VIEWER_TOKEN),
+        ("oncall", Role::Operator, OPERATOR_TOKEN),
+        ("prometheus", Role::Scrape, SCRAPE_TOKEN),
+    ] {
+        text.push_str(&hash_entry(name, role, token).expect("hash"));
+    }
+    let path = dir.join("tokens.toml");
+    std::fs::write(&path, text).expect("write tokens");
+    path
+}
+
+fn auth(dir: &Path, metrics: MetricsAccess) -> Arc<Auth> {
+    let mut cfg = Config::default();
+    cfg.http_auth.tokens = Some(token_file(dir));
+    cfg.http_auth.metrics = metrics;
+    Auth::new(&cfg, Arc::new(Metrics::new())).expect("auth")
+}
+
+/// A route that acts, guarded by [`Operator`], beside a reading one and the metrics.
+fn app(auth: Arc<Auth>) -> Router {
+    Router::new()
+        .route("/v1/services", get(|| async { "read" }))
+        .route("/metrics", get(|| async { "metrics" }))
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/v1/act",
+            post(|Operator(p): Operator| async move { format!("acted as {}", p.name) }),
+        )
+        .layer(axum::middleware::from_fn_with_state(auth, authenticate))
+}
+
+async fn call(app: &Router, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    use tower::ServiceExt as _;
+    let mut req = Request::builder().method(method).uri(path);
+    if let Some(t) = token {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    let response = app
+        .clone()
+        .oneshot(req.body(Body::empty()).expect("request"))
+        .await
+        .expect("response");
+    let status = response.status().as_u16();
+    let challenge = response.headers().get(header::WWW_AUTHENTICATE).cloned();
+    if status == 401 {
+        assert!(
+            challenge.is_some_and(|c| c.to_str().is_ok_and(|c| c.starts_with("Bearer"))),
+            "a 401 says how to authenticate"
+        );
+    }
+    let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn roles_reach_their_routes_and_only_those() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let app = app(auth(dir.path(), MetricsAccess::ScrapeAndViewers));
+    assert_eq!(call(&app, "GET", "/healthz", None).await.0, 200);
+    assert_eq!(call(&app, "GET", "/v1/services", None).await.0, 401);
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some("nope-nope-nope-nope"))
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some(VIEWER_TOKEN))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(VIEWER_TOKEN)).await.0,
+        200
+    );
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some(SCRAPE_TOKEN))
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(SCRAPE_TOKEN)).await.0,
+        200
+    );
+    // The guard of a route that acts.
+    assert_eq!(
+        call(&app, "POST", "/v1/act", Some(VIEWER_TOKEN)).await.0,
+        403
+    );
+    assert_eq!(call(&app, "POST", "/v1/act", None).await.0, 401);
+    let (status, body) = call(&app, "POST", "/v1/act", Some(OPERATOR_TOKEN)).await;
+    assert_eq!((status, body.as_str()), (200, "acted as oncall"));
+
+    let app = self::app(auth(dir.path(), MetricsAccess::ScrapeOnly));
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(VIEWER_TOKEN)).await.0,
+        403
+    );
+    assert_eq!(
+        call(&app, "GET", "/metrics", Some(SCRAPE_TOKEN)).await.0,
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_removed_token_is_refused_though_it_was_cached() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = token_file(dir.path());
+    let store = TokenStore::load(&path).expect("load");
+    let metrics = Metrics::new();
+    assert_eq!(
+        store.verify(VIEWER_TOKEN).await.map(|(_, r)| r),
+        Some(Role::Viewer)
+    );
+    // Cached now: the second check costs a hash.
+    let t = std::time::Instant::now();
+    assert!(store.verify(VIEWER_TOKEN).await.is_some());
+    assert!(t.elapsed() < Duration::from_millis(5), "{:?}", t.elapsed());
+    let text = std::fs::read_to_string(&path).expect("read");
+    let kept: String = text
+        .split("[[token]]")
+        .filter(|e| !e.contains("grafana") && !e.trim().is_empty())
+        .map(|e| format!("[[token]]{e}"))
+        .collect();
+    store.take(&Ok(kept.into_bytes()), &metrics);
+    assert_eq!(store.len(), 2);
+    assert_eq!(store.verify(VIEWER_TOKEN).await, None);
+    assert!(store.verify(OPERATOR_TOKEN).await.is_some());
+    // A file that does not parse leaves the entries in force.
+    store.take(&Ok(b"[[token]]\nname = 1\n".to_vec()), &metrics);
+    assert!(store.verify(OPERATOR_TOKEN).await.is_some());
+    // A file removed leaves none.
+    store.take(&Err(std::io::ErrorKind::NotFound), &metrics);
+    assert_eq!(store.verify(OPERATOR_TOKEN).await, None);
+}
+
+#[test]
+fn token_files_hold_argon2_hashes_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("t.toml");
+    for (text, why) in [
+        ("[[token]]\nname = \"a\"\nrole = \"viewer\"\nhash = \"secret\"\n", "plain text"),
+        (
+            "[[token]]\nname = \"a\"\nrole = \"viewer\"\nhash = \"$2b$10$abcdefghijklmnopqrstuu\"\n",
+            "not argon2",
+        ),
+        ("[[token]]\nname = \"a\"\nrole = \"boss\"\nhash = \"x\"\n", "unknown role"),
+    ] {
+        std::fs::write(&path, text).expect("write");
+        assert!(TokenStore::load(&path).is_err(), "{why}");
+    }
+    assert!(hash_entry("a", Role::Viewer, "short").is_err());
+}
+
+#[test]
+fn certificate_names_map_to_the_role_that_may_do_most() {
+    let mut cfg = Config::default();
+    cfg.http_auth.cert_roles = CertRoles {
+        viewer: vec!["ops-*".into()],
+        operator: vec!["ops-lead".into()],
+        scrape: vec!["prom?".into()],
+    };
+    let auth = Auth::new(&cfg, Arc::new(Metrics::new())).expect("auth");
+    assert_eq!(auth.cert_role("ops-alice"), Some(Role::Viewer));
+    assert_eq!(auth.cert_role("ops-lead"), Some(Role::Operator));
+    assert_eq!(auth.cert_role("prom1"), Some(Role::Scrape));
+    assert_eq!(auth.cert_role("node-1"), None);
+}
