@@ -639,7 +639,7 @@ impl HttpAuthConfig {
             ("operator", &self.cert_roles.operator),
             ("scrape", &self.cert_roles.scrape),
         ] {
-            if let Some(reason) = crate::ingest::policy::bad_glob(patterns) {
+            if let Some(reason) = ballast_ingest::policy::bad_glob(patterns) {
                 return Err(InvalidSetting::new(
                     format!("http_auth.cert_roles.{role}"),
                     reason,
