@@ -777,6 +777,9 @@ pub fn run(plan: &Plan) -> LabResult {
                 },
             );
             hap_all(&peer, &names, "disable agent");
+            // Quiet until its runs: its health checks would otherwise open connections
+            // to every backend all through runs 1–5.
+            hap_all(&peer, &names, "disable health");
             cgroups
                 .attach(&infra, hap_pid(&peer))
                 .unwrap_or_else(|e| panic!("{e}"));
@@ -992,6 +995,7 @@ pub fn run(plan: &Plan) -> LabResult {
         // Runs 6–9: the peers, steady and then stalled, each once every server is up
         // in its HAProxy (run 5 restarted one).
         for ((name, _), peer) in PEERS.iter().zip(&peers) {
+            hap_all(peer, &names, "enable health");
             wait_all_up(peer, &names, name);
             let h = open_loop(peer.frontend(), Mode::Open { rate }, plan.rr.0);
             let start = since(epoch, h.started());
