@@ -30,9 +30,9 @@ pub use harness::ads::{xds_aggregator_opts, EdsResponse, EdsWatch};
 pub use harness::agent::{start_fleet, Agent, AgentOpts, AgentStatus, ControlResponse};
 pub use harness::aggregator::{Aggregator, AggregatorOpts};
 pub use harness::api::{
-    ConfigView, EndpointState, EndpointView, ErrorBody, HistoryPoint, MetricSample, Published,
-    ServiceDetail, ServiceHistory, ServiceStats, ServiceSummary, SkipReason, Spread, WeightEntry,
-    WeightSet,
+    ConfigView, EndpointState, EndpointView, ErrorBody, Health, HealthStatus, HistoryPoint,
+    MetricSample, Published, ServiceDetail, ServiceHistory, ServiceStats, ServiceSummary,
+    SkipReason, Spread, StoreCondition, WeightEntry, WeightSet,
 };
 pub use harness::backend::Backend;
 pub use harness::converge::{converged, node_names, start_speeds};

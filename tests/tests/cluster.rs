@@ -363,11 +363,10 @@ fn a_paused_owner_wakes_fenced_out_and_takes_its_service_back_from_its_successor
 /// A replica's `cluster` part of `/healthz`: whether it follows etcd, and how many
 /// buckets it owns.
 fn cluster_health(r: &Aggregator) -> Result<(bool, u64), String> {
-    let h: serde_json::Value = r.try_get_json("/healthz")?;
-    let c = &h["cluster"];
-    match (c["following"].as_bool(), c["buckets_owned"].as_u64()) {
-        (Some(following), Some(owned)) => Ok((following, owned)),
-        _ => Err(format!("no cluster health in {h}")),
+    let h = r.try_health()?;
+    match &h.cluster {
+        Some(c) => Ok((c.following, c.buckets_owned as u64)),
+        None => Err(format!("no cluster health in {h:?}")),
     }
 }
 

@@ -257,11 +257,11 @@ fn a_restarted_aggregator_restores_its_weights_from_etcd() {
         !second.store_path().exists(),
         "the new aggregator must not have a local store file"
     );
-    let health: serde_json::Value = second.get_json("/healthz");
+    let health = second.health();
     assert_eq!(
-        health["store"],
+        health.store,
         format!("etcd {} {prefix}", etcd.endpoint()),
-        "{health}"
+        "{health:?}"
     );
     let restored = served(&second, SERVICE);
     assert_eq!(
@@ -311,14 +311,14 @@ fn etcd_going_away_does_not_stop_the_aggregator() {
         Duration::from_secs(10),
         "/healthz to report the store",
         || {
-            let h: serde_json::Value = agg.get_json("/healthz");
-            match h["store_error"].as_str() {
+            let h = agg.health();
+            match &h.store_error {
                 Some(e) if e.contains("etcd") => Ok(h),
-                _ => Err(h.to_string()),
+                _ => Err(format!("{h:?}")),
             }
         },
     );
-    assert_eq!(health["status"], "ok", "{health}");
+    assert_eq!(health.status, HealthStatus::Ok, "{health:?}");
     let errors_seen = errors(&agg);
     assert!(errors_seen >= 1.0, "no failed write counted");
     wait_for(
@@ -380,11 +380,11 @@ fn etcd_going_away_does_not_stop_the_aggregator() {
         Duration::from_secs(10),
         "good writes to clear /healthz",
         || {
-            let h: serde_json::Value = agg.get_json("/healthz");
-            if h["store_error"].is_null() && ok(&agg) > ok_before {
+            let h = agg.health();
+            if h.store_error.is_none() && ok(&agg) > ok_before {
                 Ok(())
             } else {
-                Err(h.to_string())
+                Err(format!("{h:?}"))
             }
         },
     );
@@ -427,12 +427,12 @@ fn secured_etcd(prefix: &str) -> (Etcd, PathBuf) {
 const PASSWORD: &str = "s3cret-for-ballast";
 
 /// `/healthz` once its `store_error` contains `needle`.
-fn wait_store_error(agg: &Aggregator, needle: &str, timeout: Duration) -> serde_json::Value {
+fn wait_store_error(agg: &Aggregator, needle: &str, timeout: Duration) -> Health {
     wait_for(timeout, &format!("/healthz to report {needle:?}"), || {
-        let h: serde_json::Value = agg.get_json("/healthz");
-        match h["store_error"].as_str() {
+        let h = agg.health();
+        match &h.store_error {
             Some(e) if e.contains(needle) => Ok(h),
-            _ => Err(h.to_string()),
+            _ => Err(format!("{h:?}")),
         }
     })
 }
@@ -466,8 +466,8 @@ fn a_secured_etcd_stores_and_restores_weights() {
             }
         },
     );
-    let health: serde_json::Value = first.get_json("/healthz");
-    assert!(health["store_error"].is_null(), "{health}");
+    let health = first.health();
+    assert!(health.store_error.is_none(), "{health:?}");
     let (status, killed) = first.stop();
     assert!(
         status.success() && !killed,
@@ -497,8 +497,8 @@ fn a_secured_etcd_stores_and_restores_weights() {
     );
     same_endpoints(&restored, &stored)
         .unwrap_or_else(|e| panic!("the API does not serve the weights from etcd: {e}"));
-    let health: serde_json::Value = second.get_json("/healthz");
-    assert!(health["store_error"].is_null(), "{health}");
+    let health = second.health();
+    assert!(health.store_error.is_none(), "{health:?}");
 }
 
 #[test]
@@ -535,8 +535,12 @@ fn a_secured_etcd_refuses_a_missing_client_certificate_and_a_wrong_password() {
         let agent = start_fleet(&pki, &agg, service, 1, &[1.0]).remove(0);
         agent.wait_weight(Duration::from_secs(15));
         let health = wait_store_error(&agg, why, Duration::from_secs(15));
-        assert_eq!(health["status"], "ok", "{health}");
-        assert_eq!(health["store_writer"]["status"], "error", "{health}");
+        assert_eq!(health.status, HealthStatus::Ok, "{health:?}");
+        assert_eq!(
+            health.store_writer.status,
+            StoreCondition::Error,
+            "{health:?}"
+        );
         wait_for(Duration::from_secs(10), "a failed write counted", || {
             let errors = agg.counter("ballast_store_writes_total", &[("reason", "error")]);
             if errors >= 1.0 {
@@ -634,8 +638,8 @@ fn a_corrupt_key_is_skipped_and_the_other_services_restore() {
         );
     }
     assert_eq!(agg.counter("ballast_store_corrupt_total", &[]), 5.0);
-    let health: serde_json::Value = agg.get_json("/healthz");
-    assert!(health["store_error"].is_null(), "{health}");
+    let health = agg.health();
+    assert!(health.store_error.is_none(), "{health:?}");
 }
 
 #[test]
@@ -686,8 +690,12 @@ fn an_aggregator_started_while_etcd_is_down_serves_its_local_copy() {
     same_endpoints(&restored, &stored)
         .unwrap_or_else(|e| panic!("the local copy is not what is served: {e}"));
     let health = wait_store_error(&agg, "local copy", Duration::from_secs(5));
-    assert_eq!(health["status"], "ok", "{health}");
-    assert_eq!(health["store_writer"]["status"], "error", "{health}");
+    assert_eq!(health.status, HealthStatus::Ok, "{health:?}");
+    assert_eq!(
+        health.store_writer.status,
+        StoreCondition::Error,
+        "{health:?}"
+    );
 
     // A service that starts during the outage is balanced, and waits for etcd.
     let late = start_fleet(&pki, &agg, LATE, 1, &[1.0]).remove(0);
@@ -709,11 +717,11 @@ fn an_aggregator_started_while_etcd_is_down_serves_its_local_copy() {
         }
     });
     wait_for(Duration::from_secs(10), "/healthz to clear", || {
-        let h: serde_json::Value = agg.get_json("/healthz");
-        if h["store_error"].is_null() {
+        let h = agg.health();
+        if h.store_error.is_none() {
             Ok(())
         } else {
-            Err(h.to_string())
+            Err(format!("{h:?}"))
         }
     });
     let kept = stored_in(&etcd, prefix, KEPT).unwrap_or_else(|e| panic!("{e}"));
@@ -811,23 +819,22 @@ fn a_service_over_etcds_request_limit_is_stored_in_chunks_and_one_too_large_hold
         Duration::from_secs(20),
         "the refusal to be shown in /healthz",
         || {
-            let h: serde_json::Value = agg.get_json("/healthz");
-            let size = h["store_writer"]["too_large"]["huge"].as_u64().unwrap_or(0);
-            if size as usize > MAX_VALUE {
+            let h = agg.health();
+            let size = h.store_writer.too_large.get("huge").copied().unwrap_or(0);
+            if size > MAX_VALUE {
                 Ok(h)
             } else {
-                Err(format!("{h}"))
+                Err(format!("{h:?}"))
             }
         },
     );
     assert_eq!(
-        health["store_writer"]["status"], "ok",
-        "one service too large is not a failing store: {health}"
+        health.store_writer.status,
+        StoreCondition::Ok,
+        "one service too large is not a failing store: {health:?}"
     );
-    let too_large = health["store_writer"]["too_large"]
-        .as_object()
-        .expect("too_large");
-    assert_eq!(too_large.len(), 1, "only huge is too large: {health}");
+    let too_large = &health.store_writer.too_large;
+    assert_eq!(too_large.len(), 1, "only huge is too large: {health:?}");
     assert!(agg.counter("ballast_store_refused_total", &[("reason", "too_large")]) >= 1.0);
     assert_eq!(agg.counter("ballast_store_too_large", &[]), 1.0);
     assert_eq!(

@@ -449,12 +449,14 @@ fn an_etcd_partition_stops_nothing_and_the_store_catches_up() {
         Duration::from_secs(30),
         "new versions and a store error while etcd is cut off",
         || {
-            let h: serde_json::Value = agg.get_json("/healthz");
+            let h = agg.health();
             let version = agg.weights(SERVICE).version;
-            if version > cut_at + 1 && h["store_error"].as_str().is_some() {
+            if version > cut_at + 1 && h.store_error.is_some() {
                 Ok(())
             } else {
-                Err(format!("version {version} (cut at {cut_at}), healthz {h}"))
+                Err(format!(
+                    "version {version} (cut at {cut_at}), healthz {h:?}"
+                ))
             }
         },
     );

@@ -252,8 +252,8 @@ fn protocol_faults_are_counted_and_contained() {
     // The aggregator is alive and never panicked.
     let mut agg = agg;
     assert!(agg.is_running(), "the aggregator died");
-    let health: serde_json::Value = agg.get_json("/healthz");
-    assert_eq!(health["status"], "ok");
+    let health = agg.health();
+    assert_eq!(health.status, HealthStatus::Ok, "{health:?}");
     let log = agg.log();
     assert!(!log.contains("panicked"), "the aggregator panicked:\n{log}");
 }

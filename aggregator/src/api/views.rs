@@ -17,7 +17,7 @@ pub struct ErrorBody {
 }
 
 /// `GET /healthz`: whether the daemon balances, and how its routing store is doing.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Health {
     /// `ok` while the cycle loop runs and the store keeps up; `failing` (with status 503)
     /// when the loop is late or the store has been failing for too long.
@@ -42,7 +42,7 @@ pub struct Health {
 /// weights that each still serves. It says so here, and in
 /// `ballast_cluster_feed_behind_seconds`, for an alert or a load balancer that prefers
 /// the replicas that follow.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ClusterHealth {
     /// This replica's name.
     pub replica: String,

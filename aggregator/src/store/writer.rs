@@ -45,7 +45,9 @@ const RETRY_MAX: Duration = Duration::from_secs(2);
 const REFRESH: Duration = Duration::from_secs(1);
 
 /// How the routing store is doing, as `/healthz` reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum StoreCondition {
     /// The last write succeeded (or none was needed) and none is stuck.
@@ -58,7 +60,7 @@ pub enum StoreCondition {
 
 /// The routing store's health: what `/healthz` shows under `store_writer`, so that a
 /// slow, hung or failing store is visible without reading logs.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct StoreHealth {
     /// `ok`, `error` or `stalled`.
     pub status: StoreCondition,

@@ -1,8 +1,8 @@
 //! A real `ballast-aggregator run` on 127.0.0.1, with its own ports, store and log.
 
 use super::api::{
-    parse_metrics, sum_samples, ConfigView, EndpointView, ErrorBody, MetricSample, Published,
-    ServiceDetail, ServiceSummary, WeightSet,
+    parse_health, parse_metrics, sum_samples, ConfigView, EndpointView, ErrorBody, Health,
+    HealthStatus, MetricSample, Published, ServiceDetail, ServiceSummary, WeightSet,
 };
 use super::netns::Netns;
 use super::pki::Pki;
@@ -393,12 +393,10 @@ impl Aggregator {
             // that might answer on this port.
             // If another process holds the port, ours exits with "cannot bind" and the
             // check above sees it.
-            if let Ok(v) = self.try_get_json::<serde_json::Value>("/healthz") {
-                let ours = v["store"]
-                    .as_str()
-                    .is_some_and(|s| s.ends_with(&want_store));
+            if let Ok(v) = self.try_health() {
+                let ours = v.store.ends_with(&want_store);
                 if ours && proc.is_running() {
-                    assert_eq!(v["status"], "ok", "healthz: {v}");
+                    assert_eq!(v.status, HealthStatus::Ok, "healthz: {v:?}");
                     self.proc = Some(proc);
                     return Ok(());
                 }
@@ -578,6 +576,21 @@ impl Aggregator {
     /// a body of that shape.
     pub fn get_json<T: DeserializeOwned>(&self, path: &str) -> T {
         self.try_get_json(path).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `GET /healthz` in the product's own shape, whether it says ok (200) or failing
+    /// (503): a renamed or missing field fails here rather than reading as absent.
+    pub fn health(&self) -> Health {
+        self.try_health().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Aggregator::health`] without panicking, for waits.
+    pub fn try_health(&self) -> Result<Health, String> {
+        let (status, body) = self.try_get("/healthz")?;
+        if status != 200 && status != 503 {
+            return Err(format!("GET /healthz: status {status}: {body}"));
+        }
+        parse_health(&body)
     }
 
     /// GET `path` expecting a JSON error with `status`.

@@ -6,14 +6,22 @@
 use std::collections::BTreeMap;
 
 pub use ballast_aggregator::api::views::{
-    ConfigView, EndpointView, ErrorBody, ServiceConfigView, ServiceDetail, ServiceSummary,
-    WeightEntry, WeightSet,
+    ConfigView, EndpointView, ErrorBody, Health, HealthStatus, ServiceConfigView, ServiceDetail,
+    ServiceSummary, WeightEntry, WeightSet,
 };
+pub use ballast_aggregator::store::StoreCondition;
 pub use ballast_balance::inflight::InflightEstimate;
 pub use ballast_balance::service::{HistoryPoint, ServiceStats};
 pub use ballast_balance::{
     EndpointState, Published, PublishedEndpoint, PublishedService, SkipReason, Spread,
 };
+
+/// `GET /healthz`'s body in the product's own shape: a test names the product's fields,
+/// so that a field renamed or retyped in the product breaks the tests at compile time
+/// instead of reading as absent (`null`).
+pub fn parse_health(body: &str) -> Result<Health, String> {
+    serde_json::from_str(body).map_err(|e| format!("/healthz is not the health shape: {e}: {body}"))
+}
 
 /// Readings of a service's history that many tests share. A trait, because
 /// [`ServiceDetail`] is the product's type and the tests cannot add methods to it.
