@@ -7,7 +7,8 @@
 //! - node `web-07`'s certificate is revoked with `certs revoke` while it is connected:
 //!   the aggregator reloads the list, closes the live connection within one cycle of
 //!   the reload, and refuses the node's next handshakes as `revoked`;
-//! - a revocation list signed by another CA is refused, and the list in force stays.
+//! - a revocation list signed by another CA is refused, and the list in force stays;
+//! - so does a list whose file goes missing, or comes back unreadable.
 //!
 //! The rest of the fleet keeps being balanced throughout: one node of eight gone
 //! silent is under the missing-share threshold, so its cycles go on.
@@ -159,6 +160,7 @@ fn expired_and_revoked_certificates_are_refused_and_a_revoked_node_is_cut_off() 
     // 3. A list signed by another CA of the same name is refused; the list in force
     //    stays, so web-07 stays out.
     let errors_before = crl_reloads(&agg, "error");
+    let applied_before_forgery = crl_reloads(&agg, "applied");
     let impostor = Ca::generate("Ballast CA").expect("CA");
     let forged = impostor.revocation_list(&[], 99).expect("CRL");
     let tmp = pki.dir().join(".forged.tmp");
@@ -174,6 +176,39 @@ fn expired_and_revoked_certificates_are_refused_and_a_revoked_node_is_cut_off() 
         "web-07's next handshake after the forged list refused as revoked",
         refused_at_forgery,
         || connections_rejected(&agg, "revoked"),
+    );
+
+    // 4. The list's file goes missing (a botched deploy, a volume not mounted), then
+    //    comes back as something that is no list at all: neither is an empty list,
+    //    and the list in force stays, so web-07 stays out.
+    let errors_before = crl_reloads(&agg, "error");
+    std::fs::remove_file(pki.crl_path()).expect("remove the list");
+    wait_above("the missing list counted", errors_before, || {
+        crl_reloads(&agg, "error")
+    });
+    let refused_while_missing = connections_rejected(&agg, "revoked");
+    wait_above(
+        "web-07's next handshake with the list missing refused as revoked",
+        refused_while_missing,
+        || connections_rejected(&agg, "revoked"),
+    );
+    let tmp = pki.dir().join(".garbage.tmp");
+    std::fs::write(
+        &tmp,
+        "-----BEGIN X509 CRL-----\nnot base64\n-----END X509 CRL-----\n",
+    )
+    .expect("write");
+    std::fs::rename(&tmp, pki.crl_path()).expect("replace the list");
+    let refused_with_garbage = connections_rejected(&agg, "revoked");
+    wait_above(
+        "web-07's next handshake with an unreadable list refused as revoked",
+        refused_with_garbage,
+        || connections_rejected(&agg, "revoked"),
+    );
+    assert_eq!(
+        crl_reloads(&agg, "applied"),
+        applied_before_forgery,
+        "a missing or unreadable list was applied"
     );
 
     // The rest of the fleet was balanced all along, and web-07 never came back.
