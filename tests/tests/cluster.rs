@@ -699,3 +699,65 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
          its lease had lapsed"
     );
 }
+
+#[test]
+fn a_replica_that_hashes_differently_or_takes_a_live_name_is_refused() {
+    require_etcd();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let first = replica(&pki, &etcd, "r0");
+    let all_r0 = || {
+        let owners = KEYS.owners(&etcd);
+        let r0 = owners.values().filter(|o| *o == "r0").count();
+        (r0 == BUCKETS as usize && owners.len() == r0)
+            .then_some(())
+            .ok_or(format!("{r0} of {} owner keys are r0's", owners.len()))
+    };
+    wait_for(Duration::from_secs(30), "every bucket owned by r0", all_r0);
+
+    // A replica configured with another bucket count would hash services elsewhere:
+    // two replicas could own one service. It is refused, and says why.
+    let mut opts = AggregatorOpts::default()
+        .etcd(&etcd.endpoint(), PREFIX)
+        .cluster(CLUSTER, "r1");
+    opts.config_toml = Some(format!("[cluster]\nbuckets = {}\n", BUCKETS / 2));
+    let odd = Aggregator::start(&pki, opts);
+    // A second process under a live replica's name would take its member key.
+    let twin = replica(&pki, &etcd, "r0");
+    for (who, agg, why) in [
+        (
+            "the replica of another bucket count",
+            &odd,
+            "must hash services the same way",
+        ),
+        ("the second r0", &twin, "is held by another live member"),
+    ] {
+        wait_for(Duration::from_secs(15), &format!("{who} refused"), || {
+            agg.log().contains(why).then_some(()).ok_or(agg.log_tail(5))
+        });
+    }
+    // Neither took a bucket from r0, while both kept trying; r0 keeps every one.
+    holds_for(
+        Duration::from_secs(3),
+        "r0 keeps every bucket, the refused own none",
+        || {
+            all_r0()?;
+            for (who, agg) in [("r1", &odd), ("the second r0", &twin)] {
+                let owned = agg.counter("ballast_cluster_buckets_owned", &[]);
+                if owned != 0.0 {
+                    return Err(format!("{who} owns {owned} buckets"));
+                }
+            }
+            Ok(())
+        },
+    );
+    let (mut odd, mut twin) = (odd, twin);
+    assert!(
+        odd.is_running() && twin.is_running(),
+        "a refused replica exited"
+    );
+    assert_eq!(
+        first.counter("ballast_cluster_buckets_owned", &[]),
+        BUCKETS as f64
+    );
+}
