@@ -150,7 +150,8 @@ pub struct Params {
     pub stale_ms: u64,
     /// An endpoint silent for this long is forgotten.
     pub expire_ms: u64,
-    /// If more than this share of known endpoints is missing, the cycle changes nothing.
+    /// If more than this share of known endpoints is missing (and at least two are), the
+    /// cycle changes nothing.
     pub missing_threshold: f64,
     /// After a restart, no update for this long, so that reports can arrive first.
     pub grace_ms: u64,

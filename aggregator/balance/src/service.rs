@@ -44,6 +44,20 @@ fn fleet_level(loads: &[f64]) -> f64 {
 /// whole; a load that keeps climbing past that is a real trend, and is steered by.
 pub(crate) const MAX_JUMP_SKIPS: u32 = 3;
 
+/// Cycles after a run of jump skips during which the level is steered by whatever it
+/// does. Real jumps of a service's whole load are rare; one endpoint whose load swings
+/// every cycle (a broken or hostile agent) is not, and in a service too small for
+/// [`fleet_level`] to leave it out it would otherwise hold the weights three cycles in
+/// four. With this rest it holds them at most three in
+/// `MAX_JUMP_SKIPS + 1 + JUMP_REST`.
+pub(crate) const JUMP_REST: u32 = 8;
+
+/// The fewest missing endpoints that skip a cycle, whatever their share: in a service
+/// of six or fewer one silent endpoint is above the missing threshold by itself, and a
+/// node that reports once and goes quiet would freeze the rest of the service until it
+/// expires.
+pub(crate) const MIN_MISSING_TO_SKIP: usize = 2;
+
 /// Why a cycle changed no weights.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -224,6 +238,8 @@ pub struct Service {
     /// The last cycle's average load, and how many cycles in a row before it were
     /// skipped for a jump.
     last_avg: Option<(f64, u32)>,
+    /// Cycles left of the rest after a run of jump skips ([`JUMP_REST`]).
+    jump_rest: u32,
     /// The first cycle at which a feed-forward step may be taken again.
     feed_forward_from: u64,
     /// Weights are held through this cycle after a feed-forward step.
@@ -273,6 +289,7 @@ impl Service {
             published_count: 0,
             published_cycle: 0,
             last_avg: None,
+            jump_rest: 0,
             feed_forward_from: 0,
             settle_through: 0,
             last_step: 0.0,
@@ -606,6 +623,7 @@ impl Service {
         Census {
             loads,
             missing_share,
+            missing,
         }
     }
 
@@ -624,7 +642,9 @@ impl Service {
             Some(SkipReason::Grace {
                 remaining_ms: grace_until - now,
             })
-        } else if census.missing_share > params.missing_threshold {
+        } else if census.missing_share > params.missing_threshold
+            && census.missing >= MIN_MISSING_TO_SKIP
+        {
             Some(SkipReason::Missing {
                 share: census.missing_share,
                 threshold: params.missing_threshold,
@@ -650,6 +670,12 @@ impl Service {
         let run = match (skipped, self.last_avg) {
             (Some(SkipReason::LoadJump { .. }), Some((_, run))) => run + 1,
             _ => 0,
+        };
+        let run_ended = run == 0 && self.last_avg.is_some_and(|(_, before)| before > 0);
+        self.jump_rest = if run_ended {
+            JUMP_REST
+        } else {
+            self.jump_rest.saturating_sub(1)
         };
         self.last_avg = Some((level, run));
     }
@@ -740,13 +766,19 @@ impl Service {
         (assessed_slots, assessed)
     }
 
-    /// The last level, if `avg` (this cycle's [`fleet_level`]) jumped away from it and
-    /// the run of jump skips is not yet at its limit.
+    /// The last level, if `avg` (this cycle's [`fleet_level`]) jumped away from it,
+    /// the run of jump skips is not yet at its limit, and no rest after the last run
+    /// is under way.
     fn jumped(&self, avg: f64) -> Option<f64> {
         let threshold = self.params.jump_threshold;
         let (from, run) = self.last_avg?;
         let moved = (avg - from).abs() / from.max(f64::MIN_POSITIVE);
-        (threshold > 0.0 && run < MAX_JUMP_SKIPS && from.is_finite() && moved > threshold)
+        let resting = self.jump_rest > 0;
+        (threshold > 0.0
+            && run < MAX_JUMP_SKIPS
+            && !resting
+            && from.is_finite()
+            && moved > threshold)
             .then_some(from)
     }
 
@@ -1023,6 +1055,8 @@ struct Census {
     loads: Vec<f64>,
     /// The share of the serving endpoints that have reported and are not fresh.
     missing_share: f64,
+    /// How many they are.
+    missing: usize,
 }
 
 /// The serving endpoints of one controller step: those with news, which it updates,
