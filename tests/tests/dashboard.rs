@@ -2,7 +2,7 @@
 //! driven over the DevTools protocol.
 //!
 //! - A fleet of two services: `shop`, six agents of different speeds in two zones,
-//!   and `search`, three agents of which one stops, so that its cycles are skipped
+//!   and `search`, three agents of which two stop, so that its cycles are skipped
 //!   for missing endpoints.
 //! - The overview lists both services with the figures the API gives (average load,
 //!   max/avg, p95/avg, missing share, endpoints, skipped cycles) and their strategy
@@ -229,16 +229,21 @@ fn the_dashboard_shows_the_fleet_live_in_a_browser() {
         fleet_served(&agg, SHOP, shop)?;
         fleet_served(&agg, SEARCH, search).map(|_| ())
     });
-    // One of search's three stops: missing, a third of the service, so its cycles
-    // are skipped, and the pages say so.
+    // Two of search's three stop: missing, two thirds of the service (one alone
+    // would not hold the other two), so its cycles are skipped, and the pages say so.
+    search[1].stop(Duration::from_secs(5));
     search[2].stop(Duration::from_secs(5));
-    wait_for(Duration::from_secs(10), "search-03 missing", || {
-        let s = agg.service(SEARCH);
-        match s.last_skip_reason {
-            Some(why) if s.states.get("missing") == Some(&1) => Ok(why),
-            _ => Err(format!("{:?} {:?}", s.states, s.last_skip_reason)),
-        }
-    });
+    wait_for(
+        Duration::from_secs(10),
+        "search-02 and search-03 missing",
+        || {
+            let s = agg.service(SEARCH);
+            match s.last_skip_reason {
+                Some(why) if s.states.get("missing") == Some(&2) => Ok(why),
+                _ => Err(format!("{:?} {:?}", s.states, s.last_skip_reason)),
+            }
+        },
+    );
 
     let mut browser = Browser::launch(1280, 900);
     // The harness hears what a page throws and logs: an empty list later means

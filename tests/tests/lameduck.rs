@@ -347,6 +347,12 @@ fn drain_stop_restart_undrain_loses_no_request() {
         "a stopped lame duck made cycles skip: {:?}",
         detail.last_skip
     );
+    // Nor is it counted as missing at all (one missing endpoint alone would not skip a
+    // cycle, so the skips above say less than this).
+    assert_eq!(
+        detail.stats.missing_share, 0.0,
+        "a stopped lame duck counted as missing"
+    );
     assert_eq!(stored(&agg, &drained), Ok((0.0, true)));
     assert!(agg.weights(SERVICE).weights[&drained].draining);
 
