@@ -933,7 +933,8 @@ impl Service {
 
     /// The controllers' step: each of the `fresh` endpoints' PID moves its weight by
     /// its error against the average, within the growth and shrink bounds; a stalled
-    /// one shrinks by the bound. Returns the stepped weights, in the order of `fresh`.
+    /// one shrinks by the bound, and does not grow for a few steps after. Returns the
+    /// stepped weights, in the order of `fresh`.
     fn step_controllers(&mut self, now: Millis, fresh: &[usize], avg: f64) -> Vec<f64> {
         let params = &self.params;
         let slots = &mut self.slots;
@@ -942,6 +943,7 @@ impl Service {
         let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
         for &s in fresh {
             let stalled = stalled(slots, s, avg);
+            let hold = slots.inflight[s].hold_after_stall(stalled);
             let ep = &mut slots.hot[s];
             let pid = &mut slots.pid[s];
             let error = (avg - ep.load) / avg;
@@ -953,8 +955,14 @@ impl Service {
             // A stalled node holds each request as long whatever its weight (its count
             // per unit of weight is its latency), so a proportional step gains nothing
             // by being gentle: it sheds at the fastest rate the bounds allow for as long
-            // as the stall lasts.
-            let delta = if stalled { lo } else { delta };
+            // as the stall lasts, and does not grow back until its count can tell.
+            let delta = if stalled {
+                lo
+            } else if hold {
+                delta.min(0.0)
+            } else {
+                delta
+            };
             let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
             ep.strategy_weights.set(Strategy::Pid, w);
             stepped.push(w);
