@@ -23,7 +23,17 @@
 //! 2. balancing converges: the slow node ends below both fast ones' weights, the CPU
 //!    max/avg across the backends (their own CPU clocks) is clearly below the
 //!    equal-weight one, and no weight sits at the floor or the ceiling;
-//! 3. the aggregator trusts every endpoint's in-flight count throughout.
+//! 3. the aggregator trusts every endpoint's in-flight count throughout;
+//! 4. then one fast backend stalls (each new call sleeps 250 ms instead of burning
+//!    CPU: low CPU, piling-up calls) and its share of the calls started from 10 s
+//!    after the stall, over 6 s, is measured: with the TCP count it is printed (the
+//!    figure is in `docs/inflight.md`), not held to a bound.
+//!
+//! A second test runs the same service with the agents reading the backends'
+//! go-grpc-prometheus counters (`--inflight grpc:URL#service=ballast.Cpu`, served by
+//! prometheus_client) instead, with a shorter balancing phase before the same stall,
+//! and holds the stalled backend's share of new calls from 10 s after the stall to
+//! 2 % or less, with the shipped defaults.
 //!
 //! It prints a table of the figures. Needs the tests' Python with `grpcio` (`tests/.venv`, made by `bash tests/run`, or
 //! `BALLAST_PYTHON`); the test fails, naming the package, when it is missing.
@@ -114,13 +124,17 @@ const STALL_MS: u64 = 250;
 const STALL_REACTION: Duration = Duration::from_secs(10);
 /// ... over this window ...
 const STALL_WINDOW: Duration = Duration::from_secs(6);
-/// ... and with the `grpc` preset must be at most this.
+/// ... and with the `grpc` preset must be at most this. Measured 0.8 % (seconds 5
+/// to 16 after the stall: 0 to 3 % each); 2.7 % and 4.6 % before a stalled node
+/// shed weight at the shrink bound and stopped growing back at once.
 const MAX_STALLED_SHARE: f64 = 0.02;
 /// With the preset, balancing before the stall runs this long, the last
 /// `PRESET_END_WINDOW` its end state (the convergence is the TCP run's subject).
 const PRESET_BALANCE: Duration = Duration::from_secs(10);
 const PRESET_END_WINDOW: Duration = Duration::from_secs(5);
-/// The preset's count against the truth: bounds measured below.
+/// The preset's count against the truth, before the stall. Three runs measured a
+/// mean error of -0.09 (the truth is about 1 per backend) and correlations of
+/// 0.93–0.96; the bounds are loose, as the stall is this test's subject.
 const PRESET_MAX_MEAN_ERROR: f64 = 0.3;
 const PRESET_MIN_CORRELATION: f64 = 0.5;
 /// A weight at or beyond these (relative to the mean, which is 1) sits at a bound.
