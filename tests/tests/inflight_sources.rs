@@ -18,8 +18,12 @@
 //! source is opened as the agent opens it (`daemon::open_sampler` on a configuration
 //! with the preset's `--inflight` spec). Targets: mean error within ±10 % of the mean
 //! truth in every row, and a correlation of at least 0.9 with the truth over all the
-//! samples of a server (its rows differ in load: a row's own load varies too little
-//! for a correlation to mean much when every caller always has a call in flight).
+//! samples of a server (its rows differ in load). The gRPC server also records its
+//! true count at the instant its metrics page renders: each gRPC row is held to a
+//! correlation of at least 0.9 with that truth. Around the scrape (the mean of the
+//! reads before and after) a row's correlation is lower: the truth moves by a call or
+//! two during a 1 to 5 ms scrape, about its whole variance when every caller always
+//! has a call in flight (`docs/inflight.md`).
 //!
 //! Every row's figures are printed as a Markdown table row (`--nocapture`): the tables
 //! in `docs/inflight.md` are this output. Loopback only; each row is bounded (a 30 s
