@@ -942,7 +942,9 @@ impl Service {
         let hi = params.max_growth - 1.0;
         let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
         for &s in fresh {
-            let stalled = stalled(slots, s, avg);
+            // Idle, not merely below the average: only a node that does next to no
+            // work with its requests piling up takes the bound.
+            let stalled = stalled(slots, s, avg) && slots.obs[s].cpu < inflight::IDLE_CPU * avg;
             let hold = slots.inflight[s].hold_after_stall(stalled);
             let ep = &mut slots.hot[s];
             let pid = &mut slots.pid[s];
