@@ -7,7 +7,7 @@ such a service (connections owed a response, CPU of the process) while a proxyle
 gRPC client spreads calls by the weights the aggregator serves over xDS. No protoc: the
 method is registered with a generic handler and carries raw bytes.
 
-    cpu_service.py serve --state FILE --name NAME --burn-ms B [--sleep-ms S]
+    cpu_service.py serve --state FILE --name NAME --burn-ms B [--sleep-ms S] [--metrics]
         Serves /ballast.Cpu/Work on a free port of 127.0.0.1. Each call burns B ms of
         its thread's CPU time (so a node that burns more per call is a slower node,
         whatever else runs on the machine), then sleeps S ms (a downstream call), and
@@ -15,8 +15,15 @@ method is registered with a generic handler and carries raw bytes.
             offset  0  u32  calls inside the handler now (the true in-flight count)
             offset  8  f64  CPU seconds of the whole process (time.process_time())
             offset 16  u64  calls answered
-        all little-endian. Prints "port N pid P" once listening, then serves until its
-        standard input closes.
+            offset 24  u64  calls started (entered the handler)
+        all little-endian. With --metrics it also counts every call as
+        go-grpc-prometheus does (grpc_server_started_total, grpc_server_handled_total)
+        and serves the counters with prometheus_client on a free loopback port. Prints
+        "port N pid P" (and " metrics M" with --metrics) once listening, then serves
+        until its standard input closes. A line "stall MS" on its standard input makes
+        every call that starts from then on sleep MS ms instead of burning and sleeping
+        (a node stalled on I/O: low CPU, piling-up calls); "stall 0" ends the stall.
+        Each command is answered with a line "ok".
 
     cpu_service.py load --target xds:///SERVICE --rate R --channels C --duration D
         C channels, each with its own connections (a local subchannel pool), each
@@ -61,6 +68,25 @@ def exit_when_stdin_closes():
     threading.Thread(target=watch, daemon=True).start()
 
 
+def commands(stall):
+    """Reads "stall MS" lines from standard input into `stall[0]` (seconds), answering
+    each with "ok"; exits the process when standard input closes."""
+
+    def read():
+        try:
+            for line in sys.stdin:
+                words = line.split()
+                if len(words) == 2 and words[0] == "stall":
+                    stall[0] = float(words[1]) / 1000.0
+                    print("ok", flush=True)
+                else:
+                    print(f"unknown command {line.strip()!r}", flush=True)
+        finally:
+            os._exit(0)
+
+    threading.Thread(target=read, daemon=True).start()
+
+
 def serve(args):
     fd = os.open(args.state, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, STATE_BYTES)
@@ -68,6 +94,8 @@ def serve(args):
     lock = threading.Lock()
     inflight = [0]
     answered = [0]
+    started = [0]
+    stall = [0.0]
     name = args.name.encode()
     burn = args.burn_ms / 1000.0
     sleep = args.sleep_ms / 1000.0
@@ -78,7 +106,9 @@ def serve(args):
     def enter():
         with lock:
             inflight[0] += 1
+            started[0] += 1
             struct.pack_into("<I", state, 0, inflight[0])
+            struct.pack_into("<Q", state, 24, started[0])
 
     def leave():
         with lock:
@@ -91,6 +121,10 @@ def serve(args):
     def work(request, context):
         enter()
         try:
+            stalled = stall[0]
+            if stalled > 0:
+                time.sleep(stalled)
+                return name
             # Thread CPU time, not wall time: the call costs the same CPU however
             # many other calls (or other processes) share the core.
             end = time.thread_time() + burn
@@ -110,12 +144,18 @@ def serve(args):
                 publish_cpu()
             time.sleep(0.01)
 
-    server, port = generic_service.start("ballast.Cpu", work, args.workers)
+    interceptors = []
+    metrics = ""
+    if args.metrics:
+        interceptor, metrics_port = generic_service.metrics_interceptor()
+        interceptors.append(interceptor)
+        metrics = f" metrics {metrics_port}"
+    server, port = generic_service.start("ballast.Cpu", work, args.workers, 0, interceptors)
     if port == 0:
         sys.exit(f"{args.name}: cannot bind a port on 127.0.0.1")
     threading.Thread(target=cpu_clock, daemon=True).start()
-    print(f"port {port} pid {os.getpid()}", flush=True)
-    exit_when_stdin_closes()
+    print(f"port {port} pid {os.getpid()}{metrics}", flush=True)
+    commands(stall)
     server.wait_for_termination()
 
 
@@ -228,6 +268,7 @@ def main():
     s.add_argument("--burn-ms", type=float, required=True)
     s.add_argument("--sleep-ms", type=float, default=0.0)
     s.add_argument("--workers", type=int, default=64)
+    s.add_argument("--metrics", action="store_true")
     lo = sub.add_parser("load")
     lo.add_argument("--target", required=True)
     lo.add_argument("--rate", type=float, required=True)

@@ -24,6 +24,9 @@ handler and carries raw bytes.
         grpc_server_handled_total{grpc_code} when it is answered; handled is registered
         first, so a page renders it before started, as Go's client does by sorting)
         and serves them with prometheus_client on 127.0.0.1. Prints "metrics N" too.
+        Each time the page renders, between the two families, the count of calls
+        inside the handler at that instant is copied to offset 4 of FILE (a u32) and
+        the renders are counted at offset 8 (a u64): the truth at the scrape's instant.
 
     inflight_server.py serve-http --state FILE [--service-ms 20]
         The same handler behind HTTP/1.1 with keep-alive (a thread per connection):
@@ -57,23 +60,32 @@ METHOD = "/ballast.Inflight/Work"
 
 def true_count(path):
     """The in-flight count kept in the mmap'd file at `path`: returns a lock (also for
-    the caller's own shared state) and `add(delta)`."""
+    the caller's own shared state), `add(delta)` and `note_render()`, which copies the
+    count to offset 4 and counts the copies at offset 8 (a u64): the metrics page calls
+    it while it renders, so that the truth at the instant of a scrape is known."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.ftruncate(fd, 8)
-    state = mmap.mmap(fd, 8)
+    os.ftruncate(fd, 16)
+    state = mmap.mmap(fd, 16)
     lock = threading.Lock()
     inflight = [0]
+    renders = [0]
 
     def add(delta):
         with lock:
             inflight[0] += delta
             struct.pack_into("<I", state, 0, inflight[0])
 
-    return lock, add
+    def note_render():
+        with lock:
+            renders[0] += 1
+            struct.pack_into("<I", state, 4, inflight[0])
+            struct.pack_into("<Q", state, 8, renders[0])
+
+    return lock, add, note_render
 
 
 def serve(args):
-    lock, add = true_count(args.state)
+    lock, add, note_render = true_count(args.state)
     rng = random.Random(args.seed)
 
     def work(request, context):
@@ -86,7 +98,11 @@ def serve(args):
         finally:
             add(-1)
 
-    interceptors = [metrics_interceptor()] if args.metrics else []
+    interceptors = []
+    if args.metrics:
+        interceptor, metrics_port = generic_service.metrics_interceptor(note_render)
+        print(f"metrics {metrics_port}", flush=True)
+        interceptors.append(interceptor)
     server, port = generic_service.start(
         "ballast.Inflight", work, args.workers, args.port, interceptors
     )
@@ -96,63 +112,10 @@ def serve(args):
     server.wait_for_termination()
 
 
-def metrics_interceptor():
-    """go-grpc-prometheus' server counters, served on a free loopback port."""
-    import socket
-
-    import prometheus_client as prom
-
-    # Go's client renders families sorted by name: handled before started. So does this
-    # registry, by registration order, so that a page never shows more calls handled
-    # than started.
-    handled = prom.Counter(
-        "grpc_server_handled",
-        "Total number of RPCs completed on the server, regardless of success or failure.",
-        ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
-    )
-    started = prom.Counter(
-        "grpc_server_started",
-        "Total number of RPCs started on the server.",
-        ["grpc_type", "grpc_service", "grpc_method"],
-    )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    prom.start_http_server(port, addr="127.0.0.1")
-    print(f"metrics {port}", flush=True)
-
-    class Counting(grpc.ServerInterceptor):
-        def intercept_service(self, continuation, details):
-            handler = continuation(details)
-            if handler is None or handler.unary_unary is None:
-                return handler
-            _, service, method = details.method.split("/")
-            inner = handler.unary_unary
-
-            def behavior(request, context):
-                started.labels("unary", service, method).inc()
-                code = "OK"
-                try:
-                    return inner(request, context)
-                except Exception:
-                    code = "Unknown"
-                    raise
-                finally:
-                    handled.labels("unary", service, method, code).inc()
-
-            return grpc.unary_unary_rpc_method_handler(
-                behavior,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-
-    return Counting()
-
-
 def serve_http(args):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    lock, add = true_count(args.state)
+    lock, add, _ = true_count(args.state)
     rng = random.Random(args.seed)
 
     class Handler(BaseHTTPRequestHandler):

@@ -194,6 +194,16 @@ impl Server {
         u32::from_le_bytes(b)
     }
 
+    /// The true count when the metrics page last rendered (between its two families),
+    /// and how many times it has rendered (`serve --metrics`).
+    pub fn at_render(&self) -> (u32, u64) {
+        let mut b = [0u8; 12];
+        self.state.read_exact_at(&mut b, 4).unwrap();
+        let truth = u32::from_le_bytes(b[..4].try_into().unwrap());
+        let renders = u64::from_le_bytes(b[4..].try_into().unwrap());
+        (truth, renders)
+    }
+
     /// Starts `channels` connections with `callers` concurrent callers each, and waits
     /// until every connection is up.
     pub fn load(&self, channels: u32, callers: u32, think_ms: f64, secs: f64) -> Proc {

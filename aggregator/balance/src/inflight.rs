@@ -141,6 +141,9 @@ pub struct InflightTracker {
     held_from: f64,
     /// The published weights of the last cycles, newest first.
     weights: [f64; WEIGHT_MEMORY],
+    /// Controller steps left in which the weight may not grow because the endpoint
+    /// was stalled (see [`Self::hold_after_stall`]).
+    stall_hold: u32,
     /// The last cycle's verdict.
     pub estimate: InflightEstimate,
 }
@@ -159,6 +162,23 @@ impl InflightTracker {
     /// The smoothed count; 0 before any report.
     pub fn smoothed(&self) -> f64 {
         self.smoothed.unwrap_or(0.0)
+    }
+
+    /// Called at each controller step: whether the weight must not grow this step.
+    /// `stalled` says whether the endpoint is stalled now. For [`WEIGHT_MEMORY`] steps
+    /// after the last stalled one it must not: the count per unit of weight divides by
+    /// the largest weight of those cycles, so right after a stall has cut the weight
+    /// it reads low, and a few requests at a small weight read as none; a weight grown
+    /// on that would bring the stalled node its share back before its count could say
+    /// it is still stalled. Once the memory holds only the low weight, the count says.
+    pub(crate) fn hold_after_stall(&mut self, stalled: bool) -> bool {
+        if stalled {
+            self.stall_hold = WEIGHT_MEMORY as u32;
+            return false;
+        }
+        let hold = self.stall_hold > 0;
+        self.stall_hold = self.stall_hold.saturating_sub(1);
+        hold
     }
 
     /// Whether the term is currently distrusted.

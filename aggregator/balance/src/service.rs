@@ -964,7 +964,8 @@ impl Service {
     }
 
     /// The controllers' step: each of the `fresh` endpoints' PID moves its weight by
-    /// its error against the average, within the growth and shrink bounds. Returns the
+    /// its error against the average, within the growth and shrink bounds; a stalled
+    /// one shrinks by the bound, and does not grow for a few steps after. Returns the
     /// stepped weights, in the order of `fresh`.
     fn step_controllers(&mut self, now: Millis, fresh: &[usize], avg: f64) -> Vec<f64> {
         let params = &self.params;
@@ -973,6 +974,10 @@ impl Service {
         let hi = params.max_growth - 1.0;
         let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
         for &s in fresh {
+            // Idle, not merely below the average: only a node that does next to no
+            // work with its requests piling up takes the bound.
+            let stalled = stalled(slots, s, avg) && slots.obs[s].cpu < inflight::IDLE_CPU * avg;
+            let hold = slots.inflight[s].hold_after_stall(stalled);
             let ep = &mut slots.hot[s];
             let pid = &mut slots.pid[s];
             let error = (avg - ep.load) / avg;
@@ -981,6 +986,17 @@ impl Service {
                 .map(|t| now.saturating_sub(t) as f64 / params.cycle_ms as f64)
                 .unwrap_or(1.0);
             let delta = pid.update(&params.pid, error, dt, (lo, hi));
+            // A stalled node holds each request as long whatever its weight (its count
+            // per unit of weight is its latency), so a proportional step gains nothing
+            // by being gentle: it sheds at the fastest rate the bounds allow for as long
+            // as the stall lasts, and does not grow back until its count can tell.
+            let delta = if stalled {
+                lo
+            } else if hold {
+                delta.min(0.0)
+            } else {
+                delta
+            };
             let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
             ep.strategy_weights.set(Strategy::Pid, w);
             stepped.push(w);
@@ -1106,6 +1122,16 @@ pub const FEED_FORWARD_SETTLE: u64 = 2;
 /// the first one, and a second would undo their work.
 pub(crate) const FEED_FORWARD_HOLDOFF: u64 = 10;
 
+/// Whether the endpoint in `slot` is stalled: its trusted in-flight count stands out
+/// against the fleet (the term binds) while its CPU is below the average `avg`. One
+/// whose CPU is high as well is merely overloaded.
+fn stalled(slots: &Slots, slot: usize, avg: f64) -> bool {
+    let estimate = &slots.inflight[slot].estimate;
+    estimate.binding
+        && estimate.derivation == inflight::Derivation::FleetRelative
+        && slots.obs[slot].cpu < avg
+}
+
 /// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one
 /// has a new report (the caller checks that none is held), none is ramping up from a
 /// cold start or stalled (its in-flight count stands out against the fleet while its
@@ -1119,11 +1145,7 @@ fn feed_forward_applies(slots: &Slots, fresh: &[usize], avg: f64) -> bool {
     // stalled, and its weight over its load is no capacity: no step while any is. One
     // whose CPU is high as well is merely overloaded, and the step is what it needs.
     let calm = fresh.iter().all(|&s| {
-        let tracker = &slots.inflight[s];
-        let stalled = tracker.estimate.binding
-            && tracker.estimate.derivation == inflight::Derivation::FleetRelative
-            && slots.obs[s].cpu < avg;
-        !slots.hot[s].warming && !stalled && !tracker.distrusted()
+        !slots.hot[s].warming && !stalled(slots, s, avg) && !slots.inflight[s].distrusted()
     });
     let spread = fresh
         .iter()
