@@ -1,7 +1,19 @@
 //! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
 
 pub mod auth;
-pub mod listener;
+/// The listener the API is served on (`ballast-ingest`'s, shared with the relay).
+pub use ballast_ingest::http_listener as listener;
+
+/// The listener counts its refusals in the API's families.
+impl listener::HttpCounts for crate::metrics::Metrics {
+    fn refuse(&self, reason: &str) {
+        self.refuse_http(reason);
+    }
+
+    fn refuse_cert(&self) {
+        self.fail_http_auth(auth::Failure::BadCert.label());
+    }
+}
 pub(crate) mod openapi;
 pub mod views;
 
