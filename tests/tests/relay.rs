@@ -538,8 +538,14 @@ fn ballast_relay_and_its_deprecated_alias_run_the_same_relay_with_only_relay_met
             "{}",
             r.name()
         );
+        // Samples, and the descriptions of families that have none yet.
         let foreign: Vec<&str> = text
             .lines()
+            .map(|l| {
+                l.strip_prefix("# TYPE ")
+                    .or_else(|| l.strip_prefix("# HELP "))
+                    .unwrap_or(l)
+            })
             .filter(|l| AGGREGATOR_FAMILIES.iter().any(|f| l.starts_with(f)))
             .collect();
         assert!(

@@ -193,7 +193,7 @@ impl ClusterConfig {
     }
 }
 
-/// The relay (`[relay]`, `ballast-aggregator relay`): agents connect to it as to an
+/// The relay (`[relay]`, `ballast-relay`): agents connect to it as to an
 /// aggregator, and it hands each agent on over a trunk to the cluster replica that
 /// owns its service. It needs `[cluster] name` and `[store.etcd]`, where it reads the
 /// owners.
@@ -750,7 +750,7 @@ pub struct Config<B> {
     /// Replicas sharing services through etcd; none by default (one aggregator serves
     /// everything).
     pub cluster: Option<ClusterConfig>,
-    /// The relay's settings (`ballast-aggregator relay`); none by default. Ignored by
+    /// The relay's settings (`ballast-relay`); none by default. Ignored by
     /// `run`.
     pub relay: Option<RelayConfig>,
 }
