@@ -48,7 +48,7 @@ pub fn router_with(state: Arc<State>, auth: Arc<auth::Auth>) -> Router {
         .merge(crate::ui::router(&state))
         .fallback(not_found)
         .layer(axum::Extension(Arc::new(
-            crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.clone()),
+            crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.watch.clone()),
         )))
         .layer(axum::middleware::from_fn_with_state(
             auth,
@@ -352,7 +352,7 @@ async fn weights(
         return Ok(Json(current).into_response());
     }
     let max = state.limits.watch_max_streams;
-    if state.metrics.watch_streams.get() >= i64::try_from(max).unwrap_or(i64::MAX) {
+    if state.metrics.watch.streams.get() >= i64::try_from(max).unwrap_or(i64::MAX) {
         state.metrics.refuse_http("watch_streams");
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
