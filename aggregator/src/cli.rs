@@ -1,6 +1,8 @@
 //! The `ballast-aggregator` command line, in the library so that man pages and shell
 //! completions can be generated from it.
 
+pub use ballast_config::cli::{CommonArgs, RelayArgs};
+use ballast_config::fill_unset as fill;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,9 +26,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the aggregator daemon (the default).
     Run(RunArgs),
-    /// Run a relay: agents connect to it as to an aggregator, and it hands their hellos
-    /// and reports on to the cluster replica that owns each agent's service. Needs
-    /// --etcd and --cluster (or [store.etcd] and [cluster]).
+    /// Deprecated, to be removed in the next release: run `ballast-relay`, with the same
+    /// flags. Runs a relay: agents connect to it as to an aggregator, and it hands their
+    /// hellos and reports on to the cluster replica that owns each agent's service.
     Relay(RelayArgs),
     /// Certificates for a first deployment.
     #[command(subcommand)]
@@ -212,62 +214,6 @@ pub enum CertsCommand {
     },
 }
 
-/// The settings the daemon and the relay share; each overrides the configuration file.
-#[derive(Args, Clone, Default)]
-pub struct CommonArgs {
-    /// TOML configuration file.
-    #[arg(long, short, env = "BALLAST_CONFIG", global = true)]
-    pub config: Option<PathBuf>,
-    /// UDP address for agents (QUIC) [default: 0.0.0.0:7400].
-    #[arg(long, env = "BALLAST_QUIC")]
-    pub quic: Option<SocketAddr>,
-    /// TCP address of the HTTP API and /metrics [default: 127.0.0.1:7401].
-    #[arg(long, env = "BALLAST_HTTP")]
-    pub http: Option<SocketAddr>,
-    /// Directory with ca.pem, server.pem and server.key: the certificate agents check
-    /// [default: /etc/ballast/tls].
-    #[arg(long, env = "BALLAST_TLS_DIR")]
-    pub tls_dir: Option<PathBuf>,
-    /// Keep weights in etcd at these endpoints (comma-separated URLs) instead of the
-    /// store file. Needs a binary built with the `etcd` feature.
-    #[arg(long, env = "BALLAST_ETCD", value_delimiter = ',')]
-    pub etcd: Option<Vec<String>>,
-    /// Key prefix in etcd; needs --etcd or [store.etcd] [default: /ballast].
-    #[arg(long, env = "BALLAST_ETCD_PREFIX")]
-    pub etcd_prefix: Option<String>,
-    /// CA certificate (PEM) that etcd's server certificate is checked against; needed
-    /// with https:// endpoints.
-    #[arg(long, env = "BALLAST_ETCD_CA")]
-    pub etcd_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for an etcd that checks them; needs --etcd-key.
-    #[arg(long, env = "BALLAST_ETCD_CERT")]
-    pub etcd_cert: Option<PathBuf>,
-    /// The client certificate's private key (PEM).
-    #[arg(long, env = "BALLAST_ETCD_KEY")]
-    pub etcd_key: Option<PathBuf>,
-    /// etcd user to authenticate as; needs --etcd-password-file.
-    #[arg(long, env = "BALLAST_ETCD_USER")]
-    pub etcd_user: Option<String>,
-    /// File holding the etcd user's password (one line).
-    #[arg(long, env = "BALLAST_ETCD_PASSWORD_FILE")]
-    pub etcd_password_file: Option<PathBuf>,
-    /// Run as one replica of the named cluster (a relay: serve that cluster's agents):
-    /// replicas on the same etcd share the services, each served by one of them at a
-    /// time. Needs --etcd or [store.etcd].
-    #[arg(long, env = "BALLAST_CLUSTER")]
-    pub cluster: Option<String>,
-    /// Authorization policy file: the services, networks and host names node identity
-    /// patterns may claim, beyond what their certificates name.
-    #[arg(long, env = "BALLAST_POLICY")]
-    pub policy: Option<PathBuf>,
-    /// Certificate revocation list (PEM), reloaded when it changes.
-    #[arg(long, env = "BALLAST_CRL")]
-    pub crl: Option<PathBuf>,
-    /// Log as JSON lines.
-    #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
-    pub log_json: bool,
-}
-
 /// The daemon's settings; each overrides the configuration file.
 #[derive(Args, Clone, Default)]
 pub struct RunArgs {
@@ -304,39 +250,6 @@ pub struct RunArgs {
     /// Report interval agents are told to use, in milliseconds [default: 1000].
     #[arg(long, env = "BALLAST_REPORT_INTERVAL_MS")]
     pub report_interval_ms: Option<u32>,
-}
-
-/// The relay's settings; each overrides the configuration file.
-#[derive(Args, Clone, Default)]
-pub struct RelayArgs {
-    /// The settings the daemon has too. --tls-dir holds the identity agents see;
-    /// --etcd, --etcd-prefix and --cluster say where the cluster's owners are read.
-    #[command(flatten)]
-    pub common: CommonArgs,
-    /// Directory with the relay's own client identity for trunks to the replicas:
-    /// ca.pem, relay.pem and relay.key (`ballast-aggregator certs relay DIR NAME`
-    /// writes them to DIR/relays/NAME) [default: /etc/ballast/relay-tls].
-    #[arg(long, env = "BALLAST_RELAY_TLS_DIR")]
-    pub relay_tls_dir: Option<PathBuf>,
-    /// The relay's name, told to the replicas (default: host name and QUIC port).
-    #[arg(long, env = "BALLAST_RELAY_NAME")]
-    pub name: Option<String>,
-}
-
-/// Fills every unset field of `$dst` from `$src`.
-macro_rules! fill {
-    ($dst:expr, $src:expr; $($f:ident),*) => {
-        $( if $dst.$f.is_none() { $dst.$f.clone_from(&$src.$f); } )*
-    };
-}
-
-impl CommonArgs {
-    /// These flags, with those given before the subcommand (`top`) where these are unset.
-    fn inherit(&mut self, top: &CommonArgs) {
-        fill!(self, top; config, quic, http, tls_dir, etcd, etcd_prefix, etcd_ca, etcd_cert,
-            etcd_key, etcd_user, etcd_password_file, cluster, policy, crl);
-        self.log_json |= top.log_json;
-    }
 }
 
 impl RunArgs {

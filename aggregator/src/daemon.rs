@@ -130,7 +130,7 @@ impl Daemon {
         let replica = cluster
             .replica
             .clone()
-            .unwrap_or_else(|| default_replica_name(cfg.quic.port()));
+            .unwrap_or_else(|| ballast_config::default_replica_name(cfg.quic.port()));
         let ownership = Arc::new(crate::cluster::Ownership::new(&replica, cluster.buckets));
         let store = crate::store::open_fenced(
             &cfg.store,
@@ -201,11 +201,11 @@ impl Daemon {
     ) -> Result<Daemon, DaemonError> {
         let clock = Clock::start();
         let restored = store.load().await?;
-        let mut balancer = Balancer::new(cfg.balance.clone(), clock.now());
-        balancer.set_limits(
-            cfg.limits
-                .core(cfg.service_config.tombstone_ttl_s.saturating_mul(1000)),
-        );
+        let mut balancer = Balancer::new(cfg.balance.0.clone(), clock.now());
+        balancer.set_limits(crate::config::core_limits(
+            &cfg.limits,
+            cfg.service_config.tombstone_ttl_s.saturating_mul(1000),
+        ));
         balancer.restrict_services(cfg.services.as_ref().map(|s| s.iter().cloned().collect()));
         // A replica of a cluster restores a service when it takes the service's
         // bucket over, not at start: until then another replica may own it.
@@ -349,8 +349,11 @@ impl Daemon {
         ));
         let app = crate::api::router_with(state.clone(), auth.clone())
             .into_make_service_with_connect_info::<crate::api::listener::Peer>();
-        let mut listener =
-            crate::api::listener::Limited::new(listener, state.metrics.clone(), &state.limits);
+        let mut listener = crate::api::listener::Limited::new(
+            listener,
+            state.metrics.clone(),
+            state.limits.http(),
+        );
         if let Some((config, own)) = http_tls {
             listener = listener.with_tls(config);
             if let Some(live) = own {
@@ -439,41 +442,13 @@ impl Daemon {
     }
 }
 
-/// This host's name, or `None` when the kernel gives none.
-#[cfg(feature = "etcd")]
-fn host_name() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-}
-
-/// A replica's name when none is configured: the host's name and the QUIC port, which
-/// tell replicas on one host apart.
-#[cfg(feature = "etcd")]
-pub(crate) fn default_replica_name(port: u16) -> String {
-    let host = host_name().unwrap_or_else(|| "replica".to_string());
-    let host: String = host
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(56)
-        .collect();
-    format!("{host}-{port}")
-}
-
 /// The QUIC address a replica names to agents it refuses when none is configured:
 /// the address it listens on, or, when that is every address of the host (`0.0.0.0`,
 /// `[::]`), the host's name and the port, which an agent can resolve and a listening
 /// wildcard is not.
 #[cfg(feature = "etcd")]
 fn default_advertise(quic: std::net::SocketAddr) -> String {
-    match host_name() {
+    match ballast_config::host_name() {
         Some(host) if quic.ip().is_unspecified() => format!("{host}:{}", quic.port()),
         _ => quic.to_string(),
     }

@@ -20,7 +20,6 @@ pub mod fuzzing;
 pub mod ingest;
 pub mod metrics;
 pub mod ownership;
-pub mod relay;
 pub mod reload;
 pub mod state;
 pub mod store;

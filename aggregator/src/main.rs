@@ -7,9 +7,8 @@ use ballast_aggregator::cli::{
     TokenCommand,
 };
 use ballast_aggregator::client::{self, ApiClient};
-use ballast_aggregator::config::{Config, TlsFiles};
+use ballast_aggregator::config::Config;
 use ballast_aggregator::daemon::{self, Daemon};
-use ballast_aggregator::relay::Relay;
 use ballast_shared::config::init_logging;
 use std::process::ExitCode;
 
@@ -76,48 +75,7 @@ fn common_config(args: &CommonArgs) -> Result<Config> {
         Some(path) => Config::read(path)?,
         None => Config::default(),
     };
-    if let Some(v) = args.quic {
-        cfg.quic = v;
-    }
-    if let Some(v) = args.http {
-        cfg.http = v;
-    }
-    if let Some(dir) = &args.tls_dir {
-        cfg.tls = TlsFiles::in_dir(dir, "server");
-    }
-    if let Some(endpoints) = &args.etcd {
-        cfg.store
-            .etcd
-            .get_or_insert_with(Default::default)
-            .endpoints = endpoints.clone();
-    }
-    if let Some(prefix) = &args.etcd_prefix {
-        etcd_table(&mut cfg, "--etcd-prefix")?.prefix = prefix.clone();
-    }
-    if let Some(v) = &args.etcd_ca {
-        etcd_table(&mut cfg, "--etcd-ca")?.ca_file = Some(v.clone());
-    }
-    if let Some(v) = &args.etcd_cert {
-        etcd_table(&mut cfg, "--etcd-cert")?.cert_file = Some(v.clone());
-    }
-    if let Some(v) = &args.etcd_key {
-        etcd_table(&mut cfg, "--etcd-key")?.key_file = Some(v.clone());
-    }
-    if let Some(v) = &args.etcd_user {
-        etcd_table(&mut cfg, "--etcd-user")?.user = Some(v.clone());
-    }
-    if let Some(v) = &args.etcd_password_file {
-        etcd_table(&mut cfg, "--etcd-password-file")?.password_file = Some(v.clone());
-    }
-    if let Some(name) = &args.cluster {
-        cfg.cluster.get_or_insert_with(Default::default).name = name.clone();
-    }
-    if let Some(v) = &args.policy {
-        cfg.authorization.policy = Some(v.clone());
-    }
-    if let Some(v) = &args.crl {
-        cfg.authorization.crl = Some(v.clone());
-    }
+    args.apply(&mut cfg)?;
     Ok(cfg)
 }
 
@@ -151,44 +109,10 @@ fn config(args: &RunArgs) -> Result<Config> {
         cfg.report_interval_ms = v;
     }
     cfg.insecure_http |= args.insecure_http;
-    cfg.validate().with_context(|| origin(&args.common))?;
+    cfg.validate().with_context(|| args.common.origin())?;
     cfg.check_http_exposure()
-        .with_context(|| origin(&args.common))?;
+        .with_context(|| args.common.origin())?;
     Ok(cfg)
-}
-
-/// The relay's configuration: the shared flags, then its own; a `[relay]` table with
-/// its defaults if the file has none.
-fn relay_config(args: &RelayArgs) -> Result<Config> {
-    let mut cfg = common_config(&args.common)?;
-    let relay = cfg.relay.get_or_insert_with(Default::default);
-    if let Some(dir) = &args.relay_tls_dir {
-        relay.tls = TlsFiles::in_dir(dir, "relay");
-    }
-    if let Some(name) = &args.name {
-        relay.name = Some(name.clone());
-    }
-    cfg.validate().with_context(|| origin(&args.common))?;
-    Ok(cfg)
-}
-
-/// Where a command's configuration came from, for its errors.
-fn origin(args: &CommonArgs) -> String {
-    match &args.config {
-        Some(path) => format!("configuration ({} and the flags)", path.display()),
-        None => "configuration (the flags and the defaults)".to_string(),
-    }
-}
-
-/// The `[store.etcd]` table an etcd flag amends: one must be configured already.
-fn etcd_table<'a>(
-    cfg: &'a mut Config,
-    flag: &str,
-) -> Result<&'a mut ballast_aggregator::config::EtcdConfig> {
-    cfg.store
-        .etcd
-        .as_mut()
-        .with_context(|| format!("{flag} needs --etcd or a [store.etcd] table"))
 }
 
 fn run(args: RunArgs) -> Result<ExitCode> {
@@ -226,31 +150,29 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     })
 }
 
+/// `ballast-aggregator relay`, the relay's old name: says so, and runs the relay
+/// (`ballast-relay`'s own code).
 fn relay(args: RelayArgs) -> Result<ExitCode> {
     init_logging(args.common.log_json, "info");
-    let cfg = relay_config(&args)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let mut relay = Relay::start(&cfg).await?;
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        let failed = tokio::select! {
-            _ = tokio::signal::ctrl_c() => None,
-            _ = term.recv() => None,
-            end = relay.failed() => Some(end),
-        };
-        tracing::info!("stopping");
-        relay.shutdown().await;
-        match failed {
-            None => Ok(ExitCode::SUCCESS),
-            Some(end) => {
-                eprintln!("ballast-aggregator: {end}");
-                Ok(ExitCode::FAILURE)
-            }
-        }
-    })
+    eprintln!("ballast-aggregator: {RELAY_DEPRECATED}");
+    run_relay(&args)
+}
+
+/// What `ballast-aggregator relay` says when it starts.
+const RELAY_DEPRECATED: &str = "`ballast-aggregator relay` is deprecated and will be removed in \
+    the next release: run `ballast-relay` (the same flags and configuration) instead";
+
+#[cfg(feature = "etcd")]
+fn run_relay(args: &RelayArgs) -> Result<ExitCode> {
+    Ok(ballast_relay::cli::run(args, "ballast-aggregator relay")?)
+}
+
+#[cfg(not(feature = "etcd"))]
+fn run_relay(_args: &RelayArgs) -> Result<ExitCode> {
+    anyhow::bail!(
+        "a relay reads its cluster's owners from etcd, but this ballast-aggregator was built \
+         without the etcd feature: run `ballast-relay`"
+    )
 }
 
 fn validity(days: u32) -> std::time::Duration {
@@ -352,13 +274,13 @@ const CHECK_UNUSABLE: u8 = 2;
 fn config_check(dir: &std::path::Path, args: &RunArgs) -> Result<ExitCode> {
     let defaults = match &args.common.config {
         Some(path) => match Config::load(path) {
-            Ok(cfg) => cfg.balance,
+            Ok(cfg) => cfg.balance.0,
             Err(e) => {
                 eprintln!("cannot use {}: {e}", path.display());
                 return Ok(ExitCode::from(CHECK_UNUSABLE));
             }
         },
-        None => Config::default().balance,
+        None => Config::default().balance.0,
     };
     let verdicts = match ballast_aggregator::config::dir::check(dir, &defaults) {
         Ok(v) => v,

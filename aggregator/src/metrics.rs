@@ -88,6 +88,15 @@ impl XdsMetrics {
     }
 }
 
+/// The HTTP watch feed's counters: the part of [`Metrics`] the feed is given.
+#[derive(Debug, Default)]
+pub struct WatchMetrics {
+    /// Watch events sent, by service.
+    pub events: Family<ServiceLabel, Counter>,
+    /// Watch streams open now.
+    pub streams: Gauge,
+}
+
 /// Every counter the daemon keeps.
 pub struct Metrics {
     registry: Registry,
@@ -134,10 +143,8 @@ pub struct Metrics {
     pub http_auth_failures: Family<Reason, Counter>,
     /// Changes of the HTTP API's token file, by outcome (`applied`, `invalid`).
     pub http_token_reloads: Family<Reason, Counter>,
-    /// HTTP watch (server-sent) events sent, by service.
-    pub watch_events: Family<ServiceLabel, Counter>,
-    /// HTTP watch streams open now.
-    pub watch_streams: Gauge,
+    /// The HTTP watch feed's.
+    pub watch: Arc<WatchMetrics>,
     /// Config-directory reloads, by outcome (`applied`, `unchanged`, `error`).
     pub config_reloads: Family<Reason, Counter>,
     /// As a cluster replica: the buckets of services this replica owns now.
@@ -224,8 +231,7 @@ impl Metrics {
             http_refused: Family::default(),
             http_auth_failures: Family::default(),
             http_token_reloads: Family::default(),
-            watch_events: Family::default(),
-            watch_streams: Gauge::default(),
+            watch: Arc::new(WatchMetrics::default()),
             config_reloads: Family::default(),
             config_rejected: Family::default(),
             cluster_buckets_owned: Gauge::default(),
@@ -362,12 +368,12 @@ impl Metrics {
         registry.register(
             "watch_events",
             "HTTP watch events sent (one per weight version), by service",
-            m.watch_events.clone(),
+            m.watch.events.clone(),
         );
         registry.register(
             "watch_streams",
             "HTTP watch streams open",
-            m.watch_streams.clone(),
+            m.watch.streams.clone(),
         );
         registry.register(
             "config_reloads",

@@ -23,6 +23,7 @@ const AGENT_FILES: &[&str] = &[
 
 const AGGREGATOR_FILES: &[&str] = &[
     "/usr/bin/ballast-aggregator",
+    "/usr/bin/ballast-relay",
     "/usr/lib/systemd/system/ballast-aggregator.service",
     "/usr/lib/systemd/system/ballast-relay.service",
     "/usr/lib/sysusers.d/ballast-aggregator.conf",
@@ -32,6 +33,9 @@ const AGGREGATOR_FILES: &[&str] = &[
     "/usr/share/man/man1/ballast-aggregator-certs-init.1.gz",
     "/usr/share/bash-completion/completions/ballast-aggregator",
     "/usr/share/fish/vendor_completions.d/ballast-aggregator.fish",
+    "/usr/share/man/man1/ballast-relay.1.gz",
+    "/usr/share/bash-completion/completions/ballast-relay",
+    "/usr/share/fish/vendor_completions.d/ballast-relay.fish",
     "/usr/share/doc/ballast-aggregator/README.tls",
     "/usr/share/ballast/prometheus/ballast-rules.yml",
     "/usr/share/ballast/grafana/ballast.json",
@@ -111,6 +115,11 @@ fn both_debs_install_into_a_scratch_root_with_files_users_enabled_units_and_a_wo
         format!("ballast-agent {}", env!("CARGO_PKG_VERSION"))
     );
     root.ok(&["ballast-aggregator", "--version"]);
+    let version = root.ok(&["ballast-relay", "--version"]);
+    assert_eq!(
+        version.trim(),
+        format!("ballast-relay {}", env!("CARGO_PKG_VERSION"))
+    );
 
     // The units pass systemd's own checks, with their binaries and man pages in place.
     root.ok(&[

@@ -472,3 +472,87 @@ fn a_new_replica_takes_its_buckets_and_only_their_agents_move_to_it() {
     }
     eprintln!("a new replica: {newcomer} took {moving:?}; {moved_agents} agents rehomed");
 }
+
+/// Families only an aggregator has: a relay balances nothing, stores nothing, serves no
+/// xDS, watch or API, and owns no buckets.
+const AGGREGATOR_FAMILIES: [&str; 9] = [
+    "ballast_cycle",
+    "ballast_endpoints_",
+    "ballast_store_",
+    "ballast_xds_",
+    "ballast_http_",
+    "ballast_watch_",
+    "ballast_config_",
+    "ballast_cluster_",
+    "ballast_service_",
+];
+
+#[test]
+fn ballast_relay_and_its_deprecated_alias_run_the_same_relay_with_only_relay_metrics() {
+    require_etcd();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let replica = replica(&pki, &etcd, "r0");
+    let relays = [
+        relay(&pki, &etcd, "relay-a"),
+        Relay::start(
+            &pki,
+            RelayOpts::new("relay-b", &etcd.endpoint(), PREFIX, CLUSTER).aggregator_alias(),
+        ),
+    ];
+    let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
+    // Each agent told of one relay only: both relays carry agents.
+    let mut agents = Vec::new();
+    for (i, addr) in addrs.iter().enumerate() {
+        agents.extend(cluster::fleet_with(
+            &pki,
+            &replica,
+            std::slice::from_ref(addr),
+            &[SERVICES[i]],
+            2,
+            |_, opts| opts,
+        ));
+    }
+    KEYS.wait_balanced(&etcd, &SERVICES[..2], 2, Duration::from_secs(60));
+
+    let alias_log = relays[1].log_tail(400);
+    assert!(
+        alias_log.contains("`ballast-aggregator relay` is deprecated")
+            && alias_log.contains("run `ballast-relay`"),
+        "the alias did not say it is deprecated:\n{alias_log}"
+    );
+    assert!(
+        !relays[0].log_tail(400).contains("deprecated"),
+        "ballast-relay itself says it is deprecated"
+    );
+    for r in &relays {
+        let text = r.metrics();
+        assert!(
+            r.counter("ballast_relay_reports_forwarded_total", &[]) > 0.0,
+            "{}: no reports forwarded:\n{text}",
+            r.name()
+        );
+        assert_eq!(
+            r.counter("ballast_connections_open", &[]),
+            2.0,
+            "{}",
+            r.name()
+        );
+        // Samples, and the descriptions of families that have none yet.
+        let foreign: Vec<&str> = text
+            .lines()
+            .map(|l| {
+                l.strip_prefix("# TYPE ")
+                    .or_else(|| l.strip_prefix("# HELP "))
+                    .unwrap_or(l)
+            })
+            .filter(|l| AGGREGATOR_FAMILIES.iter().any(|f| l.starts_with(f)))
+            .collect();
+        assert!(
+            foreign.is_empty(),
+            "{}'s /metrics carries an aggregator's families: {foreign:?}",
+            r.name()
+        );
+    }
+    drop(agents);
+}

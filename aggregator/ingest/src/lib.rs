@@ -9,6 +9,7 @@
 //! What is done with an admitted agent is an [`upstream::Upstream`]'s: the
 //! aggregator's balancer, or a relay's trunks; this crate knows neither.
 
+pub mod http_listener;
 mod limits;
 pub mod metrics;
 pub mod policy;

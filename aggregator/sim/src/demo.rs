@@ -84,12 +84,12 @@ pub async fn run(opts: &DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Re
             path: dir.join("weights.json"),
             etcd: None,
         },
-        balance: Params {
+        balance: ballast_aggregator::config::BalanceDefaults(Params {
             cycle_ms: opts.cycle_ms,
             stale_ms: opts.cycle_ms * 3,
             grace_ms: opts.cycle_ms * 2,
             ..Params::default()
-        },
+        }),
         ..Config::default()
     };
     let daemon = match Daemon::start(&cfg, server.identity("server")?, &ca_certs).await {

@@ -1,7 +1,19 @@
 //! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
 
 pub mod auth;
-pub mod listener;
+/// The listener the API is served on (`ballast-ingest`'s, shared with the relay).
+pub use ballast_ingest::http_listener as listener;
+
+/// The listener counts its refusals in the API's families.
+impl listener::HttpCounts for crate::metrics::Metrics {
+    fn refuse(&self, reason: &str) {
+        self.refuse_http(reason);
+    }
+
+    fn refuse_cert(&self) {
+        self.fail_http_auth(auth::Failure::BadCert.label());
+    }
+}
 pub(crate) mod openapi;
 pub mod views;
 
@@ -36,7 +48,7 @@ pub fn router_with(state: Arc<State>, auth: Arc<auth::Auth>) -> Router {
         .merge(crate::ui::router(&state))
         .fallback(not_found)
         .layer(axum::Extension(Arc::new(
-            crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.clone()),
+            crate::feed::watch::WatchFeed::new(state.subscribe(), state.metrics.watch.clone()),
         )))
         .layer(axum::middleware::from_fn_with_state(
             auth,
@@ -340,7 +352,7 @@ async fn weights(
         return Ok(Json(current).into_response());
     }
     let max = state.limits.watch_max_streams;
-    if state.metrics.watch_streams.get() >= i64::try_from(max).unwrap_or(i64::MAX) {
+    if state.metrics.watch.streams.get() >= i64::try_from(max).unwrap_or(i64::MAX) {
         state.metrics.refuse_http("watch_streams");
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,

@@ -83,7 +83,10 @@ async fn one_change_of_a_service_is_one_change_for_every_feed() {
         }
     });
     let first = state.cycle(now);
-    let feed = Arc::new(WatchFeed::new(state.subscribe(), state.metrics.clone()));
+    let feed = Arc::new(WatchFeed::new(
+        state.subscribe(),
+        state.metrics.watch.clone(),
+    ));
     let mut sets = Box::pin(feed.sets("web".to_string()).expect("web is published"));
     let (version, _) = sets.next().await.expect("the current set at once");
     assert_eq!(version, first.services["web"].version);

@@ -8,7 +8,7 @@
 //! event is one service's whole set. Each set is encoded once, by the first stream
 //! that sends it, and its JSON shared by every other.
 
-use crate::metrics::{Metrics, ServiceLabel};
+use crate::metrics::{ServiceLabel, WatchMetrics};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use ballast_balance::{Published, PublishedService};
 use futures_util::stream::{self, Stream, StreamExt};
@@ -23,14 +23,14 @@ use tokio::sync::watch;
 /// service's last set as JSON.
 pub struct WatchFeed {
     publications: watch::Receiver<Arc<Published>>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<WatchMetrics>,
     /// Service → the digest of the last set encoded, and that set as JSON.
     encoded: Mutex<BTreeMap<String, (u64, Arc<str>)>>,
 }
 
 impl WatchFeed {
     /// The feed of `publications`, counted in `metrics`.
-    pub fn new(publications: watch::Receiver<Arc<Published>>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(publications: watch::Receiver<Arc<Published>>, metrics: Arc<WatchMetrics>) -> Self {
         WatchFeed {
             publications,
             metrics,
@@ -75,7 +75,7 @@ impl WatchFeed {
                         if sent != Some(svc.digest) {
                             let feed = &open.0;
                             feed.metrics
-                                .watch_events
+                                .events
                                 .get_or_create(&ServiceLabel {
                                     service: service.clone(),
                                 })
@@ -100,14 +100,14 @@ struct Open(Arc<WatchFeed>);
 
 impl Open {
     fn new(feed: Arc<WatchFeed>) -> Self {
-        feed.metrics.watch_streams.inc();
+        feed.metrics.streams.inc();
         Open(feed)
     }
 }
 
 impl Drop for Open {
     fn drop(&mut self) {
-        self.0.metrics.watch_streams.dec();
+        self.0.metrics.streams.dec();
     }
 }
 

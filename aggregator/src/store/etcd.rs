@@ -45,7 +45,7 @@ use super::{RoutingStore, StoreError, StoreFuture};
 use crate::config::EtcdConfig;
 use crate::ownership::Ownership;
 use ballast_balance::ServiceSnapshot;
-use ballast_etcd::{describe, Connect, Connection};
+use ballast_etcd::{describe, Connection};
 use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, KvClient, Txn, TxnOp};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -211,19 +211,9 @@ impl Credentials {
 }
 
 /// The connection to the etcd `cfg` describes, the files it names read and checked
-/// now: the store's, and the relay's.
+/// now.
 pub(crate) fn connection(cfg: &EtcdConfig) -> Result<Connection, StoreError> {
-    Connection::new(&Connect {
-        endpoints: cfg.endpoints.clone(),
-        connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
-        request_timeout: Duration::from_millis(cfg.request_timeout_ms),
-        ca_file: cfg.ca_file.clone(),
-        cert_file: cfg.cert_file.clone(),
-        key_file: cfg.key_file.clone(),
-        user: cfg.user.clone(),
-        password_file: cfg.password_file.clone(),
-    })
-    .map_err(|e| StoreError::Setup {
+    Connection::new(&cfg.connect()).map_err(|e| StoreError::Setup {
         setting: e.setting,
         reason: e.reason,
     })

@@ -1,5 +1,5 @@
 //! `ballast-packaging OUT_DIR`: writes the man pages and shell completions of
-//! `ballast-agent` and `ballast-aggregator`, generated from the same clap definitions the
+//! `ballast-agent`, `ballast-aggregator` and `ballast-relay`, generated from the same clap definitions the
 //! binaries parse with, so the packaged documentation cannot drift from the flags.
 //!
 //! Layout under `OUT_DIR`:
@@ -19,6 +19,7 @@ fn main() -> Result<()> {
     for cmd in [
         ballast_agent::cli::Cli::command(),
         ballast_aggregator::cli::Cli::command(),
+        ballast_relay::cli::Cli::command(),
     ] {
         write_for(cmd, &out)?;
     }

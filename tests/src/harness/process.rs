@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 pub const AGENT_BIN: &str = "ballast-agent";
 /// The aggregator binary's name.
 pub const AGGREGATOR_BIN: &str = "ballast-aggregator";
+/// The relay binary's name.
+pub const RELAY_BIN: &str = "ballast-relay";
 
 /// The path of a workspace binary, next to the test executable:
 /// `target/debug/deps/<test>` → `target/debug/<name>`. Panics with the command to run

@@ -1,10 +1,11 @@
-//! A real `ballast-aggregator relay` on 127.0.0.1: agents connect to it as to an
+//! A real `ballast-relay` on 127.0.0.1 (or, asked for, the same relay started by its
+//! old name, `ballast-aggregator relay`): agents connect to it as to an
 //! aggregator, and it hands their reports on to the replicas that own their services.
 
 use super::api::{parse_metrics, sum_samples};
 use super::pki::Pki;
 use super::ports;
-use super::process::{command, Proc, AGGREGATOR_BIN};
+use super::process::{command, Proc, AGGREGATOR_BIN, RELAY_BIN};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
@@ -30,6 +31,8 @@ pub struct RelayOpts {
     /// `BALLAST_PROTOCOL`: the agent protocol versions it accepts; default: every
     /// version.
     pub protocol: Option<String>,
+    /// Started as `ballast-aggregator relay` (deprecated) rather than `ballast-relay`.
+    pub aggregator_alias: bool,
 }
 
 impl RelayOpts {
@@ -43,12 +46,19 @@ impl RelayOpts {
             cluster: cluster.to_string(),
             config_toml: None,
             protocol: None,
+            aggregator_alias: false,
         }
     }
 
     /// Accepting only the agent protocol versions `choice` names.
     pub fn protocol(mut self, choice: &str) -> Self {
         self.protocol = Some(choice.to_string());
+        self
+    }
+
+    /// Started by the relay's old name, `ballast-aggregator relay`.
+    pub fn aggregator_alias(mut self) -> Self {
+        self.aggregator_alias = true;
         self
     }
 
@@ -104,7 +114,7 @@ impl Relay {
                     last = format!("{status}: {log}");
                 }
                 Err((status, log)) => {
-                    panic!("ballast-aggregator relay exited during start ({status}):\n{log}")
+                    panic!("the relay exited during start ({status}):\n{log}")
                 }
             }
         }
@@ -114,9 +124,14 @@ impl Relay {
     fn launch(&mut self, pki: &Pki) -> Result<(), (ExitStatus, String)> {
         self.runs += 1;
         let log = self.dir.path().join(format!("relay-{}.log", self.runs));
-        let mut cmd = command(AGGREGATOR_BIN);
-        cmd.arg("relay")
-            .arg("--quic")
+        let (mut cmd, program) = if self.opts.aggregator_alias {
+            let mut cmd = command(AGGREGATOR_BIN);
+            cmd.arg("relay");
+            (cmd, "ballast-aggregator relay")
+        } else {
+            (command(RELAY_BIN), "ballast-relay")
+        };
+        cmd.arg("--quic")
             .arg(self.quic.to_string())
             .arg("--http")
             .arg(self.http.to_string())
@@ -136,7 +151,7 @@ impl Relay {
         if let Some(choice) = &self.opts.protocol {
             cmd.env("BALLAST_PROTOCOL", choice);
         }
-        let name = format!("ballast-aggregator relay {}", self.opts.name);
+        let name = format!("{program} {}", self.opts.name);
         let mut proc = Proc::spawn(cmd, &name, &log, 40);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {

@@ -1,9 +1,8 @@
 //! The relay's HTTP endpoints: `/metrics` and `/healthz`.
 
-use super::metrics::{exposition, RelayMetrics};
+use super::metrics::RelayMetrics;
 use super::routes::{Freshness, Routes};
-use super::trunk::Trunks;
-use crate::metrics::Metrics;
+use super::trunks::Trunks;
 use axum::extract::State as AxState;
 use axum::http::header;
 use axum::response::IntoResponse;
@@ -18,10 +17,8 @@ use tokio::sync::watch;
 pub(crate) struct Status {
     /// The relay's name.
     pub(crate) name: String,
-    /// The driver's metrics.
-    pub(crate) metrics: Arc<Metrics>,
-    /// The relay's own.
-    pub(crate) relay_metrics: Arc<RelayMetrics>,
+    /// The relay's metrics.
+    pub(crate) metrics: Arc<RelayMetrics>,
     /// The routes as last read.
     pub(crate) routes: watch::Receiver<Arc<Routes>>,
     /// When etcd last confirmed them.
@@ -96,6 +93,6 @@ async fn metrics(AxState(status): AxState<Arc<Status>>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        exposition(&status.metrics, &status.relay_metrics),
+        status.metrics.encode(),
     )
 }

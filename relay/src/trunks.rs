@@ -10,7 +10,7 @@
 
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
-use crate::ingest::upstream::Prover;
+use ballast_ingest::upstream::Prover;
 use ballast_shared::reconnect::{host_part, Backoff};
 use ballast_shared::session::close;
 use ballast_shared::session::driver::{now, until};
@@ -31,7 +31,7 @@ use ballast_shared::trunk::TrunkProtocol;
 
 /// What a relay offers a primary: every version of the trunk protocol it speaks,
 /// current first, unless `BALLAST_PROTOCOL` narrows them.
-pub(crate) fn trunk_alpns() -> Result<Vec<&'static [u8]>, crate::ingest::IngestError> {
+pub(crate) fn trunk_alpns() -> Result<Vec<&'static [u8]>, ballast_ingest::IngestError> {
     Ok(TrunkProtocol::from_env()?
         .into_iter()
         .map(TrunkProtocol::alpn)

@@ -14,8 +14,8 @@
 
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
-use super::trunk::{close_reason, AttachError, Attached, Command, Down, Trunks};
-use crate::ingest::upstream::{
+use super::trunks::{close_reason, AttachError, Attached, Command, Down, Trunks};
+use ballast_ingest::upstream::{
     Admitted, Arrival, Close, Downstream, Forwarded, Link, Prover, Upstream,
 };
 use ballast_shared::session::close;

@@ -8,8 +8,8 @@
 //! never gives it a bucket. A lost etcd connection keeps the last routes published
 //! and is made again with backoff.
 
-use crate::cluster::{bucket_of, cluster_prefix, parse_view, ClusterKv, View};
-use crate::config::EtcdConfig;
+use ballast_config::EtcdConfig;
+use ballast_etcd::cluster::{bucket_of, cluster_prefix, parse_view, ClusterKv, View};
 use ballast_etcd::Connection;
 use etcd_client::{EventType, GetOptions, WatchOptions};
 use std::collections::BTreeMap;
@@ -115,7 +115,7 @@ impl Freshness {
 pub enum RoutesError {
     /// The etcd settings are unusable (a TLS or password file).
     #[error(transparent)]
-    Setup(#[from] crate::store::StoreError),
+    Setup(#[from] ballast_etcd::SetupError),
 }
 
 /// Follows one cluster's routes in etcd.
@@ -132,7 +132,7 @@ pub(crate) type Following = (Follower, watch::Receiver<Arc<Routes>>, Arc<Freshne
 /// The follower of cluster `cluster` on `etcd`, the receiver of its routes (empty until
 /// the first reading) and their freshness. Nothing is contacted yet.
 pub(crate) fn follower(etcd: &EtcdConfig, cluster: &str) -> Result<Following, RoutesError> {
-    let connection = crate::store::etcd::connection(etcd)?;
+    let connection = Connection::new(&etcd.connect())?;
     let (tx, rx) = watch::channel(Arc::new(Routes::default()));
     let freshness = Arc::new(Freshness::new());
     let follower = Follower {

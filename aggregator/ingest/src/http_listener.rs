@@ -1,4 +1,5 @@
-//! The HTTP API's listener, with its limits: a cap on open connections, a deadline for
+//! The HTTP listener of the aggregator's API and of the relay's `/healthz` and
+//! `/metrics`, with its limits: a cap on open connections, a deadline for
 //! every request on a connection (the first and each one after it), and an idle
 //! timeout. A client that trickles its headers, on a new connection or on one that
 //! has had its answers, or a watcher that stops reading, holds a connection for a
@@ -9,8 +10,6 @@
 //! certificate is optional, and one that does not verify fails the handshake (counted
 //! as `bad_cert`). The certificate's name travels with the connection ([`Peer`]).
 
-use crate::config::limits::Limits;
-use crate::metrics::Metrics;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -25,7 +24,7 @@ use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
 
 /// Who is at the other end of a connection: its address, and the name of the client
-/// certificate it presented over TLS, if any (for [`super::auth`]).
+/// certificate it presented over TLS, if any (for the HTTP API's authentication).
 #[derive(Debug, Clone)]
 pub struct Peer {
     /// The remote address.
@@ -40,12 +39,33 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Limi
     }
 }
 
+/// What the listener holds its connections to: `[limits]`' `http_` settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Connections open at once (`http_max_connections`).
+    pub max_connections: usize,
+    /// How long each request has, from its first byte, for its response to start
+    /// (`http_request_timeout_ms`).
+    pub request_timeout: Duration,
+    /// How long a connection may then go without a byte either way
+    /// (`http_idle_timeout_ms`).
+    pub idle_timeout: Duration,
+}
+
+/// Where the listener counts what it refuses: the program's own metrics.
+pub trait HttpCounts: Send + Sync + 'static {
+    /// A connection refused or cut off, for `reason` (`connections`, `timeout`, ...).
+    fn refuse(&self, reason: &str);
+    /// A TLS handshake that failed on the client's certificate.
+    fn refuse_cert(&self);
+}
+
 /// Accepts at most `http_max_connections` at a time; the rest wait in the backlog.
-pub(crate) struct Limited {
+pub struct Limited {
     inner: TcpListener,
     permits: Arc<Semaphore>,
     /// Where refusals and cut-off connections are counted.
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn HttpCounts>,
     /// How long each request has, from its first byte, for its response to start.
     request: Duration,
     /// How long a connection may then go without a byte either way.
@@ -58,21 +78,21 @@ pub(crate) struct Limited {
 
 impl Limited {
     /// Limits `inner` by `limits`, counting what it refuses or cuts off in `metrics`.
-    pub(crate) fn new(inner: TcpListener, metrics: Arc<Metrics>, limits: &Limits) -> Self {
-        let permits = Arc::new(Semaphore::new(limits.http_max_connections));
+    pub fn new(inner: TcpListener, metrics: Arc<dyn HttpCounts>, limits: HttpLimits) -> Self {
+        let permits = Arc::new(Semaphore::new(limits.max_connections));
         Limited {
             inner,
             permits,
             metrics,
-            request: Duration::from_millis(limits.http_request_timeout_ms),
-            idle: Duration::from_millis(limits.http_idle_timeout_ms),
+            request: limits.request_timeout,
+            idle: limits.idle_timeout,
             tls: None,
             handshakes: JoinSet::new(),
         }
     }
 
     /// Serves TLS with `config` on every connection.
-    pub(crate) fn with_tls(mut self, config: Arc<rustls::ServerConfig>) -> Self {
+    pub fn with_tls(mut self, config: Arc<rustls::ServerConfig>) -> Self {
         self.tls = Some(tokio_rustls::TlsAcceptor::from(config));
         self
     }
@@ -81,13 +101,13 @@ impl Limited {
     async fn next_tcp(
         inner: &TcpListener,
         permits: &Arc<Semaphore>,
-        metrics: &Metrics,
+        metrics: &dyn HttpCounts,
     ) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
         loop {
             let permit = match permits.clone().try_acquire_owned() {
                 Ok(p) => p,
                 Err(_) => {
-                    metrics.refuse_http("connections");
+                    metrics.refuse("connections");
                     match permits.clone().acquire_owned().await {
                         Ok(p) => p,
                         // The semaphore is never closed.
@@ -116,7 +136,7 @@ async fn handshake(
     acceptor: tokio_rustls::TlsAcceptor,
     stream: Guarded,
     addr: SocketAddr,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn HttpCounts>,
 ) -> Option<(Conn, Peer)> {
     match acceptor.accept(stream).await {
         Ok(tls) => {
@@ -141,7 +161,7 @@ async fn handshake(
                     )
                 });
             if refused_cert {
-                metrics.fail_http_auth(super::auth::Failure::BadCert.label());
+                metrics.refuse_cert();
             }
             tracing::debug!(%addr, error = %e, "HTTP TLS handshake failed");
             None
@@ -150,7 +170,7 @@ async fn handshake(
 }
 
 /// An accepted connection: plain, or TLS once its handshake is done.
-pub(crate) enum Conn {
+pub enum Conn {
     /// Plain HTTP.
     Plain(Guarded),
     /// HTTPS.
@@ -235,7 +255,7 @@ impl axum::serve::Listener for Limited {
                         _ => continue,
                     }
                 }
-                next = Self::next_tcp(inner, permits, metrics) => next,
+                next = Self::next_tcp(inner, permits, metrics.as_ref()) => next,
             };
             let guarded = Guarded::new(
                 stream,
@@ -283,10 +303,10 @@ enum Phase {
 /// have its response started within `http_request_timeout_ms` of its first byte,
 /// and between requests, or while a response is written, a byte must move every
 /// `http_idle_timeout_ms`.
-pub(crate) struct Guarded {
+pub struct Guarded {
     stream: TcpStream,
     _permit: OwnedSemaphorePermit,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn HttpCounts>,
     deadline: Pin<Box<Sleep>>,
     phase: Phase,
     request: Duration,
@@ -297,7 +317,7 @@ impl Guarded {
     fn new(
         stream: TcpStream,
         permit: OwnedSemaphorePermit,
-        metrics: Arc<Metrics>,
+        metrics: Arc<dyn HttpCounts>,
         request: Duration,
         idle: Duration,
     ) -> Self {
@@ -362,7 +382,7 @@ impl Guarded {
             Phase::Request => "request_timeout",
             Phase::Responding => "idle_timeout",
         };
-        self.metrics.refuse_http(reason);
+        self.metrics.refuse(reason);
         Some(io::Error::new(
             io::ErrorKind::TimedOut,
             format!("HTTP connection cut off: {reason}"),
@@ -479,8 +499,8 @@ impl rustls::server::danger::ClientCertVerifier for OptionalClientCert {
 /// live by the returned [`LiveTls`](ballast_shared::tls::live::LiveTls) as the QUIC
 /// listener's are (run its `watch`), and client certificates, optional, checked against
 /// the CA file (also taken live). HTTP/1.1 only.
-pub(crate) fn tls_config(
-    files: &crate::config::TlsFiles,
+pub fn tls_config(
+    files: &ballast_shared::config::TlsFiles,
 ) -> Result<
     (
         Arc<rustls::ServerConfig>,
@@ -498,7 +518,7 @@ pub(crate) fn tls_config(
 /// The HTTP listener's TLS presenting the certificate `live` has in force, client
 /// certificates (optional) checked by `verifier`: the QUIC listener's own when
 /// `[http_tls]` names the files of `[tls]`, so that its revocation list holds here too.
-pub(crate) fn server_config(
+pub fn server_config(
     live: Arc<ballast_shared::tls::live::LiveTls>,
     verifier: Arc<ballast_shared::tls::ClientVerifier>,
 ) -> Result<Arc<rustls::ServerConfig>, ballast_shared::tls::TlsError> {

@@ -2,7 +2,7 @@
 //! limit has a default sized for a large fleet, and a metric that counts refusals when
 //! it bites (`docs/security.md` lists them).
 
-use super::InvalidSetting;
+use crate::InvalidSetting;
 use serde::{Deserialize, Serialize};
 
 /// The `[limits]` table.
@@ -74,11 +74,11 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        let core = ballast_balance::Limits::default();
         let ingest = ballast_ingest::Limits::default();
         Limits {
-            max_services: core.max_services,
-            max_endpoints_per_service: core.max_endpoints_per_service,
+            // The balancing core's defaults (the aggregator's tests hold the two equal).
+            max_services: 10_000,
+            max_endpoints_per_service: 50_000,
             services_per_identity: 1,
             quic_max_connections: ingest.quic_max_connections,
             quic_max_connections_per_identity: ingest.quic_max_connections_per_identity,
@@ -114,6 +114,15 @@ impl Limits {
             quic_max_datagrams_per_second: self.quic_max_datagrams_per_second,
             quic_report_timeout_ms: self.quic_report_timeout_ms,
             trunk_max_slots: self.trunk_max_slots,
+        }
+    }
+
+    /// The limits the HTTP listener holds its connections to.
+    pub fn http(&self) -> ballast_ingest::http_listener::HttpLimits {
+        ballast_ingest::http_listener::HttpLimits {
+            max_connections: self.http_max_connections,
+            request_timeout: std::time::Duration::from_millis(self.http_request_timeout_ms),
+            idle_timeout: std::time::Duration::from_millis(self.http_idle_timeout_ms),
         }
     }
 
@@ -189,17 +198,6 @@ impl Limits {
             ));
         }
         Ok(())
-    }
-
-    /// The core's share: what registrations may create. Empty services are kept for
-    /// `empty_service_ttl_ms`.
-    pub fn core(&self, empty_service_ttl_ms: u64) -> ballast_balance::Limits {
-        ballast_balance::Limits {
-            max_services: self.max_services,
-            max_endpoints_per_service: self.max_endpoints_per_service,
-            services_per_node: self.services_per_identity,
-            empty_service_ttl_ms,
-        }
     }
 }
 

@@ -101,7 +101,7 @@ impl Rig {
                 down,
                 answer,
                 // This primary challenges no attach.
-                prover: crate::ingest::upstream::Prover::new().0,
+                prover: ballast_ingest::upstream::Prover::new().0,
             })
             .await
             .expect("the trunk takes commands");

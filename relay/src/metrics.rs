@@ -1,18 +1,23 @@
-//! The relay's own Prometheus metrics, under `ballast_relay_`. The agent-facing
-//! driver's (`ballast_connections_open`, `ballast_connections_rejected_total`,
-//! `ballast_reports_rejected_total`) are the aggregator's [`crate::metrics::Metrics`],
-//! served beside these.
+//! The relay's Prometheus metrics, in a registry of its own: the agent-facing ingest's
+//! families (`ballast_connections_open`, `ballast_connections_rejected_total`,
+//! `ballast_reports_rejected_total`, ...), and the relay's, under `ballast_relay_`.
+//! Nothing of the aggregator's (cycles, store, xDS, cluster) is served by a relay.
 
-use crate::metrics::Reason;
+use ballast_ingest::metrics::{IngestMetrics, Reason};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use std::sync::Arc;
 
-/// Every counter the relay keeps of its own.
+/// Every counter the relay keeps: ingest's, and its own.
 pub struct RelayMetrics {
     registry: Registry,
+    /// The agent-facing ingest's (connections, reports, the trunk files' reloads).
+    pub ingest: Arc<IngestMetrics>,
+    /// Connections the HTTP listener refused or cut off, by reason.
+    pub http_refused: Family<Reason, Counter>,
     /// Agents' reports handed to a trunk.
     pub reports_forwarded: Counter,
     /// Agents' reports not handed on, by reason (`failover`: a newer one replaced it
@@ -39,11 +44,14 @@ impl Default for RelayMetrics {
 }
 
 impl RelayMetrics {
-    /// Registers every metric under the `ballast_relay` prefix.
+    /// Registers ingest's families under the `ballast` prefix, and the relay's under
+    /// `ballast_relay`.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("ballast_relay");
+        let mut top = Registry::with_prefix("ballast");
         let m = RelayMetrics {
             registry: Registry::default(),
+            ingest: Arc::new(IngestMetrics::new()),
+            http_refused: Family::default(),
             reports_forwarded: Counter::default(),
             reports_dropped: Family::default(),
             replies_forwarded: Counter::default(),
@@ -52,6 +60,13 @@ impl RelayMetrics {
             attach_refused: Family::default(),
             trunks_open: Gauge::default(),
         };
+        m.ingest.register(&mut top);
+        let registry = top.sub_registry_with_prefix("relay");
+        registry.register(
+            "http_refused",
+            "HTTP connections refused or cut off, by reason",
+            m.http_refused.clone(),
+        );
         registry.register(
             "reports_forwarded",
             "Agents' reports handed to a trunk",
@@ -83,7 +98,7 @@ impl RelayMetrics {
             m.attach_refused.clone(),
         );
         registry.register("trunks_open", "Trunks open now", m.trunks_open.clone());
-        RelayMetrics { registry, ..m }
+        RelayMetrics { registry: top, ..m }
     }
 
     /// Counts a report dropped for `reason`.
@@ -113,14 +128,17 @@ impl RelayMetrics {
     }
 }
 
-/// The driver's metrics and the relay's in one exposition: the first's end marker
-/// dropped, so that there is one at the end.
-pub fn exposition(driver: &crate::metrics::Metrics, relay: &RelayMetrics) -> String {
-    let first = driver.encode();
-    let mut out = first
-        .strip_suffix("# EOF\n")
-        .map(str::to_string)
-        .unwrap_or(first);
-    out.push_str(&relay.encode());
-    out
+/// The HTTP listener counts its refusals here.
+impl ballast_ingest::http_listener::HttpCounts for RelayMetrics {
+    fn refuse(&self, reason: &str) {
+        self.http_refused
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    fn refuse_cert(&self) {
+        self.refuse("bad_cert");
+    }
 }

@@ -1,36 +1,30 @@
-//! The relay (`ballast-aggregator relay`): agents connect to it exactly as to an
-//! aggregator, and it hands each one on to the cluster replica that owns the agent's
-//! service, over one QUIC connection per replica (a trunk) that carries many agents'
-//! hellos and reports, batched, and brings their replies back.
+//! The relay (`ballast-relay`): agents connect to it exactly as to an aggregator, and
+//! it hands each one on to the cluster replica that owns the agent's service, over one
+//! QUIC connection per replica (a trunk) that carries many agents' hellos and reports,
+//! batched, and brings their replies back.
 //!
-//! The agent-facing side is the aggregator's own ingest driver (hello, certificate and
-//! policy, rate limit, silence rule, revocation and expiry) with the relay's
+//! The agent-facing side is `ballast-ingest`'s driver (hello, certificate and policy,
+//! rate limit, silence rule, revocation and expiry) with the relay's
 //! [`upstream::RelayUpstream`]; where each service is served comes from etcd
-//! ([`routes`]); the trunks are [`trunk`]'s. Needs the `etcd` feature.
+//! ([`routes`]); the trunks are [`trunks`]'s. It reads the aggregator's configuration
+//! file (`ballast-config`), and links no balancer, xDS or charts.
 
-#[cfg(feature = "etcd")]
+pub mod cli;
 mod http;
 pub mod metrics;
-#[cfg(feature = "etcd")]
 pub mod routes;
-#[cfg(feature = "etcd")]
-mod trunk;
-#[cfg(feature = "etcd")]
+mod trunks;
 mod upstream;
 
-use crate::config::Config;
-use crate::supervise::TaskEnd;
+use ballast_ingest::supervise::TaskEnd;
 use std::net::SocketAddr;
+
+/// The configuration a relay reads: the aggregator's file, its `[balance]` table unread.
+pub type Config = ballast_config::Config<toml::Table>;
 
 /// Why the relay could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    /// This build has no etcd client.
-    #[error(
-        "a relay reads its cluster's owners from etcd, but this ballast-aggregator was built \
-         without the etcd feature (build with `--features ballast-aggregator/etcd`)"
-    )]
-    NoEtcd,
     /// The configuration has no `[relay]`, `[cluster]` or `[store.etcd]` table.
     #[error("a relay needs {0} in its configuration")]
     Missing(&'static str),
@@ -44,10 +38,10 @@ pub enum RelayError {
     },
     /// The agent-facing ingest could not be set up.
     #[error(transparent)]
-    Ingest(#[from] crate::ingest::IngestError),
+    Ingest(#[from] ballast_ingest::IngestError),
     /// The QUIC threads could not start.
     #[error(transparent)]
-    Threads(#[from] crate::ingest::ThreadsError),
+    Threads(#[from] ballast_ingest::ThreadsError),
     /// A socket could not be bound.
     #[error("cannot bind {what} on {addr}: {source}")]
     Bind {
@@ -59,7 +53,6 @@ pub enum RelayError {
         source: std::io::Error,
     },
     /// The etcd settings are unusable.
-    #[cfg(feature = "etcd")]
     #[error(transparent)]
     Routes(#[from] routes::RoutesError),
 }
@@ -70,21 +63,12 @@ pub struct Relay {
     pub quic_addr: SocketAddr,
     /// The bound HTTP address (`/healthz`, `/metrics`).
     pub http_addr: SocketAddr,
-    #[cfg(feature = "etcd")]
     running: running::Running,
 }
 
 impl Relay {
     /// Starts the relay `cfg` describes (its `[relay]`, `[cluster]` and
     /// `[store.etcd]` tables).
-    #[cfg(not(feature = "etcd"))]
-    pub async fn start(_cfg: &Config) -> Result<Relay, RelayError> {
-        Err(RelayError::NoEtcd)
-    }
-
-    /// Starts the relay `cfg` describes (its `[relay]`, `[cluster]` and
-    /// `[store.etcd]` tables).
-    #[cfg(feature = "etcd")]
     pub async fn start(cfg: &Config) -> Result<Relay, RelayError> {
         running::start(cfg).await
     }
@@ -92,29 +76,23 @@ impl Relay {
     /// Waits until a task the relay needs ends (it must not before shutdown), and
     /// says which and how.
     pub async fn failed(&mut self) -> TaskEnd {
-        #[cfg(feature = "etcd")]
-        return self.running.ends.next().await;
-        #[cfg(not(feature = "etcd"))]
-        std::future::pending().await
+        self.running.ends.next().await
     }
 
     /// Stops: agents see their connections close, and go to their next address.
     pub async fn shutdown(self) {
-        #[cfg(feature = "etcd")]
         self.running.shutdown().await;
     }
 }
 
-#[cfg(feature = "etcd")]
 mod running {
     use super::http::{router, Status};
     use super::metrics::RelayMetrics;
-    use super::trunk::{trunk_alpns, Dialer, Trunks};
+    use super::trunks::{trunk_alpns, Dialer, Trunks};
     use super::upstream::{RelayUpstream, Settings};
-    use super::{Relay, RelayError};
-    use crate::config::Config;
-    use crate::ingest::threads::Threads;
-    use crate::supervise::{Ends, Supervisor};
+    use super::{Config, Relay, RelayError};
+    use ballast_ingest::supervise::{Ends, Supervisor};
+    use ballast_ingest::threads::Threads;
     use ballast_shared::tls::live::LiveTls;
     use std::net::SocketAddr;
     use std::sync::Arc;
@@ -143,10 +121,16 @@ mod running {
         let name = relay
             .name
             .clone()
-            .unwrap_or_else(|| crate::daemon::default_replica_name(cfg.quic.port()));
+            .unwrap_or_else(|| ballast_config::default_replica_name(cfg.quic.port()));
         let tls = |what, source| RelayError::Tls { what, source };
-        let (identity, client_ca) =
-            crate::daemon::load_tls(cfg).map_err(|e| tls("the agent-facing identity (tls)", e))?;
+        let identity = cfg
+            .tls
+            .identity()
+            .map_err(|e| tls("the agent-facing identity (tls)", e))?;
+        let client_ca = cfg
+            .tls
+            .ca_certs()
+            .map_err(|e| tls("the agent-facing identity (tls)", e))?;
         let relay_identity = relay
             .tls
             .identity()
@@ -164,17 +148,16 @@ mod running {
             &cfg.ingest(),
             identity,
             &client_ca,
-            &crate::ingest::agent_alpns()?,
+            &ballast_ingest::agent_alpns()?,
         )?;
 
-        let (supervisor, ends) = crate::supervise::supervisor();
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let relay_metrics = Arc::new(RelayMetrics::new());
+        let (supervisor, ends) = ballast_ingest::supervise::supervisor();
+        let metrics = Arc::new(RelayMetrics::new());
         let (follower, routes, freshness) = super::routes::follower(etcd, &cluster.name)?;
         let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
         tasks.push(tokio::spawn(relay_tls.watch(
             ballast_shared::tls::live::CHECK_EVERY,
-            crate::metrics::tls_reload_counter(&metrics, "relay_"),
+            ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
         )));
 
         let any: SocketAddr = if cfg.quic.is_ipv6() {
@@ -195,19 +178,19 @@ mod running {
             batch_delay: Duration::from_millis(relay.batch_delay_ms),
             attach_timeout: Duration::from_millis(relay.attach_timeout_ms),
             routes: routes.clone(),
-            metrics: relay_metrics.clone(),
+            metrics: metrics.clone(),
         });
         let upstream = Arc::new(RelayUpstream::new(
             routes.clone(),
             trunks.clone(),
-            relay_metrics.clone(),
+            metrics.clone(),
             Settings {
                 attach_timeout: Duration::from_millis(relay.attach_timeout_ms),
                 failover_hold: Duration::from_millis(relay.failover_hold_ms),
             },
         ));
         let quic = Arc::new(
-            crate::ingest::threads::start(
+            ballast_ingest::threads::start(
                 server,
                 cfg.quic,
                 cfg.quic_threads,
@@ -249,12 +232,12 @@ mod running {
         let app = router(Arc::new(Status {
             name: name.clone(),
             metrics: metrics.clone(),
-            relay_metrics,
             routes,
             freshness,
             trunks,
         }));
-        let listener = crate::api::listener::Limited::new(listener, metrics, &cfg.limits);
+        let listener =
+            ballast_ingest::http_listener::Limited::new(listener, metrics, cfg.limits.http());
         tasks.push(supervisor.spawn("HTTP", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP stopped");
@@ -278,12 +261,12 @@ mod running {
         pub(super) async fn shutdown(self) {
             self.supervisor.stop();
             self.quic
-                .close(crate::ingest::quic::close::NORMAL, b"shutting down");
+                .close(ballast_ingest::quic::close::NORMAL, b"shutting down");
             for t in &self.tasks {
                 t.abort();
             }
             self.client.close(
-                quinn::VarInt::from_u32(crate::ingest::quic::close::NORMAL),
+                quinn::VarInt::from_u32(ballast_ingest::quic::close::NORMAL),
                 b"relay stopping",
             );
             self.quic.stopped().await;

@@ -1,0 +1,193 @@
+//! The command-line flags the aggregator and the relay share ([`CommonArgs`]), and the
+//! relay's ([`RelayArgs`]), with how they amend a configuration file.
+
+use crate::{BalanceTable, Config, EtcdConfig, TlsFiles};
+use clap::Args;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// The settings the daemon and the relay share; each overrides the configuration file.
+#[derive(Args, Clone, Default)]
+pub struct CommonArgs {
+    /// TOML configuration file.
+    #[arg(long, short, env = "BALLAST_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// UDP address for agents (QUIC) [default: 0.0.0.0:7400].
+    #[arg(long, env = "BALLAST_QUIC")]
+    pub quic: Option<SocketAddr>,
+    /// TCP address of the HTTP API and /metrics [default: 127.0.0.1:7401].
+    #[arg(long, env = "BALLAST_HTTP")]
+    pub http: Option<SocketAddr>,
+    /// Directory with ca.pem, server.pem and server.key: the certificate agents check
+    /// [default: /etc/ballast/tls].
+    #[arg(long, env = "BALLAST_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// Keep weights in etcd at these endpoints (comma-separated URLs) instead of the
+    /// store file. Needs a binary built with the `etcd` feature.
+    #[arg(long, env = "BALLAST_ETCD", value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+    /// Key prefix in etcd; needs --etcd or [store.etcd] [default: /ballast].
+    #[arg(long, env = "BALLAST_ETCD_PREFIX")]
+    pub etcd_prefix: Option<String>,
+    /// CA certificate (PEM) that etcd's server certificate is checked against; needed
+    /// with https:// endpoints.
+    #[arg(long, env = "BALLAST_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an etcd that checks them; needs --etcd-key.
+    #[arg(long, env = "BALLAST_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "BALLAST_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user to authenticate as; needs --etcd-password-file.
+    #[arg(long, env = "BALLAST_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (one line).
+    #[arg(long, env = "BALLAST_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// Run as one replica of the named cluster (a relay: serve that cluster's agents):
+    /// replicas on the same etcd share the services, each served by one of them at a
+    /// time. Needs --etcd or [store.etcd].
+    #[arg(long, env = "BALLAST_CLUSTER")]
+    pub cluster: Option<String>,
+    /// Authorization policy file: the services, networks and host names node identity
+    /// patterns may claim, beyond what their certificates name.
+    #[arg(long, env = "BALLAST_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// Certificate revocation list (PEM), reloaded when it changes.
+    #[arg(long, env = "BALLAST_CRL")]
+    pub crl: Option<PathBuf>,
+    /// Log as JSON lines.
+    #[arg(long, env = "BALLAST_LOG_JSON", global = true)]
+    pub log_json: bool,
+}
+
+/// The relay's settings; each overrides the configuration file.
+#[derive(Args, Clone, Default)]
+pub struct RelayArgs {
+    /// The settings the daemon has too. --tls-dir holds the identity agents see;
+    /// --etcd, --etcd-prefix and --cluster say where the cluster's owners are read.
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Directory with the relay's own client identity for trunks to the replicas:
+    /// ca.pem, relay.pem and relay.key (`ballast-aggregator certs relay DIR NAME`
+    /// writes them to DIR/relays/NAME) [default: /etc/ballast/relay-tls].
+    #[arg(long, env = "BALLAST_RELAY_TLS_DIR")]
+    pub relay_tls_dir: Option<PathBuf>,
+    /// The relay's name, told to the replicas (default: host name and QUIC port).
+    #[arg(long, env = "BALLAST_RELAY_NAME")]
+    pub name: Option<String>,
+}
+
+/// Fills every unset field of `$dst` from `$src` (the flags given before a subcommand,
+/// inherited by the subcommand's own).
+#[macro_export]
+macro_rules! fill_unset {
+    ($dst:expr, $src:expr; $($f:ident),*) => {
+        $( if $dst.$f.is_none() { $dst.$f.clone_from(&$src.$f); } )*
+    };
+}
+
+impl CommonArgs {
+    /// These flags, with those given before the subcommand (`top`) where these are unset.
+    pub fn inherit(&mut self, top: &CommonArgs) {
+        crate::fill_unset!(self, top; config, quic, http, tls_dir, etcd, etcd_prefix, etcd_ca, etcd_cert,
+            etcd_key, etcd_user, etcd_password_file, cluster, policy, crl);
+        self.log_json |= top.log_json;
+    }
+}
+
+/// A flag that amends a table the configuration does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{flag} needs {needs}")]
+pub struct FlagError {
+    /// The flag, e.g. `--etcd-prefix`.
+    pub flag: &'static str,
+    /// What it needs, e.g. `--etcd or a [store.etcd] table`.
+    pub needs: &'static str,
+}
+
+impl CommonArgs {
+    /// Amends `cfg` (read from the file, or the defaults) with these flags; nothing is
+    /// validated yet.
+    pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) -> Result<(), FlagError> {
+        if let Some(v) = self.quic {
+            cfg.quic = v;
+        }
+        if let Some(v) = self.http {
+            cfg.http = v;
+        }
+        if let Some(dir) = &self.tls_dir {
+            cfg.tls = TlsFiles::in_dir(dir, "server");
+        }
+        if let Some(endpoints) = &self.etcd {
+            cfg.store
+                .etcd
+                .get_or_insert_with(Default::default)
+                .endpoints = endpoints.clone();
+        }
+        if let Some(prefix) = &self.etcd_prefix {
+            etcd_table(cfg, "--etcd-prefix")?.prefix = prefix.clone();
+        }
+        if let Some(v) = &self.etcd_ca {
+            etcd_table(cfg, "--etcd-ca")?.ca_file = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_cert {
+            etcd_table(cfg, "--etcd-cert")?.cert_file = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_key {
+            etcd_table(cfg, "--etcd-key")?.key_file = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_user {
+            etcd_table(cfg, "--etcd-user")?.user = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_password_file {
+            etcd_table(cfg, "--etcd-password-file")?.password_file = Some(v.clone());
+        }
+        if let Some(name) = &self.cluster {
+            cfg.cluster.get_or_insert_with(Default::default).name = name.clone();
+        }
+        if let Some(v) = &self.policy {
+            cfg.authorization.policy = Some(v.clone());
+        }
+        if let Some(v) = &self.crl {
+            cfg.authorization.crl = Some(v.clone());
+        }
+        Ok(())
+    }
+
+    /// Where a command's configuration came from, for its errors.
+    pub fn origin(&self) -> String {
+        match &self.config {
+            Some(path) => format!("configuration ({} and the flags)", path.display()),
+            None => "configuration (the flags and the defaults)".to_string(),
+        }
+    }
+}
+
+impl RelayArgs {
+    /// Amends `cfg` with the relay's own flags, into a `[relay]` table with its
+    /// defaults if it has none; nothing is validated yet.
+    pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) -> Result<(), FlagError> {
+        self.common.apply(cfg)?;
+        let relay = cfg.relay.get_or_insert_with(Default::default);
+        if let Some(dir) = &self.relay_tls_dir {
+            relay.tls = TlsFiles::in_dir(dir, "relay");
+        }
+        if let Some(name) = &self.name {
+            relay.name = Some(name.clone());
+        }
+        Ok(())
+    }
+}
+
+/// The `[store.etcd]` table an etcd flag amends: one must be configured already.
+fn etcd_table<'a, B>(
+    cfg: &'a mut Config<B>,
+    flag: &'static str,
+) -> Result<&'a mut EtcdConfig, FlagError> {
+    cfg.store.etcd.as_mut().ok_or(FlagError {
+        flag,
+        needs: "--etcd or a [store.etcd] table",
+    })
+}
