@@ -1337,6 +1337,7 @@ mod tests {
             version: 1,
             cycle: 1,
             endpoints: BTreeMap::new(),
+            operator: Default::default(),
         }
     }
 
@@ -1355,6 +1356,7 @@ mod tests {
                 },
             )]
             .into(),
+            operator: Default::default(),
         }
     }
 

@@ -1047,6 +1047,7 @@ mod tests {
                 },
             )]
             .into(),
+            operator: Default::default(),
         }
     }
 
