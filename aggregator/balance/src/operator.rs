@@ -29,7 +29,6 @@ pub struct Mark {
     /// When it was set.
     pub since_ms: WallMillis,
     /// When it lapses by itself; `None` holds until it is lifted.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until_ms: Option<WallMillis>,
 }
 
@@ -55,13 +54,10 @@ pub struct Pin {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Actions {
     /// Drained endpoints, by node.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub drains: BTreeMap<String, Mark>,
     /// The hold on the whole service, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold: Option<Mark>,
     /// Pinned endpoints, by node.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub pins: BTreeMap<String, Pin>,
 }
 
@@ -192,6 +188,9 @@ pub enum ActError {
         /// The largest allowed.
         max: f64,
     },
+    /// The aggregator is shutting down and takes no more actions.
+    #[error("the aggregator is shutting down")]
+    Unavailable,
     /// An end time that has passed.
     #[error("the end time {until_ms} ms is not after now ({now_ms} ms since the Unix epoch)")]
     UntilPast {
@@ -200,6 +199,22 @@ pub enum ActError {
         /// Now.
         now_ms: WallMillis,
     },
+}
+
+impl ActError {
+    /// A short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ActError::UnknownService(_) => "unknown_service",
+            ActError::UnknownEndpoint { .. } => "unknown_endpoint",
+            ActError::NotInForce(_) => "not_in_force",
+            ActError::NoReason => "no_reason",
+            ActError::ReasonTooLong => "reason_too_long",
+            ActError::BadWeight { .. } => "bad_weight",
+            ActError::Unavailable => "unavailable",
+            ActError::UntilPast { .. } => "until_past",
+        }
+    }
 }
 
 /// The longest reason accepted, in bytes: every action is stored with the service and

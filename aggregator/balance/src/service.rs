@@ -1343,7 +1343,7 @@ pub struct ServiceSnapshot {
     pub endpoints: BTreeMap<String, EndpointSnapshot>,
     /// What operators set on the service, so that it holds across a restart and a
     /// change of owner.
-    #[serde(default, skip_serializing_if = "Actions::is_empty")]
+    #[serde(default)]
     pub operator: Actions,
 }
 
