@@ -870,6 +870,9 @@ impl Config {
                  viewer = [\"NAME-PATTERN\", ...]",
             );
         }
+        if missing.is_empty() {
+            return Ok(());
+        }
         Err(InvalidSetting::new(
             "http",
             format!(
