@@ -27,9 +27,8 @@ use ballast_tests::harness::api::token_entry;
 use ballast_tests::harness::netns::Netns;
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::*;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 const SERVICE: &str = "web";

@@ -152,6 +152,36 @@ pub fn sum_samples(samples: &[MetricSample], name: &str, labels: &[(&str, &str)]
         .sum()
 }
 
+/// `ballast-aggregator token hash --name NAME --role ROLE` with `token` on stdin: the
+/// entry it prints.
+pub fn token_entry(name: &str, role: &str, token: &str) -> String {
+    let mut cmd = super::process::command(super::process::AGGREGATOR_BIN);
+    cmd.args(["token", "hash", "--name", name, "--role", role])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn token hash");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(format!("{token}\n").as_bytes())
+        .expect("write the token");
+    let out = child.wait_with_output().expect("token hash");
+    assert!(
+        out.status.success(),
+        "token hash failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let entry = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        entry.contains("$argon2id$") && !entry.contains(token),
+        "the entry holds an argon2 hash and not the token: {entry}"
+    );
+    entry
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,34 +211,4 @@ mod tests {
         );
         assert_eq!(sum_samples(&s, "nothing", &[]), 0.0);
     }
-}
-
-/// `ballast-aggregator token hash --name NAME --role ROLE` with `token` on stdin: the
-/// entry it prints.
-pub fn token_entry(name: &str, role: &str, token: &str) -> String {
-    let mut cmd = super::process::command(super::process::AGGREGATOR_BIN);
-    cmd.args(["token", "hash", "--name", name, "--role", role])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("spawn token hash");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(format!("{token}\n").as_bytes())
-        .expect("write the token");
-    let out = child.wait_with_output().expect("token hash");
-    assert!(
-        out.status.success(),
-        "token hash failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let entry = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        entry.contains("$argon2id$") && !entry.contains(token),
-        "the entry holds an argon2 hash and not the token: {entry}"
-    );
-    entry
 }
