@@ -177,14 +177,16 @@ pub enum ActError {
     /// No reason given.
     #[error("a reason is required: say why, for the audit trail")]
     NoReason,
-    /// A reason past [`MAX_REASON`] bytes.
-    #[error("the reason is longer than {MAX_REASON} bytes")]
+    /// A reason past [`MAX_REASON`] characters.
+    #[error("the reason is longer than {MAX_REASON} characters")]
     ReasonTooLong,
     /// A pin's weight that is not a finite number within the service's bounds.
-    #[error("a pinned weight must be a number above 0 and at most {max} (the service's max_weight); got {got}")]
+    #[error("a pinned weight must be at least {min} and at most {max} (the service's min_weight and max_weight); got {got}")]
     BadWeight {
         /// The weight asked for.
         got: f64,
+        /// The smallest allowed.
+        min: f64,
         /// The largest allowed.
         max: f64,
     },
@@ -217,7 +219,7 @@ impl ActError {
     }
 }
 
-/// The longest reason accepted, in bytes: every action is stored with the service and
+/// The longest reason accepted, in characters: every action is stored with the service and
 /// audited, so what a credential can make the aggregator keep is bounded.
 pub const MAX_REASON: usize = 1024;
 
@@ -237,7 +239,7 @@ pub(crate) fn check(act: &Act) -> Result<(), ActError> {
     if act.reason.trim().is_empty() {
         return Err(ActError::NoReason);
     }
-    if act.reason.len() > MAX_REASON {
+    if act.reason.chars().count() > MAX_REASON {
         return Err(ActError::ReasonTooLong);
     }
     if let Action::Hold {

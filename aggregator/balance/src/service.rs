@@ -1436,9 +1436,13 @@ impl Service {
                 weight,
                 until_ms,
             } => {
-                let max = self.params.max_weight;
-                if !weight.is_finite() || *weight <= 0.0 || *weight > max {
-                    return Err(ActError::BadWeight { got: *weight, max });
+                let (min, max) = (self.params.min_weight, self.params.max_weight);
+                if !weight.is_finite() || *weight < min || *weight <= 0.0 || *weight > max {
+                    return Err(ActError::BadWeight {
+                        got: *weight,
+                        min,
+                        max,
+                    });
                 }
                 let slot = self.known(node)?;
                 self.actions.pins.insert(

@@ -31,11 +31,33 @@ pub struct Acting {
     pub audit: Arc<Audit>,
 }
 
+/// The schemas of the request bodies, whose optional fields the document leaves
+/// optional (every field of an answer is always written, and required).
+pub(crate) const REQUEST_BODIES: [&str; 3] = ["ReasonBody", "HoldBody", "PinBody"];
+
+/// A whole number of seconds, written as an integer or a float without a fraction
+/// (`30` or `30.0`: JSON does not tell them apart, and JSON Schema's `integer` takes
+/// both).
+fn whole_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let v: Option<f64> = Option::deserialize(d)?;
+    match v {
+        None => Ok(None),
+        Some(f) if f.fract() == 0.0 && (0.0..=MAX_FOR_S as f64).contains(&f) => {
+            // In range and whole: the cast is exact.
+            Ok(Some(f as u64))
+        }
+        Some(f) => Err(serde::de::Error::custom(format!(
+            "for_s: {f} is not a whole number of seconds between 0 and {MAX_FOR_S}"
+        ))),
+    }
+}
+
 /// The body of a drain, an undrain, a release or an unpin.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReasonBody {
-    /// Why, for the audit trail; required, at most 1024 bytes.
+    /// Why, for the audit trail: required, not blank, at most 1024 characters.
+    #[schema(min_length = 1, max_length = 1024, pattern = r"\S")]
     pub reason: String,
 }
 
@@ -43,13 +65,13 @@ pub struct ReasonBody {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HoldBody {
-    /// Why, for the audit trail; required, at most 1024 bytes.
+    /// Why, for the audit trail: required, not blank, at most 1024 characters.
+    #[schema(min_length = 1, max_length = 1024, pattern = r"\S")]
     pub reason: String,
-    /// When the hold lapses by itself, in milliseconds since the Unix epoch.
-    #[serde(default)]
-    pub until_ms: Option<u64>,
-    /// How long the hold lasts, in seconds; instead of `until_ms`.
-    #[serde(default)]
+    /// How long the hold lasts, in seconds (at most a year); without it, until
+    /// released.
+    #[serde(default, deserialize_with = "whole_seconds")]
+    #[schema(minimum = 1, maximum = 31_622_400)]
     pub for_s: Option<u64>,
 }
 
@@ -57,16 +79,17 @@ pub struct HoldBody {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PinBody {
-    /// Why, for the audit trail; required, at most 1024 bytes.
+    /// Why, for the audit trail: required, not blank, at most 1024 characters.
+    #[schema(min_length = 1, max_length = 1024, pattern = r"\S")]
     pub reason: String,
     /// The weight, in units of the service's mean weight (1.0 is an even share);
-    /// above 0 and at most the service's `max_weight`.
+    /// within the service's `min_weight` and `max_weight` (409 outside them).
+    #[schema(exclusive_minimum = 0.0, maximum = 1000.0)]
     pub weight: f64,
-    /// When the pin lapses by itself, in milliseconds since the Unix epoch.
-    #[serde(default)]
-    pub until_ms: Option<u64>,
-    /// How long the pin lasts, in seconds; instead of `until_ms`.
-    #[serde(default)]
+    /// How long the pin lasts, in seconds (at most a year); without it, until
+    /// unpinned.
+    #[serde(default, deserialize_with = "whole_seconds")]
+    #[schema(minimum = 1, maximum = 31_622_400)]
     pub for_s: Option<u64>,
 }
 
@@ -79,6 +102,10 @@ pub struct ActResult {
     /// The operators' actions in force on the service now.
     pub operator: Actions,
 }
+
+/// The largest weight a pin may ask for: the largest `max_weight` a service may have.
+/// Within it, a weight above the service's own `max_weight` is a conflict (409).
+pub const MAX_PIN: f64 = 1000.0;
 
 /// The longest hold or pin, in seconds: a year. Longer is a config change, not an action.
 pub const MAX_FOR_S: u64 = 366 * 24 * 3600;
@@ -115,26 +142,23 @@ fn body<T>(
     })
 }
 
-/// The end time of a hold or pin from `until_ms` or `for_s`, or the API's 400.
+/// The end time of a hold or pin `for_s` seconds after `now`, or the API's 400.
 fn until(
     state: &State,
     action: &str,
     now: u64,
-    until_ms: Option<u64>,
     for_s: Option<u64>,
 ) -> Result<Option<u64>, ApiError> {
-    let bad =
-        |message: String| refuse(state, action, "bad_until", StatusCode::BAD_REQUEST, message);
-    match (until_ms, for_s) {
-        (Some(_), Some(_)) => Err(bad("give until_ms or for_s, not both".into())),
-        (_, Some(s)) if s == 0 || s > MAX_FOR_S => Err(bad(format!(
-            "for_s must be between 1 and {MAX_FOR_S} seconds"
-        ))),
-        (_, Some(s)) => Ok(Some(now.saturating_add(s.saturating_mul(1000)))),
-        (Some(u), None) if u > now.saturating_add(MAX_FOR_S * 1000) => Err(bad(format!(
-            "until_ms must be within {MAX_FOR_S} seconds from now"
-        ))),
-        (u, None) => Ok(u),
+    match for_s {
+        Some(s) if s == 0 || s > MAX_FOR_S => Err(refuse(
+            state,
+            action,
+            "bad_for",
+            StatusCode::BAD_REQUEST,
+            format!("for_s must be between 1 and {MAX_FOR_S} seconds"),
+        )),
+        Some(s) => Ok(Some(now.saturating_add(s.saturating_mul(1000)))),
+        None => Ok(None),
     }
 }
 
@@ -187,12 +211,11 @@ async fn carry(
     if let Err(e) = acting.door.act(service.clone(), act).await {
         let status = match e {
             ActError::UnknownService(_) | ActError::UnknownEndpoint { .. } => StatusCode::NOT_FOUND,
-            ActError::NotInForce(_) => StatusCode::CONFLICT,
+            ActError::NotInForce(_) | ActError::BadWeight { .. } => StatusCode::CONFLICT,
             ActError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ActError::NoReason
-            | ActError::ReasonTooLong
-            | ActError::BadWeight { .. }
-            | ActError::UntilPast { .. } => StatusCode::BAD_REQUEST,
+            ActError::NoReason | ActError::ReasonTooLong | ActError::UntilPast { .. } => {
+                StatusCode::BAD_REQUEST
+            }
         };
         return Err(refuse(state, label, e.label(), status, e.to_string()));
     }
@@ -318,13 +341,13 @@ pub(crate) async fn undrain(
     tag = "actions",
     summary = "Hold a service's weights (operator)",
     description = "Freezes every weight at its current value, to the bit, until \
-        released or until `until_ms` (or `for_s` from now); the service's cycles are \
+        released or for `for_s` seconds; the service's cycles are \
         skipped with the reason `held`. Audited.",
     params(("name" = String, Path, description = "The service")),
     request_body = HoldBody,
     responses(
         (status = 200, description = "Held", body = ActResult),
-        (status = 400, description = "No reason, an end in the past or too far, or a body that does not parse", body = ErrorBody),
+        (status = 400, description = "No reason, a duration out of bounds, or a body that does not parse", body = ErrorBody),
         (status = 404, description = "No such service here", body = ErrorBody),
         (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
     )
@@ -339,7 +362,7 @@ pub(crate) async fn hold(
 ) -> Result<Json<ActResult>, ApiError> {
     let service = service_path(&state, "hold", path)?;
     let b = body(&state, "hold", b)?;
-    let until_ms = until(&state, "hold", state.clock.wall(), b.until_ms, b.for_s)?;
+    let until_ms = until(&state, "hold", state.clock.wall(), b.for_s)?;
     let action = Action::Hold { until_ms };
     carry(&state, acting, who, peer, service, action, b.reason).await
 }
@@ -390,7 +413,7 @@ pub(crate) async fn release(
     tag = "actions",
     summary = "Pin an endpoint's weight (operator)",
     description = "Fixes the endpoint's published weight (in units of the mean) until \
-        unpinned or until `until_ms` (or `for_s` from now); the controllers share out \
+        unpinned or for `for_s` seconds; the controllers share out \
         the rest among the others. Audited.",
     params(
         ("name" = String, Path, description = "The service"),
@@ -399,8 +422,9 @@ pub(crate) async fn release(
     request_body = PinBody,
     responses(
         (status = 200, description = "Pinned", body = ActResult),
-        (status = 400, description = "No reason, a weight out of bounds, an end in the past or too far, or a body that does not parse", body = ErrorBody),
+        (status = 400, description = "No reason, a weight out of bounds, a duration out of bounds, or a body that does not parse", body = ErrorBody),
         (status = 404, description = "No such service or endpoint here", body = ErrorBody),
+        (status = 409, description = "A weight outside the service's min_weight and max_weight", body = ErrorBody),
         (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
     )
 )]
@@ -414,7 +438,16 @@ pub(crate) async fn pin(
 ) -> Result<Json<ActResult>, ApiError> {
     let (service, node) = endpoint_path(&state, "pin", path)?;
     let b = body(&state, "pin", b)?;
-    let until_ms = until(&state, "pin", state.clock.wall(), b.until_ms, b.for_s)?;
+    let until_ms = until(&state, "pin", state.clock.wall(), b.for_s)?;
+    if !(b.weight > 0.0 && b.weight <= MAX_PIN) {
+        return Err(refuse(
+            &state,
+            "pin",
+            "bad_weight",
+            StatusCode::BAD_REQUEST,
+            format!("weight must be above 0 and at most {MAX_PIN}"),
+        ));
+    }
     let action = Action::Pin {
         node,
         weight: b.weight,

@@ -215,7 +215,11 @@ fn fix_up(doc: &mut Value) {
         text.push_str(NUMBERS);
     }
     if let Some(Value::Object(schemas)) = doc.pointer_mut("/components/schemas") {
-        for schema in schemas.values_mut() {
+        // Request bodies are what serde reads: their optional fields stay optional.
+        for (_, schema) in schemas
+            .iter_mut()
+            .filter(|(name, _)| !super::act::REQUEST_BODIES.contains(&name.as_str()))
+        {
             require_every_property(schema);
         }
     }
