@@ -71,6 +71,68 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Drain an endpoint from the control plane (operator role): weight 0 and
+    /// DRAINING in every feed, whether or not its agent answers, until undrained.
+    Drain(NodeAction),
+    /// Lift an operator's drain (operator role).
+    Undrain(NodeAction),
+    /// Freeze a service's weights at their current values (operator role).
+    Hold {
+        /// The service.
+        service: String,
+        /// How long: 90s, 30m, 2h, 1d. Without it, until released.
+        #[arg(long = "for", value_parser = crate::client::parse_duration)]
+        for_s: Option<u64>,
+        /// Why, for the audit trail.
+        #[arg(long)]
+        reason: String,
+        /// Where the aggregator is, and the output format.
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Release a service's hold (operator role).
+    Release {
+        /// The service.
+        service: String,
+        /// Why, for the audit trail.
+        #[arg(long)]
+        reason: String,
+        /// Where the aggregator is, and the output format.
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Fix one endpoint's weight, in units of the mean (operator role).
+    Pin {
+        /// The weight: 1.0 is an even share.
+        #[arg(long)]
+        weight: f64,
+        /// How long: 90s, 30m, 2h, 1d. Without it, until unpinned.
+        #[arg(long = "for", value_parser = crate::client::parse_duration)]
+        for_s: Option<u64>,
+        /// The endpoint and why.
+        #[command(flatten)]
+        target: NodeAction,
+    },
+    /// Lift a pin (operator role).
+    Unpin(NodeAction),
+    /// The audit trail of operators' actions, newest first.
+    Audit(ClientArgs),
+}
+
+/// An action on one endpoint.
+#[derive(Args, Clone)]
+pub struct NodeAction {
+    /// The endpoint's node.
+    pub node: String,
+    /// Its service.
+    #[arg(long)]
+    pub service: String,
+    /// Why, for the audit trail.
+    #[arg(long)]
+    pub reason: String,
+    /// Where the aggregator is, and the output format.
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 /// How the read-only commands reach a running aggregator, and what they print.

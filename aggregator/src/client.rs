@@ -117,6 +117,54 @@ enum WatchError {
     TooLarge,
 }
 
+/// What an operator's action is on: [`ApiClient::act`].
+#[derive(Debug, Clone, Copy)]
+pub enum ActTarget<'a> {
+    /// The service's hold.
+    Hold,
+    /// The drain of this node.
+    Drain(&'a str),
+    /// The pin of this node.
+    Pin(&'a str),
+}
+
+/// `name` as one path segment: every byte but the unreserved characters of RFC 3986
+/// percent-encoded, so that a `/` or `?` in a name cannot change the route.
+fn segment(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The seconds of a duration written for people: `90s`, `30m`, `2h`, `1d`, or a bare
+/// number of seconds.
+pub fn parse_duration(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration such as 90s, 30m, 2h or 1d"))?;
+    let factor = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{text:?}: the unit is one of s, m, h, d")),
+    };
+    n.checked_mul(factor)
+        .filter(|s| *s > 0)
+        .ok_or_else(|| format!("{text:?} is not a duration above zero that fits"))
+}
+
 /// A client of one aggregator's API, built from its base URL.
 #[derive(Debug, Clone)]
 pub struct ApiClient {
@@ -342,6 +390,65 @@ impl ApiClient {
             source,
         })?;
         Ok((value, text))
+    }
+
+    /// Sends `method path` with the JSON `body` (an operator's action) and reads the
+    /// answer: the body parsed, with its text as the aggregator sent it. An error
+    /// status becomes [`ClientError::Status`] with the API's message.
+    pub async fn send_json<T: DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<(T, String), ClientError> {
+        let response = self
+            .http
+            .request(method, self.url_of(path)?)
+            .header(reqwest::header::ACCEPT, "application/json")
+            .json(body)
+            .timeout(REQUEST_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| self.transport(&e))?;
+        let status = response.status();
+        let bytes = self.body(response, MAX_BODY).await?;
+        let text =
+            String::from_utf8(bytes).map_err(|_| self.protocol("a body that is not UTF-8"))?;
+        if !status.is_success() {
+            return Err(status_error(&self.url, status.as_u16(), text.as_bytes()));
+        }
+        let value = serde_json::from_str(&text).map_err(|source| ClientError::Json {
+            url: self.url.clone(),
+            source,
+        })?;
+        Ok((value, text))
+    }
+
+    /// An operator's `action` (`POST`, or `DELETE` to lift it) on `service`, or on its
+    /// endpoint `node`, with `body` (its `reason` and the action's own fields).
+    pub async fn act(
+        &self,
+        method: reqwest::Method,
+        service: &str,
+        target: ActTarget<'_>,
+        body: &serde_json::Value,
+    ) -> Result<(crate::api::act::ActResult, String), ClientError> {
+        let service = segment(service);
+        let path = match target {
+            ActTarget::Hold => format!("/v1/services/{service}/hold"),
+            ActTarget::Drain(node) => {
+                format!("/v1/services/{service}/endpoints/{}/drain", segment(node))
+            }
+            ActTarget::Pin(node) => {
+                format!("/v1/services/{service}/endpoints/{}/pin", segment(node))
+            }
+        };
+        self.send_json(method, &path, body).await
+    }
+
+    /// `GET /v1/audit`.
+    pub async fn audit(&self) -> Result<(Vec<crate::audit::AuditRecord>, String), ClientError> {
+        self.get_json("/v1/audit").await
     }
 
     /// `GET /v1/services`.

@@ -21,4 +21,12 @@ impl Clock {
     pub fn now(&self) -> Millis {
         u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
+
+    /// Milliseconds since the Unix epoch, on the wall clock: for what must mean the
+    /// same after a restart (the end of an operator's hold).
+    pub fn wall(&self) -> ballast_balance::WallMillis {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
 }

@@ -221,6 +221,7 @@ impl Daemon {
             state = state.with_ownership(ownership);
         }
         let state = Arc::new(state);
+        let audit = Arc::new(crate::audit::Audit::default());
         let restored_by_takeover = crate::store::Restored::default();
         let mut overlay = Overlay::new(restored_by_takeover.clone());
         if state.ownership.is_some() {
@@ -345,9 +346,15 @@ impl Daemon {
                 overlay,
                 inbox,
                 Duration::from_millis(cfg.balance.cycle_ms.min(CYCLE_TICK_MS)),
+                audit.clone(),
             ),
         ));
+        let acting = crate::api::act::Acting {
+            door: door.clone(),
+            audit,
+        };
         let app = crate::api::router_with(state.clone(), auth.clone())
+            .layer(axum::Extension(Arc::new(acting)))
             .into_make_service_with_connect_info::<crate::api::listener::Peer>();
         let mut listener = crate::api::listener::Limited::new(
             listener,
@@ -479,7 +486,13 @@ const CYCLE_TICK_MS: u64 = 100;
 /// Runs the services' cycles as they fall due, and between them the commands that
 /// come through the door: the one task that publishes, so that the cluster's overlay
 /// is its own and publications go out in the order of the changes they show.
-async fn cycle_loop(state: Arc<State>, mut overlay: Overlay, mut inbox: Inbox, period: Duration) {
+async fn cycle_loop(
+    state: Arc<State>,
+    mut overlay: Overlay,
+    mut inbox: Inbox,
+    period: Duration,
+    audit: Arc<crate::audit::Audit>,
+) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let slack = u64::try_from(period.as_millis() / 2).unwrap_or(0);
@@ -492,10 +505,49 @@ async fn cycle_loop(state: Arc<State>, mut overlay: Overlay, mut inbox: Inbox, p
                 // Readers, the store writer among them, take the publication from the
                 // watch.
                 let now = state.clock.now();
+                lapse(&state, &overlay, &audit, now);
                 let _ = state.cycle_due(now, slack, overlay.followed());
                 state.health.ticked(now);
             }
         }
+    }
+}
+
+/// Lifts the operators' holds and pins whose end time has passed, publishes them at
+/// once, and audits each.
+fn lapse(
+    state: &State,
+    overlay: &Overlay,
+    audit: &crate::audit::Audit,
+    now: ballast_balance::Millis,
+) {
+    let wall = state.clock.wall();
+    let lapsed = {
+        let mut b = state.balancer();
+        let lapsed = b.lapse(wall);
+        if !lapsed.is_empty() {
+            let ran = lapsed.iter().map(|l| l.service.clone()).collect();
+            state.publish(&b, &ran, overlay.followed(), now);
+        }
+        lapsed
+    };
+    for l in lapsed {
+        audit.record(crate::audit::AuditRecord {
+            seq: 0,
+            at_ms: wall,
+            who: "expiry".into(),
+            via: "expiry".into(),
+            from: None,
+            action: l.action.label().to_string(),
+            service: l.service,
+            node: l.action.node().map(str::to_string),
+            weight: None,
+            until_ms: l.mark.until_ms,
+            reason: format!(
+                "lapsed at its end time; set by {}: {}",
+                l.mark.by, l.mark.reason
+            ),
+        });
     }
 }
 
@@ -521,6 +573,14 @@ fn apply(state: &State, overlay: &mut Overlay, command: Command) {
         Command::RestoreNewer(newer, answer) => {
             let balances = |service: &str| state.balances(service);
             let _ = answer.send(crate::store::restore_newer(&mut b, newer, &balances, now));
+        }
+        Command::Act(service, act, answer) => {
+            let result = b.act(&service, &act);
+            if result.is_ok() {
+                let ran = std::iter::once(service).collect();
+                state.publish(&b, &ran, overlay.followed(), now);
+            }
+            let _ = answer.send(result);
         }
         Command::Publish => {
             state.publish(

@@ -7,7 +7,7 @@
 //! It is a leaf: the senders know nothing of the state, the cluster's overlay or the
 //! loop, and the loop (in the daemon's wiring) knows what each command means.
 
-use ballast_balance::ServiceSnapshot;
+use ballast_balance::{Act, ActError, ServiceSnapshot};
 use std::collections::BTreeMap;
 use tokio::sync::{mpsc, oneshot};
 
@@ -36,6 +36,9 @@ pub enum Command {
     /// Publish again: something a publication carries besides the balancer (the
     /// locality splits) changed.
     Publish,
+    /// Carry out an operator's action on a service this replica balances, and publish
+    /// it at once. Answers whether it was done.
+    Act(String, Act, oneshot::Sender<Result<(), ActError>>),
 }
 
 /// The sending side, cloned into every task that asks.
@@ -82,6 +85,18 @@ impl Door {
     /// See [`Command::RestoreNewer`].
     pub async fn restore_newer(&self, newer: Stored) -> Vec<String> {
         self.ask(|tx| Command::RestoreNewer(newer, tx)).await
+    }
+
+    /// See [`Command::Act`]. Each caller is an authenticated operator's request,
+    /// waiting for its answer: the HTTP listener's connection limit bounds how many
+    /// wait at once.
+    pub async fn act(&self, service: String, act: Act) -> Result<(), ActError> {
+        let (tx, rx) = oneshot::channel();
+        let gone = || ActError::Unavailable;
+        self.0
+            .send(Command::Act(service, act, tx))
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
     }
 
     /// See [`Command::Publish`]; not awaited.

@@ -3,6 +3,7 @@
 //! The sans-IO core is the `ballast-balance` crate; this is the daemon around it.
 
 pub mod api;
+pub mod audit;
 pub mod certs;
 pub mod cli;
 pub mod client;

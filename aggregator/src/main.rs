@@ -3,13 +3,15 @@
 
 use anyhow::{Context, Result};
 use ballast_aggregator::cli::{
-    CertsCommand, Cli, ClientArgs, Command, CommonArgs, ConfigCommand, RelayArgs, RunArgs,
-    TokenCommand,
+    CertsCommand, Cli, ClientArgs, Command, CommonArgs, ConfigCommand, NodeAction, RelayArgs,
+    RunArgs, TokenCommand,
 };
-use ballast_aggregator::client::{self, ApiClient};
+use ballast_aggregator::client::{self, ActTarget, ApiClient};
 use ballast_aggregator::config::Config;
 use ballast_aggregator::daemon::{self, Daemon};
 use ballast_shared::config::init_logging;
+use reqwest::Method;
+use serde_json::json;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -54,6 +56,45 @@ fn main() -> ExitCode {
         Some(Command::Service { name, client }) => service(&name, &client),
         Some(Command::Endpoints { name, client }) => endpoints(&name, &client),
         Some(Command::Watch { name, client }) => watch(&name, &client),
+        Some(Command::Drain(a)) => on_node(Method::POST, ActTarget::Drain(&a.node), &a, json!({})),
+        Some(Command::Undrain(a)) => {
+            on_node(Method::DELETE, ActTarget::Drain(&a.node), &a, json!({}))
+        }
+        Some(Command::Pin {
+            weight,
+            for_s,
+            target,
+        }) => on_node(
+            Method::POST,
+            ActTarget::Pin(&target.node),
+            &target,
+            json!({ "weight": weight, "for_s": for_s }),
+        ),
+        Some(Command::Unpin(a)) => on_node(Method::DELETE, ActTarget::Pin(&a.node), &a, json!({})),
+        Some(Command::Hold {
+            service,
+            for_s,
+            reason,
+            client,
+        }) => act(
+            Method::POST,
+            &service,
+            ActTarget::Hold,
+            &client,
+            json!({ "reason": reason, "for_s": for_s }),
+        ),
+        Some(Command::Release {
+            service,
+            reason,
+            client,
+        }) => act(
+            Method::DELETE,
+            &service,
+            ActTarget::Hold,
+            &client,
+            json!({ "reason": reason }),
+        ),
+        Some(Command::Audit(client)) => audit(&client),
     };
     match result {
         Ok(code) => code,
@@ -389,6 +430,80 @@ fn endpoints(name: &str, args: &ClientArgs) -> Result<ExitCode> {
     } else {
         print!("{}", client::endpoints_table(&list));
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// An action on one endpoint: `extra` are the action's own fields beside the reason.
+fn on_node(
+    method: Method,
+    target: ActTarget<'_>,
+    a: &NodeAction,
+    mut extra: serde_json::Value,
+) -> Result<ExitCode> {
+    if let Some(fields) = extra.as_object_mut() {
+        fields.insert("reason".into(), json!(a.reason));
+    }
+    act(method, &a.service, target, &a.client, extra)
+}
+
+/// Sends an operator's action and prints what it did.
+fn act(
+    method: Method,
+    service: &str,
+    target: ActTarget<'_>,
+    args: &ClientArgs,
+    body: serde_json::Value,
+) -> Result<ExitCode> {
+    let (done, raw) = block_on(api_client(args)?.act(method, service, target, &body))??;
+    if args.json {
+        println!("{}", raw.trim_end());
+    } else {
+        let r = &done.audit;
+        let on = match &r.node {
+            Some(node) => format!("{node} of {}", r.service),
+            None => r.service.clone(),
+        };
+        let until = r
+            .until_ms
+            .map(|u| format!(" until {u} ms since the Unix epoch"))
+            .unwrap_or_default();
+        println!(
+            "{} {on}{until}: done by {} (audit record {})",
+            r.action, r.who, r.seq
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints the audit trail, newest first.
+fn audit(args: &ClientArgs) -> Result<ExitCode> {
+    let (records, raw) = block_on(api_client(args)?.audit())??;
+    if args.json {
+        println!("{}", raw.trim_end());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            vec![
+                r.seq.to_string(),
+                r.at_ms.to_string(),
+                r.who.clone(),
+                r.from.clone().unwrap_or_default(),
+                r.action.clone(),
+                r.service.clone(),
+                r.node.clone().unwrap_or_default(),
+                r.reason.clone(),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        client::table(
+            &["SEQ", "AT_MS", "WHO", "FROM", "ACTION", "SERVICE", "NODE", "REASON"],
+            &rows
+        )
+    );
     Ok(ExitCode::SUCCESS)
 }
 

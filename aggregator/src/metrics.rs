@@ -141,6 +141,9 @@ pub struct Metrics {
     /// HTTP requests and TLS handshakes refused for their credential, by reason
     /// (`missing`, `bad_token`, `bad_cert`, `forbidden`).
     pub http_auth_failures: Family<Reason, Counter>,
+    /// Operators' actions through the API, by action and outcome (`applied`, or why
+    /// it was refused: `no_reason`, `bad_body`, `unknown_endpoint`...).
+    pub operator_actions: Family<ActionOutcome, Counter>,
     /// Changes of the HTTP API's token file, by outcome (`applied`, `invalid`).
     pub http_token_reloads: Family<Reason, Counter>,
     /// The HTTP watch feed's.
@@ -163,6 +166,15 @@ pub struct Metrics {
     service_families: ServiceFamilies,
     /// One scrape with per-service families at a time, so that each encodes its own.
     scrape: Mutex<()>,
+}
+
+/// An operator's action and its outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionOutcome {
+    /// `drain`, `undrain`, `hold`, `release`, `pin` or `unpin`.
+    pub action: String,
+    /// `applied`, or why it was refused.
+    pub outcome: String,
 }
 
 /// A label set with one config `file`.
@@ -193,6 +205,16 @@ impl Metrics {
         self.http_auth_failures
             .get_or_create(&Reason {
                 reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts an operator's `action` by its `outcome`.
+    pub fn act(&self, action: &str, outcome: &str) {
+        self.operator_actions
+            .get_or_create(&ActionOutcome {
+                action: action.to_string(),
+                outcome: outcome.to_string(),
             })
             .inc();
     }
@@ -231,6 +253,7 @@ impl Metrics {
             http_refused: Family::default(),
             http_auth_failures: Family::default(),
             http_token_reloads: Family::default(),
+            operator_actions: Family::default(),
             watch: Arc::new(WatchMetrics::default()),
             config_reloads: Family::default(),
             config_rejected: Family::default(),
@@ -359,6 +382,11 @@ impl Metrics {
             "http_auth_failures",
             "HTTP requests and TLS handshakes refused for their credential, by reason",
             m.http_auth_failures.clone(),
+        );
+        registry.register(
+            "operator_actions",
+            "Operators' actions through the API, by action and outcome",
+            m.operator_actions.clone(),
         );
         registry.register(
             "http_token_reloads",

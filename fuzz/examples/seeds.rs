@@ -777,6 +777,7 @@ fn store_seeds() -> Result<(), Error> {
                     ),
                 ]
                 .into(),
+                operator: Default::default(),
             },
         ),
         (
@@ -789,6 +790,7 @@ fn store_seeds() -> Result<(), Error> {
                     endpoint("[fd00::1]:90", "", false, 1.0),
                 )]
                 .into(),
+                operator: Default::default(),
             },
         ),
     ]

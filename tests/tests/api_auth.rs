@@ -23,12 +23,12 @@
 //!    - every refusal is counted by reason, and no token appears in the log.
 
 use ballast_tests::harness::aggregator::ApiAccess;
+use ballast_tests::harness::api::token_entry;
 use ballast_tests::harness::netns::Netns;
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::*;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 const SERVICE: &str = "web";
@@ -41,31 +41,6 @@ fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
-}
-
-/// `ballast-aggregator token hash --name NAME --role ROLE` with `token` on stdin: the
-/// entry it prints.
-fn token_entry(name: &str, role: &str, token: &str) -> String {
-    let mut cmd = command(AGGREGATOR_BIN);
-    cmd.args(["token", "hash", "--name", name, "--role", role])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("spawn token hash");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(format!("{token}\n").as_bytes())
-        .expect("write the token");
-    let out = child.wait_with_output().expect("token hash");
-    assert!(out.status.success(), "token hash failed: {}", text(&out));
-    let entry = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        entry.contains("$argon2id$") && !entry.contains(token),
-        "the entry holds an argon2 hash and not the token: {entry}"
-    );
-    entry
 }
 
 /// Writes `text` to `path` in one step (a new file renamed over the old).

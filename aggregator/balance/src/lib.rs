@@ -20,6 +20,7 @@ pub mod inflight;
 pub mod load;
 pub mod mixture;
 pub(crate) mod normalize;
+pub mod operator;
 pub mod params;
 pub mod pid;
 pub mod publish;
@@ -27,6 +28,7 @@ pub mod service;
 pub mod stats;
 
 pub use by_node::ByNode;
+pub use operator::{Act, ActError, Action, Actions, Lapsed, Mark, Pin, WallMillis};
 pub use params::{Gate, LoadMetric, Params, PidGains, Strategy, StrategyWeights};
 pub use publish::{Published, PublishedEndpoint, PublishedService};
 pub use service::{
@@ -468,7 +470,28 @@ impl Balancer {
     pub fn grace_until(&self) -> Millis {
         self.grace_until
     }
+
+    /// Carries out an operator's action on `service` (see [`operator`]).
+    pub fn act(&mut self, service: &str, act: &Act) -> Result<(), ActError> {
+        self.services
+            .get_mut(service)
+            .ok_or_else(|| ActError::UnknownService(service.to_string()))?
+            .act(act)
+    }
+
+    /// Lifts the operators' holds and pins whose end time has passed at `wall`, in
+    /// every service; returns them.
+    pub fn lapse(&mut self, wall: WallMillis) -> Vec<Lapsed> {
+        self.services
+            .values_mut()
+            .filter(|s| !s.actions().is_empty())
+            .flat_map(|s| s.lapse(wall))
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod operator_tests;

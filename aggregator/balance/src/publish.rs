@@ -14,7 +14,7 @@ use crate::by_node::ByNode;
 use crate::endpoints::Endpoint;
 use crate::inflight::InflightEstimate;
 use crate::service::{EndpointSnapshot, HistoryPoint, ServiceSnapshot, ServiceStats};
-use crate::{Balancer, EndpointState, Millis, Params, Service, StrategyWeights};
+use crate::{Actions, Balancer, EndpointState, Millis, Params, Service, StrategyWeights};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -87,6 +87,9 @@ pub struct PublishedService {
     /// Endpoints by node.
     #[cfg_attr(feature = "openapi", schema(value_type = BTreeMap<String, PublishedEndpoint>))]
     pub endpoints: ByNode<PublishedEndpoint>,
+    /// What operators set on the service: drains, a hold, pins.
+    #[serde(default)]
+    pub operator: Actions,
 }
 
 /// One endpoint as published.
@@ -176,6 +179,7 @@ impl PublishedService {
             stats: svc.stats.clone(),
             history: svc.history.iter().copied().collect(),
             endpoints,
+            operator: svc.actions().clone(),
         }
     }
 
@@ -200,6 +204,7 @@ impl PublishedService {
                     )
                 })
                 .collect(),
+            operator: self.operator.clone(),
         }
     }
 

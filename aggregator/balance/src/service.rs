@@ -6,6 +6,7 @@ use super::endpoints::Slots;
 use super::inflight;
 use super::mixture::mix;
 use super::normalize::normalize_bounded;
+use super::operator::{self, Act, ActError, Action, Actions, Lapsed, Mark, WallMillis};
 use super::params::{LoadMetric, Params, Strategy, StrategyWeights};
 use super::stats::Spread;
 use super::{Millis, Observation};
@@ -96,6 +97,12 @@ pub enum SkipReason {
         /// This cycle's.
         to: f64,
     },
+    /// An operator holds the service's weights.
+    Held {
+        /// When the hold lapses by itself (wall-clock milliseconds since the Unix
+        /// epoch); `None` until it is released.
+        until_ms: Option<u64>,
+    },
 }
 
 impl SkipReason {
@@ -108,6 +115,7 @@ impl SkipReason {
             SkipReason::NoServingEndpoints => "no_serving_endpoints",
             SkipReason::LoadJump { .. } => "load_jump",
             SkipReason::Settling => "settling",
+            SkipReason::Held { .. } => "held",
         }
     }
 
@@ -132,6 +140,15 @@ impl SkipReason {
             SkipReason::LoadJump { from, to } => format!(
                 "average load jumped from {from:.3} to {to:.3}: this cycle's reports \
                  straddle the change, so weights are held for one cycle"
+            ),
+            SkipReason::Held { until_ms: None } => {
+                "an operator holds the weights until they are released".to_string()
+            }
+            SkipReason::Held {
+                until_ms: Some(until),
+            } => format!(
+                "an operator holds the weights until they are released or until {until} ms \
+                 since the Unix epoch"
             ),
         }
     }
@@ -262,6 +279,8 @@ pub struct Service {
     /// the endpoints to find that out (a new service of 100,000 registering at once
     /// would otherwise walk them 100,000 times).
     any_established: bool,
+    /// What operators set on the service: drains, a hold, pins.
+    actions: Actions,
 }
 
 /// What a feed-forward step replaced.
@@ -297,6 +316,7 @@ impl Service {
             moved: Vec::new(),
             addresses: HashMap::new(),
             any_established: false,
+            actions: Actions::default(),
         }
     }
 
@@ -336,6 +356,9 @@ impl Service {
                 };
                 let slot = self.slots.insert(node, address, zone, now, start);
                 self.slots.hot[slot].warming = fleet_established;
+                if self.actions.drained(node) {
+                    set_draining(&mut self.slots, &self.params, slot, true);
+                }
                 slot
             }
         };
@@ -478,20 +501,9 @@ impl Service {
         // Until the next cycle judges the count against the fleet, the load is what the
         // report says on its own.
         ep.load = obs.load(params);
-        if obs.draining && !ep.draining {
-            ep.draining = true;
-            ep.weight = 0.0;
-        } else if !obs.draining && ep.draining {
-            ep.draining = false;
-            // Back from a drain: cold, as a newcomer.
-            ep.warming = true;
-            ep.set_last_update(None);
-            ep.distrusted = false;
-            ep.strategy_weights
-                .set(Strategy::Pid, params.cold_start_weight);
-            self.slots.pid[slot].reset();
-            tracker.reset();
-        }
+        // An operator's drain holds whatever the agent says.
+        let draining = obs.draining || self.actions.drained(node);
+        set_draining(&mut self.slots, params, slot, draining);
         Some((true, self.slots.at(slot)))
     }
 
@@ -638,7 +650,11 @@ impl Service {
         level: f64,
     ) -> Option<SkipReason> {
         let params = &self.params;
-        if now < grace_until {
+        if let Some(hold) = &self.actions.hold {
+            Some(SkipReason::Held {
+                until_ms: hold.until_ms,
+            })
+        } else if now < grace_until {
             Some(SkipReason::Grace {
                 remaining_ms: grace_until - now,
             })
@@ -875,6 +891,12 @@ impl Service {
                 continue;
             }
             split.serving += 1;
+            if let Some(pin) = self.actions.pinned(&self.slots.cold[slot].names.node) {
+                // A pinned endpoint keeps its weight; the others share what is left.
+                split.held_before.push(pin);
+                split.held.push(slot);
+                continue;
+            }
             let has_news = match (ep.last_report(), ep.last_update()) {
                 (Some(r), Some(u)) => r > u,
                 (Some(_), None) => true,
@@ -1204,6 +1226,8 @@ impl Service {
     /// only those before it (or all, when only the set of endpoints changed).
     fn publish_mixture(&mut self) -> bool {
         let gates = &self.params.strategies;
+        let actions = &self.actions;
+        let cold = &self.slots.cold;
         let mut listed = 0usize;
         let mut moved_from: Option<usize> = None;
         for (slot, (ep, version)) in self
@@ -1215,6 +1239,8 @@ impl Service {
         {
             ep.weight = if ep.draining {
                 0.0
+            } else if let Some(pin) = actions.pinned(&cold[slot].names.node) {
+                pin
             } else {
                 let strategies = ep.strategy_weights;
                 mix(gates, |s| strategies.get(s))
@@ -1319,6 +1345,12 @@ impl Service {
                 ep.strategy_weights.set(*k, *v);
             }
         }
+        self.actions = snapshot.operator.clone();
+        for node in self.actions.drains.keys() {
+            if let Some(slot) = self.slots.slot(node) {
+                set_draining(&mut self.slots, &self.params, slot, true);
+            }
+        }
         self.slots.sort();
         self.reindex_addresses();
         self.any_established |= !snapshot.endpoints.is_empty();
@@ -1365,6 +1397,10 @@ pub struct ServiceSnapshot {
     pub cycle: u64,
     /// Endpoints by node.
     pub endpoints: BTreeMap<String, EndpointSnapshot>,
+    /// What operators set on the service, so that it holds across a restart and a
+    /// change of owner.
+    #[serde(default)]
+    pub operator: Actions,
 }
 
 /// An endpoint as the routing store keeps it.
@@ -1383,4 +1419,172 @@ pub struct EndpointSnapshot {
     /// Each strategy's own weight.
     #[serde(default)]
     pub strategy_weights: BTreeMap<Strategy, f64>,
+}
+
+/// Turns the endpoint in `slot` draining or back. A return is cold, as a newcomer: its
+/// weight ramps up from the cold-start weight.
+fn set_draining(slots: &mut Slots, params: &Params, slot: usize, draining: bool) {
+    let ep = &mut slots.hot[slot];
+    if draining && !ep.draining {
+        ep.draining = true;
+        ep.weight = 0.0;
+    } else if !draining && ep.draining {
+        ep.draining = false;
+        ep.warming = true;
+        ep.set_last_update(None);
+        ep.distrusted = false;
+        ep.strategy_weights
+            .set(Strategy::Pid, params.cold_start_weight);
+        slots.pid[slot].reset();
+        slots.inflight[slot].reset();
+    }
+}
+
+impl Service {
+    /// What operators set on the service.
+    pub fn actions(&self) -> &Actions {
+        &self.actions
+    }
+
+    /// Carries out an operator's action (see [`crate::operator`]). It shows in the
+    /// next publication: the weights of every endpoint are set again, and the
+    /// version goes up, so that every feed and the routing store take it.
+    pub fn act(&mut self, act: &Act) -> Result<(), ActError> {
+        operator::check(act)?;
+        let mark = |until_ms| Mark {
+            by: act.by.clone(),
+            reason: act.reason.clone(),
+            since_ms: act.at,
+            until_ms,
+        };
+        match &act.action {
+            Action::Drain { node } => {
+                let slot = self.known(node)?;
+                self.actions.drains.insert(node.clone(), mark(None));
+                set_draining(&mut self.slots, &self.params, slot, true);
+            }
+            Action::Undrain { node } => {
+                if self.actions.drains.remove(node).is_none() {
+                    return Err(ActError::NotInForce(format!(
+                        "node {node:?} of service {:?} is not drained by an operator",
+                        self.name
+                    )));
+                }
+                if let Some(slot) = self.slots.slot(node) {
+                    // Back to what its agent last said.
+                    let wants = self.slots.obs[slot].draining;
+                    set_draining(&mut self.slots, &self.params, slot, wants);
+                }
+            }
+            Action::Hold { until_ms } => {
+                self.actions.hold = Some(mark(*until_ms));
+            }
+            Action::Release => {
+                if self.actions.hold.take().is_none() {
+                    return Err(ActError::NotInForce(format!(
+                        "service {:?} is not held",
+                        self.name
+                    )));
+                }
+            }
+            Action::Pin {
+                node,
+                weight,
+                until_ms,
+            } => {
+                let (min, max) = (self.params.min_weight, self.params.max_weight);
+                if !weight.is_finite() || *weight < min || *weight <= 0.0 || *weight > max {
+                    return Err(ActError::BadWeight {
+                        got: *weight,
+                        min,
+                        max,
+                    });
+                }
+                let slot = self.known(node)?;
+                self.actions.pins.insert(
+                    node.clone(),
+                    operator::Pin {
+                        weight: *weight,
+                        mark: mark(*until_ms),
+                    },
+                );
+                // Unpinned, the controller goes on from the pinned weight.
+                self.slots.hot[slot]
+                    .strategy_weights
+                    .set(Strategy::Pid, *weight);
+                self.slots.pid[slot].reset();
+            }
+            Action::Unpin { node } => {
+                self.unpin(node).ok_or_else(|| {
+                    ActError::NotInForce(format!(
+                        "node {node:?} of service {:?} is not pinned",
+                        self.name
+                    ))
+                })?;
+            }
+        }
+        self.republish();
+        Ok(())
+    }
+
+    /// Lifts the holds and pins whose end time has passed at `wall`; returns them.
+    pub fn lapse(&mut self, wall: WallMillis) -> Vec<Lapsed> {
+        let mut lapsed = Vec::new();
+        if self.actions.hold.as_ref().is_some_and(|h| h.lapsed(wall)) {
+            if let Some(mark) = self.actions.hold.take() {
+                lapsed.push(Lapsed {
+                    service: self.name.clone(),
+                    action: Action::Release,
+                    mark,
+                });
+            }
+        }
+        let ended: Vec<String> = self
+            .actions
+            .pins
+            .iter()
+            .filter(|(_, p)| p.mark.lapsed(wall))
+            .map(|(node, _)| node.clone())
+            .collect();
+        for node in ended {
+            if let Some(pin) = self.unpin(&node) {
+                lapsed.push(Lapsed {
+                    service: self.name.clone(),
+                    action: Action::Unpin { node },
+                    mark: pin.mark,
+                });
+            }
+        }
+        if !lapsed.is_empty() {
+            self.republish();
+        }
+        lapsed
+    }
+
+    /// Removes the pin of `node`, if any; its controller starts afresh from the
+    /// pinned weight.
+    fn unpin(&mut self, node: &str) -> Option<operator::Pin> {
+        let pin = self.actions.pins.remove(node)?;
+        if let Some(slot) = self.slots.slot(node) {
+            self.slots.pid[slot].reset();
+        }
+        Some(pin)
+    }
+
+    /// The slot of `node`, or the error that it is unknown.
+    fn known(&self, node: &str) -> Result<usize, ActError> {
+        self.slots
+            .slot(node)
+            .ok_or_else(|| ActError::UnknownEndpoint {
+                service: self.name.clone(),
+                node: node.to_string(),
+            })
+    }
+
+    /// Sets the published weights again after an action and makes a new version, so
+    /// that the store keeps the action even when no weight moved (a hold).
+    fn republish(&mut self) {
+        self.publish_mixture();
+        self.version += 1;
+    }
 }

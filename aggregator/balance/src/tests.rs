@@ -1345,6 +1345,7 @@ fn a_restore_over_known_endpoints_replaces_them_in_place() {
                 )
             })
             .collect(),
+        operator: Default::default(),
     };
     let mut svc = b.service(SVC).expect("svc").clone();
     svc.restore(2_000, &snapshot);

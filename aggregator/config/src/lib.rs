@@ -904,6 +904,9 @@ impl<B: BalanceTable> Config<B> {
                  viewer = [\"NAME-PATTERN\", ...]",
             );
         }
+        if missing.is_empty() {
+            return Ok(());
+        }
         Err(InvalidSetting::new(
             "http",
             format!(

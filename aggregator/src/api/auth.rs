@@ -86,6 +86,17 @@ pub enum Via {
     Open,
 }
 
+impl Via {
+    /// Its name in the audit trail.
+    pub fn label(self) -> &'static str {
+        match self {
+            Via::Token => "token",
+            Via::Certificate => "certificate",
+            Via::Open => "open",
+        }
+    }
+}
+
 /// Who made a request, as the API's handlers see it (a request extension).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {

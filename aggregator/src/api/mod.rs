@@ -1,5 +1,6 @@
 //! The HTTP API: JSON views of services and endpoints, health, and Prometheus metrics.
 
+pub mod act;
 pub mod auth;
 /// The listener the API is served on (`ballast-ingest`'s, shared with the relay).
 pub use ballast_ingest::http_listener as listener;
@@ -22,7 +23,7 @@ use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State as AxState};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::sync::Arc;
 
@@ -45,6 +46,19 @@ pub fn router_with(state: Arc<State>, auth: Arc<auth::Auth>) -> Router {
         .route("/v1/services/{name}/weights", get(weights))
         .route("/v1/config", get(config))
         .route("/v1/published", get(published))
+        .route(
+            "/v1/services/{name}/endpoints/{node}/drain",
+            post(act::drain).delete(act::undrain),
+        )
+        .route(
+            "/v1/services/{name}/endpoints/{node}/pin",
+            post(act::pin).delete(act::unpin),
+        )
+        .route(
+            "/v1/services/{name}/hold",
+            post(act::hold).delete(act::release),
+        )
+        .route("/v1/audit", get(act::audit))
         .merge(crate::ui::router(&state))
         .fallback(not_found)
         .layer(axum::Extension(Arc::new(

@@ -45,6 +45,13 @@ const NUMBERS: &str = "Numbers are always finite. JSON has no NaN or infinity (t
         super::published,
         super::openapi_v1,
         super::openapi,
+        super::act::drain,
+        super::act::undrain,
+        super::act::hold,
+        super::act::release,
+        super::act::pin,
+        super::act::unpin,
+        super::act::audit,
     ),
     components(schemas(super::views::ErrorBody, WeightEvent)),
     tags(
@@ -52,6 +59,7 @@ const NUMBERS: &str = "Numbers are always finite. JSON has no NaN or infinity (t
         (name = "config", description = "The per-service config directory"),
         (name = "operations", description = "Health and Prometheus metrics"),
         (name = "document", description = "This document"),
+        (name = "actions", description = "Operators' actions (the operator role) and their audit trail"),
     )
 )]
 struct ApiDoc;
@@ -207,7 +215,11 @@ fn fix_up(doc: &mut Value) {
         text.push_str(NUMBERS);
     }
     if let Some(Value::Object(schemas)) = doc.pointer_mut("/components/schemas") {
-        for schema in schemas.values_mut() {
+        // Request bodies are what serde reads: their optional fields stay optional.
+        for (_, schema) in schemas
+            .iter_mut()
+            .filter(|(name, _)| !super::act::REQUEST_BODIES.contains(&name.as_str()))
+        {
             require_every_property(schema);
         }
     }

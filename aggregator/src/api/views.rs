@@ -161,6 +161,10 @@ pub struct ServiceDetail {
     pub params: ballast_balance::Params,
     /// Recent cycles, oldest first.
     pub history: Vec<HistoryPoint>,
+    /// What operators set on the service: drains, a hold, pins, each with who, why
+    /// and since when.
+    #[serde(default)]
+    pub operator: ballast_balance::Actions,
 }
 
 impl ServiceDetail {
@@ -180,6 +184,7 @@ impl ServiceDetail {
             weights_cycle: svc.weights_cycle,
             params: svc.params.clone(),
             history: svc.history.clone(),
+            operator: svc.operator.clone(),
         }
     }
 }

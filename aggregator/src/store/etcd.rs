@@ -1327,6 +1327,7 @@ mod tests {
             version: 1,
             cycle: 1,
             endpoints: BTreeMap::new(),
+            operator: Default::default(),
         }
     }
 
@@ -1345,6 +1346,7 @@ mod tests {
                 },
             )]
             .into(),
+            operator: Default::default(),
         }
     }
 

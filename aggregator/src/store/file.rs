@@ -272,6 +272,7 @@ mod tests {
                 },
             )]
             .into(),
+            operator: Default::default(),
         }
     }
 

@@ -186,6 +186,7 @@ mod tests {
             version: 4,
             cycle: 9,
             endpoints: [(node.to_string(), ep)].into(),
+            operator: Default::default(),
         }
     }
 

@@ -1049,6 +1049,7 @@ mod tests {
                 },
             )]
             .into(),
+            operator: Default::default(),
         }
     }
 

@@ -367,8 +367,47 @@ pub(crate) fn service_live(svc: &PublishedService) -> String {
         state_chips(svc),
         mixture(svc)
     );
+    out.push_str(&operator_actions(svc));
     out.push_str(&endpoints_table(svc));
     out
+}
+
+/// What operators set on the service, with who, why and since when; nothing when
+/// no action is in force.
+fn operator_actions(svc: &PublishedService) -> String {
+    let a = &svc.operator;
+    if a.is_empty() {
+        return String::new();
+    }
+    let mut rows = String::new();
+    let mut row = |what: String, m: &ballast_balance::Mark| {
+        let until = m
+            .until_ms
+            .map_or_else(|| "until lifted".to_string(), |u| format!("until {u} ms"));
+        let _ = writeln!(
+            rows,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{} ms</td><td>{}</td></tr>",
+            esc(&what),
+            esc(&m.by),
+            esc(&m.reason),
+            m.since_ms,
+            esc(&until)
+        );
+    };
+    if let Some(hold) = &a.hold {
+        row("hold: weights frozen".to_string(), hold);
+    }
+    for (node, m) in &a.drains {
+        row(format!("drain {node}"), m);
+    }
+    for (node, p) in &a.pins {
+        row(format!("pin {node} at {}", num(p.weight, 3)), &p.mark);
+    }
+    format!(
+        "<h2>Operator actions</h2>\n<table class=\"operator\"><thead><tr><th>action</th>\
+         <th>by</th><th>reason</th><th>since (Unix)</th><th>ends</th></tr></thead>\n\
+         <tbody>\n{rows}</tbody></table>\n"
+    )
 }
 
 /// A service's endpoints, sortable, draining and missing ones marked.

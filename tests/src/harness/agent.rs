@@ -303,6 +303,16 @@ impl Agent {
         });
     }
 
+    /// Freezes it (SIGSTOP): an agent wedged on its host, silent but not gone.
+    pub fn pause(&self) {
+        self.proc.as_ref().expect("the agent is running").pause();
+    }
+
+    /// Lets it run again (SIGCONT) after [`Agent::pause`].
+    pub fn resume(&self) {
+        self.proc.as_ref().expect("the agent is running").resume();
+    }
+
     /// Its process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.proc.as_ref().map(|p| p.pid())

@@ -4,6 +4,8 @@
 //! parser.
 
 use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::process::Stdio;
 
 pub use ballast_aggregator::api::views::{
     ConfigView, EndpointView, ErrorBody, Health, HealthStatus, ServiceConfigView, ServiceDetail,
@@ -156,6 +158,36 @@ pub fn sum_samples(samples: &[MetricSample], name: &str, labels: &[(&str, &str)]
         })
         .map(|s| s.value)
         .sum()
+}
+
+/// `ballast-aggregator token hash --name NAME --role ROLE` with `token` on stdin: the
+/// entry it prints.
+pub fn token_entry(name: &str, role: &str, token: &str) -> String {
+    let mut cmd = super::process::command(super::process::AGGREGATOR_BIN);
+    cmd.args(["token", "hash", "--name", name, "--role", role])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn token hash");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(format!("{token}\n").as_bytes())
+        .expect("write the token");
+    let out = child.wait_with_output().expect("token hash");
+    assert!(
+        out.status.success(),
+        "token hash failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let entry = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        entry.contains("$argon2id$") && !entry.contains(token),
+        "the entry holds an argon2 hash and not the token: {entry}"
+    );
+    entry
 }
 
 #[cfg(test)]

@@ -553,6 +553,7 @@ pub fn snapshot_value(n: usize, version: u64) -> Vec<u8> {
         version,
         cycle: version,
         endpoints,
+        operator: Default::default(),
     })
     .expect("encode a snapshot")
 }
