@@ -116,8 +116,9 @@ fn undrain_leaves_a_node_draining_whose_agent_asks_to() {
 
 #[test]
 fn a_silent_node_drained_by_an_operator_freezes_nothing() {
-    // Ten nodes, one silent since its last report (its agent was stopped): 10 %
-    // missing, under the threshold. Draining it takes it out of the count.
+    // Ten nodes, two silent since their last reports (their agents were stopped):
+    // 20 % missing, above the threshold set here. Draining them takes them out of the
+    // count.
     let mut b = fleet(10);
     let mut p = params();
     p.missing_threshold = 0.05;
@@ -126,14 +127,17 @@ fn a_silent_node_drained_by_an_operator_freezes_nothing() {
     report(&mut b, 0, &l, &[]);
     b.cycle(0);
     let later = p.stale_ms + 1000;
-    report(&mut b, later, &l, &[3]);
+    report(&mut b, later, &l, &[3, 7]);
     let r = b.cycle(later).remove(0);
     assert!(matches!(r.skipped, Some(SkipReason::Missing { .. })));
     b.act(SVC, &drain("n3")).expect("drains");
-    report(&mut b, later + 1000, &l, &[3]);
+    b.act(SVC, &drain("n7")).expect("drains");
+    report(&mut b, later + 1000, &l, &[3, 7]);
     let r = b.cycle(later + 1000).remove(0);
-    assert_eq!(r.skipped, None, "the silent drained node is not missing");
+    assert_eq!(r.skipped, None, "the silent drained nodes are not missing");
+    assert_eq!(r.missing_share, 0.0);
     assert_eq!(published(&b)[3], (0.0, true));
+    assert_eq!(published(&b)[7], (0.0, true));
 }
 
 #[test]
