@@ -106,6 +106,10 @@ pub struct Flags {
     /// count against the rest of the service: no guess needed.
     #[arg(long, env = "BALLAST_CAPACITY", global = true)]
     pub capacity: Option<u32>,
+    /// In-flight samples per report interval, the report's own included (1 to 20)
+    /// [default: 5]: the report carries their mean and the age of the requests owed.
+    #[arg(long, env = "BALLAST_INFLIGHT_SAMPLES", global = true)]
+    pub inflight_samples: Option<u32>,
     /// Report interval in milliseconds, until the aggregator says otherwise [default: 1000].
     #[arg(long, env = "BALLAST_INTERVAL_MS", global = true)]
     pub interval_ms: Option<u32>,
@@ -157,6 +161,7 @@ impl Flags {
             cpu,
             inflight,
             capacity,
+            inflight_samples,
             interval_ms,
             tls_dir,
             server_name,
@@ -208,6 +213,9 @@ impl Flags {
         }
         if let Some(v) = self.capacity {
             cfg.capacity = v;
+        }
+        if let Some(v) = self.inflight_samples {
+            cfg.inflight_samples = v;
         }
         if let Some(v) = self.interval_ms {
             cfg.interval_ms = v;
@@ -343,6 +351,7 @@ mod tests {
             format!("[default: {}]", cfg.interval_ms),
             format!("[default: {}]", cfg.control_socket.display()),
             format!("[default: {}]", cfg.drain_quiet_ms),
+            format!("[default: {}]", cfg.inflight_samples),
             "[default: /etc/ballast/tls]".to_string(),
             "[default: host]".to_string(),
         ] {

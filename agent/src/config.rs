@@ -38,6 +38,10 @@ pub struct AgentConfig {
     /// In-flight requests that mean fully busy, if the operator knows; 0 (the default)
     /// lets the aggregator judge the count against the rest of the service.
     pub capacity: u32,
+    /// In-flight samples per report interval, the report's own included: the report
+    /// carries their mean and the age of the requests they found owed, so that one
+    /// empty sample cannot erase a backlog. 1 samples only at the report.
+    pub inflight_samples: u32,
     /// TLS files.
     pub tls: TlsFiles,
     /// The local socket the CLI talks to.
@@ -72,6 +76,7 @@ impl Default for AgentConfig {
             cpu: CpuSpec::Host,
             inflight: None,
             capacity: 0,
+            inflight_samples: DEFAULT_INFLIGHT_SAMPLES,
             tls: TlsFiles::in_dir(Path::new("/etc/ballast/tls"), "node"),
             control_socket: PathBuf::from("/run/ballast/agent.sock"),
             agent_check: None,
@@ -81,6 +86,13 @@ impl Default for AgentConfig {
         }
     }
 }
+
+/// In-flight samples per report interval by default: at a 1 s interval one each
+/// 200 ms, which costs the TCP source about 1 ms of CPU a second (`docs/inflight.md`).
+pub const DEFAULT_INFLIGHT_SAMPLES: u32 = 5;
+
+/// The most in-flight samples per report interval.
+pub const MAX_INFLIGHT_SAMPLES: u32 = 20;
 
 /// The host name, from the kernel.
 pub fn hostname() -> String {
@@ -210,6 +222,11 @@ impl AgentConfig {
         }
         if !(100..=60_000).contains(&self.interval_ms) {
             return bad("interval_ms must be between 100 and 60000".into());
+        }
+        if !(1..=MAX_INFLIGHT_SAMPLES).contains(&self.inflight_samples) {
+            return bad(format!(
+                "inflight_samples must be between 1 and {MAX_INFLIGHT_SAMPLES}"
+            ));
         }
         if self.drain_quiet_ms > 3_600_000 {
             return bad("drain_quiet_ms must be at most 3600000 (an hour)".into());

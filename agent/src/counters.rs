@@ -91,6 +91,13 @@ pub struct Metrics {
     /// Moves to a connection made with a renewed certificate that failed: the old
     /// connection stayed.
     pub(crate) certificate_move_failures: AtomicU64,
+    /// In-flight samples taken between reports, for their means.
+    pub(crate) subsamples: AtomicU64,
+    /// Their total time, in nanoseconds: the cost of the extra samples.
+    pub(crate) subsample_sum_ns: AtomicU64,
+    /// Those that failed (a source error, a timeout, a stuck sampler): the report's
+    /// mean is then over fewer samples.
+    pub(crate) subsample_failures: AtomicU64,
 }
 
 impl Metrics {

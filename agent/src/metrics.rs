@@ -71,7 +71,29 @@ pub(crate) fn render(
     sample(&mut out, &format!("{name}_sum"), sum);
     sample(&mut out, &format!("{name}_count"), cumulative);
 
-    let counters: [(&str, &str, u64); 8] = [
+    let name = "ballast_agent_inflight_subsample_seconds_total";
+    family(
+        &mut out,
+        name,
+        "counter",
+        "Time taken by the in-flight samples between reports (the cost of the means).",
+    );
+    let sum = metrics.subsample_sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+    sample(&mut out, name, sum);
+
+    let counters: [(&str, &str, u64); 10] = [
+        (
+            "ballast_agent_inflight_subsamples_total",
+            "In-flight samples taken between reports, for the mean count and the ages \
+             each report carries.",
+            metrics.subsamples.load(Ordering::Relaxed),
+        ),
+        (
+            "ballast_agent_inflight_subsample_failures_total",
+            "In-flight samples between reports that failed; the report's mean is over \
+             the others.",
+            metrics.subsample_failures.load(Ordering::Relaxed),
+        ),
         (
             "ballast_agent_reports_sent_total",
             "Reports sent to an aggregator.",

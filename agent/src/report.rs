@@ -295,11 +295,17 @@ async fn session(
         st.rejection = None;
     });
     let mut moving = None;
+    let mut subsamples = Subsamples::default();
 
     loop {
         tokio::select! {
+            _ = until(subsamples.next) => {
+                subsamples.taken();
+                subsample(shared, sampler, SAMPLE_TIMEOUT).await;
+            }
             _ = until(s.poll_timeout()) => match s.handle_timeout(now()) {
                 Ok(Some(ClientEvent::ReportDue)) => {
+                    subsamples.after_report(now(), s.interval(), shared.config.inflight_samples);
                     // The sample runs off this thread; only a stop cuts the wait short.
                     let measured = tokio::select! {
                         m = measure(shared, sampler, SAMPLE_TIMEOUT) => m,
@@ -555,6 +561,69 @@ fn send_report(shared: &Shared, m: Measurement, s: &mut ClientSession, conn: &qu
     });
 }
 
+/// When the in-flight samples between two reports are due: `samples - 1` of them,
+/// evenly spaced after each report, so that with the report's own an interval holds
+/// `samples` in-flight samples (the agent's `inflight_samples`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Subsamples {
+    /// The next one; `None` when none is due before the next report.
+    pub(crate) next: Option<Instant>,
+    left: u32,
+    every: Duration,
+}
+
+impl Subsamples {
+    /// A report was sampled at `now`: the next interval's subsamples.
+    pub(crate) fn after_report(&mut self, now: Instant, interval: Duration, samples: u32) {
+        let samples = samples.max(1);
+        self.every = interval / samples;
+        self.left = samples - 1;
+        self.next = if self.left > 0 {
+            now.checked_add(self.every)
+        } else {
+            None
+        };
+    }
+
+    /// The one due was taken (or skipped): the next.
+    pub(crate) fn taken(&mut self) {
+        self.left = self.left.saturating_sub(1);
+        self.next = match self.next {
+            Some(at) if self.left > 0 => at.checked_add(self.every),
+            _ => None,
+        };
+    }
+}
+
+/// Takes one in-flight sample between reports ([`Sampler::subsample`]) on a blocking
+/// thread, within `timeout`. A sampler still busy (a stuck source) skips it; a failure
+/// is logged and counted, and the report's mean is over the other samples.
+pub(crate) async fn subsample(shared: &Shared, sampler: &SharedSampler, timeout: Duration) {
+    let failed = |why: String| {
+        tracing::debug!(error = %why, "in-flight sample between reports failed");
+        shared
+            .metrics
+            .subsample_failures
+            .fetch_add(1, Ordering::Relaxed);
+    };
+    let Ok(mut guard) = sampler.clone().try_lock_owned() else {
+        return failed(MeasureError::Busy.to_string());
+    };
+    let started = Instant::now();
+    let task = tokio::task::spawn_blocking(move || guard.subsample());
+    match tokio::time::timeout(timeout, task).await {
+        Ok(Ok(Ok(()))) => {
+            let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let m = &shared.metrics;
+            m.subsamples.fetch_add(1, Ordering::Relaxed);
+            m.subsample_sum_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        Ok(Ok(Err(e))) => failed(e.to_string()),
+        Ok(Err(e)) => failed(MeasureError::Thread(e.to_string()).to_string()),
+        Err(_) => failed(MeasureError::TimedOut(timeout).to_string()),
+    }
+}
+
 /// Takes one sample on a blocking thread, within `timeout`: the sample and the
 /// in-flight detail it leaves. A sample still running from an earlier tick (it timed
 /// out, its source is stuck) holds the sampler: this one is then skipped rather than
@@ -620,6 +689,11 @@ pub(crate) async fn measure(
     Some(Measurement {
         cpu: sample.cpu,
         inflight: sample.inflight,
+        inflight_mean: sample.inflight_mean,
+        age: sample.ages.map(|a| ballast_shared::wire::RequestAge {
+            mean_ms: a.mean_ms(),
+            oldest_ms: a.oldest_ms,
+        }),
         capacity: sample.capacity,
         error_rate: sample.error_rate,
         draining: shared.draining.load(Ordering::Relaxed),
@@ -629,6 +703,23 @@ pub(crate) async fn measure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subsamples_are_spaced_evenly_between_reports() {
+        let t0 = Instant::now();
+        let mut s = Subsamples::default();
+        assert_eq!(s.next, None);
+        s.after_report(t0, Duration::from_millis(1000), 5);
+        let mut due = Vec::new();
+        while let Some(at) = s.next {
+            due.push(at - t0);
+            s.taken();
+        }
+        assert_eq!(due, [200, 400, 600, 800].map(Duration::from_millis));
+        // One sample an interval is the report's own.
+        s.after_report(t0, Duration::from_millis(1000), 1);
+        assert_eq!(s.next, None);
+    }
 
     /// An in-flight source that blocks, like a scrape whose DNS lookup hangs, until
     /// the test sends it a count.

@@ -17,7 +17,7 @@ use ballast_fuzz::op;
 use ballast_shared::frame;
 use ballast_shared::trunk::{encode_control, Attach, BatchEncoder, BatchKind, ToPrimary, ToRelay};
 use ballast_shared::wire::{
-    self, Hello, Message, NodeState, Reject, RejectReason, Reply, Report, Welcome,
+    self, Hello, Message, NodeState, Reject, RejectReason, Reply, Report, RequestAge, Welcome,
 };
 use envoy_types::pb::envoy::config::core::v3::{Locality, Node};
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
@@ -54,6 +54,11 @@ fn report(seq: u32, cpu: f32, inflight: u32) -> Message {
         seq,
         cpu,
         inflight,
+        inflight_mean: inflight as f32,
+        age: Some(RequestAge {
+            mean_ms: 12,
+            oldest_ms: 250,
+        }),
         capacity: 0,
         error_rate: None,
         state: NodeState::Serving,
@@ -96,6 +101,11 @@ fn wire_seeds() -> Result<(), Error> {
                 seq: 4711,
                 cpu: 0.73,
                 inflight: 12,
+                inflight_mean: 11.6,
+                age: Some(RequestAge {
+                    mean_ms: 18,
+                    oldest_ms: 420,
+                }),
                 capacity: 64,
                 error_rate: Some(0.01),
                 state: NodeState::Draining,
@@ -107,7 +117,7 @@ fn wire_seeds() -> Result<(), Error> {
         write("wire", name, &enc(m)?)?;
         // The same messages in the previous protocol, as an agent or aggregator one
         // release behind sends them.
-        write("wire_v1", name, &wire::v1::encode(m)?)?;
+        write("wire_v2", name, &wire::v2::encode(m)?)?;
     }
     Ok(())
 }

@@ -15,7 +15,7 @@ pub mod wire;
 /// version, so an agent and an aggregator that cannot understand each other fail the
 /// handshake instead of exchanging bytes neither can decode; agents offer the previous
 /// version too, and aggregators accept both ([`protocol`]).
-pub const ALPN: &[u8] = b"ballast/2";
+pub const ALPN: &[u8] = b"ballast/3";
 
 /// The version of the Ballast software, carried in the agent's hello.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

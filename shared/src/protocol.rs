@@ -5,7 +5,7 @@
 //! aggregator or a relay accepts both and prefers the current. The negotiated ALPN
 //! selects the codec on both ends ([`Protocol::encode`], [`Protocol::decode`]): a
 //! message that changed between the versions is translated by the previous version's
-//! codec ([`crate::wire::v1`]) into today's types, so that nothing past the session
+//! codec ([`crate::wire::v2`]) into today's types, so that nothing past the session
 //! layer ever sees the older layout. Either side may be upgraded first.
 //!
 //! `BALLAST_PROTOCOL` narrows what a process offers or accepts: `previous` speaks the
@@ -21,33 +21,34 @@ pub const ENV: &str = "BALLAST_PROTOCOL";
 /// A version of the agent protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
-    /// `ballast/1`: wire version 1.
-    V1,
-    /// `ballast/2`: wire version 2, today's.
+    /// `ballast/2`: wire version 2, without the mean in-flight count and the age of
+    /// the requests owed.
     V2,
+    /// `ballast/3`: wire version 3, today's.
+    V3,
 }
 
 impl Protocol {
     /// The version this build speaks natively.
-    pub const CURRENT: Protocol = Protocol::V2;
+    pub const CURRENT: Protocol = Protocol::V3;
     /// The version before it, still spoken at the edge.
-    pub const PREVIOUS: Protocol = Protocol::V1;
+    pub const PREVIOUS: Protocol = Protocol::V2;
     /// Every version this build speaks, current first: the order of preference.
     pub const ALL: [Protocol; 2] = [Protocol::CURRENT, Protocol::PREVIOUS];
 
     /// Its ALPN protocol name.
     pub fn alpn(self) -> &'static [u8] {
         match self {
-            Protocol::V1 => wire::v1::ALPN,
-            Protocol::V2 => crate::ALPN,
+            Protocol::V2 => wire::v2::ALPN,
+            Protocol::V3 => crate::ALPN,
         }
     }
 
     /// Its name (the ALPN as text), for logs and metric labels.
     pub fn name(self) -> &'static str {
         match self {
-            Protocol::V1 => "ballast/1",
             Protocol::V2 => "ballast/2",
+            Protocol::V3 => "ballast/3",
         }
     }
 
@@ -65,16 +66,16 @@ impl Protocol {
     /// Encodes `msg` in this version, translating what changed.
     pub fn encode(self, msg: &Message) -> Result<Vec<u8>, EncodeError> {
         match self {
-            Protocol::V1 => wire::v1::encode(msg),
-            Protocol::V2 => wire::encode(msg),
+            Protocol::V2 => wire::v2::encode(msg),
+            Protocol::V3 => wire::encode(msg),
         }
     }
 
     /// Decodes one whole message of this version into today's. Never panics.
     pub fn decode(self, bytes: &[u8]) -> Result<Message, DecodeError> {
         match self {
-            Protocol::V1 => wire::v1::decode(bytes),
-            Protocol::V2 => wire::decode(bytes),
+            Protocol::V2 => wire::v2::decode(bytes),
+            Protocol::V3 => wire::decode(bytes),
         }
     }
 
@@ -164,7 +165,8 @@ mod tests {
             assert_eq!(Protocol::from_alpn(p.alpn()), Some(p));
             assert_eq!(p.name().as_bytes(), p.alpn());
         }
-        assert_eq!(Protocol::from_alpn(b"ballast/3"), None);
+        assert_eq!(Protocol::from_alpn(b"ballast/4"), None);
+        assert_eq!(Protocol::from_alpn(b"ballast/1"), None);
         assert_eq!(Protocol::from_alpn(crate::trunk::RELAY_ALPN), None);
     }
 
@@ -172,8 +174,8 @@ mod tests {
     fn the_choice_narrows_or_refuses() {
         assert_eq!(choose(None), Ok(Protocol::ALL.to_vec()));
         assert_eq!(choose(Some("both")), Ok(Protocol::ALL.to_vec()));
-        assert_eq!(choose(Some("previous")), Ok(vec![Protocol::V1]));
-        assert_eq!(choose(Some("current")), Ok(vec![Protocol::V2]));
+        assert_eq!(choose(Some("previous")), Ok(vec![Protocol::V2]));
+        assert_eq!(choose(Some("current")), Ok(vec![Protocol::V3]));
         assert!(choose(Some("ballast/9")).is_err());
     }
 
@@ -183,20 +185,22 @@ mod tests {
             seq: 3,
             cpu: 0.5,
             inflight: 2,
+            inflight_mean: 2.0,
+            age: None,
             capacity: 0,
             error_rate: None,
             state: NodeState::Serving,
         });
-        let old = Protocol::V1.encode(&report).expect("encodes");
-        let new = Protocol::V2
-            .translate(Protocol::V1, &old)
+        let old = Protocol::V2.encode(&report).expect("encodes");
+        let new = Protocol::V3
+            .translate(Protocol::V2, &old)
             .expect("translates");
         assert_eq!(wire::decode(&new), Ok(report.clone()));
         assert_eq!(
-            Protocol::V2.translate(Protocol::V2, &new).expect("same"),
+            Protocol::V3.translate(Protocol::V3, &new).expect("same"),
             new
         );
-        assert!(Protocol::V2.translate(Protocol::V2, &[9]).is_ok());
-        assert!(Protocol::V2.translate(Protocol::V1, &new).is_err());
+        assert!(Protocol::V3.translate(Protocol::V3, &[9]).is_ok());
+        assert!(Protocol::V3.translate(Protocol::V2, &new).is_err());
     }
 }

@@ -8,10 +8,10 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-pub mod v1;
+pub mod v2;
 
 /// The version byte that opens every encoded message.
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;
 
 /// The largest encoded message either side accepts or sends, in bytes. Every message
 /// fits one QUIC datagram on a 1280-byte path MTU with room to spare.
@@ -42,7 +42,7 @@ pub enum Message {
     /// Relay to agent, on the hello stream: prove that you hold your certificate's key
     /// to the primary named here ([`crate::session::proof`]). Before the welcome when
     /// the agent first attaches, at any time after it when the relay moves it to
-    /// another primary. Only in `ballast/2`; a direct aggregator never sends it.
+    /// another primary. A direct aggregator never sends it.
     Challenge(Challenge),
     /// Agent to relay, on the hello stream: the answer to a [`Message::Challenge`].
     Proof(Proof),
@@ -102,8 +102,17 @@ pub struct Report {
     pub seq: u32,
     /// CPU utilization relative to what the service may use. May exceed 1.
     pub cpu: f32,
-    /// Requests awaiting a response at the sample.
+    /// Requests awaiting a response at the report's own sample.
     pub inflight: u32,
+    /// The mean of the in-flight counts the agent sampled over the report interval
+    /// (several samples per interval, the report's own among them): by Little's law
+    /// the interval's arrival rate times its requests' mean time in flight. One empty
+    /// sample cannot erase a backlog from it, as it does from the point count.
+    pub inflight_mean: f32,
+    /// The age of the requests the node owes a response over the same samples, when
+    /// the agent's in-flight source can tell it (the TCP source through netlink
+    /// `tcp_info`); `None` when it cannot.
+    pub age: Option<RequestAge>,
     /// The in-flight count that means fully busy, when the operator configured one;
     /// 0 (the default) lets the aggregator judge the count against the fleet.
     ///
@@ -114,6 +123,18 @@ pub struct Report {
     pub error_rate: Option<f32>,
     /// Serving or draining.
     pub state: NodeState,
+}
+
+/// How long the requests a node owes have waited, over one report interval: for each
+/// connection owed a response, the time since its request last received data
+/// (`tcpi_last_data_recv`). Whole milliseconds; small values take one byte on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestAge {
+    /// The mean age over every owed request seen in the interval's samples (0 when
+    /// none was owed in any of them): a latency that needs no change to the service.
+    pub mean_ms: u32,
+    /// The oldest owed request seen in any of the samples.
+    pub oldest_ms: u32,
 }
 
 /// The aggregator's answer to a hello.
@@ -377,6 +398,11 @@ mod tests {
             seq: 4_000_000_000,
             cpu: 0.73,
             inflight: 1_000_000,
+            inflight_mean: 999_999.5,
+            age: Some(RequestAge {
+                mean_ms: 3_600_000,
+                oldest_ms: u32::MAX,
+            }),
             capacity: 1_000_000,
             error_rate: Some(0.5),
             state: NodeState::Draining,
@@ -387,6 +413,28 @@ mod tests {
     fn report_fits_in_64_bytes_even_with_large_fields() {
         let bytes = encode(&Message::Report(report())).expect("encodes");
         assert!(bytes.len() <= 64, "report is {} bytes", bytes.len());
+    }
+
+    #[test]
+    fn a_typical_report_is_seven_bytes_more_than_the_previous_version() {
+        let typical = Report {
+            seq: 1000,
+            cpu: 0.5,
+            inflight: 2,
+            inflight_mean: 1.4,
+            age: Some(RequestAge {
+                mean_ms: 12,
+                oldest_ms: 240,
+            }),
+            capacity: 0,
+            error_rate: None,
+            state: NodeState::Serving,
+        };
+        let now = encode(&Message::Report(typical)).expect("encodes").len();
+        let before = v2::encode(&Message::Report(typical))
+            .expect("encodes")
+            .len();
+        assert_eq!((before, now), (13, 20));
     }
 
     #[test]

@@ -119,6 +119,8 @@ fn a_stolen_certificate_claims_neither_another_service_nor_another_address() {
             seq,
             cpu: 0.0,
             inflight: 0,
+            inflight_mean: 0.0,
+            age: None,
             capacity: 100,
             error_rate: None,
             state: NodeState::Serving,

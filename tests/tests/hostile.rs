@@ -492,6 +492,8 @@ fn quic_floods_from_a_valid_certificate_are_capped_while_the_fleet_is_balanced()
             seq,
             cpu: 0.5,
             inflight: 1,
+            inflight_mean: 1.0,
+            age: None,
             capacity: 0,
             error_rate: None,
             state: NodeState::Serving,

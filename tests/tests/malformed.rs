@@ -39,6 +39,8 @@ fn report(seq: u32) -> Report {
         seq,
         cpu: 0.0,
         inflight: 10,
+        inflight_mean: 10.0,
+        age: None,
         capacity: 100,
         error_rate: None,
         state: NodeState::Serving,

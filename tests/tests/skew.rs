@@ -1,7 +1,7 @@
 //! Version skew: agents, aggregators, relays and replicas of two releases side by side.
 //!
 //! Every process here is today's binary; one that speaks only the previous agent
-//! protocol (`ballast/1`, `BALLAST_PROTOCOL=previous`) stands for a process of the
+//! protocol (`ballast/2`, `BALLAST_PROTOCOL=previous`) stands for a process of the
 //! previous release on the wire. An agent of the previous version reports to today's
 //! aggregator, and today's agent negotiates down to an aggregator that accepts only
 //! the previous version; an agent more than one version apart is refused in the
@@ -15,8 +15,8 @@ use ballast_tests::harness::cluster::{self, converged_to_speeds, ClusterKeys};
 use ballast_tests::*;
 use std::time::Duration;
 
-const PREVIOUS: &str = "ballast/1";
-const CURRENT: &str = "ballast/2";
+const PREVIOUS: &str = "ballast/2";
+const CURRENT: &str = "ballast/3";
 const CONNECT: Duration = Duration::from_secs(20);
 
 /// The agent connections open at `agg` that negotiated `protocol`.
@@ -142,9 +142,9 @@ fn agents_of_both_versions_report_through_relays_of_both_versions_to_a_current_r
     let pki = Pki::new();
     let nodes = ["web-0", "web-1", "web-2", "web-3"];
     pki.issue_nodes_for("web", &nodes);
-    // During the upgrade the replica admits the agents that cannot prove their key
-    // through a relay: those of ballast/1, and those behind a relay of the previous
-    // release (its trunk, ballast-relay/1, carries no proofs).
+    // Every agent proves its key through a relay of either release (ballast-relay/2
+    // and ballast-relay/3 both carry proofs); the policy that admits unproven ones
+    // changes nothing here.
     let replica = Aggregator::start(
         &pki,
         AggregatorOpts::default()

@@ -139,6 +139,49 @@ pub trait InflightSource: Send {
     fn own_capacity(&self) -> Option<u32> {
         None
     }
+    /// The ages of the requests the last sample counted as owed, for a source that can
+    /// tell them (the TCP source through netlink `tcp_info`); `None` (the default)
+    /// for one that cannot.
+    fn ages(&self) -> Option<OwedAges> {
+        None
+    }
+}
+
+/// How long the requests of one or more samples have waited for their response.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct OwedAges {
+    /// Owed requests whose age is known.
+    pub requests: u32,
+    /// Their ages summed, in milliseconds.
+    pub sum_ms: u64,
+    /// The oldest of them, in milliseconds (0 without any).
+    pub oldest_ms: u32,
+}
+
+impl OwedAges {
+    /// Adds one owed request of age `ms`.
+    pub fn add(&mut self, ms: u32) {
+        self.requests = self.requests.saturating_add(1);
+        self.sum_ms = self.sum_ms.saturating_add(u64::from(ms));
+        self.oldest_ms = self.oldest_ms.max(ms);
+    }
+
+    /// Both sets of requests together.
+    pub fn plus(self, other: OwedAges) -> OwedAges {
+        OwedAges {
+            requests: self.requests.saturating_add(other.requests),
+            sum_ms: self.sum_ms.saturating_add(other.sum_ms),
+            oldest_ms: self.oldest_ms.max(other.oldest_ms),
+        }
+    }
+
+    /// The mean age in milliseconds; 0 without any request.
+    pub fn mean_ms(&self) -> u32 {
+        match self.sum_ms.checked_div(u64::from(self.requests)) {
+            Some(mean) => u32::try_from(mean).unwrap_or(u32::MAX),
+            None => 0,
+        }
+    }
 }
 
 /// Where CPU utilization comes from. Serialized with a `kind` tag for config files.
@@ -552,8 +595,15 @@ pub(crate) fn open_inflight(
 pub struct Sample {
     /// CPU utilization relative to what the service may use (0 without a CPU source).
     pub cpu: f64,
-    /// Requests in flight (0 without an in-flight source).
+    /// Requests in flight at this sample (0 without an in-flight source).
     pub inflight: u32,
+    /// The mean of the counts sampled since the last report, this one included
+    /// ([`Sampler::subsample`]).
+    pub inflight_mean: f64,
+    /// The ages of the requests owed over the same samples, when the source tells them.
+    pub ages: Option<OwedAges>,
+    /// How many samples the mean is over.
+    pub samples: u32,
     /// The configured in-flight capacity; 0 means in-flight requests do not count.
     pub capacity: u32,
     /// The fraction of requests failing, when known.
@@ -566,12 +616,47 @@ pub struct Sample {
 /// full unit busier, which is what gRPC's weighted round robin does by default.
 const ERROR_PENALTY: f64 = 1.0;
 
+/// The most in-flight samples one report's mean is taken over: the report loop takes
+/// a few per interval, and one whose reports stall (no aggregator) must not hold an
+/// unbounded sum; past it the window starts again.
+pub const MAX_WINDOW_SAMPLES: u32 = 1000;
+
+/// The in-flight samples taken since the last report.
+#[derive(Debug, Default, Clone, Copy)]
+struct Window {
+    samples: u32,
+    count_sum: u64,
+    ages: Option<OwedAges>,
+}
+
+impl Window {
+    fn add(&mut self, count: u32, ages: Option<OwedAges>) {
+        if self.samples >= MAX_WINDOW_SAMPLES {
+            *self = Window::default();
+        }
+        self.samples += 1;
+        self.count_sum = self.count_sum.saturating_add(u64::from(count));
+        self.ages = match (self.ages, ages) {
+            (Some(a), Some(b)) => Some(a.plus(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    fn mean(&self) -> f64 {
+        if self.samples == 0 {
+            return 0.0;
+        }
+        self.count_sum as f64 / f64::from(self.samples)
+    }
+}
+
 /// Both sources plus the capacity: turns them into one [`Sample`] per call.
 pub struct Sampler {
     cpu: Option<Box<dyn CpuSource>>,
     inflight: Option<Box<dyn InflightSource>>,
     capacity: u32,
     error_rate: Option<f64>,
+    window: Window,
 }
 
 impl Sampler {
@@ -596,6 +681,7 @@ impl Sampler {
             inflight,
             capacity,
             error_rate: None,
+            window: Window::default(),
         }
     }
 
@@ -605,21 +691,43 @@ impl Sampler {
         self.error_rate = error_rate;
     }
 
-    /// Takes one sample. A CPU source with no delta yet counts as 0 cpu. A source error
-    /// is returned, never turned into a zero load (failures must not look like idle).
+    /// Takes one in-flight sample between reports, into the mean the next
+    /// [`Sampler::sample`] reports, so that one empty sample cannot erase a backlog.
+    /// Does nothing without an in-flight source. An error leaves the window as it was.
+    pub fn subsample(&mut self) -> Result<(), SampleError> {
+        let Some(src) = self.inflight.as_mut() else {
+            return Ok(());
+        };
+        let count = src.sample()?;
+        self.window.add(count, src.ages());
+        Ok(())
+    }
+
+    /// Takes one sample, and closes the window of in-flight samples with it: the
+    /// mean count and the ages are over the subsamples since the last call and this
+    /// one. A CPU source with no delta yet counts as 0 cpu. A source error is
+    /// returned, never turned into a zero load (failures must not look like idle).
     pub fn sample(&mut self) -> Result<Sample, SampleError> {
         let cpu = match self.cpu.as_mut() {
             Some(src) => load::sanitize(src.sample()?.unwrap_or(0.0)),
             None => 0.0,
         };
         let inflight = match self.inflight.as_mut() {
-            Some(src) => src.sample()?,
+            Some(src) => {
+                let count = src.sample()?;
+                self.window.add(count, src.ages());
+                count
+            }
             None => 0,
         };
+        let window = std::mem::take(&mut self.window);
         let load = load::combine(cpu, inflight, self.capacity, self.error_rate, ERROR_PENALTY);
         Ok(Sample {
             cpu,
             inflight,
+            inflight_mean: window.mean(),
+            ages: window.ages,
+            samples: window.samples,
             capacity: self.capacity,
             error_rate: self.error_rate,
             load,
@@ -926,6 +1034,70 @@ mod tests {
             s.describe(),
             "cpu: fixed cpu; in-flight: fixed in-flight; capacity: 10"
         );
+    }
+
+    /// Counts handed out in turn, each with the ages of its owed requests.
+    struct Sequence(Vec<(u32, Vec<u32>)>, Option<OwedAges>);
+    impl InflightSource for Sequence {
+        fn sample(&mut self) -> Result<u32, SampleError> {
+            let (count, ages) = self.0.remove(0);
+            let mut owed = OwedAges::default();
+            ages.into_iter().for_each(|ms| owed.add(ms));
+            self.1 = Some(owed);
+            Ok(count)
+        }
+        fn describe(&self) -> String {
+            "sequence".into()
+        }
+        fn ages(&self) -> Option<OwedAges> {
+            self.1
+        }
+    }
+
+    #[test]
+    fn the_report_carries_the_mean_and_ages_of_the_samples_since_the_last() {
+        // A stalled request seen in four samples of five; the report's own sample
+        // finds nothing owed.
+        let seq = Sequence(
+            vec![
+                (1, vec![100]),
+                (2, vec![300, 10]),
+                (1, vec![500]),
+                (1, vec![700]),
+                (0, vec![]),
+                (3, vec![4, 4, 4]),
+            ],
+            None,
+        );
+        let mut s = Sampler::new(None, Some(Box::new(seq)), 0);
+        for _ in 0..4 {
+            s.subsample().unwrap();
+        }
+        let report = s.sample().unwrap();
+        assert_eq!(report.inflight, 0);
+        assert_eq!(report.samples, 5);
+        assert!((report.inflight_mean - 1.0).abs() < 1e-9);
+        let ages = report.ages.unwrap();
+        assert_eq!(
+            (ages.requests, ages.mean_ms(), ages.oldest_ms),
+            (5, 322, 700)
+        );
+        // The next report's window starts afresh.
+        let next = s.sample().unwrap();
+        assert_eq!((next.samples, next.inflight_mean), (1, 3.0));
+        assert_eq!(next.ages.map(|a| a.oldest_ms), Some(4));
+    }
+
+    #[test]
+    fn the_window_is_bounded() {
+        let mut s = Sampler::new(None, Some(Box::new(FixedInflight(Ok(2)))), 0);
+        for _ in 0..MAX_WINDOW_SAMPLES + 10 {
+            s.subsample().unwrap();
+        }
+        let report = s.sample().unwrap();
+        assert_eq!(report.samples, 11);
+        assert_eq!(report.ages, None);
+        assert_eq!(report.inflight_mean, 2.0);
     }
 
     #[test]

@@ -52,7 +52,7 @@ use std::fs::File;
 use std::io::{ErrorKind, Read};
 use std::path::PathBuf;
 
-use super::{InflightSource, SampleError};
+use super::{InflightSource, OwedAges, SampleError};
 use netlink::DiagCounter;
 
 /// The kernel's `TCP_ESTABLISHED` in the `st` column.
@@ -296,6 +296,9 @@ pub struct TcpInflight {
     path: Path,
     /// The last successful sample, and the path that took it.
     last: Option<(TcpCount, Path)>,
+    /// The ages of the requests owed in the last sample, when it went through netlink
+    /// (the `/proc` tables carry no times).
+    last_ages: Option<OwedAges>,
 }
 
 impl TcpInflight {
@@ -310,6 +313,7 @@ impl TcpInflight {
             ports,
             path: Path::Netlink,
             last: None,
+            last_ages: None,
         };
         src.sample()?;
         Ok(src)
@@ -329,6 +333,7 @@ impl TcpInflight {
                 netlink_retry_in: 0,
             },
             last: None,
+            last_ages: None,
         };
         src.sample()?;
         Ok(src)
@@ -346,8 +351,14 @@ impl TcpInflight {
     /// Samples both counts. [`InflightSource::sample`] returns the owed one.
     pub fn sample_count(&mut self) -> Result<TcpCount, SampleError> {
         let count = match self.sample_netlink() {
-            Some(n) => n,
-            None => self.proc.count(&self.ports)?,
+            Some(n) => {
+                self.last_ages = self.netlink.as_ref().map(|c| c.ages);
+                n
+            }
+            None => {
+                self.last_ages = None;
+                self.proc.count(&self.ports)?
+            }
         };
         self.last = Some((count, self.path));
         Ok(count)
@@ -397,6 +408,11 @@ impl InflightSource for TcpInflight {
     /// The connections owed a response.
     fn sample(&mut self) -> Result<u32, SampleError> {
         Ok(self.sample_count()?.owed)
+    }
+
+    /// The ages of the owed requests, through netlink; `None` through `/proc`.
+    fn ages(&self) -> Option<OwedAges> {
+        self.last_ages
     }
 
     /// The ports and the way they are counted now, e.g.
@@ -736,9 +752,15 @@ mod tests {
             read_request(server, 18);
             assert_eq!(wait_for(&mut netlink, tc(1, 1)), tc(1, 1), "round {round}");
             assert_eq!(wait_for(&mut proc, tc(0, 1)), tc(0, 1), "round {round}");
-            // And stays counted while the service works.
-            cross_tick();
+            // And stays counted while the service works, ageing: its age is the
+            // time since the request arrived (whole jiffies, so a tick less at most).
+            std::thread::sleep(Duration::from_millis(80));
             assert_eq!(netlink.sample_count().unwrap(), tc(1, 1), "round {round}");
+            let ages = netlink.ages().unwrap();
+            assert_eq!(ages.requests, 1, "round {round}");
+            assert!(ages.oldest_ms >= 70, "round {round}: {ages:?}");
+            assert_eq!(ages.mean_ms(), ages.oldest_ms, "round {round}");
+            assert_eq!(proc.ages(), None, "/proc carries no times");
 
             // Answered: counts 0 again, and the client reading it changes nothing.
             server.write_all(b"HTTP/1.1 200 OK\r\n\r\n").unwrap();
@@ -746,6 +768,7 @@ mod tests {
             read_request(client, 19);
             cross_tick();
             assert_eq!(netlink.sample_count().unwrap(), tc(0, 1), "round {round}");
+            assert_eq!(netlink.ages().map(|a| a.requests), Some(0), "round {round}");
             assert_eq!(proc.sample_count().unwrap(), tc(0, 1), "round {round}");
         }
     }

@@ -27,6 +27,24 @@
 //! stalled node loses weight for as long as it stays stalled, while the others keep
 //! being balanced by CPU.
 //!
+//! The count is the mean over the report interval (agents sample it several times an
+//! interval), so that one empty sample cannot erase a backlog; and while the term binds
+//! on an idle node (a stall episode) a lower report lowers the smoothed count and age
+//! at the rising pace, not at once, so that a stalled node that holds one request at a
+//! time is not let back in by the one report that read none. A busy node's drained
+//! queue still shows at once.
+//!
+//! **The age of the requests owed.** Where the agent can tell it (the TCP source reads
+//! `tcpi_last_data_recv` on each connection owed a response), a report carries the mean
+//! age of the requests the node owed over the interval. That is a latency that needs
+//! neither a count nor a weight: a stalled node's requests are hundreds of
+//! milliseconds old with a single one in flight, a busy node's a few. It is judged like
+//! the count, against the service's typical (median) smoothed age, floored at
+//! [`MIN_TYPICAL_AGE_MS`]; above [`AGE_TOLERANCE`] times that (and only there) it
+//! binds like the count's term, and since a stall's age does not fall with the weight, the node is steered
+//! down until its requests' age is back in line, at any request rate. The term is the
+//! larger of the two.
+//!
 //! A count that does not respond to the weight is not load: pooled connections or
 //! long polls counted as requests, a broken gauge. When the term has driven an
 //! endpoint's weight down by [`UNRESPONSIVE_DROP`] with idle CPU and the count has
@@ -48,6 +66,15 @@ pub(crate) const SMOOTHING: f64 = 0.4;
 /// drains shows at once: a count that lags behind an emptied queue would go on
 /// pushing the endpoint down after the cause is gone.
 pub(crate) const SMOOTHING_DOWN: f64 = 0.8;
+/// How far above the service's typical age of owed requests an endpoint's must be
+/// before the age binds. Healthy endpoints differ by their speed ratio and by the
+/// sampling of a few short requests; a stalled node by ten times or more.
+pub const AGE_TOLERANCE: f64 = 4.0;
+/// The typical age is at least this, in milliseconds: the kernel's times are whole
+/// jiffies (4 ms at `HZ=250`), and a fleet of requests that take a millisecond or two
+/// must not turn one slow request into a large multiple. With [`AGE_TOLERANCE`] an
+/// age binds from 40 ms up in such a fleet.
+pub const MIN_TYPICAL_AGE_MS: f64 = 10.0;
 /// The term is at most this multiple of the fleet's average CPU load: enough to take
 /// weight off the endpoint every cycle, and never so much that one endpoint's excess
 /// drags the average the others are steered to.
@@ -115,6 +142,12 @@ pub struct InflightEstimate {
     pub derivation: Derivation,
     /// The smoothed count of requests in flight.
     pub smoothed: f64,
+    /// The smoothed mean age of the requests owed, in milliseconds, when the agent
+    /// reports it.
+    pub age_ms: Option<f64>,
+    /// How far the age stands out against the service's typical age (1 is typical;
+    /// 0 without an age).
+    pub age_ratio: f64,
     /// How far the count stands out (fleet-relative only; 1 is typical): the smaller of
     /// its ratios per unit of weight and per unit of CPU to the service's typical ones.
     pub ratio: f64,
@@ -130,6 +163,12 @@ pub struct InflightEstimate {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct InflightTracker {
     smoothed: Option<f64>,
+    /// The smoothed age of the requests owed, ms; `None` when the agent does not
+    /// report one.
+    age_ms: Option<f64>,
+    /// The term bound last cycle on an idle node: a stall episode, in which a lower
+    /// report does not drop the smoothed count and age at once.
+    stalled: bool,
     /// The count when the term was distrusted.
     distrusted_at: Option<f64>,
     /// The count and weight when the term began to bind in this episode.
@@ -146,14 +185,34 @@ pub struct InflightTracker {
 }
 
 impl InflightTracker {
-    /// Takes a reported count into the smoothed one.
-    pub fn observe(&mut self, inflight: u32) {
-        let x = f64::from(inflight);
-        self.smoothed = Some(match self.smoothed {
-            Some(s) if x < s => s + SMOOTHING_DOWN * (x - s),
-            Some(s) => s + SMOOTHING * (x - s),
-            None => x,
-        });
+    /// Takes a report's count (the mean over its interval) and the age of the requests
+    /// it owed (`None`: the agent does not measure it) into the smoothed ones.
+    pub fn observe(&mut self, inflight: f64, age_ms: Option<f64>) {
+        // In a stall episode, a lower report does not drop the term at once; a busy
+        // node's drained queue shows at once.
+        let down = if self.stalled {
+            SMOOTHING
+        } else {
+            SMOOTHING_DOWN
+        };
+        let smooth = |old: Option<f64>, x: f64| {
+            let x = if x.is_finite() { x.max(0.0) } else { 0.0 };
+            Some(match old {
+                Some(s) if x < s => s + down * (x - s),
+                Some(s) => s + SMOOTHING * (x - s),
+                None => x,
+            })
+        };
+        self.smoothed = smooth(self.smoothed, inflight);
+        self.age_ms = match age_ms {
+            Some(a) => smooth(self.age_ms, a),
+            None => None,
+        };
+    }
+
+    /// The smoothed age of the requests owed, ms, if the agent reports one.
+    pub fn age_ms(&self) -> Option<f64> {
+        self.age_ms
     }
 
     /// The smoothed count; 0 before any report.
@@ -195,6 +254,8 @@ pub(crate) struct Input {
 pub(crate) struct Count {
     /// The smoothed count.
     smoothed: f64,
+    /// The smoothed age of the requests owed.
+    age_ms: Option<f64>,
     /// The largest of the last cycles' weights.
     peak_weight: f64,
 }
@@ -253,6 +314,7 @@ pub(crate) fn take_in(input: &Input, tracker: &mut InflightTracker) -> Count {
     tracker.weights[0] = input.weight;
     Count {
         smoothed: tracker.smoothed(),
+        age_ms: tracker.age_ms,
         peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
     }
 }
@@ -283,6 +345,8 @@ pub(crate) fn assess_counted(
     let typical = |v: Vec<f64>, floor: f64| typical_of(v).unwrap_or(0.0).max(floor);
     let typical_weight = typical(by_weight, MIN_TYPICAL);
     let typical_cpu = typical(by_cpu, MIN_TYPICAL);
+    let ages: Vec<f64> = counts.iter().filter_map(|c| c.age_ms).collect();
+    let typical_age = typical(ages, MIN_TYPICAL_AGE_MS);
     // With in-flight as the only signal the CPU says nothing.
     let use_cpu = params.metric == LoadMetric::Max;
     // Under `max` the term is scaled to the fleet's CPU load and binds only well above
@@ -297,11 +361,19 @@ pub(crate) fn assess_counted(
         .zip(counts)
         .map(|((input, tracker), count)| {
             let smoothed = count.smoothed;
+            let age_ratio = count.age_ms.map_or(0.0, |a| a / typical_age);
+            // Only an age beyond the tolerance says anything: a typical one on an idle
+            // node is no load.
+            let age_term = if counts_inflight && !input.warming && age_ratio > AGE_TOLERANCE {
+                (scale * age_ratio / AGE_TOLERANCE).min(scale * TERM_CAP)
+            } else {
+                0.0
+            };
             let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
                 (Derivation::None, 0.0, 0.0)
             } else if input.capacity > 0 {
                 let term = crate::load::inflight_utilization(input.inflight, input.capacity);
-                (Derivation::Capacity, 0.0, term)
+                (Derivation::Capacity, 0.0, term.max(age_term))
             } else if input.warming {
                 (Derivation::FleetRelative, 0.0, 0.0)
             } else {
@@ -317,21 +389,20 @@ pub(crate) fn assess_counted(
                 } else {
                     0.0
                 };
-                (Derivation::FleetRelative, ratio, term)
+                (Derivation::FleetRelative, ratio, term.max(age_term))
             };
             let binding = term > input.base;
-            let newly_distrusted = tracker.judge(
-                binding,
-                smoothed,
-                input.weight,
-                input.cpu <= idle_cpu,
-                params.min_weight,
-            );
+            let idle = input.cpu <= idle_cpu;
+            let newly_distrusted =
+                tracker.judge(binding, smoothed, input.weight, idle, params.min_weight);
             let trusted = !tracker.distrusted();
+            tracker.stalled = trusted && binding && idle;
             let load = if trusted && binding { term } else { input.base };
             tracker.estimate = InflightEstimate {
                 derivation,
                 smoothed,
+                age_ms: count.age_ms,
+                age_ratio,
                 ratio,
                 term,
                 binding: trusted && binding,
@@ -416,7 +487,7 @@ mod tests {
     /// Runs `assess` over parallel vectors of inputs and trackers.
     fn run(params: &Params, inputs: &[Input], trackers: &mut [InflightTracker]) -> Vec<f64> {
         for (i, t) in inputs.iter().zip(trackers.iter_mut()) {
-            t.observe(i.inflight);
+            t.observe(f64::from(i.inflight), None);
         }
         let mut items: Vec<(Input, &mut InflightTracker)> =
             inputs.iter().copied().zip(trackers.iter_mut()).collect();
@@ -570,5 +641,109 @@ mod tests {
             w = if loads[3] > 0.45 { w * 0.5 } else { w * 1.5 }.clamp(0.01, 10.0);
         }
         assert!(w < 0.2, "the stalled node keeps a small weight: {w}");
+    }
+
+    /// Runs `assess` after each tracker took its count and age.
+    fn run_aged(
+        params: &Params,
+        inputs: &[(Input, f64, Option<f64>)],
+        trackers: &mut [InflightTracker],
+    ) -> Vec<f64> {
+        for ((_, mean, age), t) in inputs.iter().zip(trackers.iter_mut()) {
+            t.observe(*mean, *age);
+        }
+        let mut items: Vec<(Input, &mut InflightTracker)> = inputs
+            .iter()
+            .map(|(i, _, _)| *i)
+            .zip(trackers.iter_mut())
+            .collect();
+        assess(params, &mut items).iter().map(|a| a.load).collect()
+    }
+
+    /// A stalled node that holds one request at a time (a count of about 1 at
+    /// every weight, like the healthy nodes' at theirs): its count says nothing, its
+    /// requests' age does, at any weight, until the age is back in line.
+    #[test]
+    fn a_single_stalled_request_is_told_by_its_age_at_any_weight() {
+        let p = Params::default();
+        let mut t = vec![InflightTracker::default(); 6];
+        let avg = (0.5 * 5.0 + 0.02) / 6.0;
+        let mut w = 1.0;
+        for cycle in 0..12 {
+            let mut inputs: Vec<(Input, f64, Option<f64>)> = (0..5)
+                .map(|_| (input(0.5, 0.5, 1, 1.0), 1.0, Some(3.0)))
+                .collect();
+            // 125 ms on average (a 250 ms stall); requests in proportion to the
+            // weight, so that the count per unit of weight stays typical.
+            inputs.push((input(0.02, 0.02, 1, w), w, Some(125.0)));
+            let loads = run_aged(&p, &inputs, &mut t);
+            assert!(t[5].estimate.binding, "cycle {cycle}: {:?}", t[5].estimate);
+            // 125 ms against the floored typical 10 ms, over the tolerance: capped.
+            assert!(
+                (loads[5] - avg * TERM_CAP).abs() < 1e-9,
+                "cycle {cycle}: {loads:?}"
+            );
+            assert!(t[5].estimate.age_ratio > 10.0);
+            assert!(!t[5].distrusted());
+            assert!(loads[..5].iter().all(|&l| l == 0.5), "{loads:?}");
+            w = (w * 0.5).max(p.min_weight);
+        }
+        // The stall ends: ages back at a few ms, and the term lets go within a few
+        // cycles.
+        let mut released = None;
+        for cycle in 0..10 {
+            let mut inputs: Vec<(Input, f64, Option<f64>)> = (0..5)
+                .map(|_| (input(0.5, 0.5, 1, 1.0), 1.0, Some(3.0)))
+                .collect();
+            inputs.push((input(0.02, 0.02, 0, w), 0.1, Some(3.0)));
+            run_aged(&p, &inputs, &mut t);
+            if !t[5].estimate.binding {
+                released.get_or_insert(cycle);
+            }
+        }
+        assert!(matches!(released, Some(c) if c <= 6), "{released:?}");
+    }
+
+    /// Without an age (an agent of the previous release, a gauge), the count alone
+    /// decides, as before: one request per node everywhere is typical.
+    #[test]
+    fn without_an_age_the_count_alone_decides() {
+        let p = Params::default();
+        let mut t = vec![InflightTracker::default(); 6];
+        let mut inputs: Vec<(Input, f64, Option<f64>)> = (0..5)
+            .map(|_| (input(0.5, 0.5, 1, 1.0), 1.0, None))
+            .collect();
+        inputs.push((input(0.02, 0.02, 1, 1.0), 1.0, None));
+        let loads = run_aged(&p, &inputs, &mut t);
+        // A typical count per unit of weight: the idle node's load is the count's
+        // term at its typical ratio, as before ages.
+        let avg = (0.5 * 5.0 + 0.02) / 6.0;
+        assert!((loads[5] - avg / TOLERANCE).abs() < 1e-9, "{loads:?}");
+        assert!((t[5].estimate.ratio - 1.0).abs() < 1e-9);
+        assert_eq!((t[5].estimate.age_ms, t[5].estimate.age_ratio), (None, 0.0));
+    }
+
+    /// While the term binds on an idle node, one report that reads nothing lowers the
+    /// smoothed count at the rising pace, and the term goes on binding; outside such
+    /// an episode a lower report shows at once.
+    #[test]
+    fn an_empty_report_does_not_drop_a_binding_term() {
+        let p = Params::default();
+        let mut t = vec![InflightTracker::default(); 4];
+        let healthy = |n: u32| (input(0.6, 0.6, n, 1.0), f64::from(n), None);
+        let mut stalled = vec![healthy(2), healthy(2), healthy(2)];
+        stalled.push((input(0.0, 0.0, 12, 0.2), 12.0, None));
+        run_aged(&p, &stalled, &mut t);
+        assert!(t[3].estimate.binding);
+        let before = t[3].smoothed();
+        stalled[3] = (input(0.0, 0.0, 0, 0.2), 0.0, None);
+        run_aged(&p, &stalled, &mut t);
+        assert!((t[3].smoothed() - before * (1.0 - SMOOTHING)).abs() < 1e-9);
+        assert!(t[3].estimate.binding, "{:?}", t[3].estimate);
+        // A healthy node's count falls fast.
+        let mut h = InflightTracker::default();
+        h.observe(4.0, None);
+        h.observe(0.0, None);
+        assert!((h.smoothed() - 4.0 * (1.0 - SMOOTHING_DOWN)).abs() < 1e-9);
     }
 }

@@ -47,8 +47,15 @@ pub struct Observation {
     pub seq: Option<u32>,
     /// CPU utilization relative to what the service may use.
     pub cpu: f64,
-    /// Requests in flight.
+    /// Requests in flight at the report's sample.
     pub inflight: u32,
+    /// The mean count over the report's interval, when the agent sampled it several
+    /// times; `None`: the point count is all there is.
+    pub inflight_mean: Option<f64>,
+    /// The mean age of the requests owed over the interval, ms, when measured.
+    pub age_ms: Option<f64>,
+    /// The oldest request owed in the interval, ms, when measured.
+    pub oldest_ms: Option<f64>,
     /// In-flight count that means fully busy; 0 if not measured.
     pub capacity: u32,
     /// Errors per request, if measured.

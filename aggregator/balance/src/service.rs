@@ -457,7 +457,10 @@ impl Service {
         ep.moved = false;
         self.slots.obs[slot] = obs;
         let tracker = &mut self.slots.inflight[slot];
-        tracker.observe(obs.inflight);
+        tracker.observe(
+            obs.inflight_mean.unwrap_or(f64::from(obs.inflight)),
+            obs.age_ms,
+        );
         // Until the next cycle judges the count against the fleet, the load is what the
         // report says on its own.
         ep.load = obs.load(params);

@@ -796,6 +796,8 @@ mod tests {
             seq: 1,
             cpu: 0.5,
             inflight: 3,
+            inflight_mean: 3.0,
+            age: None,
             capacity: 0,
             error_rate: None,
             state: NodeState::Serving,

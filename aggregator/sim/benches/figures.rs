@@ -38,6 +38,8 @@ fn sizes() {
         seq: 3600,
         cpu: 0.42,
         inflight: 17,
+        inflight_mean: 17.0,
+        age: None,
         capacity: 0,
         error_rate: None,
         state: NodeState::Serving,

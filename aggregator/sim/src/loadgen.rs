@@ -10,7 +10,7 @@
 use ballast_shared::session::driver::{now, until};
 use ballast_shared::session::{close, ClientConfig, ClientEvent, ClientSession, Measurement};
 use ballast_shared::tls::{self, CertificateDer, Identity};
-use ballast_shared::wire::Hello;
+use ballast_shared::wire::{Hello, RequestAge};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,7 +19,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio::time::MissedTickBehavior;
 
 /// The encoded size of the reports the generator sends (`docs/performance.md`).
-pub const REPORT_BYTES: usize = 13;
+pub const REPORT_BYTES: usize = 20;
 /// Handshakes the generator has in flight at once.
 const HANDSHAKES_AT_ONCE: usize = 32;
 /// How long one connection may take to be welcomed, handshake included.
@@ -376,12 +376,17 @@ impl Agent {
 
     /// One report: numbered by the session, with an in-flight count that keeps the
     /// encoding at [`REPORT_BYTES`] (the sequence number takes 1 byte below 251 and 3
-    /// above; so does the count).
+    /// above; so does the count), a mean count and the ages a TCP source reports.
     fn send(&self, conn: &quinn::Connection, session: &mut ClientSession, numbered: &mut u32) {
         let seq = numbered.wrapping_add(1);
         let m = Measurement {
             cpu: 0.42,
             inflight: if seq < 251 { 1000 } else { 17 },
+            inflight_mean: 16.4,
+            age: Some(RequestAge {
+                mean_ms: 12,
+                oldest_ms: 40,
+            }),
             ..Measurement::default()
         };
         let Ok(bytes) = session.report(m) else {

@@ -313,6 +313,10 @@ fn observation(r: &Report) -> Observation {
         seq: Some(r.seq),
         cpu: f64::from(r.cpu),
         inflight: r.inflight,
+        // A mean that is no count (NaN, infinite, negative) leaves the point count.
+        inflight_mean: Some(f64::from(r.inflight_mean)).filter(|m| m.is_finite() && *m >= 0.0),
+        age_ms: r.age.map(|a| f64::from(a.mean_ms)),
+        oldest_ms: r.age.map(|a| f64::from(a.oldest_ms)),
         capacity: r.capacity,
         error_rate: r.error_rate.map(f64::from),
         draining: r.state == ballast_shared::wire::NodeState::Draining,

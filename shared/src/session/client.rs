@@ -40,8 +40,12 @@ impl Default for ClientConfig {
 pub struct Measurement {
     /// CPU utilization relative to what the service may use. May exceed 1.
     pub cpu: f64,
-    /// Requests awaiting a response.
+    /// Requests awaiting a response at the report's sample.
     pub inflight: u32,
+    /// The mean count over the report interval's samples.
+    pub inflight_mean: f64,
+    /// The age of the requests owed over the same samples, when the source tells it.
+    pub age: Option<crate::wire::RequestAge>,
     /// The configured capacity; 0 lets the aggregator judge the count.
     pub capacity: u32,
     /// Errors per request, when measured.
@@ -372,6 +376,8 @@ impl ClientSession {
             seq: self.next_seq,
             cpu: m.cpu as f32,
             inflight: m.inflight,
+            inflight_mean: m.inflight_mean as f32,
+            age: m.age,
             capacity: m.capacity,
             error_rate: m.error_rate.map(|e| e as f32),
             state: if m.draining {

@@ -195,6 +195,11 @@ fn measurement() -> Measurement {
     Measurement {
         cpu: 0.25,
         inflight: 7,
+        inflight_mean: 7.5,
+        age: Some(wire::RequestAge {
+            mean_ms: 30,
+            oldest_ms: 120,
+        }),
         capacity: 0,
         error_rate: None,
         draining: false,
@@ -214,6 +219,8 @@ fn report(seq: u32) -> Vec<u8> {
         seq,
         cpu: 0.1,
         inflight: 1,
+        inflight_mean: 1.0,
+        age: None,
         capacity: 0,
         error_rate: None,
         state: NodeState::Serving,
@@ -269,6 +276,16 @@ fn happy_path_hello_welcome_report_reply() {
         };
         assert_eq!(report.seq, i as u32 + 1, "reports are numbered from 1");
         assert_eq!((report.cpu, report.inflight), (0.25, 7));
+        assert_eq!(
+            (report.inflight_mean, report.age),
+            (
+                7.5,
+                Some(wire::RequestAge {
+                    mean_ms: 30,
+                    oldest_ms: 120
+                })
+            )
+        );
         assert_eq!(report.state, NodeState::Serving);
         let reply = server
             .reply(&assignment(1.5, i as u64))
@@ -288,7 +305,7 @@ fn happy_path_hello_welcome_report_reply() {
 }
 
 /// A session of the previous protocol on both ends: the same exchange, every message
-/// in `ballast/1` on the wire, today's messages on either side of it.
+/// in `ballast/2` on the wire, today's messages on either side of it.
 #[test]
 fn a_session_of_the_previous_version_runs_end_to_end() {
     use crate::protocol::Protocol;
@@ -304,13 +321,13 @@ fn a_session_of_the_previous_version_runs_end_to_end() {
     let mut client = ClientSession::new(hello("web-1"), cc, t0);
     let mut server = ServerSession::new(peer("web-1"), sc, t0);
     let frame = client.hello_frame().expect("hello encodes");
-    assert_eq!(frame[2], crate::wire::v1::WIRE_VERSION);
+    assert_eq!(frame[2], crate::wire::v2::WIRE_VERSION);
     assert!(matches!(
         server.handle_stream(t0, &frame),
         Ok(Some(ServerEvent::Hello(_)))
     ));
     let welcome = server.welcome().expect("welcome");
-    assert_eq!(welcome[2], crate::wire::v1::WIRE_VERSION);
+    assert_eq!(welcome[2], crate::wire::v2::WIRE_VERSION);
     assert!(matches!(
         client.handle_stream(t0, &welcome),
         Ok(Some(ClientEvent::Welcomed { .. }))
@@ -320,20 +337,21 @@ fn a_session_of_the_previous_version_runs_end_to_end() {
         Some(ClientEvent::ReportDue)
     );
     let bytes = client.report(measurement()).expect("report");
-    assert_eq!(bytes[0], crate::wire::v1::WIRE_VERSION);
+    assert_eq!(bytes[0], crate::wire::v2::WIRE_VERSION);
     let report = match server.handle_datagram(&bytes) {
         Ok(ServerEvent::Report(r)) => r,
         other => panic!("expected a report, got {other:?}"),
     };
     assert_eq!((report.seq, report.cpu, report.inflight), (1, 0.25, 7));
     let reply = server.reply(&assignment(1.5, 4)).expect("reply");
-    assert_eq!(reply[0], crate::wire::v1::WIRE_VERSION);
+    assert_eq!(reply[0], crate::wire::v2::WIRE_VERSION);
     let Ok(ClientEvent::Assigned { assignment: a, .. }) = client.handle_datagram(t0, &reply) else {
         panic!("expected an assignment");
     };
-    // What the previous version's reply lacks: the load unknown, the count trusted.
+    // The previous version's reply is today's.
     assert_eq!((a.weight, a.cycle, a.draining), (1.5, 4, false));
-    assert!(a.load.is_nan() && a.inflight_trusted);
+    // Its report has no mean: the mean is its count, and no age is known.
+    assert_eq!((report.inflight_mean, report.age), (7.0, None));
 
     // A current-version datagram on a previous-version session is refused by its
     // version byte, and costs only itself.
@@ -341,6 +359,8 @@ fn a_session_of_the_previous_version_runs_end_to_end() {
         seq: 2,
         cpu: 0.1,
         inflight: 0,
+        inflight_mean: 0.0,
+        age: None,
         capacity: 0,
         error_rate: None,
         state: NodeState::Serving,
@@ -349,7 +369,7 @@ fn a_session_of_the_previous_version_runs_end_to_end() {
     assert!(matches!(
         server.handle_datagram(&current),
         Err(ServerError::Protocol(ProtocolError::Decode(
-            DecodeError::UnknownVersion(2)
+            DecodeError::UnknownVersion(WIRE_VERSION)
         )))
     ));
     assert!(server.is_established());
@@ -1033,7 +1053,7 @@ fn the_client_answers_a_relays_challenges_before_and_after_the_welcome() {
 }
 
 #[test]
-fn a_client_without_its_key_cannot_answer_and_the_previous_protocol_has_no_challenge() {
+fn a_client_without_its_key_cannot_answer() {
     let t0 = Instant::now();
     let mut client = ClientSession::new(hello("web-1"), ClientConfig::default(), t0);
     let challenge = wire::Challenge {
@@ -1046,13 +1066,4 @@ fn a_client_without_its_key_cannot_answer_and_the_previous_protocol_has_no_chall
         Err(ClientError::Proof(proof::ProofError::UnsupportedKey))
     ));
     assert!(client.is_closed());
-    let old = ServerSession::new(
-        peer("web-1"),
-        ServerConfig {
-            protocol: crate::protocol::Protocol::V1,
-            ..ServerConfig::new(1000)
-        },
-        t0,
-    );
-    assert!(old.challenge_frame(&challenge).is_err());
 }

@@ -22,10 +22,11 @@ use std::net::IpAddr;
 
 /// The ALPN protocol name of the current trunk protocol. Agents keep
 /// [`crate::ALPN`].
-pub const RELAY_ALPN: &[u8] = b"ballast-relay/2";
+pub const RELAY_ALPN: &[u8] = b"ballast-relay/3";
 
-/// The ALPN protocol name of the previous trunk protocol, without proofs.
-pub const RELAY_ALPN_V1: &[u8] = b"ballast-relay/1";
+/// The ALPN protocol name of the previous trunk protocol, whose entries are in the
+/// previous agent protocol.
+pub const RELAY_ALPN_V2: &[u8] = b"ballast-relay/2";
 
 /// A version of the trunk protocol, chosen by ALPN as the agents' is
 /// ([`crate::protocol`]): a relay offers every version it speaks, current first, and a
@@ -41,33 +42,34 @@ pub const RELAY_ALPN_V1: &[u8] = b"ballast-relay/1";
 /// none fail the handshake with `no_application_protocol`, counted at the primary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TrunkProtocol {
-    /// `ballast-relay/1`: [`TRUNK_VERSION`] 1, entries in `ballast/2`; no proofs of
-    /// possession, so its agents are unproven.
-    V1,
-    /// `ballast-relay/2`: the frames and batches of `ballast-relay/1`, and the
-    /// primary challenges each attach ([`ToRelay::Challenge`], [`ToPrimary::Proof`]).
+    /// `ballast-relay/2`: [`TRUNK_VERSION`] 1, entries in `ballast/2`; the primary
+    /// challenges each attach ([`ToRelay::Challenge`], [`ToPrimary::Proof`]).
     V2,
+    /// `ballast-relay/3`: the frames and batches of `ballast-relay/2`, entries in
+    /// `ballast/3`, so that a relay forwards its agents' mean in-flight counts and
+    /// request ages.
+    V3,
 }
 
 impl TrunkProtocol {
     /// The version this build speaks natively.
-    pub const CURRENT: TrunkProtocol = TrunkProtocol::V2;
+    pub const CURRENT: TrunkProtocol = TrunkProtocol::V3;
     /// Every version this build speaks, current first.
-    pub const ALL: [TrunkProtocol; 2] = [TrunkProtocol::V2, TrunkProtocol::V1];
+    pub const ALL: [TrunkProtocol; 2] = [TrunkProtocol::V3, TrunkProtocol::V2];
 
     /// Its ALPN protocol name.
     pub fn alpn(self) -> &'static [u8] {
         match self {
-            TrunkProtocol::V1 => RELAY_ALPN_V1,
-            TrunkProtocol::V2 => RELAY_ALPN,
+            TrunkProtocol::V2 => RELAY_ALPN_V2,
+            TrunkProtocol::V3 => RELAY_ALPN,
         }
     }
 
     /// Its name, for logs.
     pub fn name(self) -> &'static str {
         match self {
-            TrunkProtocol::V1 => "ballast-relay/1",
             TrunkProtocol::V2 => "ballast-relay/2",
+            TrunkProtocol::V3 => "ballast-relay/3",
         }
     }
 
@@ -75,15 +77,16 @@ impl TrunkProtocol {
     /// its control frames are in.
     pub fn entries(self) -> crate::protocol::Protocol {
         match self {
-            TrunkProtocol::V1 | TrunkProtocol::V2 => crate::protocol::Protocol::V2,
+            TrunkProtocol::V2 => crate::protocol::Protocol::V2,
+            TrunkProtocol::V3 => crate::protocol::Protocol::V3,
         }
     }
 
-    /// Whether the primary challenges each attach for a proof of possession.
+    /// Whether the primary challenges each attach for a proof of possession: every
+    /// version spoken today does (the trunk that did not is no longer spoken).
     pub fn proves(self) -> bool {
         match self {
-            TrunkProtocol::V1 => false,
-            TrunkProtocol::V2 => true,
+            TrunkProtocol::V2 | TrunkProtocol::V3 => true,
         }
     }
 
@@ -104,8 +107,8 @@ impl TrunkProtocol {
         protocols
             .iter()
             .map(|p| match p {
-                crate::protocol::Protocol::V1 => TrunkProtocol::V1,
                 crate::protocol::Protocol::V2 => TrunkProtocol::V2,
+                crate::protocol::Protocol::V3 => TrunkProtocol::V3,
             })
             .collect()
     }
@@ -171,8 +174,8 @@ pub enum ToPrimary {
         /// Its slot.
         slot: Slot,
     },
-    /// The answer to [`ToRelay::Challenge`] (`ballast-relay/2` only): the agent's
-    /// proof, or `None` when it cannot make one (it speaks `ballast/1`).
+    /// The answer to [`ToRelay::Challenge`]: the agent's proof, or `None` when it
+    /// cannot make one (its stream or connection ended).
     Proof {
         /// Its slot.
         slot: Slot,
@@ -232,7 +235,7 @@ pub enum ToRelay {
         reason: String,
     },
     /// Before it admits the agent of `slot`, the primary asks it to prove that it
-    /// holds its certificate's key (`ballast-relay/2` only); the relay hands the
+    /// holds its certificate's key; the relay hands the
     /// challenge to the agent and its answer back ([`ToPrimary::Proof`]).
     Challenge {
         /// Its slot.

@@ -29,6 +29,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::TcpCount;
+use crate::sample::OwedAges;
 use crate::sample::SampleError;
 
 /// `SOCK_DIAG_BY_FAMILY` from `linux/sock_diag.h` (not exported by libc).
@@ -134,6 +135,8 @@ pub(super) struct DiagCounter {
     /// Sockets the kernel returned in the last sample, before the user-space port
     /// check: lets tests see that the kernel-side filter works.
     pub(super) last_returned: u32,
+    /// The ages of the requests owed in the last sample.
+    pub(super) ages: OwedAges,
 }
 
 impl DiagCounter {
@@ -162,6 +165,7 @@ impl DiagCounter {
             seq: 0,
             buf: vec![0; RECV_BUF_BYTES],
             last_returned: 0,
+            ages: OwedAges::default(),
         }
     }
 
@@ -202,6 +206,7 @@ impl DiagCounter {
         let raw = fd.as_raw_fd();
         self.sock = Some(fd);
         self.last_returned = 0;
+        self.ages = OwedAges::default();
         if self.use_both {
             match self.dump(raw, None)? {
                 Dump::Counted(n) => return Ok(n),
@@ -213,6 +218,7 @@ impl DiagCounter {
                     );
                     self.use_both = false;
                     self.last_returned = 0;
+                    self.ages = OwedAges::default();
                 }
             }
         }
@@ -264,6 +270,7 @@ impl DiagCounter {
                 owed: chunk.owed,
                 established: chunk.established,
             });
+            self.ages = self.ages.plus(chunk.ages);
             self.last_returned = self.last_returned.saturating_add(chunk.sockets);
             if let Some(errno) = chunk.refused {
                 return Ok(Dump::Refused(errno));
@@ -284,6 +291,9 @@ pub(crate) struct Chunk {
     pub(crate) established: u32,
     /// Of those, the sockets owed a response ([`owes_response`]).
     pub(crate) owed: u32,
+    /// The ages of the owed requests whose `tcp_info` was there: each one's
+    /// `tcpi_last_data_recv`, the time since its request last received data.
+    pub(crate) ages: OwedAges,
     /// `NLMSG_DONE` (or an `NLMSG_ERROR`) ended the answer.
     pub(crate) done: bool,
     /// The errno of an `NLMSG_ERROR`: the kernel refused the request.
@@ -381,6 +391,9 @@ pub(crate) fn parse_chunk(
                     })?;
                     if owes_response(rqueue, times) {
                         chunk.owed = chunk.owed.saturating_add(1);
+                        if let Some(t) = times {
+                            chunk.ages.add(t.last_data_recv_ms);
+                        }
                     }
                 }
             }

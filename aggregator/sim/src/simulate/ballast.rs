@@ -6,7 +6,7 @@
 //! published `Endpoint::weight`s, read only when the cycle says they changed
 //! materially, as the weight feeds do.
 
-use super::fleet::Measurement;
+use super::fleet::{InflightMeasure, Measurement};
 use super::strategy::AgentConfig;
 use ballast_balance::inflight::InflightEstimate;
 use ballast_balance::{BalanceError, Balancer, CycleResult, Observation, Params};
@@ -84,6 +84,10 @@ impl BallastAdapter {
             seq: Some(*seq),
             cpu: m.cpu,
             inflight: m.inflight.get(self.agent.measure),
+            inflight_mean: Some(m.mean(self.agent.measure)),
+            // A source that counts connections owing a response reads their ages too.
+            age_ms: (self.agent.measure == InflightMeasure::Owed).then_some(m.age_ms),
+            oldest_ms: (self.agent.measure == InflightMeasure::Owed).then_some(m.oldest_ms),
             capacity: self.agent.capacity,
             error_rate: Some(m.error_rate),
             draining: false,

@@ -81,6 +81,18 @@ pub struct InflightCounts {
     pub owed: u32,
 }
 
+impl Measurement {
+    /// The mean count over the window `measure` sees; established connections (a
+    /// count of connections, not of requests) are the gauge.
+    pub fn mean(&self, measure: InflightMeasure) -> f64 {
+        match measure {
+            InflightMeasure::Requests => self.mean_requests,
+            InflightMeasure::Established => f64::from(self.inflight.established),
+            InflightMeasure::Owed => self.mean_owed,
+        }
+    }
+}
+
 impl InflightCounts {
     /// The count `measure` sees.
     pub fn get(&self, measure: InflightMeasure) -> u32 {
@@ -149,6 +161,11 @@ pub struct Window {
     pub busy_core_ms: f64,
     /// Integral of the in-flight count over time, in request-milliseconds.
     pub inflight_ms: f64,
+    /// Integral of the count of connections owing a response, the same way.
+    pub owed_ms: f64,
+    /// Integral of the summed ages of the requests in flight over time, in
+    /// request-milliseconds times milliseconds: over `inflight_ms`, their mean age.
+    pub age_ms2: f64,
     /// Requests that arrived.
     pub arrivals: u32,
     /// Requests that completed (served or failed).
@@ -165,6 +182,16 @@ pub struct Measurement {
     /// The in-flight count at the moment of the report (a gauge, as the agent reads
     /// it), under each measure an agent's source may take.
     pub inflight: InflightCounts,
+    /// The mean counts over the report's window (an agent that samples often):
+    /// requests, and connections owing a response; established connections are the
+    /// gauge.
+    pub mean_requests: f64,
+    /// See [`Measurement::mean_requests`].
+    pub mean_owed: f64,
+    /// The mean age of the requests in flight over the window, ms (0 without any).
+    pub age_ms: f64,
+    /// The oldest request in flight at the report, ms.
+    pub oldest_ms: f64,
     /// Completions per second over the window.
     pub qps: f64,
     /// Failures per second over the window.
@@ -188,6 +215,9 @@ pub struct Endpoint {
     pub http2_active: u32,
     /// Requests in flight that came on HTTP/1 connections of their own.
     pub http1_inflight: u32,
+    /// The arrival times of the requests in flight, summed: their ages sum to
+    /// `count × now − this`.
+    arrived_sum: f64,
     /// The tick within each cycle at which its agent reports.
     pub phase: u64,
     /// The injected fault.
@@ -223,6 +253,7 @@ impl Endpoint {
             http2_connections: 0,
             http2_active: 0,
             http1_inflight: 0,
+            arrived_sum: 0.0,
             phase,
             fault: Fault::None,
             report: w,
@@ -254,6 +285,7 @@ impl Endpoint {
 
     fn admit(&mut self, mut job: Job) {
         self.report.arrivals += 1;
+        self.arrived_sum += job.arrived_ms as f64;
         if !job.http2 {
             self.http1_inflight += 1;
         }
@@ -310,6 +342,7 @@ impl Endpoint {
             busy += active * need;
             if let Some(job) = self.ps.pop() {
                 let latency_ms = end_ms.saturating_sub(job.arrived_ms);
+                self.arrived_sum -= job.arrived_ms as f64;
                 self.report.completions += 1;
                 self.metric.completions += 1;
                 if !job.http2 {
@@ -332,9 +365,29 @@ impl Endpoint {
         }
         self.report.busy_core_ms += busy;
         self.metric.busy_core_ms += busy;
-        let inflight = self.inflight() as f64 * dt;
+        let n = self.inflight() as f64;
+        let inflight = n * dt;
         self.report.inflight_ms += inflight;
         self.metric.inflight_ms += inflight;
+        if n == 0.0 {
+            // Nothing in flight: the sum is exactly 0, whatever rounding left.
+            self.arrived_sum = 0.0;
+        }
+        let ages = (n * end_ms as f64 - self.arrived_sum).max(0.0);
+        self.report.age_ms2 += ages * dt;
+        let owed = self.inflight_counts().owed;
+        self.report.owed_ms += f64::from(owed) * dt;
+    }
+
+    /// The age of the oldest request in flight at `now`, ms.
+    fn oldest_ms(&self, now: u64) -> f64 {
+        let first = self
+            .ps
+            .iter()
+            .chain(self.io.iter())
+            .map(|j| j.arrived_ms)
+            .min();
+        first.map_or(0.0, |t| now.saturating_sub(t) as f64)
     }
 
     /// Closes the agent's window at `now` and returns what it reports.
@@ -352,6 +405,14 @@ impl Endpoint {
         Measurement {
             cpu,
             inflight: self.inflight_counts(),
+            mean_requests: w.inflight_ms / span,
+            mean_owed: w.owed_ms / span,
+            age_ms: if w.inflight_ms > 0.0 {
+                w.age_ms2 / w.inflight_ms
+            } else {
+                0.0
+            },
+            oldest_ms: self.oldest_ms(now),
             qps: f64::from(w.completions) / secs,
             eps: f64::from(w.errors) / secs,
             error_rate: if w.completions > 0 {

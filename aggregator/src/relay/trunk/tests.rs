@@ -293,7 +293,7 @@ async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
         .expect_err("no common trunk version");
     let text = dial_error(addr, &err);
     assert!(
-        text.contains("speaks none of the trunk protocols this relay offers (ballast-relay/2, ballast-relay/1)"),
+        text.contains("speaks none of the trunk protocols this relay offers (ballast-relay/3, ballast-relay/2)"),
         "{text}"
     );
 }

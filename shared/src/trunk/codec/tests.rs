@@ -18,6 +18,8 @@ fn report(seq: u32) -> Vec<u8> {
         seq,
         cpu: 0.5,
         inflight: 3,
+        inflight_mean: 3.0,
+        age: None,
         capacity: 0,
         error_rate: None,
         state: NodeState::Serving,

@@ -106,6 +106,8 @@ fn report(seq: u32) -> Vec<u8> {
         seq,
         cpu: 0.5,
         inflight: 2,
+        inflight_mean: 2.0,
+        age: None,
         capacity: 0,
         error_rate: None,
         state: NodeState::Serving,
