@@ -163,6 +163,9 @@ pub struct InflightEstimate {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct InflightTracker {
     smoothed: Option<f64>,
+    /// The smoothed mean count over the reports' intervals, which a node whose CPU is
+    /// below the fleet's is judged by (see [`assess_counted`]).
+    smoothed_mean: Option<f64>,
     /// The smoothed age of the requests owed, ms; `None` when the agent does not
     /// report one.
     age_ms: Option<f64>,
@@ -185,9 +188,10 @@ pub struct InflightTracker {
 }
 
 impl InflightTracker {
-    /// Takes a report's count (the mean over its interval) and the age of the requests
-    /// it owed (`None`: the agent does not measure it) into the smoothed ones.
-    pub fn observe(&mut self, inflight: f64, age_ms: Option<f64>) {
+    /// Takes a report's count at its sample, the mean over its interval, and the age of
+    /// the requests it owed (`None`: the agent does not measure it) into the smoothed
+    /// ones.
+    pub fn observe(&mut self, inflight: u32, mean: f64, age_ms: Option<f64>) {
         // In a stall episode, a lower report does not drop the term at once; a busy
         // node's drained queue shows at once.
         let down = if self.stalled {
@@ -203,7 +207,13 @@ impl InflightTracker {
                 None => x,
             })
         };
-        self.smoothed = smooth(self.smoothed, inflight);
+        let x = f64::from(inflight);
+        self.smoothed = Some(match self.smoothed {
+            Some(s) if x < s => s + SMOOTHING_DOWN * (x - s),
+            Some(s) => s + SMOOTHING * (x - s),
+            None => x,
+        });
+        self.smoothed_mean = smooth(self.smoothed_mean, mean);
         self.age_ms = match age_ms {
             Some(a) => smooth(self.age_ms, a),
             None => None,
@@ -252,8 +262,10 @@ pub(crate) struct Input {
 /// What [`assess`] reads of one endpoint's tracker, once.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Count {
-    /// The smoothed count.
+    /// The smoothed count at the reports' samples.
     smoothed: f64,
+    /// The smoothed mean count over the reports' intervals.
+    mean: f64,
     /// The smoothed age of the requests owed.
     age_ms: Option<f64>,
     /// The largest of the last cycles' weights.
@@ -314,6 +326,7 @@ pub(crate) fn take_in(input: &Input, tracker: &mut InflightTracker) -> Count {
     tracker.weights[0] = input.weight;
     Count {
         smoothed: tracker.smoothed(),
+        mean: tracker.smoothed_mean.unwrap_or(0.0),
         age_ms: tracker.age_ms,
         peak_weight: tracker.weights.iter().copied().fold(0.0, f64::max),
     }
@@ -329,8 +342,16 @@ pub(crate) fn assess_counted(
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
-    let per_weight = |c: &Count| c.smoothed / c.peak_weight.max(params.min_weight);
-    let per_cpu = |i: &Input, c: &Count| c.smoothed / i.cpu.max(MIN_CPU);
+    // A node whose CPU is below the fleet's average is not busy: its mean count over
+    // the interval and the age of its requests say whether it is stuck, and one empty
+    // sample must not hide that. A busier node is judged by its count at the report's
+    // sample, as it was before means: a saturated node's mean carries the backlog that
+    // the last step of its weight already drained (three times its point count in
+    // the lab), which would hold its term binding a few cycles past the cure.
+    let quiet = |i: &Input| i.cpu < avg_base;
+    let count_of = |i: &Input, c: &Count| if quiet(i) { c.mean } else { c.smoothed };
+    let per_weight = |i: &Input, c: &Count| count_of(i, c) / c.peak_weight.max(params.min_weight);
+    let per_cpu = |i: &Input, c: &Count| count_of(i, c) / i.cpu.max(MIN_CPU);
     // Both ratios of the endpoints without a capacity, in one walk.
     let mut by_weight = Vec::with_capacity(items.len());
     let mut by_cpu = Vec::with_capacity(items.len());
@@ -339,7 +360,7 @@ pub(crate) fn assess_counted(
         .zip(counts)
         .filter(|((i, _), _)| i.capacity == 0)
     {
-        by_weight.push(per_weight(c));
+        by_weight.push(per_weight(i, c));
         by_cpu.push(per_cpu(i, c));
     }
     let typical = |v: Vec<f64>, floor: f64| typical_of(v).unwrap_or(0.0).max(floor);
@@ -360,15 +381,16 @@ pub(crate) fn assess_counted(
         .iter_mut()
         .zip(counts)
         .map(|((input, tracker), count)| {
-            let smoothed = count.smoothed;
+            let smoothed = count_of(input, count);
             let age_ratio = count.age_ms.map_or(0.0, |a| a / typical_age);
-            // Only an age beyond the tolerance says anything: a typical one on an idle
-            // node is no load.
-            let age_term = if counts_inflight && !input.warming && age_ratio > AGE_TOLERANCE {
-                (scale * age_ratio / AGE_TOLERANCE).min(scale * TERM_CAP)
-            } else {
-                0.0
-            };
+            // Only an age beyond the tolerance says anything (a typical one on an idle
+            // node is no load), and only on a node that is not busy.
+            let age_term =
+                if counts_inflight && !input.warming && quiet(input) && age_ratio > AGE_TOLERANCE {
+                    (scale * age_ratio / AGE_TOLERANCE).min(scale * TERM_CAP)
+                } else {
+                    0.0
+                };
             let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
                 (Derivation::None, 0.0, 0.0)
             } else if input.capacity > 0 {
@@ -377,7 +399,7 @@ pub(crate) fn assess_counted(
             } else if input.warming {
                 (Derivation::FleetRelative, 0.0, 0.0)
             } else {
-                let by_weight = per_weight(count) / typical_weight;
+                let by_weight = per_weight(input, count) / typical_weight;
                 let by_cpu = per_cpu(input, count) / typical_cpu;
                 let ratio = if use_cpu {
                     by_weight.min(by_cpu)
@@ -487,7 +509,7 @@ mod tests {
     /// Runs `assess` over parallel vectors of inputs and trackers.
     fn run(params: &Params, inputs: &[Input], trackers: &mut [InflightTracker]) -> Vec<f64> {
         for (i, t) in inputs.iter().zip(trackers.iter_mut()) {
-            t.observe(f64::from(i.inflight), None);
+            t.observe(i.inflight, f64::from(i.inflight), None);
         }
         let mut items: Vec<(Input, &mut InflightTracker)> =
             inputs.iter().copied().zip(trackers.iter_mut()).collect();
@@ -649,8 +671,8 @@ mod tests {
         inputs: &[(Input, f64, Option<f64>)],
         trackers: &mut [InflightTracker],
     ) -> Vec<f64> {
-        for ((_, mean, age), t) in inputs.iter().zip(trackers.iter_mut()) {
-            t.observe(*mean, *age);
+        for ((i, mean, age), t) in inputs.iter().zip(trackers.iter_mut()) {
+            t.observe(i.inflight, *mean, *age);
         }
         let mut items: Vec<(Input, &mut InflightTracker)> = inputs
             .iter()
@@ -735,15 +757,15 @@ mod tests {
         stalled.push((input(0.0, 0.0, 12, 0.2), 12.0, None));
         run_aged(&p, &stalled, &mut t);
         assert!(t[3].estimate.binding);
-        let before = t[3].smoothed();
+        let before = t[3].estimate.smoothed;
         stalled[3] = (input(0.0, 0.0, 0, 0.2), 0.0, None);
         run_aged(&p, &stalled, &mut t);
-        assert!((t[3].smoothed() - before * (1.0 - SMOOTHING)).abs() < 1e-9);
+        assert!((t[3].estimate.smoothed - before * (1.0 - SMOOTHING)).abs() < 1e-9);
         assert!(t[3].estimate.binding, "{:?}", t[3].estimate);
-        // A healthy node's count falls fast.
+        // A healthy node's mean falls fast.
         let mut h = InflightTracker::default();
-        h.observe(4.0, None);
-        h.observe(0.0, None);
-        assert!((h.smoothed() - 4.0 * (1.0 - SMOOTHING_DOWN)).abs() < 1e-9);
+        h.observe(4, 4.0, None);
+        h.observe(0, 0.0, None);
+        assert_eq!(h.smoothed_mean, Some(4.0 * (1.0 - SMOOTHING_DOWN)));
     }
 }

@@ -458,6 +458,7 @@ impl Service {
         self.slots.obs[slot] = obs;
         let tracker = &mut self.slots.inflight[slot];
         tracker.observe(
+            obs.inflight,
             obs.inflight_mean.unwrap_or(f64::from(obs.inflight)),
             obs.age_ms,
         );
