@@ -50,7 +50,7 @@ fuzz_target!(|data: &[u8]| {
         welcome_timeout: Duration::from_millis(u64::from(u16::from_be_bytes([w0, w1]))),
         missed_replies: u32::from(missed),
         silence_slack: Duration::from_millis(u64::from(u16::from_be_bytes([s0, s1]))),
-        // The previous version's codec has its own target (wire_v1).
+        // The previous version's codec has its own target (wire_v2).
         ..ClientConfig::default()
     };
     let mut s = ClientSession::new(hello.clone(), config, now);
@@ -85,6 +85,11 @@ fuzz_target!(|data: &[u8]| {
                 let m = Measurement {
                     cpu: u.arbitrary().unwrap_or(0.5),
                     inflight: u.arbitrary().unwrap_or(3),
+                    inflight_mean: u.arbitrary().unwrap_or(3.0),
+                    age: u
+                        .arbitrary::<Option<(u32, u32)>>()
+                        .unwrap_or(None)
+                        .map(|(mean_ms, oldest_ms)| wire::RequestAge { mean_ms, oldest_ms }),
                     capacity: u.arbitrary().unwrap_or(0),
                     error_rate: u.arbitrary().unwrap_or(None),
                     draining: u.arbitrary().unwrap_or(false),

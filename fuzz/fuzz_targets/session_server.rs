@@ -89,7 +89,7 @@ fuzz_target!(|data: &[u8]| {
         interval_ms: u32::from(u16::from_be_bytes([i0, i1])),
         hello_timeout: Duration::from_millis(u64::from(u16::from_be_bytes([t0, t1]))),
         max_bad_datagrams: u32::from(max_bad),
-        // The previous version's codec has its own target (wire_v1).
+        // The previous version's codec has its own target (wire_v2).
         protocol: ballast_shared::protocol::Protocol::CURRENT,
     };
     let mut s = ServerSession::new(peer, config, now);

@@ -342,13 +342,15 @@ pub(crate) fn assess_counted(
     let counts_inflight = params.metric != LoadMetric::Cpu;
     let n = items.len().max(1) as f64;
     let avg_base = items.iter().map(|(i, _)| i.base).sum::<f64>() / n;
-    // A node whose CPU is below the fleet's average is not busy: its mean count over
-    // the interval and the age of its requests say whether it is stuck, and one empty
-    // sample must not hide that. A busier node is judged by its count at the report's
-    // sample, as it was before means: a saturated node's mean carries the backlog that
-    // the last step of its weight already drained (three times its point count in
-    // the lab), which would hold its term binding a few cycles past the cure.
-    let quiet = |i: &Input| i.cpu < avg_base;
+    // A node whose CPU is idle (the stall's signature) is judged by its mean count
+    // over the interval and the age of its requests: one empty sample must not hide
+    // its stall. Any other is judged by its count at the report's sample, as before
+    // means: a saturated node's mean carries the backlog that the last step of its
+    // weight already drained (three times its point count in the lab), which held its
+    // term binding a few cycles past the cure; and a small node whose CPU quota is
+    // throttled waits for its next period, an age that is no stall.
+    let idle_cpu = IDLE_CPU * avg_base;
+    let quiet = |i: &Input| i.cpu <= idle_cpu;
     let count_of = |i: &Input, c: &Count| if quiet(i) { c.mean } else { c.smoothed };
     let per_weight = |i: &Input, c: &Count| count_of(i, c) / c.peak_weight.max(params.min_weight);
     let per_cpu = |i: &Input, c: &Count| count_of(i, c) / i.cpu.max(MIN_CPU);
@@ -376,7 +378,6 @@ pub(crate) fn assess_counted(
         LoadMetric::Inflight => (1.0, 1.0, 0.0),
         _ => (avg_base, TOLERANCE, MIN_INFLIGHT),
     };
-    let idle_cpu = IDLE_CPU * avg_base;
     items
         .iter_mut()
         .zip(counts)
@@ -384,7 +385,7 @@ pub(crate) fn assess_counted(
             let smoothed = count_of(input, count);
             let age_ratio = count.age_ms.map_or(0.0, |a| a / typical_age);
             // Only an age beyond the tolerance says anything (a typical one on an idle
-            // node is no load), and only on a node that is not busy.
+            // node is no load), and only on an idle node.
             let age_term =
                 if counts_inflight && !input.warming && quiet(input) && age_ratio > AGE_TOLERANCE {
                     (scale * age_ratio / AGE_TOLERANCE).min(scale * TERM_CAP)
