@@ -458,8 +458,6 @@ fn a_cpu_bound_grpc_service_behind_proxyless_grpc_converges_with_shipped_agent_d
                             backend: i,
                             at_ms: at as f64,
                             inflight: u32::try_from(count).unwrap_or(u32::MAX),
-                            inflight_mean: 0.0,
-                            age: None,
                             cpu,
                         });
                     }

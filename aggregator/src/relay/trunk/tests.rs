@@ -270,7 +270,7 @@ async fn a_replica_that_shares_no_trunk_version_is_named_in_the_dial_error() {
     let ca_certs: Vec<CertificateDer<'static>> =
         ballast_shared::tls::certs_from_pem(&ca.pem().cert, "CA").expect("CA");
     // A primary of a release that speaks only a trunk version this relay does not.
-    let primary = primary_endpoint(&ca, &ca_certs, &[b"ballast-relay/3"]);
+    let primary = primary_endpoint(&ca, &ca_certs, &[b"ballast-relay/4"]);
     let addr = primary.local_addr().expect("address");
     tokio::spawn(async move {
         while let Some(incoming) = primary.accept().await {
