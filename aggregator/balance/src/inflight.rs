@@ -41,9 +41,13 @@
 //! milliseconds old with a single one in flight, a busy node's a few. It is judged like
 //! the count, against the service's typical (median) smoothed age, floored at
 //! [`MIN_TYPICAL_AGE_MS`]; above [`AGE_TOLERANCE`] times that (and only there) it
-//! binds like the count's term, and since a stall's age does not fall with the weight, the node is steered
-//! down until its requests' age is back in line, at any request rate. The term is the
-//! larger of the two.
+//! binds like the count's term, and since a stall's age does not fall with the weight,
+//! the node is steered down until its requests' age is back in line, at any request
+//! rate. The term is the larger of the two. Only an idle node (CPU below [`IDLE_CPU`]
+//! of the fleet's average, the stall's signature) is judged by its mean count and its
+//! age; any other by its count at the report's sample, as before means: a saturated
+//! node's mean carries the backlog its last weight step drained, and a CFS-throttled
+//! node's requests wait for its next period, which is no stall.
 //!
 //! A count that does not respond to the weight is not load: pooled connections or
 //! long polls counted as requests, a broken gauge. When the term has driven an
