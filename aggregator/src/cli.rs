@@ -172,6 +172,22 @@ pub enum TokenCommand {
         #[arg(long, value_enum)]
         role: crate::api::auth::Role,
     },
+    /// Make a random token, write it to --out (a new file, mode 0600) and add its
+    /// `[[token]]` entry (the argon2 hash) to the token file TOKENS, created if
+    /// missing. A running aggregator takes it within `tokens_check_ms`.
+    New {
+        /// The token file of hashes (`[http_auth] tokens`, `run --http-tokens`).
+        tokens: PathBuf,
+        /// The token's name, as the logs, metrics and audit records show it.
+        #[arg(long)]
+        name: String,
+        /// Its role: viewer, operator or scrape.
+        #[arg(long, value_enum)]
+        role: crate::api::auth::Role,
+        /// Where to write the token itself, for the client (`--token-file`).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 /// Config-directory subcommands.
@@ -290,6 +306,15 @@ pub struct RunArgs {
     /// `mutual` (clients need a certificate from the CA) or `plaintext` [default: tls].
     #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
     pub xds_tls: Option<crate::config::XdsTls>,
+    /// HTTPS on the HTTP API with the files of this directory: ca.pem (client
+    /// certificates are checked against it), server.pem and server.key, as `certs init`
+    /// lays them out; the --tls-dir will do (`[http_tls]`).
+    #[arg(long, env = "BALLAST_HTTP_TLS_DIR")]
+    pub http_tls_dir: Option<PathBuf>,
+    /// The token file of the HTTP API (`[http_auth] tokens`): entries from `token new`
+    /// or `token hash`.
+    #[arg(long, env = "BALLAST_HTTP_TOKENS")]
+    pub http_tokens: Option<PathBuf>,
     /// Serve the HTTP API on an address other than loopback without TLS or
     /// credentials (`insecure_http = true`).
     #[arg(long, env = "BALLAST_INSECURE_HTTP")]
@@ -318,8 +343,8 @@ impl RunArgs {
     /// These flags, with those given before `run` (`top`) where these are unset.
     fn inherit(&mut self, top: &RunArgs) {
         self.common.inherit(&top.common);
-        fill!(self, top; xds, xds_tls, config_dir, store, replica, cycle_ms, grace_ms,
-            report_interval_ms);
+        fill!(self, top; xds, xds_tls, http_tls_dir, http_tokens, config_dir, store, replica,
+            cycle_ms, grace_ms, report_interval_ms);
         self.insecure_http |= top.insecure_http;
     }
 }

@@ -9,7 +9,7 @@ use ballast_aggregator::cli::{
 use ballast_aggregator::client::{self, ActTarget, ApiClient};
 use ballast_aggregator::config::Config;
 use ballast_aggregator::daemon::{self, Daemon};
-use ballast_shared::config::init_logging;
+use ballast_shared::config::{init_logging, TlsFiles};
 use reqwest::Method;
 use serde_json::json;
 use std::process::ExitCode;
@@ -47,6 +47,12 @@ fn main() -> ExitCode {
             certs_revoke(&dir, node, serial)
         }
         Some(Command::Token(TokenCommand::Hash { name, role })) => token_hash(&name, role),
+        Some(Command::Token(TokenCommand::New {
+            tokens,
+            name,
+            role,
+            out,
+        })) => token_new(&tokens, &name, role, &out),
         Some(Command::Check { config }) => check(&config),
         Some(Command::Config(ConfigCommand::Check { dir })) => config_check(&dir, &cli.run),
         Some(Command::Config(ConfigCommand::Restore { backup, to, exact })) => {
@@ -148,6 +154,12 @@ fn config(args: &RunArgs) -> Result<Config> {
     }
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
+    }
+    if let Some(dir) = &args.http_tls_dir {
+        cfg.http_tls = Some(TlsFiles::in_dir(dir, "server"));
+    }
+    if let Some(tokens) = &args.http_tokens {
+        cfg.http_auth.tokens = Some(tokens.clone());
     }
     cfg.insecure_http |= args.insecure_http;
     cfg.validate().with_context(|| args.common.origin())?;
@@ -391,6 +403,22 @@ fn token_hash(name: &str, role: ballast_aggregator::api::auth::Role) -> Result<E
     let entry =
         ballast_aggregator::api::auth::hash_entry(name, role, line.trim_end_matches(['\r', '\n']))?;
     print!("{entry}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn token_new(
+    tokens: &std::path::Path,
+    name: &str,
+    role: ballast_aggregator::api::auth::Role,
+    out: &std::path::Path,
+) -> Result<ExitCode> {
+    let made = ballast_aggregator::api::auth::new_token(tokens, name, role, out)?;
+    println!(
+        "token {name:?} ({}) written to {}; its hash added to {}",
+        role.label(),
+        made.token_file.display(),
+        made.tokens.display()
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -10,7 +10,9 @@
 //! - `web-1` and `web-2`, the first two nodes `certs init` names, each run a real HTTP
 //!   service on port 8080 (`ballast-lab-backend`) and the block's agent command, after
 //!   their certificate directory was copied as the block's comment says;
-//! - `web-4` joins once the block's `certs issue` made its certificate.
+//! - `web-4` joins once the block's `certs issue` made its certificate;
+//! - `ops`, an operator's machine, runs the block's remote commands with the files
+//!   their comment says to copy (the CA and the token `token new` wrote).
 //!
 //! Only directories are substituted: `/etc/ballast` and `/var/lib/ballast` become a
 //! directory per host (in the commands' words, and for the agent's default TLS
@@ -25,7 +27,13 @@
 //!    address from the aggregator's host;
 //! 3. after `certs issue`, the new node published the same way;
 //! 4. after `certs revoke`, what the README says: the revoked node's agent says
-//!    `refused     revoked`, its endpoint goes missing, and the others stay serving.
+//!    `refused     revoked`, its endpoint goes missing, and the others stay serving;
+//! 5. the API served off loopback over HTTPS to the token only: from `ops`, a request
+//!    without it is refused (401), `endpoints` lists the nodes, and `drain` takes the
+//!    node out (draining, weight 0).
+//!
+//! The test reads the API itself, on the aggregator's host, as the operator does: the
+//! block's URL, the CA of `--http-tls-dir` and the token of `token new`.
 //!
 //! Needs root, `ip` (iproute2), `unshare` and `curl`; fails, naming what is missing.
 //! Namespaces, `/etc/netns` entries and processes are removed on drop, failure included.
@@ -129,6 +137,8 @@ impl Host {
         let path = std::env::var_os("PATH").unwrap_or_default();
         let mut paths = vec![bin_dir];
         paths.extend(std::env::split_paths(&path));
+        // Relative paths (the operator's `ca.pem`, `ops.token`) are the host's root.
+        cmd.current_dir(&self.root);
         cmd.env("PATH", std::env::join_paths(paths).expect("PATH"))
             .env("BALLAST_TLS_DIR", self.root.join("etc/ballast/tls"))
             .env("BALLAST_CONTROL", self.root.join("run/ballast/agent.sock"))
@@ -291,9 +301,41 @@ fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(str::to_string).collect()
 }
 
+/// How the aggregator's host reaches its own API, in the block's words: the URL the
+/// operator's commands use, the CA of `run --http-tls-dir`, the token `token new` wrote.
+#[derive(Default)]
+struct ApiAccess {
+    url: Option<String>,
+    ca: Option<String>,
+    token: Option<String>,
+}
+
+impl ApiAccess {
+    /// `command` (a client subcommand) with the flags to reach the API from its host.
+    fn words(&self, command: &str) -> Vec<String> {
+        let mut out = words(command);
+        let flag = |name: &str, v: &Option<String>| {
+            let v = v
+                .clone()
+                .unwrap_or_else(|| panic!("the block gives no {name} before it is needed"));
+            [format!("--{name}"), v]
+        };
+        out.extend(flag("url", &self.url));
+        out.extend(flag("ca", &self.ca));
+        out.extend(flag("token-file", &self.token));
+        out
+    }
+}
+
+/// The value after `flag` in `command`.
+fn flag_value<'c>(command: &'c [String], flag: &str) -> Option<&'c str> {
+    let at = command.iter().position(|w| w == flag)?;
+    command.get(at + 1).map(String::as_str)
+}
+
 /// The endpoints of `web` as the aggregator's API gives them, read on its host.
-fn endpoints(agg: &Host) -> Result<Vec<serde_json::Value>, String> {
-    let out = agg.try_run(&words("ballast-aggregator endpoints web --json"));
+fn endpoints(agg: &Host, api: &ApiAccess) -> Result<Vec<serde_json::Value>, String> {
+    let out = agg.try_run(&api.words("ballast-aggregator endpoints web --json"));
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).into_owned());
     }
@@ -307,13 +349,13 @@ fn endpoints(agg: &Host) -> Result<Vec<serde_json::Value>, String> {
 
 /// Waits until `node` is published at its own address and not missing, then checks
 /// the service answers there from the aggregator's host.
-fn require_published(agg: &Host, node: &Host) {
+fn require_published(agg: &Host, api: &ApiAccess, node: &Host) {
     let want = format!("{}:{PORT}", node.ip);
     wait_for(
         SETTLE,
         &format!("{} published at {want}", node.name),
         || {
-            let list = endpoints(agg)?;
+            let list = endpoints(agg, api)?;
             let found = list.iter().find(|e| e["node"] == node.name.as_str());
             match found {
                 Some(e) if e["address"] == want.as_str() && e["state"] != "missing" => Ok(()),
@@ -341,6 +383,9 @@ fn the_readme_deployment_works_across_hosts_as_written() {
     let mut nodes: Vec<usize> = Vec::new();
     let mut agent_words: Option<Vec<String>> = None;
     let mut revoked = None;
+    let mut api = ApiAccess::default();
+    let mut ops: Option<usize> = None;
+    let mut drained = None;
     let mut steps = Vec::new();
     for command in &commands {
         let program = command[0].as_str();
@@ -369,7 +414,7 @@ fn the_readme_deployment_works_across_hosts_as_written() {
                         let agent = agent_words.as_ref().expect("an agent command before");
                         let h = lan.host(name, 5, agg_ip);
                         start_node(&mut lan, agg, h, agent);
-                        require_published(&lan.hosts[agg], &lan.hosts[h]);
+                        require_published(&lan.hosts[agg], &api, &lan.hosts[h]);
                         nodes.push(h);
                     }
                     Some("revoke") => {
@@ -384,10 +429,21 @@ fn the_readme_deployment_works_across_hosts_as_written() {
                     other => panic!("a `certs` command this test does not know: {other:?}"),
                 }
             }
+            ("ballast-aggregator", "token") => {
+                let out = lan.hosts[agg].run(command);
+                eprintln!("{}:\n{out}", command.join(" "));
+                let token = flag_value(command, "--out").expect("token new --out FILE");
+                api.token = Some(substitute(token, &lan.hosts[agg].root));
+            }
             ("ballast-aggregator", "run") => {
+                let http = flag_value(command, "--http").expect("run serves the API off loopback");
+                let port = http.rsplit(':').next().expect("--http ADDRESS:PORT");
+                api.url = Some(format!("https://{AGG_NAME}:{port}"));
+                let tls = flag_value(command, "--http-tls-dir").expect("run --http-tls-dir");
+                api.ca = Some(substitute(&format!("{tls}/ca.pem"), &lan.hosts[agg].root));
                 lan.spawn(agg, "aggregator", command);
                 wait_for(SETTLE, "the aggregator's API on its host", || {
-                    let out = lan.hosts[agg].try_run(&words("ballast-aggregator services"));
+                    let out = lan.hosts[agg].try_run(&api.words("ballast-aggregator services"));
                     out.status
                         .success()
                         .then_some(())
@@ -400,7 +456,23 @@ fn the_readme_deployment_works_across_hosts_as_written() {
                     start_node(&mut lan, agg, h, command);
                 }
                 for &h in &nodes {
-                    require_published(&lan.hosts[agg], &lan.hosts[h]);
+                    require_published(&lan.hosts[agg], &api, &lan.hosts[h]);
+                }
+            }
+            ("ballast-aggregator", "endpoints" | "drain") => {
+                let h = *ops.get_or_insert_with(|| operator_host(&mut lan, agg_ip, &api, command));
+                let out = lan.hosts[h].run(command);
+                eprintln!("on the operator's host, {}:\n{out}", command.join(" "));
+                if sub == "endpoints" {
+                    for &n in &nodes {
+                        let name = &lan.hosts[n].name;
+                        assert!(
+                            out.contains(name.as_str()),
+                            "{name} not in the table:\n{out}"
+                        );
+                    }
+                } else {
+                    drained = Some(command.get(2).expect("drain NODE").clone());
                 }
             }
             _ => panic!(
@@ -414,10 +486,13 @@ fn the_readme_deployment_works_across_hosts_as_written() {
         steps,
         [
             "ballast-aggregator certs",
+            "ballast-aggregator token",
             "ballast-aggregator run",
             "ballast-agent --service",
             "ballast-aggregator certs",
             "ballast-aggregator certs",
+            "ballast-aggregator endpoints",
+            "ballast-aggregator drain",
         ],
         "the block's commands, in order"
     );
@@ -438,7 +513,7 @@ fn the_readme_deployment_works_across_hosts_as_written() {
         SETTLE,
         &format!("{}'s endpoint missing, the others serving", revoked.name),
         || {
-            let list = endpoints(agg)?;
+            let list = endpoints(agg, &api)?;
             let missing = |e: &serde_json::Value| e["state"] == "missing";
             let ok = list.iter().all(|e| {
                 let is_revoked = e["node"] == revoked.name.as_str();
@@ -447,6 +522,48 @@ fn the_readme_deployment_works_across_hosts_as_written() {
             ok.then_some(()).ok_or_else(|| format!("{list:?}"))
         },
     );
+    let drained = drained.expect("the README drains a node from the operator's host");
+    wait_for(
+        SETTLE,
+        &format!("{drained} drained from the operator's host, at weight 0"),
+        || {
+            let list = endpoints(agg, &api)?;
+            let e = list.iter().find(|e| e["node"] == drained.as_str());
+            match e {
+                Some(e) if e["state"] == "draining" && e["weight"] == 0.0 => Ok(()),
+                _ => Err(format!("{e:?}")),
+            }
+        },
+    );
+}
+
+/// The operator's machine, made for the block's first remote command: the files its
+/// `--ca` and `--token-file` name, copied from the aggregator's host as the block's
+/// comment says (the CA of `--http-tls-dir`, the token `token new` wrote). From there,
+/// the API refuses a request without the token.
+fn operator_host(lan: &mut Lan, agg_ip: Ipv4Addr, api: &ApiAccess, command: &[String]) -> usize {
+    let h = lan.host("ops", 9, agg_ip);
+    let root = lan.hosts[h].root.clone();
+    let copies = [
+        (flag_value(command, "--ca"), &api.ca),
+        (flag_value(command, "--token-file"), &api.token),
+    ];
+    for (to, from) in copies {
+        let to = to.expect("the remote command names its --ca and --token-file");
+        let from = from.as_ref().expect("made on the aggregator's host before");
+        std::fs::copy(from, root.join(to)).unwrap_or_else(|e| panic!("copy {from}: {e}"));
+    }
+    let url = flag_value(command, "--url").expect("the remote command has --url");
+    let ca = flag_value(command, "--ca").expect("--ca");
+    let bare = lan.hosts[h].try_run(&words(&format!(
+        "ballast-aggregator services --url {url} --ca {ca}"
+    )));
+    let said = String::from_utf8_lossy(&bare.stderr);
+    assert!(
+        !bare.status.success() && said.contains("401"),
+        "the API answered the operator's host without a token: {said}"
+    );
+    h
 }
 
 /// Node host `h`: its certificate directory copied from the aggregator's host as the

@@ -894,14 +894,15 @@ impl<B: BalanceTable> Config<B> {
         if self.http_tls.is_none() {
             missing.push(
                 "TLS: [http_tls] with ca = \"...\", cert = \"...\" and key = \"...\" \
-                 (the files of [tls] will do)",
+                 (the files of [tls] will do; `run --http-tls-dir DIR` for a directory \
+                 `certs init` made)",
             );
         }
         if !self.http_auth.enabled() {
             missing.push(
                 "credentials: [http_auth] with tokens = \"/etc/ballast/api-tokens.toml\" \
-                 (entries from `ballast-aggregator token hash`) or [http_auth.cert_roles] \
-                 viewer = [\"NAME-PATTERN\", ...]",
+                 (or `run --http-tokens FILE`; entries from `ballast-aggregator token new`) \
+                 or [http_auth.cert_roles] viewer = [\"NAME-PATTERN\", ...]",
             );
         }
         if missing.is_empty() {

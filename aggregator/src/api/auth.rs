@@ -264,6 +264,77 @@ pub fn hash_entry(name: &str, role: Role, token: &str) -> Result<String, AuthErr
     ))
 }
 
+/// Where `token new` wrote a token, and the entry it added.
+#[derive(Debug)]
+pub struct NewToken {
+    /// The file holding the token itself (mode 0600).
+    pub token_file: PathBuf,
+    /// The token file of hashes the entry was added to.
+    pub tokens: PathBuf,
+}
+
+/// Makes a token of 32 random bytes (64 hexadecimal characters), writes it to `out`
+/// (a new file, mode 0600: an existing one is never overwritten), and adds its entry to
+/// the token file `tokens` (created, mode 0600, if missing). A running aggregator takes
+/// the entry at its next look at the file. Refuses a name the file already has, and
+/// leaves both files as they were on any error.
+pub fn new_token(tokens: &Path, name: &str, role: Role, out: &Path) -> Result<NewToken, AuthError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |path: &Path, e: std::io::Error| AuthError::Token(format!("{}: {e}", path.display()));
+    let existing = match std::fs::read_to_string(tokens) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(io(tokens, e)),
+    };
+    let entries = parse_tokens(&existing, tokens)?;
+    if entries.iter().any(|e| e.name == name) {
+        return Err(AuthError::Token(format!(
+            "{} already has a token named {name:?}: remove its entry first, or pick another name",
+            tokens.display()
+        )));
+    }
+    let bytes: [u8; 32] = rand::random();
+    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let entry = hash_entry(name, role, &token)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .map_err(|e| io(out, e))?;
+    if let Err(e) = file.write_all(format!("{token}\n").as_bytes()) {
+        let _ = std::fs::remove_file(out);
+        return Err(io(out, e));
+    }
+    let mut text = existing;
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    text.push_str(&entry);
+    // Whole or not at all: a new file beside the old one, renamed over it.
+    let tmp = tokens.with_extension(format!("new-{:016x}", rand::random::<u64>()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, tokens));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(out);
+        return Err(io(tokens, e));
+    }
+    Ok(NewToken {
+        token_file: out.to_path_buf(),
+        tokens: tokens.to_path_buf(),
+    })
+}
+
 /// The token file's entries in force, and the tokens verified against them.
 #[derive(Default)]
 struct Tokens {

@@ -182,3 +182,63 @@ fn certificate_names_map_to_the_role_that_may_do_most() {
     assert_eq!(auth.cert_role("prom1"), Some(Role::Scrape));
     assert_eq!(auth.cert_role("node-1"), None);
 }
+
+#[tokio::test]
+async fn a_new_token_is_written_alone_and_its_hash_added_to_the_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = token_file(dir.path());
+    let before = std::fs::read_to_string(&tokens).expect("read");
+    let out = dir.path().join("ops.token");
+    new_token(&tokens, "ops", Role::Operator, &out).expect("new token");
+
+    let token = std::fs::read_to_string(&out).expect("token");
+    let token = token.trim_end();
+    assert_eq!(token.len(), 64, "{token}");
+    let mode = |p: &Path| std::fs::metadata(p).expect("meta").permissions().mode() & 0o777;
+    assert_eq!(mode(&out), 0o600);
+    assert_eq!(mode(&tokens), 0o600);
+    let after = std::fs::read_to_string(&tokens).expect("read");
+    assert!(after.starts_with(&before), "the entries before are kept");
+    assert!(
+        !after.contains(token),
+        "the token itself is not in the hashes' file"
+    );
+    // The running aggregator's view of the file: the new token acts as operator, and
+    // the old ones still hold their roles.
+    let mut cfg = Config::default();
+    cfg.http_auth.tokens = Some(tokens.clone());
+    let app = app(Auth::new(&cfg, Arc::new(Metrics::new())).expect("auth"));
+    let (status, body) = call(&app, "POST", "/v1/act", Some(token)).await;
+    assert_eq!((status, body.as_str()), (200, "acted as ops"));
+    assert_eq!(
+        call(&app, "GET", "/v1/services", Some(VIEWER_TOKEN))
+            .await
+            .0,
+        200
+    );
+
+    // A second token of that name, or over an existing token file, is refused and
+    // leaves both files as they were.
+    let again = dir.path().join("again.token");
+    let e = new_token(&tokens, "ops", Role::Viewer, &again).expect_err("same name");
+    assert!(e.to_string().contains("already has a token named"), "{e}");
+    assert!(!again.exists());
+    let e = new_token(&tokens, "other", Role::Viewer, &out).expect_err("existing out");
+    assert!(e.to_string().contains("ops.token"), "{e}");
+    assert_eq!(std::fs::read_to_string(&tokens).expect("read"), after);
+    assert_eq!(
+        std::fs::read_to_string(&out).expect("read").trim_end(),
+        token
+    );
+
+    // A token file made from nothing.
+    let fresh = dir.path().join("fresh.toml");
+    new_token(&fresh, "ci", Role::Viewer, &dir.path().join("ci.token")).expect("fresh");
+    assert_eq!(
+        parse_tokens(&std::fs::read_to_string(&fresh).expect("read"), &fresh)
+            .expect("parse")
+            .len(),
+        1
+    );
+}
