@@ -17,12 +17,16 @@
 //! 4. Schemathesis fuzzes every operation of the live API from the document (every
 //!    check: no 5xx, statuses, content types and bodies as documented, invalid input
 //!    refused with a 4xx), with the service's real name as well as random ones, and
-//!    the watch stream cut after its first event. Bounded in examples and time.
+//!    the watch stream cut after its first event. Bounded in examples and time. It
+//!    runs against the API as it leaves the host: HTTPS, and an operator's token, so
+//!    that the acting routes are reached as an operator reaches them, and a request
+//!    sent without the token must be refused (`ignored_auth`).
 //!
 //! Needs Python's `openapi-spec-validator` and `schemathesis` (`tests/run` installs
 //! them); the test fails, naming the package, when one is missing.
 
-use ballast_tests::harness::api::parse_metrics;
+use ballast_tests::harness::aggregator::ApiAccess;
+use ballast_tests::harness::api::{parse_metrics, token_entry};
 use ballast_tests::harness::grpc::python;
 use ballast_tests::*;
 use serde::Serialize;
@@ -69,8 +73,46 @@ struct Setup {
     _pki: Pki,
 }
 
+/// The operator's token of [`start_secured`]'s aggregator.
+const OPERATOR_TOKEN: &str = "operator-token-0123456789abcdef";
+
 fn start() -> Setup {
+    start_with(None)
+}
+
+/// The aggregator of [`start`], its API served over HTTPS to tokens only: a viewer's
+/// and an operator's, the harness reading with the operator's.
+fn start_secured() -> Setup {
     let pki = Pki::new();
+    let tokens = pki.dir().join("api-tokens.toml");
+    std::fs::write(
+        &tokens,
+        format!(
+            "{}\n{}",
+            token_entry("grafana", "viewer", "viewer-token-0123456789abcdef"),
+            token_entry("oncall", "operator", OPERATOR_TOKEN)
+        ),
+    )
+    .expect("write the token file");
+    let tls = pki.server_tls_dir();
+    let config = format!(
+        "[http_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n\n[http_auth]\ntokens = {tokens:?}\n",
+        tls.join("ca.pem"),
+        tls.join("server.pem"),
+        tls.join("server.key"),
+    );
+    let access = ApiAccess {
+        ca: pki.dir().join("ca.pem"),
+        token: Some(OPERATOR_TOKEN.to_string()),
+    };
+    start_with(Some((pki, config, access)))
+}
+
+fn start_with(secured: Option<(Pki, String, ApiAccess)>) -> Setup {
+    let (pki, http_config, api) = match secured {
+        Some((pki, config, access)) => (pki, config, Some(access)),
+        None => (Pki::new(), String::new(), None),
+    };
     let config = tempfile::tempdir().expect("config dir");
     std::fs::write(
         config.path().join(format!("{SERVICE}.toml")),
@@ -83,7 +125,10 @@ fn start() -> Setup {
     )
     .expect("write refused file");
     let opts = AggregatorOpts {
-        config_toml: Some("[service_config]\nrescan_ms = 200\n".to_string()),
+        config_toml: Some(format!(
+            "[service_config]\nrescan_ms = 200\n\n{http_config}"
+        )),
+        api,
         ..AggregatorOpts::default()
             .cycle_ms(300)
             .report_interval_ms(300)
@@ -499,7 +544,7 @@ fn run_bounded(mut command: Command, dir: &Path, budget: Duration) -> (bool, Str
 #[test]
 fn schemathesis_finds_nothing_against_the_live_api() {
     require_python_module("schemathesis", "schemathesis");
-    let mut setup = start();
+    let mut setup = start_secured();
     let agg = &setup.agg;
     let dir = tempfile::tempdir().expect("tempdir");
     // The real service's name in half the generated paths, so that the 200s are
@@ -535,7 +580,9 @@ fn schemathesis_finds_nothing_against_the_live_api() {
     });
     let file = dir.path().join("openapi.json");
     std::fs::write(&file, &text).expect("write the document");
-    let url = format!("http://{}", agg.http_addr());
+    let url = agg.base_url();
+    assert!(url.starts_with("https://"), "{url}");
+    let ca = setup._pki.dir().join("ca.pem");
     let mut command = Command::new(python());
     command
         .current_dir(dir.path())
@@ -544,6 +591,12 @@ fn schemathesis_finds_nothing_against_the_live_api() {
         .arg("run")
         .arg(&file)
         .args(["--url", &url])
+        .arg("--tls-verify")
+        .arg(&ca)
+        .args([
+            "--header",
+            &format!("Authorization: Bearer {OPERATOR_TOKEN}"),
+        ])
         .args(["--checks", "all"])
         .args(["--max-examples", &MAX_EXAMPLES.to_string()])
         .args(["--request-timeout", "5"])
