@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 const SERVICE: &str = "web";
 const VIEWER_TOKEN: &str = "viewer-9f1c2e7a5b3d4c6e8a0b1c2d";
 const SCRAPE_TOKEN: &str = "scrape-4a8b2c6d0e1f3a5b7c9d1e2f";
+const OPERATOR_TOKEN: &str = "operator-6c1d3e5f7a9b0c2d4e6f8a1b";
 
 fn text(out: &Output) -> String {
     format!(
@@ -379,14 +380,23 @@ fn tls_tokens_and_client_certificates_admit_by_role() {
 }
 
 /// The dashboard behind bearer tokens, in a real browser: the sign-in form, the token
-/// kept in memory only, pages, charts and the watch feed all carrying it.
+/// kept in memory only, pages, charts and the watch feed all carrying it; then an
+/// operator's drain shows on the service page as it happens, and the audit page says
+/// who took it, and why.
 #[test]
-fn the_dashboard_signs_in_with_a_token_kept_in_memory() {
+fn the_dashboard_signs_in_with_a_token_kept_in_memory_and_shows_who_drained() {
     use ballast_tests::harness::browser::Browser;
     let pki = Pki::new();
     let dir = tempfile::tempdir().expect("tempdir");
     let tokens = dir.path().join("api-tokens.toml");
-    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
+    write_atomically(
+        &tokens,
+        &format!(
+            "{}\n{}",
+            token_entry("grafana", "viewer", VIEWER_TOKEN),
+            token_entry("oncall-alice", "operator", OPERATOR_TOKEN)
+        ),
+    );
     // Tokens without TLS: allowed on loopback, and the browser needs no CA.
     let agg = Aggregator::start(
         &pki,
@@ -472,6 +482,69 @@ fn the_dashboard_signs_in_with_a_token_kept_in_memory() {
         stored,
         serde_json::json!([0, 0, ""]),
         "the token was stored"
+    );
+    assert_eq!(browser.errors(), Vec::new(), "the page reported errors");
+
+    // An operator drains web-1 from elsewhere: the viewer's page shows it live, the
+    // endpoint draining and the action with its author.
+    let reason = "disk <full> on web-1";
+    let drained = reqwest::blocking::Client::new()
+        .post(format!(
+            "{base}/v1/services/{SERVICE}/endpoints/web-1/drain"
+        ))
+        .bearer_auth(OPERATOR_TOKEN)
+        .json(&serde_json::json!({ "reason": reason }))
+        .send()
+        .expect("drain");
+    assert_eq!(drained.status().as_u16(), 200, "{:?}", drained.text());
+    wait_for(
+        Duration::from_secs(10),
+        "the drain on the service page",
+        || {
+            let v = browser
+                .eval(
+                    "[Array.from(document.querySelectorAll('#endpoints tbody tr')) \
+                   .map(r => r.textContent), \
+                  Array.from(document.querySelectorAll('table.operator tbody tr')) \
+                   .map(r => r.textContent)]",
+                )
+                .map_err(|e| e.to_string())?;
+            let row_has = |i: usize, words: &[&str]| {
+                v[i].as_array().is_some_and(|rows| {
+                    rows.iter().any(|r| {
+                        r.as_str()
+                            .is_some_and(|t| words.iter().all(|w| t.contains(w)))
+                    })
+                })
+            };
+            (row_has(0, &["web-1", "draining"])
+                && row_has(1, &["drain web-1", "oncall-alice", reason]))
+            .then_some(())
+            .ok_or_else(|| format!("{v}"))
+        },
+    );
+    // The audit page, reached by its link: swapped in place with the token.
+    browser
+        .eval("document.querySelector('a.audit-link').click(); true")
+        .expect("click");
+    wait_for(Duration::from_secs(10), "the audit page", || {
+        let v = browser
+            .eval(
+                "[location.pathname, Array.from(document.querySelectorAll('#audit tbody tr')) \
+                   .map(r => [r.querySelector('.who').textContent, \
+                              r.querySelector('.what').textContent, \
+                              r.querySelector('.reason').textContent])]",
+            )
+            .map_err(|e| e.to_string())?;
+        let want = serde_json::json!(["oncall-alice", "drain web-1", reason]);
+        (v[0] == "/ui/audit" && v[1].as_array().is_some_and(|rows| rows.contains(&want)))
+            .then_some(())
+            .ok_or_else(|| format!("{v}"))
+    });
+    assert_eq!(
+        browser.navigations(),
+        navigations,
+        "the page navigated: the token would be lost"
     );
     assert_eq!(browser.errors(), Vec::new(), "the page reported errors");
     drop(agent);

@@ -6,6 +6,7 @@
 
 use super::charts::Chart;
 use ballast_balance::{EndpointState, PublishedService};
+use ballast_shared::pki::rfc3339;
 use std::fmt::Write as _;
 
 /// `s` escaped for HTML text and quoted attribute values.
@@ -86,6 +87,7 @@ pub(crate) fn page(title: &str, crumbs: &str, main: &str, watch: Option<&str>) -
          <body{watch}>\n<header class=\"top\">\n\
          <a class=\"brand\" href=\"/ui\"><img src=\"/ui/assets/icon.svg\" alt=\"\" width=\"20\" height=\"20\">Ballast</a>\n\
          <nav class=\"crumbs\">{crumbs}</nav>\n\
+         <a class=\"audit-link\" href=\"/ui/audit\">Audit</a>\n\
          <span id=\"live-status\" class=\"status\">connecting…</span>\n</header>\n\
          <main>\n{main}\n</main>\n\
          <footer>ballast-aggregator {version} · served by the aggregator itself; needs no network</footer>\n\
@@ -109,6 +111,66 @@ pub(crate) fn login() -> String {
         <p id=\"login-error\" class=\"error\" role=\"alert\"></p>\n\
         </form>";
     page("Sign in", "", main, None)
+}
+
+/// The audit page: operators' actions, newest first; its table is [`audit_table`].
+pub(crate) fn audit(records: &[crate::audit::AuditRecord]) -> String {
+    let main = format!(
+        "<h1>Audit</h1>\n<p class=\"lede\">Every drain, hold and pin taken through the API, \
+         and every hold or pin that lapsed: who, from where, and why. The newest {} since \
+         the aggregator started; each is also in its log (target <code>audit</code>).</p>\n\
+         <div id=\"live\" data-live=\"/ui/fragments/audit\" data-poll=\"2000\">{}</div>",
+        crate::audit::DEFAULT_CAPACITY,
+        audit_table(records)
+    );
+    page(
+        "Audit",
+        "<a href=\"/ui\">Services</a><span class=\"sep\">/</span><span>Audit</span>",
+        &main,
+        None,
+    )
+}
+
+/// The audit records as a table, newest first.
+pub(crate) fn audit_table(records: &[crate::audit::AuditRecord]) -> String {
+    if records.is_empty() {
+        return "<p class=\"empty\">No action yet.</p>".to_string();
+    }
+    let mut rows = String::new();
+    for r in records {
+        let at = i64::try_from(r.at_ms / 1000).map_or_else(|_| "?".to_string(), rfc3339);
+        let what = match (&r.node, r.weight) {
+            (Some(node), Some(w)) => format!("{} {node} at {}", r.action, num(w, 3)),
+            (Some(node), None) => format!("{} {node}", r.action),
+            (None, _) => r.action.clone(),
+        };
+        let until = r
+            .until_ms
+            .and_then(|ms| i64::try_from(ms / 1000).ok())
+            .map_or_else(String::new, rfc3339);
+        rows.push_str(&format!(
+            "<tr data-seq=\"{}\"><td>{}</td><td class=\"who\">{}</td><td>{}</td><td>{}</td>\
+             <td>{}</td><td class=\"what\">{}</td><td>{}</td><td class=\"reason\">{}</td></tr>\n",
+            r.seq,
+            esc(&at),
+            esc(&r.who),
+            esc(&r.via),
+            esc(r.from.as_deref().unwrap_or("")),
+            format!(
+                "<a href=\"{}\">{}</a>",
+                esc(&service_url(&r.service)),
+                esc(&r.service)
+            ),
+            esc(&what),
+            esc(&until),
+            esc(&r.reason),
+        ));
+    }
+    format!(
+        "<table class=\"grid\" id=\"audit\"><thead><tr><th>When (UTC)</th><th>Who</th>\
+         <th>Via</th><th>From</th><th>Service</th><th>Action</th><th>Until</th><th>Reason</th>\
+         </tr></thead>\n<tbody>\n{rows}</tbody></table>\n"
+    )
 }
 
 /// The services overview page; its table is [`services_table`].

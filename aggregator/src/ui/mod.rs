@@ -16,6 +16,7 @@ mod charts;
 mod history;
 mod html;
 
+use crate::api::act::Acting;
 use crate::state::State;
 use axum::extract::{Path, State as AxState};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -46,6 +47,8 @@ pub fn router(state: &Arc<State>) -> Router<Arc<State>> {
         .route("/ui/", get(|| async { Redirect::to("/ui") }))
         .route("/ui", get(overview))
         .route("/ui/fragments/services", get(services_fragment))
+        .route("/ui/audit", get(audit))
+        .route("/ui/fragments/audit", get(audit_fragment))
         .route("/ui/services/{name}", get(service))
         .route("/ui/services/{name}/live", get(service_fragment))
         .route("/ui/services/{name}/charts/{chart}", get(chart))
@@ -119,6 +122,22 @@ async fn overview(AxState(state): AxState<Arc<State>>) -> Response {
     let published = state.published();
     let services: Vec<&PublishedService> = published.services.values().map(Arc::as_ref).collect();
     html(StatusCode::OK, html::overview(&services))
+}
+
+/// The audit trail kept by the acting routes; empty where nothing acts (a test's bare
+/// router).
+fn audit_records(acting: Option<Extension<Arc<Acting>>>) -> Vec<crate::audit::AuditRecord> {
+    acting
+        .map(|Extension(a)| a.audit.newest_first())
+        .unwrap_or_default()
+}
+
+async fn audit(acting: Option<Extension<Arc<Acting>>>) -> Response {
+    html(StatusCode::OK, html::audit(&audit_records(acting)))
+}
+
+async fn audit_fragment(acting: Option<Extension<Arc<Acting>>>) -> Response {
+    html(StatusCode::OK, html::audit_table(&audit_records(acting)))
 }
 
 async fn services_fragment(AxState(state): AxState<Arc<State>>) -> Response {
