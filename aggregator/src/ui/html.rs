@@ -148,23 +148,24 @@ pub(crate) fn audit_table(records: &[crate::audit::AuditRecord]) -> String {
             .until_ms
             .and_then(|ms| i64::try_from(ms / 1000).ok())
             .map_or_else(String::new, rfc3339);
-        rows.push_str(&format!(
+        let service = format!(
+            "<a href=\"{}\">{}</a>",
+            esc(&service_url(&r.service)),
+            esc(&r.service)
+        );
+        let _ = writeln!(
+            rows,
             "<tr data-seq=\"{}\"><td>{}</td><td class=\"who\">{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td class=\"what\">{}</td><td>{}</td><td class=\"reason\">{}</td></tr>\n",
+             <td>{service}</td><td class=\"what\">{}</td><td>{}</td><td class=\"reason\">{}</td></tr>",
             r.seq,
             esc(&at),
             esc(&r.who),
             esc(&r.via),
             esc(r.from.as_deref().unwrap_or("")),
-            format!(
-                "<a href=\"{}\">{}</a>",
-                esc(&service_url(&r.service)),
-                esc(&r.service)
-            ),
             esc(&what),
             esc(&until),
             esc(&r.reason),
-        ));
+        );
     }
     format!(
         "<table class=\"grid\" id=\"audit\"><thead><tr><th>When (UTC)</th><th>Who</th>\
