@@ -144,6 +144,33 @@ impl Server {
         Self::spawn("serve-http", service_ms, &[])
     }
 
+    /// The HTTP/1.1 server with its handler wrapped in OpenTelemetry's WSGI middleware,
+    /// and the SDK's Prometheus exporter serving `http_server_active_requests`.
+    pub fn start_otel(service_ms: f64) -> Server {
+        let ok = Command::new(python())
+            .args([
+                "-c",
+                "import opentelemetry.exporter.prometheus, opentelemetry.instrumentation.wsgi",
+            ])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        assert!(
+            ok,
+            "this test needs a Python with the packages opentelemetry-sdk, \
+             opentelemetry-exporter-prometheus and opentelemetry-instrumentation-wsgi: `{} -c \
+             'import opentelemetry.exporter.prometheus, opentelemetry.instrumentation.wsgi'` \
+             failed (run `bash tests/run`, which installs them)",
+            python().display()
+        );
+        let s = Self::spawn("serve-otel", service_ms, &[]);
+        assert!(
+            s.metrics_port.is_some(),
+            "the server printed no metrics port"
+        );
+        s
+    }
+
     fn spawn(mode: &str, service_ms: f64, extra: &[&str]) -> Server {
         require_grpcio();
         let dir = tempfile::tempdir().unwrap();
@@ -156,9 +183,9 @@ impl Server {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start python {}: {e}", script().display()));
-        // `metrics N`, when asked for, comes before `port N`.
-        let metrics_port = extra
-            .contains(&"--metrics")
+        // `metrics N`, when asked for (or served, as `serve-otel` does), comes before
+        // `port N`.
+        let metrics_port = (extra.contains(&"--metrics") || mode == "serve-otel")
             .then(|| wait_line_keep(&mut child, "metrics ").parse().unwrap());
         let port = wait_line(&mut child, "port ").parse().unwrap();
         let state = File::open(&path).unwrap();
@@ -172,19 +199,32 @@ impl Server {
     }
 
     /// `channels` keep-alive HTTP/1.1 connections to `target`, each making request
-    /// after request; waits until every connection has had an answer.
-    pub fn load_http(&self, target: &str, channels: u32, think_ms: f64, secs: f64) -> Proc {
-        run_load(&[
+    /// after request, as many of them at a time as `steps` says; waits until every
+    /// connection has had an answer.
+    pub fn load_http(
+        &self,
+        target: &str,
+        channels: u32,
+        think_ms: f64,
+        secs: f64,
+        steps: &Steps,
+    ) -> Proc {
+        let channels = channels.to_string();
+        let (think, secs) = (think_ms.to_string(), secs.to_string());
+        let mut args = vec![
             "load-http",
             "--target",
             target,
             "--channels",
-            &channels.to_string(),
+            &channels,
             "--think-ms",
-            &think_ms.to_string(),
+            &think,
             "--duration",
-            &secs.to_string(),
-        ])
+            &secs,
+        ];
+        let steps = steps.args();
+        args.extend(steps.iter().map(String::as_str));
+        run_load(&args)
     }
 
     /// The number of calls inside the server's handler now.
@@ -207,19 +247,70 @@ impl Server {
     /// Starts `channels` connections with `callers` concurrent callers each, and waits
     /// until every connection is up.
     pub fn load(&self, channels: u32, callers: u32, think_ms: f64, secs: f64) -> Proc {
-        run_load(&[
+        self.load_stepped(channels, callers, think_ms, secs, &Steps::STEADY)
+    }
+
+    /// As `load`, with as many of the callers at a time as `steps` says.
+    pub fn load_stepped(
+        &self,
+        channels: u32,
+        callers: u32,
+        think_ms: f64,
+        secs: f64,
+        steps: &Steps,
+    ) -> Proc {
+        let target = format!("127.0.0.1:{}", self.port);
+        let (channels, callers) = (channels.to_string(), callers.to_string());
+        let (think, secs) = (think_ms.to_string(), secs.to_string());
+        let mut args = vec![
             "load",
             "--target",
-            &format!("127.0.0.1:{}", self.port),
+            &target,
             "--channels",
-            &channels.to_string(),
+            &channels,
             "--callers",
-            &callers.to_string(),
+            &callers,
             "--think-ms",
-            &think_ms.to_string(),
+            &think,
             "--duration",
-            &secs.to_string(),
-        ])
+            &secs,
+        ];
+        let steps = steps.args();
+        args.extend(steps.iter().map(String::as_str));
+        run_load(&args)
+    }
+}
+
+/// How a load's concurrency varies: from its "ready" on, its callers step through these
+/// fractions of their number (rounded up, at least one), each held `step_ms`, in turn.
+pub struct Steps {
+    pub fractions: &'static [f64],
+    pub step_ms: u32,
+}
+
+impl Steps {
+    /// Every caller throughout.
+    pub const STEADY: Steps = Steps {
+        fractions: &[1.0],
+        step_ms: 1000,
+    };
+
+    /// How many of `callers` run at each step, as the load generator rounds them.
+    pub fn levels(&self, callers: u32) -> Vec<u32> {
+        self.fractions
+            .iter()
+            .map(|f| ((f * f64::from(callers) - 1e-9).ceil() as u32).max(1))
+            .collect()
+    }
+
+    fn args(&self) -> Vec<String> {
+        let fractions: Vec<String> = self.fractions.iter().map(f64::to_string).collect();
+        vec![
+            "--steps".into(),
+            fractions.join(","),
+            "--step-ms".into(),
+            self.step_ms.to_string(),
+        ]
     }
 }
 
