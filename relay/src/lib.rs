@@ -160,10 +160,13 @@ mod running {
         let metrics = Arc::new(RelayMetrics::new());
         let (follower, routes, freshness) = super::routes::follower(etcd, &cluster.name)?;
         let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
-        tasks.push(tokio::spawn(relay_tls.watch(
-            ballast_shared::tls::live::CHECK_EVERY,
-            ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
-        )));
+        tasks.push(supervisor.spawn(
+            "relay TLS files",
+            relay_tls.watch(
+                ballast_shared::tls::live::CHECK_EVERY,
+                ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
+            ),
+        ));
 
         let any: SocketAddr = if cfg.quic.is_ipv6() {
             (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
@@ -202,6 +205,7 @@ mod running {
                 metrics.ingest.clone(),
                 ingest,
                 upstream,
+                &supervisor,
             )
             .await?,
         );
