@@ -373,23 +373,39 @@ fn an_agent_no_replica_takes_within_the_hold_is_closed_with_moved_and_moves_on()
     // The only replica stops: its buckets go to nobody, and relay-a holds the agent,
     // answering it from its last reply, for the hold; then closes it with MOVED.
     let (stopped, killed) = owner.stop();
-    assert!(stopped.success() && !killed, "stop: {stopped}, killed {killed}");
+    assert!(
+        stopped.success() && !killed,
+        "stop: {stopped}, killed {killed}"
+    );
     let since = Instant::now();
     std::thread::sleep(HOLD - Duration::from_secs(2));
     assert_eq!(moved(&relays[0]), 0.0, "closed before the hold ran out");
     let s = agents[0].status();
     assert_eq!(s.connected_to.as_ref(), Some(&addrs[0]), "held: {s:?}");
-    wait_for(Duration::from_secs(8), "relay-a closes the agent with MOVED", || {
-        let n = moved(&relays[0]);
-        (n == 1.0).then_some(()).ok_or(format!("{n} closed"))
-    });
-    eprintln!("the owner stopped: the agent closed with MOVED {:?} later", since.elapsed());
+    wait_for(
+        Duration::from_secs(8),
+        "relay-a closes the agent with MOVED",
+        || {
+            let n = moved(&relays[0]);
+            (n == 1.0).then_some(()).ok_or(format!("{n} closed"))
+        },
+    );
+    eprintln!(
+        "the owner stopped: the agent closed with MOVED {:?} later",
+        since.elapsed()
+    );
     assert!(
-        relays[0].counter("ballast_relay_reports_dropped_total", &[("reason", "failover")]) >= 1.0
+        relays[0].counter(
+            "ballast_relay_reports_dropped_total",
+            &[("reason", "failover")]
+        ) >= 1.0
     );
     // The agent moves on to its next address, relay-b, which finds no owner either.
     wait_for(Duration::from_secs(10), "the agent tries relay-b", || {
-        let n = relays[1].counter("ballast_relay_attach_refused_total", &[("reason", "no_owner")]);
+        let n = relays[1].counter(
+            "ballast_relay_attach_refused_total",
+            &[("reason", "no_owner")],
+        );
         (n >= 1.0).then_some(()).ok_or(format!("{n} refused"))
     });
 }

@@ -7,9 +7,9 @@
 //! than its certificate. A relay reads its cluster's routes from etcd with a user of
 //! its own that may only read them: it routes, and etcd refuses that user's writes.
 
+use ballast_aggregator::cluster::{cluster_prefix, owner_key};
 use ballast_shared::session::trunk::TrunkClientEvent;
 use ballast_shared::wire::{Hello, RejectReason};
-use ballast_aggregator::cluster::{cluster_prefix, owner_key};
 use ballast_tests::harness::cluster;
 use ballast_tests::harness::trunk::{chain_of, key_of};
 use ballast_tests::*;
@@ -207,7 +207,10 @@ fn a_relay_routes_with_a_read_only_etcd_user_whose_writes_etcd_refuses() {
     // What the relay can do with its credentials: read the owners, and nothing more.
     let owners = format!("{PREFIX}/cluster/{CLUSTER}/owners/");
     let read = etcd.try_ctl_as(READER.0, READER.1, &["get", "--prefix", &owners]);
-    assert!(read.is_ok_and(|out| out.contains("r0")), "the relay cannot read the owners");
+    assert!(
+        read.is_ok_and(|out| out.contains("r0")),
+        "the relay cannot read the owners"
+    );
     for args in [
         vec!["put", &owner_key(PREFIX, CLUSTER, 0), "relay-a"],
         vec!["put", &format!("{PREFIX}/services/web"), "{}"],
