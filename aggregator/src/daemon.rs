@@ -277,6 +277,7 @@ impl Daemon {
                 state.metrics.ingest.clone(),
                 ingest,
                 local,
+                &supervisor,
             )
             .await?,
         );

@@ -10,7 +10,13 @@ use std::process::ExitCode;
 
 /// Ballast relay: agents connect to it as to an aggregator, and it hands their hellos
 /// and reports on to the cluster replica that owns each agent's service. Needs --etcd
-/// and --cluster (or [store.etcd] and [cluster]).
+/// and --cluster (or [relay.etcd] and [cluster]).
+///
+/// The relay only reads its cluster's keys in etcd (<prefix>/cluster/<name>/). Give it
+/// an etcd user of its own, whose role can only read them, in the [relay.etcd] table
+/// of its configuration (the settings of [store.etcd]); the etcd flags then amend that
+/// table. Without it the relay connects with [store.etcd], whose user is the
+/// replicas' and can write (docs/security.md).
 #[derive(Parser)]
 #[command(name = "ballast-relay", version, about)]
 pub struct Cli {

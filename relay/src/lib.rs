@@ -25,7 +25,7 @@ pub type Config = ballast_config::Config<toml::Table>;
 /// Why the relay could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    /// The configuration has no `[relay]`, `[cluster]` or `[store.etcd]` table.
+    /// The configuration has no `[cluster]` table, or no etcd table.
     #[error("a relay needs {0} in its configuration")]
     Missing(&'static str),
     /// A TLS file is unusable.
@@ -67,8 +67,8 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Starts the relay `cfg` describes (its `[relay]`, `[cluster]` and
-    /// `[store.etcd]` tables).
+    /// Starts the relay `cfg` describes (its `[relay]` and `[cluster]` tables, and
+    /// `[relay.etcd]`, or `[store.etcd]` without it).
     pub async fn start(cfg: &Config) -> Result<Relay, RelayError> {
         running::start(cfg).await
     }
@@ -113,11 +113,16 @@ mod running {
             .cluster
             .as_ref()
             .ok_or(RelayError::Missing("[cluster]"))?;
-        let etcd = cfg
-            .store
-            .etcd
-            .as_ref()
-            .ok_or(RelayError::Missing("[store.etcd]"))?;
+        let etcd = relay
+            .etcd_or(cfg.store.etcd.as_ref())
+            .ok_or(RelayError::Missing("[relay.etcd] or [store.etcd]"))?;
+        if relay.etcd.is_none() && (etcd.user.is_some() || etcd.cert_file.is_some()) {
+            tracing::warn!(
+                "the relay connects to etcd with [store.etcd]'s credentials, which the \
+                 replicas write with; give it [relay.etcd] with a user that can only read \
+                 the cluster's keys (docs/security.md)"
+            );
+        }
         let name = relay
             .name
             .clone()
@@ -155,10 +160,13 @@ mod running {
         let metrics = Arc::new(RelayMetrics::new());
         let (follower, routes, freshness) = super::routes::follower(etcd, &cluster.name)?;
         let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
-        tasks.push(tokio::spawn(relay_tls.watch(
-            ballast_shared::tls::live::CHECK_EVERY,
-            ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
-        )));
+        tasks.push(supervisor.spawn(
+            "relay TLS files",
+            relay_tls.watch(
+                ballast_shared::tls::live::CHECK_EVERY,
+                ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
+            ),
+        ));
 
         let any: SocketAddr = if cfg.quic.is_ipv6() {
             (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
@@ -197,6 +205,7 @@ mod running {
                 metrics.ingest.clone(),
                 ingest,
                 upstream,
+                &supervisor,
             )
             .await?,
         );

@@ -10,6 +10,7 @@
 
 use super::metrics::RelayMetrics;
 use super::routes::Routes;
+use ballast_ingest::supervise::Children;
 use ballast_ingest::upstream::Prover;
 use ballast_shared::reconnect::{host_part, Backoff};
 use ballast_shared::session::close;
@@ -233,30 +234,38 @@ impl Trunks {
     }
 
     /// Starts a trunk for every member of the cluster as the routes name them, until
-    /// the routes are gone with the relay.
+    /// the routes are gone with the relay. A trunk ends when its replica leaves the
+    /// cluster; one that panics ends this task with its panic, which the supervisor
+    /// reports (its replica would otherwise keep a dead trunk, never dialled again).
     pub(crate) async fn run(self: Arc<Self>) {
         let mut routes = self.dialer.routes.clone();
+        let mut trunks = Children::default();
         loop {
             let members: Vec<String> = routes.borrow_and_update().members.keys().cloned().collect();
             for replica in members {
-                let mut trunks = self.lock();
-                if trunks.contains_key(&replica) {
+                let mut known = self.lock();
+                if known.contains_key(&replica) {
                     continue;
                 }
                 let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
                 let open = Arc::new(AtomicBool::new(false));
-                trunks.insert(
+                known.insert(
                     replica.clone(),
                     Handle {
                         commands: tx,
                         open: open.clone(),
                     },
                 );
-                drop(trunks);
-                tokio::spawn(self.clone().trunk(replica, rx, open));
+                drop(known);
+                trunks.spawn(self.clone().trunk(replica, rx, open));
             }
-            if routes.changed().await.is_err() {
-                return;
+            tokio::select! {
+                changed = routes.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                payload = trunks.panicked() => std::panic::resume_unwind(payload),
             }
         }
     }

@@ -368,6 +368,76 @@ fn a_killed_relays_agents_go_on_through_the_other() {
 }
 
 #[test]
+fn an_agent_no_replica_takes_within_the_hold_is_closed_with_moved_and_moves_on() {
+    require_etcd();
+    // The shipped hold: the test runs in about 20 s with it.
+    const HOLD: Duration = Duration::from_millis(10_000);
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let mut owner = replica(&pki, &etcd, "r0");
+    let relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
+    // One agent, told of both relays: relay-a first, but it goes on to relay-b if
+    // relay-a had no routes yet.
+    let agents = cluster::fleet(&pki, &owner, &addrs, &["alpha"], 1, |_| None);
+    let status = agents[0].wait_weight(Duration::from_secs(20));
+    let at = addrs
+        .iter()
+        .position(|a| status.connected_to.as_ref() == Some(a))
+        .unwrap_or_else(|| panic!("not through a relay: {status:?}"));
+    let (holding, next) = (&relays[at], &relays[1 - at]);
+    let moved = |r: &Relay| r.counter("ballast_connections_rejected_total", &[("reason", "moved")]);
+    let refused = |r: &Relay| {
+        r.counter(
+            "ballast_relay_attach_refused_total",
+            &[("reason", "no_owner")],
+        )
+    };
+
+    // The only replica stops: its buckets go to nobody, and the relay holds the agent,
+    // answering it from its last reply, for the hold; then closes it with MOVED.
+    let (stopped, killed) = owner.stop();
+    assert!(
+        stopped.success() && !killed,
+        "stop: {stopped}, killed {killed}"
+    );
+    let since = Instant::now();
+    std::thread::sleep(HOLD - Duration::from_secs(2));
+    assert_eq!(moved(holding), 0.0, "closed before the hold ran out");
+    let s = agents[0].status();
+    assert_eq!(s.connected_to, status.connected_to, "held: {s:?}");
+    let before = refused(next);
+    wait_for(
+        Duration::from_secs(8),
+        "the relay closes the agent with MOVED",
+        || {
+            let n = moved(holding);
+            (n == 1.0).then_some(()).ok_or(format!("{n} closed"))
+        },
+    );
+    eprintln!(
+        "the owner stopped: the agent closed with MOVED {:?} later",
+        since.elapsed()
+    );
+    assert!(
+        holding.counter(
+            "ballast_relay_reports_dropped_total",
+            &[("reason", "failover")]
+        ) >= 1.0
+    );
+    // The agent moves on to its next address, the other relay, which finds no owner
+    // either.
+    wait_for(
+        Duration::from_secs(10),
+        "the agent tries the other relay",
+        || {
+            let n = refused(next) - before;
+            (n >= 1.0).then_some(()).ok_or(format!("{n} refused"))
+        },
+    );
+}
+
+#[test]
 fn a_new_replica_takes_its_buckets_and_only_their_agents_move_to_it() {
     require_etcd();
     let etcd = Etcd::start();

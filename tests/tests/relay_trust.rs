@@ -4,10 +4,13 @@
 //! It cannot attach that node, because it cannot sign the primary's challenge with
 //! the node's key; agents really behind it, which sign, are admitted. A relay the
 //! policy does not list is refused, and so is a relay whose open names another relay
-//! than its certificate.
+//! than its certificate. A relay reads its cluster's routes from etcd with a user of
+//! its own that may only read them: it routes, and etcd refuses that user's writes.
 
+use ballast_aggregator::cluster::{cluster_prefix, owner_key};
 use ballast_shared::session::trunk::TrunkClientEvent;
 use ballast_shared::wire::{Hello, RejectReason};
+use ballast_tests::harness::cluster;
 use ballast_tests::harness::trunk::{chain_of, key_of};
 use ballast_tests::*;
 use std::net::IpAddr;
@@ -136,4 +139,86 @@ fn a_relay_must_name_itself_as_its_certificate_does() {
         ),
         1.0
     );
+}
+
+/// A password file in `dir` holding `password`, readable by its owner only.
+fn password_file(dir: &std::path::Path, name: &str, password: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("{password}\n")).expect("write the password file");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod the password file");
+    path
+}
+
+#[test]
+fn a_relay_routes_with_a_read_only_etcd_user_whose_writes_etcd_refuses() {
+    require_etcd();
+    const PREFIX: &str = "/ballast-ro";
+    const CLUSTER: &str = "edge";
+    const READER: (&str, &str) = ("relay", "relay-reads-only");
+    let mut etcd = Etcd::start();
+    etcd.enable_auth("root-password");
+    // The replicas' user writes the whole prefix; the relay's reads the cluster's keys.
+    etcd.add_user("ballast", "replicas-write", PREFIX);
+    etcd.add_reader(READER.0, READER.1, &cluster_prefix(PREFIX, CLUSTER));
+    let dir = etcd.scratch_dir().to_path_buf();
+    let replicas_password = password_file(&dir, "ballast.password", "replicas-write");
+    let relays_password = password_file(&dir, "relay.password", READER.1);
+
+    let pki = Pki::new();
+    let replica = Aggregator::start(
+        &pki,
+        AggregatorOpts {
+            config_toml: Some(format!(
+                "[store.etcd]\nuser = \"ballast\"\npassword_file = {replicas_password:?}\n"
+            )),
+            ..AggregatorOpts::default()
+        }
+        .etcd(&etcd.endpoint(), PREFIX)
+        .cluster(CLUSTER, "r0")
+        .relays(&["relay-*"]),
+    );
+    // The relay's file has its own table and no [store.etcd]: --etcd and
+    // --etcd-prefix amend [relay.etcd].
+    let relay = Relay::start(
+        &pki,
+        RelayOpts::new("relay-a", &etcd.endpoint(), PREFIX, CLUSTER).config(&format!(
+            "[relay.etcd]\nuser = {:?}\npassword_file = {relays_password:?}\n",
+            READER.0
+        )),
+    );
+    let agents = cluster::fleet(
+        &pki,
+        &replica,
+        &[relay.quic_addr().to_string()],
+        &["web"],
+        1,
+        |_| None,
+    );
+    let status = agents[0].wait_weight(Duration::from_secs(20));
+    assert_eq!(
+        status.connected_to,
+        Some(relay.quic_addr().to_string()),
+        "{status:?}"
+    );
+    assert_eq!(replica.counter("ballast_trunk_slots", &[]), 1.0);
+
+    // What the relay can do with its credentials: read the owners, and nothing more.
+    let owners = format!("{PREFIX}/cluster/{CLUSTER}/owners/");
+    let read = etcd.try_ctl_as(READER.0, READER.1, &["get", "--prefix", &owners]);
+    assert!(
+        read.is_ok_and(|out| out.contains("r0")),
+        "the relay cannot read the owners"
+    );
+    for args in [
+        vec!["put", &owner_key(PREFIX, CLUSTER, 0), "relay-a"],
+        vec!["put", &format!("{PREFIX}/services/web"), "{}"],
+        vec!["get", &format!("{PREFIX}/services/web")],
+    ] {
+        match etcd.try_ctl_as(READER.0, READER.1, &args) {
+            Err(e) => assert!(e.contains("permission denied"), "{args:?}: {e}"),
+            Ok(out) => panic!("etcd let the relay's user {args:?}: {out}"),
+        }
+    }
 }

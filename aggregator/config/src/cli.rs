@@ -111,6 +111,13 @@ impl CommonArgs {
     /// Amends `cfg` (read from the file, or the defaults) with these flags; nothing is
     /// validated yet.
     pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) -> Result<(), FlagError> {
+        self.apply_etcd(&mut cfg.store.etcd)?;
+        self.apply_others(cfg);
+        Ok(())
+    }
+
+    /// Amends `cfg` with every flag but the etcd ones.
+    fn apply_others<B: BalanceTable>(&self, cfg: &mut Config<B>) {
         if let Some(v) = self.quic {
             cfg.quic = v;
         }
@@ -120,30 +127,6 @@ impl CommonArgs {
         if let Some(dir) = &self.tls_dir {
             cfg.tls = TlsFiles::in_dir(dir, "server");
         }
-        if let Some(endpoints) = &self.etcd {
-            cfg.store
-                .etcd
-                .get_or_insert_with(Default::default)
-                .endpoints = endpoints.clone();
-        }
-        if let Some(prefix) = &self.etcd_prefix {
-            etcd_table(cfg, "--etcd-prefix")?.prefix = prefix.clone();
-        }
-        if let Some(v) = &self.etcd_ca {
-            etcd_table(cfg, "--etcd-ca")?.ca_file = Some(v.clone());
-        }
-        if let Some(v) = &self.etcd_cert {
-            etcd_table(cfg, "--etcd-cert")?.cert_file = Some(v.clone());
-        }
-        if let Some(v) = &self.etcd_key {
-            etcd_table(cfg, "--etcd-key")?.key_file = Some(v.clone());
-        }
-        if let Some(v) = &self.etcd_user {
-            etcd_table(cfg, "--etcd-user")?.user = Some(v.clone());
-        }
-        if let Some(v) = &self.etcd_password_file {
-            etcd_table(cfg, "--etcd-password-file")?.password_file = Some(v.clone());
-        }
         if let Some(name) = &self.cluster {
             cfg.cluster.get_or_insert_with(Default::default).name = name.clone();
         }
@@ -152,6 +135,41 @@ impl CommonArgs {
         }
         if let Some(v) = &self.crl {
             cfg.authorization.crl = Some(v.clone());
+        }
+    }
+
+    /// Amends the etcd table `table` (`[store.etcd]`, or a relay's `[relay.etcd]`)
+    /// with the etcd flags: `--etcd` makes one if there is none, the others need one.
+    fn apply_etcd(&self, table: &mut Option<EtcdConfig>) -> Result<(), FlagError> {
+        if let Some(endpoints) = &self.etcd {
+            table.get_or_insert_with(Default::default).endpoints = endpoints.clone();
+        }
+        fn etcd<'a>(
+            table: &'a mut Option<EtcdConfig>,
+            flag: &'static str,
+        ) -> Result<&'a mut EtcdConfig, FlagError> {
+            table.as_mut().ok_or(FlagError {
+                flag,
+                needs: "--etcd or a [store.etcd] table",
+            })
+        }
+        if let Some(prefix) = &self.etcd_prefix {
+            etcd(table, "--etcd-prefix")?.prefix = prefix.clone();
+        }
+        if let Some(v) = &self.etcd_ca {
+            etcd(table, "--etcd-ca")?.ca_file = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_cert {
+            etcd(table, "--etcd-cert")?.cert_file = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_key {
+            etcd(table, "--etcd-key")?.key_file = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_user {
+            etcd(table, "--etcd-user")?.user = Some(v.clone());
+        }
+        if let Some(v) = &self.etcd_password_file {
+            etcd(table, "--etcd-password-file")?.password_file = Some(v.clone());
         }
         Ok(())
     }
@@ -167,9 +185,17 @@ impl CommonArgs {
 
 impl RelayArgs {
     /// Amends `cfg` with the relay's own flags, into a `[relay]` table with its
-    /// defaults if it has none; nothing is validated yet.
+    /// defaults if it has none; nothing is validated yet. The etcd flags amend the
+    /// table the relay connects with: `[relay.etcd]` when the file has one, else
+    /// `[store.etcd]`.
     pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) -> Result<(), FlagError> {
-        self.common.apply(cfg)?;
+        let relay = cfg.relay.get_or_insert_with(Default::default);
+        if relay.etcd.is_some() {
+            self.common.apply_etcd(&mut relay.etcd)?;
+            self.common.apply_others(cfg);
+        } else {
+            self.common.apply(cfg)?;
+        }
         let relay = cfg.relay.get_or_insert_with(Default::default);
         if let Some(dir) = &self.relay_tls_dir {
             relay.tls = TlsFiles::in_dir(dir, "relay");
@@ -179,15 +205,4 @@ impl RelayArgs {
         }
         Ok(())
     }
-}
-
-/// The `[store.etcd]` table an etcd flag amends: one must be configured already.
-fn etcd_table<'a, B>(
-    cfg: &'a mut Config<B>,
-    flag: &'static str,
-) -> Result<&'a mut EtcdConfig, FlagError> {
-    cfg.store.etcd.as_mut().ok_or(FlagError {
-        flag,
-        needs: "--etcd or a [store.etcd] table",
-    })
 }

@@ -195,8 +195,8 @@ impl ClusterConfig {
 
 /// The relay (`[relay]`, `ballast-relay`): agents connect to it as to an
 /// aggregator, and it hands each agent on over a trunk to the cluster replica that
-/// owns its service. It needs `[cluster] name` and `[store.etcd]`, where it reads the
-/// owners.
+/// owns its service. It needs `[cluster] name` and `[relay.etcd]` (or, failing that,
+/// `[store.etcd]`), where it reads the owners.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RelayConfig {
@@ -220,6 +220,13 @@ pub struct RelayConfig {
     /// How long an agent whose owner went away is held, answered from its last reply,
     /// until a new owner takes it, in milliseconds; then it is closed with MOVED.
     pub failover_hold_ms: u64,
+    /// The relay's own etcd connection (`[relay.etcd]`): the endpoints, the prefix,
+    /// and credentials that need only read the cluster's keys,
+    /// `<prefix>/cluster/<name>/` (`docs/security.md` shows such a role). Without it
+    /// the relay connects with `[store.etcd]`'s settings, which are the replicas'
+    /// and can write. Its `max_request_bytes`, `max_value_bytes` and `local_copy`
+    /// are the routing store's, and unused here.
+    pub etcd: Option<EtcdConfig>,
 }
 
 impl Default for RelayConfig {
@@ -231,6 +238,7 @@ impl Default for RelayConfig {
             batch_delay_ms: 25,
             attach_timeout_ms: 2000,
             failover_hold_ms: 10_000,
+            etcd: None,
         }
     }
 }
@@ -270,7 +278,22 @@ impl RelayConfig {
                 "must be at most 600000",
             ));
         }
+        if let Some(etcd) = &self.etcd {
+            etcd.validate_as("relay.etcd")?;
+            if etcd.local_copy.is_some() {
+                return Err(InvalidSetting::new(
+                    "relay.etcd.local_copy",
+                    "a relay keeps no copy of the weights: it reads only the cluster's keys",
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The etcd settings the relay connects with: `[relay.etcd]`, or `[store.etcd]`
+    /// when it has none; `None` when neither is set.
+    pub fn etcd_or<'a>(&'a self, store: Option<&'a EtcdConfig>) -> Option<&'a EtcdConfig> {
+        self.etcd.as_ref().or(store)
     }
 }
 
@@ -333,9 +356,16 @@ impl EtcdConfig {
     /// Checks what the types cannot: the endpoints' scheme, and that the TLS and
     /// authentication settings come in usable combinations.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
+        self.validate_as("store.etcd")
+    }
+
+    /// [`EtcdConfig::validate`] for the table at `table` (`store.etcd`, `relay.etcd`),
+    /// which its errors name.
+    pub fn validate_as(&self, table: &str) -> Result<(), InvalidSetting> {
+        let at = |name: &str| format!("{table}.{name}");
         if self.endpoints.is_empty() || self.endpoints.iter().any(|e| e.trim().is_empty()) {
             return Err(InvalidSetting::new(
-                "store.etcd.endpoints",
+                at("endpoints"),
                 "must name at least one endpoint",
             ));
         }
@@ -345,19 +375,19 @@ impl EtcdConfig {
             .find(|e| !e.starts_with("https://") && !e.starts_with("http://"))
         {
             return Err(InvalidSetting::new(
-                "store.etcd.endpoints",
+                at("endpoints"),
                 format!("{bad:?} is not an http:// or https:// URL"),
             ));
         }
         if self.uses_tls() && self.endpoints.iter().any(|e| e.starts_with("http://")) {
             return Err(InvalidSetting::new(
-                "store.etcd.endpoints",
+                at("endpoints"),
                 "must be all http:// or all https://, not a mix",
             ));
         }
         if self.prefix.is_empty() || self.prefix.ends_with('/') {
             return Err(InvalidSetting::new(
-                "store.etcd.prefix",
+                at("prefix"),
                 "must be non-empty and must not end with '/'",
             ));
         }
@@ -367,27 +397,27 @@ impl EtcdConfig {
         ] {
             if !(100..=60_000).contains(&ms) {
                 return Err(InvalidSetting::new(
-                    format!("store.etcd.{name}"),
+                    at(name),
                     "must be between 100 and 60000",
                 ));
             }
         }
         if !(64 * 1024..=1 << 30).contains(&self.max_request_bytes) {
             return Err(InvalidSetting::new(
-                "store.etcd.max_request_bytes",
+                at("max_request_bytes"),
                 "must be between 65536 and 1073741824, as etcd's --max-request-bytes",
             ));
         }
         if !(64 * 1024..=256 << 20).contains(&self.max_value_bytes) {
             return Err(InvalidSetting::new(
-                "store.etcd.max_value_bytes",
+                at("max_value_bytes"),
                 "must be between 65536 and 268435456 (256 MiB, the most one read takes)",
             ));
         }
         if self.uses_tls() {
             if self.ca_file.is_none() {
                 return Err(InvalidSetting::new(
-                    "store.etcd.ca_file",
+                    at("ca_file"),
                     "https:// endpoints need the CA certificate that etcd's server \
                      certificate is checked against",
                 ));
@@ -400,7 +430,7 @@ impl EtcdConfig {
             ] {
                 if set {
                     return Err(InvalidSetting::new(
-                        format!("store.etcd.{name}"),
+                        at(name),
                         "is used only with https:// endpoints",
                     ));
                 }
@@ -409,13 +439,13 @@ impl EtcdConfig {
         match (&self.cert_file, &self.key_file) {
             (Some(_), None) => {
                 return Err(InvalidSetting::new(
-                    "store.etcd.key_file",
+                    at("key_file"),
                     "cert_file needs the key of the client certificate",
                 ))
             }
             (None, Some(_)) => {
                 return Err(InvalidSetting::new(
-                    "store.etcd.cert_file",
+                    at("cert_file"),
                     "key_file needs the client certificate it belongs to",
                 ))
             }
@@ -423,17 +453,17 @@ impl EtcdConfig {
         }
         match (&self.user, &self.password_file) {
             (Some(user), _) if user.is_empty() => {
-                return Err(InvalidSetting::new("store.etcd.user", "must not be empty"))
+                return Err(InvalidSetting::new(at("user"), "must not be empty"))
             }
             (Some(_), None) => {
                 return Err(InvalidSetting::new(
-                    "store.etcd.password_file",
+                    at("password_file"),
                     "user needs a password: the file that holds it",
                 ))
             }
             (None, Some(_)) => {
                 return Err(InvalidSetting::new(
-                    "store.etcd.user",
+                    at("user"),
                     "password_file needs the user it is the password of",
                 ))
             }
@@ -850,7 +880,10 @@ impl<B: BalanceTable> Config<B> {
         }
         if let Some(cluster) = &self.cluster {
             cluster.validate()?;
-            if self.store.etcd.is_none() {
+            // A relay may follow the cluster with its own etcd table alone; a replica
+            // started so is refused when it opens its store.
+            let relays_own = self.relay.as_ref().is_some_and(|r| r.etcd.is_some());
+            if self.store.etcd.is_none() && !relays_own {
                 return Err(InvalidSetting::new(
                     "cluster",
                     "a cluster shares its services through etcd: it needs [store.etcd] \
@@ -867,11 +900,11 @@ impl<B: BalanceTable> Config<B> {
                      (or --cluster)",
                 ));
             }
-            if self.store.etcd.is_none() {
+            if relay.etcd_or(self.store.etcd.as_ref()).is_none() {
                 return Err(InvalidSetting::new(
                     "relay",
-                    "a relay reads its cluster's owners from etcd: it needs [store.etcd] \
-                     (or --etcd)",
+                    "a relay reads its cluster's owners from etcd: it needs [relay.etcd] \
+                     (or [store.etcd], or --etcd)",
                 ));
             }
         }

@@ -98,6 +98,38 @@ impl Ends {
     }
 }
 
+/// The tasks a watched task starts for the things it manages (a relay's trunk for each
+/// replica): each may end, when its thing is gone, but its panic is the watched
+/// task's, which [`Children::panicked`] carries on, so that the supervisor reports it
+/// as for any watched task. Dropped, it aborts the tasks that still run.
+#[derive(Debug, Default)]
+pub struct Children {
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Children {
+    /// Spawns `fut` as one of these tasks.
+    pub fn spawn<F>(&mut self, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.tasks.spawn(fut);
+    }
+
+    /// Resolves with the payload of the first task that panics, reaping those that
+    /// end otherwise; never while none panics. The caller resumes the panic
+    /// (`std::panic::resume_unwind`).
+    pub async fn panicked(&mut self) -> Box<dyn std::any::Any + Send> {
+        loop {
+            match self.tasks.join_next().await {
+                Some(Err(e)) if e.is_panic() => return e.into_panic(),
+                Some(_) => {}
+                None => std::future::pending::<()>().await,
+            }
+        }
+    }
+}
+
 /// The text of a panic payload.
 pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
@@ -133,5 +165,35 @@ mod tests {
         );
         // The aborted task reported nothing.
         assert!(ends.ends.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_childs_panic_ends_its_watched_parent_and_a_childs_return_does_not() {
+        let (sup, mut ends) = supervisor();
+        let (start, mut starts) = mpsc::unbounded_channel::<bool>();
+        let parent = sup.spawn("trunks", async move {
+            let mut children = Children::default();
+            loop {
+                tokio::select! {
+                    next = starts.recv() => match next {
+                        Some(panics) => children.spawn(async move {
+                            assert!(!panics, "the trunk to r1 broke");
+                        }),
+                        None => std::future::pending::<()>().await,
+                    },
+                    payload = children.panicked() => std::panic::resume_unwind(payload),
+                }
+            }
+        });
+        let _ = start.send(false);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(ends.ends.try_recv().is_err(), "a child that returned");
+        assert!(!parent.is_finished());
+        let _ = start.send(true);
+        let end = tokio::time::timeout(std::time::Duration::from_secs(5), ends.next())
+            .await
+            .expect("the child's panic is reported");
+        assert_eq!(end.task, "trunks");
+        assert_eq!(end.reason, "it panicked: the trunk to r1 broke");
     }
 }

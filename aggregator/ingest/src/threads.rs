@@ -16,6 +16,7 @@
 use super::upstream::Upstream;
 use super::Ingest;
 use crate::metrics::IngestMetrics;
+use crate::supervise::Supervisor;
 use std::net::{SocketAddr, UdpSocket};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -62,9 +63,9 @@ pub struct Threads {
     running: watch::Receiver<usize>,
     /// The panic that ended a thread, if one did.
     panicked: Arc<Mutex<Option<String>>>,
-    /// The watcher of the revocation list and of the TLS files, which ends with the
-    /// threads' handle.
-    watcher: tokio::task::JoinHandle<()>,
+    /// The watched tasks that reload the revocation list and the TLS files, which end
+    /// with the threads' handle.
+    watchers: [tokio::task::JoinHandle<()>; 2],
 }
 
 /// Counts a thread out when it ends, however it ends.
@@ -78,7 +79,8 @@ impl Drop for Running {
 
 /// Binds `count` sockets to `addr` and starts a thread for each that accepts and serves
 /// agents' connections until its endpoint is closed, each agent by `upstream`. Runs in
-/// the daemon's runtime, where it starts the revocation list's watcher.
+/// the daemon's runtime, where `supervisor` watches the tasks that reload the
+/// revocation list and the TLS files.
 pub async fn start<U: Upstream>(
     server: quinn::ServerConfig,
     addr: SocketAddr,
@@ -86,6 +88,7 @@ pub async fn start<U: Upstream>(
     metrics: Arc<IngestMetrics>,
     ingest: Ingest,
     upstream: Arc<U>,
+    supervisor: &Supervisor,
 ) -> Result<Threads, ThreadsError> {
     let count = count.max(1);
     let sockets = bind(addr, count)?;
@@ -153,16 +156,17 @@ pub async fn start<U: Upstream>(
         .clone()
         .watch(ballast_shared::tls::live::CHECK_EVERY, tls_counter);
     let crl = ingest.revocation.clone().watch(metrics);
-    let watcher = tokio::spawn(async move {
-        tokio::join!(tls, crl);
-    });
+    let watchers = [
+        supervisor.spawn("TLS files", tls),
+        supervisor.spawn("revocation list", crl),
+    ];
     Ok(Threads {
         endpoints,
         runtimes,
         addr: bound,
         running,
         panicked,
-        watcher,
+        watchers,
     })
 }
 
@@ -295,6 +299,8 @@ impl Drop for Threads {
     fn drop(&mut self) {
         // A daemon dropped without its shutdown still lets go of the port.
         self.close(super::quic::close::NORMAL, b"shutting down");
-        self.watcher.abort();
+        for watcher in &self.watchers {
+            watcher.abort();
+        }
     }
 }

@@ -112,11 +112,34 @@ mod tests {
                 "[store.etcd]\n[cluster]\nname = \"p\"\n[relay]\nname = \"a b\"\n",
                 "relay.name",
             ),
+            (
+                "[cluster]\nname = \"p\"\n[relay.etcd]\nprefix = \"/w/\"\n",
+                "relay.etcd.prefix",
+            ),
+            (
+                "[cluster]\nname = \"p\"\n[relay.etcd]\nlocal_copy = \"/tmp/c\"\n",
+                "relay.etcd.local_copy",
+            ),
         ] {
             let err = Config::parse(body, "t").expect_err(why).to_string();
             let want = why.rsplit(' ').next().unwrap_or(why);
             assert!(err.contains(want), "{why}: {err}");
         }
+        // Its own etcd table is enough, and is what it connects with.
+        let cfg = Config::parse(
+            "[store.etcd]\nprefix = \"/s\"\n[cluster]\nname = \"p\"\n\
+             [relay.etcd]\nprefix = \"/r\"\nuser = \"relay\"\npassword_file = \"/p\"\n",
+            "t",
+        )
+        .expect("parses");
+        let relay = cfg.relay.as_ref().expect("relay");
+        let etcd = relay.etcd_or(cfg.store.etcd.as_ref()).expect("etcd");
+        assert_eq!(
+            (etcd.prefix.as_str(), etcd.user.as_deref()),
+            ("/r", Some("relay"))
+        );
+        let cfg = Config::parse("[cluster]\nname = \"p\"\n[relay.etcd]\n", "t").expect("parses");
+        assert!(cfg.store.etcd.is_none() && cfg.relay.is_some_and(|r| r.etcd.is_some()));
     }
 
     #[test]

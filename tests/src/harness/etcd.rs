@@ -326,6 +326,36 @@ impl Etcd {
     /// Adds user `user` with `password`, allowed to read and write the keys under
     /// `prefix` and nothing else (a role of the same name).
     pub fn add_user(&self, user: &str, password: &str, prefix: &str) {
+        self.add_user_allowed(user, password, "readwrite", prefix);
+    }
+
+    /// Adds user `user` with `password`, allowed only to read the keys under `prefix`
+    /// (a role of the same name), as `docs/security.md` has a relay's.
+    pub fn add_reader(&self, user: &str, password: &str, prefix: &str) {
+        self.add_user_allowed(user, password, "read", prefix);
+    }
+
+    /// `etcdctl ARGS` logged in as `user` rather than root, bounded in time; its
+    /// stdout, or why it failed (etcd's refusal among them).
+    pub fn try_ctl_as(&self, user: &str, password: &str, args: &[&str]) -> Result<String, String> {
+        let mut cmd = etcd_command(ETCDCTL_BIN);
+        cmd.args(["--endpoints", &self.endpoint()]);
+        if let Some(tls) = &self.tls {
+            cmd.arg("--cacert").arg(&tls.ca);
+        }
+        cmd.arg("--user")
+            .arg(format!("{user}:{password}"))
+            .args(["--command-timeout", "3s"])
+            .args(args);
+        let out = run_bounded(cmd, Duration::from_secs(15));
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    fn add_user_allowed(&self, user: &str, password: &str, permission: &str, prefix: &str) {
         self.must_ctl(&[
             "user",
             "add",
@@ -340,7 +370,7 @@ impl Etcd {
             "grant-permission",
             user,
             "--prefix=true",
-            "readwrite",
+            permission,
             prefix,
         ]);
         self.must_ctl(&["user", "grant-role", user, user]);
