@@ -8,7 +8,7 @@
 
 use ballast_shared::session::trunk::TrunkClientEvent;
 use ballast_shared::wire::{Hello, RejectReason};
-use ballast_tests::harness::trunk::{chain_of, key_of};
+use ballast_tests::harness::raw_trunk::{chain_of, key_of};
 use ballast_tests::*;
 use std::net::IpAddr;
 use std::time::Duration;

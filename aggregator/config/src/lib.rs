@@ -792,7 +792,7 @@ impl<B: BalanceTable> Config<B> {
             crl_check: std::time::Duration::from_millis(self.authorization.crl_check_ms),
             config_dir: self.service_config.dir.is_some(),
             accept_unknown_services: self.service_config.accept_unknown_services,
-            limits: self.limits.ingest(),
+            limits: self.limits.ingest.clone(),
         }
     }
 

@@ -17,23 +17,11 @@ pub struct Limits {
     /// more first forgets the node's registrations in other services that have gone
     /// silent (a node moved to another service), and is refused if that is not enough.
     pub services_per_identity: usize,
-    /// Agent connections open at once, handshakes included; more are refused before
-    /// any cryptography.
-    pub quic_max_connections: usize,
-    /// Connections one node may hold at once (a reconnecting agent briefly has two).
-    pub quic_max_connections_per_identity: usize,
-    /// Whether a new connection must first prove its source address with a QUIC Retry
-    /// (one more round trip), so that spoofed floods cost no handshake.
-    pub quic_retry: bool,
-    /// Datagrams one connection may send per second, sustained (twice that in a
-    /// burst); the rest are dropped unread, before they reach the balancer.
-    pub quic_max_datagrams_per_second: u32,
-    /// How long an established connection may go without a report before it is
-    /// closed, in milliseconds; at least five report intervals are always allowed.
-    pub quic_report_timeout_ms: u64,
-    /// Agents one relay's trunk may hold attached at once; more attaches are refused
-    /// (`limit_reached`).
-    pub trunk_max_slots: u32,
+    /// What ingest holds agents' connections and relays' trunks to: the `quic_*` and
+    /// `trunk_max_slots` settings, keys of this same table, defined (with their
+    /// defaults) where ingest reads them.
+    #[serde(flatten)]
+    pub ingest: ballast_ingest::Limits,
     /// Open xDS (ADS) streams in all; more are refused with `RESOURCE_EXHAUSTED`.
     pub xds_max_streams: usize,
     /// Open xDS streams from one source address; more are refused with
@@ -74,18 +62,12 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        let ingest = ballast_ingest::Limits::default();
         Limits {
             // The balancing core's defaults (the aggregator's tests hold the two equal).
             max_services: 10_000,
             max_endpoints_per_service: 50_000,
             services_per_identity: 1,
-            quic_max_connections: ingest.quic_max_connections,
-            quic_max_connections_per_identity: ingest.quic_max_connections_per_identity,
-            quic_retry: ingest.quic_retry,
-            quic_max_datagrams_per_second: ingest.quic_max_datagrams_per_second,
-            quic_report_timeout_ms: ingest.quic_report_timeout_ms,
-            trunk_max_slots: ingest.trunk_max_slots,
+            ingest: ballast_ingest::Limits::default(),
             xds_max_streams: 10_000,
             xds_max_streams_per_source: 256,
             xds_max_connections: 4096,
@@ -105,18 +87,6 @@ impl Default for Limits {
 }
 
 impl Limits {
-    /// The limits ingest holds agents' connections and relays' trunks to.
-    pub fn ingest(&self) -> ballast_ingest::Limits {
-        ballast_ingest::Limits {
-            quic_max_connections: self.quic_max_connections,
-            quic_max_connections_per_identity: self.quic_max_connections_per_identity,
-            quic_retry: self.quic_retry,
-            quic_max_datagrams_per_second: self.quic_max_datagrams_per_second,
-            quic_report_timeout_ms: self.quic_report_timeout_ms,
-            trunk_max_slots: self.trunk_max_slots,
-        }
-    }
-
     /// The limits the HTTP listener holds its connections to.
     pub fn http(&self) -> ballast_ingest::http_listener::HttpLimits {
         ballast_ingest::http_listener::HttpLimits {
@@ -135,17 +105,20 @@ impl Limits {
                 self.max_endpoints_per_service as u64,
             ),
             ("services_per_identity", self.services_per_identity as u64),
-            ("quic_max_connections", self.quic_max_connections as u64),
+            (
+                "quic_max_connections",
+                self.ingest.quic_max_connections as u64,
+            ),
             (
                 "quic_max_connections_per_identity",
-                self.quic_max_connections_per_identity as u64,
+                self.ingest.quic_max_connections_per_identity as u64,
             ),
             (
                 "quic_max_datagrams_per_second",
-                u64::from(self.quic_max_datagrams_per_second),
+                u64::from(self.ingest.quic_max_datagrams_per_second),
             ),
-            ("quic_report_timeout_ms", self.quic_report_timeout_ms),
-            ("trunk_max_slots", u64::from(self.trunk_max_slots)),
+            ("quic_report_timeout_ms", self.ingest.quic_report_timeout_ms),
+            ("trunk_max_slots", u64::from(self.ingest.trunk_max_slots)),
             ("xds_max_streams", self.xds_max_streams as u64),
             (
                 "xds_max_streams_per_source",
@@ -204,6 +177,38 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `[limits]` table of a configuration file, as the file is read.
+    #[derive(Debug, Deserialize)]
+    struct File {
+        limits: Limits,
+    }
+
+    fn parse(table: &str) -> Result<Limits, String> {
+        ballast_shared::config::parse_toml::<File>(&format!("[limits]\n{table}"), "test.toml")
+            .map(|f| f.limits)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn ingest_settings_are_keys_of_the_same_table_and_typos_are_refused() {
+        let l = parse("quic_retry = false\ntrunk_max_slots = 7\nxds_max_streams = 9\n")
+            .expect("parses");
+        assert_eq!(
+            l.ingest,
+            ballast_ingest::Limits {
+                quic_retry: false,
+                trunk_max_slots: 7,
+                ..ballast_ingest::Limits::default()
+            }
+        );
+        assert_eq!(l.xds_max_streams, 9);
+        assert_eq!(parse("").expect("an empty table"), Limits::default());
+        let typo = parse("quic_rety = false\n").expect_err("an unknown key");
+        assert!(typo.contains("unknown field `quic_rety`"), "{typo}");
+        let bad = parse("quic_retry = \"yes\"\n").expect_err("a string is no flag");
+        assert!(bad.contains("expected a boolean"), "{bad}");
+    }
 
     #[test]
     fn defaults_are_valid_and_zero_is_refused() {
