@@ -424,9 +424,9 @@ async fn a_relay_attaches_agents_and_hears_their_weights_and_bad_attaches_are_re
 #[tokio::test]
 async fn a_full_trunk_refuses_attaches_and_a_silent_slot_is_detached() {
     let mut cfg = crate::config::Config::default();
-    cfg.limits.trunk_max_slots = 1;
+    cfg.limits.ingest.trunk_max_slots = 1;
     // The silence rule's floor, five report intervals, decides: one second.
-    cfg.limits.quic_report_timeout_ms = 1;
+    cfg.limits.ingest.quic_report_timeout_ms = 1;
     let primary = Primary::start_with(cfg, 200).await;
     let mut relay = Relay::open(&primary).await;
     assert_eq!(
