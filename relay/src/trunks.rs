@@ -296,7 +296,7 @@ impl Trunks {
                 tracing::info!(%replica, "the replica left the cluster; its trunk ends");
                 return;
             };
-            let mut session = Session::new(&self.dialer, &replica, &address, next_slot);
+            let mut session = TrunkConnection::new(&self.dialer, &replica, &address, next_slot);
             let ended = session.run(&mut commands, &open).await;
             next_slot = session.next_slot;
             if open.swap(false, Ordering::Relaxed) {
@@ -385,7 +385,7 @@ type Pending = (
 );
 
 /// One connection of a trunk: its slots and attaches in flight.
-struct Session<'a> {
+struct TrunkConnection<'a> {
     dialer: &'a Dialer,
     replica: &'a str,
     address: &'a str,
@@ -402,9 +402,9 @@ struct Session<'a> {
     ),
 }
 
-impl<'a> Session<'a> {
+impl<'a> TrunkConnection<'a> {
     fn new(dialer: &'a Dialer, replica: &'a str, address: &'a str, next_slot: Slot) -> Self {
-        Session {
+        TrunkConnection {
             dialer,
             replica,
             address,

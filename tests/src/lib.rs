@@ -43,8 +43,8 @@ pub use harness::packages::{packages, repo_root, require_tool, Packages, Scratch
 pub use harness::pki::Pki;
 pub use harness::process::{bench_arg, binary, command, run_bounded, AGENT_BIN, AGGREGATOR_BIN};
 pub use harness::quic::{client_config_without_certificate, RawClient, RawConn};
+pub use harness::raw_trunk::RawTrunk;
 pub use harness::relay::{Relay, RelayOpts};
-pub use harness::trunk::RawTrunk;
 pub use harness::wait::{holds_for, wait_for, wait_for_polling, wait_until};
 
 /// Milliseconds since the Unix epoch.

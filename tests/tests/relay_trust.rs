@@ -11,7 +11,7 @@ use ballast_aggregator::cluster::{cluster_prefix, owner_key};
 use ballast_shared::session::trunk::TrunkClientEvent;
 use ballast_shared::wire::{Hello, RejectReason};
 use ballast_tests::harness::cluster;
-use ballast_tests::harness::trunk::{chain_of, key_of};
+use ballast_tests::harness::raw_trunk::{chain_of, key_of};
 use ballast_tests::*;
 use std::net::IpAddr;
 use std::time::Duration;

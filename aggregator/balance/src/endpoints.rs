@@ -682,6 +682,12 @@ impl<'a> Endpoint<'a> {
         self.hot().established
     }
 
+    /// Whether its in-flight count is believed: false once it was set aside for not
+    /// following the weight. What its agent is told.
+    pub fn inflight_trusted(&self) -> bool {
+        !self.hot().distrusted
+    }
+
     /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
     pub fn inflight(&self) -> &'a InflightTracker {
         &self.slots.inflight[self.slot]

@@ -92,21 +92,18 @@ pub enum BalanceError {
     },
 }
 
-/// What a node should be getting, as the reply to its report says.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct Assignment {
-    /// Published weight, mean 1.0 over serving endpoints; 0 when draining.
-    pub weight: f64,
-    /// The cycle that produced it.
-    pub cycle: u64,
-    /// Whether the balancer has the node as draining.
-    pub draining: bool,
+/// What [`Balancer::observe`] made of a report: whether it was taken, and the node as
+/// the balancer holds it now. What the reply tells the node (its assignment, the
+/// session's type in `ballast-shared`) is read from this where no publication holds
+/// the node yet.
+#[derive(Debug, Clone, Copy)]
+pub struct Observed<'a> {
     /// Whether the report was accepted (false for a reordered, older report).
     pub accepted: bool,
-    /// The load the balancer steers the node by, as of its last cycle.
-    pub load: f64,
-    /// Whether its in-flight count is trusted.
-    pub inflight_trusted: bool,
+    /// The last cycle that updated the service's live weights.
+    pub cycle: u64,
+    /// The node's endpoint, its live weight, drain, load and in-flight trust.
+    pub endpoint: Endpoint<'a>,
 }
 
 /// Bounds on what registrations may create, so that a broken or hostile agent cannot
@@ -375,14 +372,15 @@ impl Balancer {
         }
     }
 
-    /// Records a report and returns the node's current assignment.
+    /// Records a report and returns the node's current assignment, and whether the
+    /// report was taken.
     pub fn observe(
         &mut self,
         now: Millis,
         service: &str,
         node: &str,
         obs: Observation,
-    ) -> Result<Assignment, BalanceError> {
+    ) -> Result<Observed<'_>, BalanceError> {
         let unknown = || BalanceError::UnknownEndpoint {
             service: service.to_string(),
             node: node.to_string(),
@@ -390,13 +388,10 @@ impl Balancer {
         let svc = self.services.get_mut(service).ok_or_else(unknown)?;
         let cycle = svc.weights_cycle;
         let (accepted, ep) = svc.observe_endpoint(now, node, obs).ok_or_else(unknown)?;
-        Ok(Assignment {
-            weight: ep.weight(),
-            cycle,
-            draining: ep.draining(),
+        Ok(Observed {
             accepted,
-            load: ep.load(),
-            inflight_trusted: !ep.hot().distrusted,
+            cycle,
+            endpoint: ep,
         })
     }
 

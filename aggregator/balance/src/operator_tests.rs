@@ -81,8 +81,8 @@ fn an_operator_drain_shows_at_once_and_holds_whatever_the_agent_says() {
     assert!(b.service(SVC).expect("svc").version > version);
     // The agent says it serves; the operator's drain wins, in its reply too.
     let a = b.observe(1000, SVC, "n2", obs(0.5)).expect("observes");
-    assert!(a.draining);
-    assert_eq!(a.weight, 0.0);
+    assert!(a.endpoint.draining());
+    assert_eq!(a.endpoint.weight(), 0.0);
     report(&mut b, 1000, &loads(1), &[2]);
     b.cycle(1000);
     assert_eq!(published(&b)[2], (0.0, true));
@@ -319,7 +319,7 @@ fn actions_are_stored_with_the_service_and_hold_after_a_restore() {
     assert_eq!(svc.actions().drains["n1"].by, "alice");
     // The drained node's agent says it serves: still drained.
     let a = after.observe(100, SVC, "n1", obs(0.5)).expect("observes");
-    assert!(a.draining);
+    assert!(a.endpoint.draining());
     let r = after.cycle(100).remove(0);
     assert_eq!(
         r.skipped,
@@ -349,5 +349,5 @@ fn a_drained_node_that_expired_comes_back_drained() {
     b.register(late + 1, SVC, "n0", "10.0.0.0:80", "")
         .expect("registers");
     let a = b.observe(late + 2, SVC, "n0", obs(0.1)).expect("observes");
-    assert!(a.draining, "the operator's drain still holds");
+    assert!(a.endpoint.draining(), "the operator's drain still holds");
 }

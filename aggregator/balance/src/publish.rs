@@ -254,7 +254,7 @@ fn fill(
     *inflight = e.observation().inflight;
     *capacity = e.observation().capacity;
     *inflight_estimate = e.inflight().estimate;
-    *inflight_trusted = !e.hot().distrusted;
+    *inflight_trusted = e.inflight_trusted();
     *report_age_ms = e.report_age(now);
     *strategy_weights = strategies;
 }

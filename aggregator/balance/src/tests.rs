@@ -243,8 +243,8 @@ fn draining_gives_zero_and_undrain_restarts_cold() {
         ..obs(0.5)
     };
     let a = b.observe(1000, SVC, "n2", draining).expect("observes");
-    assert_eq!(a.weight, 0.0);
-    assert!(a.draining);
+    assert_eq!(a.endpoint.weight(), 0.0);
+    assert!(a.endpoint.draining());
     report_all(&mut b, 1000, &[0.5, 0.5, 0.5, 0.5], &[2]);
     let r = b.cycle(1000).remove(0);
     assert!(r.changed);

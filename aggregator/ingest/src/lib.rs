@@ -13,11 +13,11 @@ pub mod http_listener;
 mod limits;
 pub mod metrics;
 pub mod policy;
+pub mod primary_trunk;
 pub mod quic;
 pub mod revocation;
 pub mod supervise;
 pub mod threads;
-pub mod trunk;
 pub mod upstream;
 
 pub use metrics::IngestMetrics;
@@ -102,15 +102,26 @@ impl Settings {
 }
 
 /// The `[limits]` ingest holds connections and trunks to; each field is the
-/// configuration file's setting of the same name (`docs/security.md`).
+/// configuration file's setting of the same name (`docs/security.md`), which the
+/// configuration crate's `Limits::ingest` hands over.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[allow(missing_docs)] // documented where an operator sets them: the aggregator's `[limits]`
 pub struct Limits {
+    /// Agent connections open at once, handshakes included; more are refused before
+    /// any cryptography.
     pub quic_max_connections: usize,
+    /// Connections one node may hold at once (a reconnecting agent briefly has two).
     pub quic_max_connections_per_identity: usize,
+    /// Whether a new connection must first prove its source address with a QUIC Retry
+    /// (one more round trip), so that spoofed floods cost no handshake.
     pub quic_retry: bool,
+    /// Datagrams one connection may send per second, sustained (twice that in a
+    /// burst); the rest are dropped unread, before they reach the balancer.
     pub quic_max_datagrams_per_second: u32,
+    /// How long an established connection may go without a report before it is
+    /// closed, in milliseconds; at least five report intervals are always allowed.
     pub quic_report_timeout_ms: u64,
+    /// Agents one relay's trunk may hold attached at once; more attaches are refused
+    /// (`limit_reached`).
     pub trunk_max_slots: u32,
 }
 

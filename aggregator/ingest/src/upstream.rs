@@ -105,7 +105,7 @@ pub trait Upstream: Send + Sync + 'static {
     }
 }
 
-/// An upstream that serves relays' trunks as a primary ([`crate::trunk::serve`]): each
+/// An upstream that serves relays' trunks as a primary ([`crate::primary_trunk::serve`]): each
 /// agent behind a trunk is admitted through [`Upstream::admit`] as a direct agent is,
 /// and the trunk tells its relay what this says besides. A trunk's reports reach the
 /// links decoded only: [`Link::report`] is given no datagram (`raw` is empty).

@@ -7,7 +7,7 @@
 //! agent goes on to the replica that took it over.
 
 use crate::state::State;
-use ballast_balance::{BalanceError, Balancer, Millis, Observation, Published};
+use ballast_balance::{BalanceError, Balancer, Millis, Observation, Observed, Published};
 use ballast_ingest::upstream::{
     lost, Admitted, Arrival, Close, Downstream, Forwarded, Link, Replica, Trunk, Upstream,
 };
@@ -106,7 +106,7 @@ impl Upstream for Local {
     }
 
     fn trunk(&self, trunk: Trunk<'_>) -> impl Future<Output = Result<(), &'static str>> + Send {
-        ballast_ingest::trunk::serve(self, trunk)
+        ballast_ingest::primary_trunk::serve(self, trunk)
     }
 }
 
@@ -211,6 +211,19 @@ impl Publication {
     }
 }
 
+/// What the balancer holds for the node a report came from, as its reply says it: for
+/// a node no publication holds yet.
+fn live_assignment(observed: &Observed<'_>) -> Assignment {
+    let e = observed.endpoint;
+    Assignment {
+        weight: e.weight(),
+        cycle: observed.cycle,
+        draining: e.draining(),
+        load: e.load(),
+        inflight_trusted: e.inflight_trusted(),
+    }
+}
+
 /// The refusal a registration error amounts to.
 fn refusal(e: BalanceError) -> Reject {
     let reason = match e {
@@ -270,21 +283,12 @@ fn record(state: &State, hello: &Hello, report: &Report, published: &mut Publica
     let now = state.clock.now();
     let mut balancer = state.balancer();
     match balancer.observe(now, &hello.service, &hello.node, observation(report)) {
-        Ok(a) => {
+        Ok(observed) => {
+            let (live, accepted) = (live_assignment(&observed), observed.accepted);
             drop(balancer);
-            let assignment = match published.assignment(hello) {
-                Some(assignment) => assignment,
-                None => Assignment {
-                    weight: a.weight,
-                    cycle: a.cycle,
-                    draining: a.draining,
-                    load: a.load,
-                    inflight_trusted: a.inflight_trusted,
-                },
-            };
             Forwarded::Assigned {
-                assignment,
-                accepted: a.accepted,
+                assignment: published.assignment(hello).unwrap_or(live),
+                accepted,
             }
         }
         // Forgotten while connected (a long stall, or another node took its address):
@@ -320,4 +324,4 @@ fn observation(r: &Report) -> Observation {
 }
 
 #[cfg(test)]
-mod trunk_tests;
+mod primary_trunk_tests;

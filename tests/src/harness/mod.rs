@@ -20,6 +20,6 @@ pub mod pki;
 pub mod ports;
 pub mod process;
 pub mod quic;
+pub mod raw_trunk;
 pub mod relay;
-pub mod trunk;
 pub mod wait;

@@ -95,7 +95,7 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
     let mut revocations = admit_identity(conn, metrics, ingest, place, &info.identity, &chain)?;
     let protocol = TrunkProtocol::negotiated(conn).unwrap_or(TrunkProtocol::CURRENT);
     metrics.trunks_open.inc();
-    let mut driver = Driver {
+    let mut driver = PrimaryTrunk {
         conn,
         metrics,
         ingest,
@@ -192,7 +192,9 @@ async fn write(
     Ok(())
 }
 
-struct Driver<'a, R: Replica> {
+/// One relay's trunk as the primary serves it: the connection, its [`TrunkServer`]
+/// machine and the slots it welcomed, each with its agent's link.
+struct PrimaryTrunk<'a, R: Replica> {
     conn: &'a quinn::Connection,
     metrics: &'a IngestMetrics,
     ingest: &'a Ingest,
@@ -210,7 +212,7 @@ struct Driver<'a, R: Replica> {
     agents: HashMap<Slot, Agent<R::Link>>,
 }
 
-impl<R: Replica> Driver<'_, R> {
+impl<R: Replica> PrimaryTrunk<'_, R> {
     async fn run(
         &mut self,
         revocations: &mut tokio::sync::watch::Receiver<u64>,
@@ -644,7 +646,7 @@ impl<R: Replica> Driver<'_, R> {
 #[cfg(test)]
 mod tests {
     //! The trunk's own arithmetic; the trunk served in-process with the aggregator's
-    //! balancer behind it is tested there (`aggregator/src/ingest/local/trunk_tests.rs`).
+    //! balancer behind it is tested there (`aggregator/src/ingest/local/primary_trunk_tests.rs`).
 
     use super::*;
 
