@@ -657,9 +657,8 @@ impl<R: Replica> Driver<'_, R> {
     /// detach the revoked and expired. Slots gone meanwhile are skipped; those
     /// attached since were checked under the new list when they attached.
     fn recheck(&mut self) -> Vec<Vec<u8>> {
-        let revocation = &self.ingest.revocation;
         let started = Instant::now();
-        let mut ends: Vec<(Slot, u32, &'static str)> = Vec::new();
+        let mut frames = Vec::new();
         for _ in 0..RECHECK_BATCH {
             let Some(slot) = self.rechecks.pop_front() else {
                 break;
@@ -667,18 +666,19 @@ impl<R: Replica> Driver<'_, R> {
             let Some(agent) = self.agents.get(&slot) else {
                 continue;
             };
-            match revocation.verdict(&agent.chain) {
-                Verdict::Valid => {}
-                Verdict::Revoked => ends.push((slot, close::REVOKED, "revoked")),
-                Verdict::Expired => ends.push((slot, close::EXPIRED, "expired")),
+            let end = match self.ingest.revocation.verdict(&agent.chain) {
+                Verdict::Valid => None,
+                Verdict::Revoked => Some((close::REVOKED, "revoked")),
+                Verdict::Expired => Some((close::EXPIRED, "expired")),
+            };
+            if let Some((code, reason)) = end {
+                frames.extend(self.detach(slot, code, reason, reason));
             }
             if started.elapsed() >= RECHECK_SLICE {
                 break;
             }
         }
-        ends.into_iter()
-            .filter_map(|(slot, code, reason)| self.detach(slot, code, reason, reason))
-            .collect()
+        frames
     }
 
     /// After the replica lost a bucket: the frames that detach the slots whose
