@@ -196,8 +196,7 @@ impl Revocation {
             // Checking and indexing a list of many entries takes a while: not on the
             // thread that serves connections.
             let verifier = self.verifier.clone();
-            let applied = match tokio::task::spawn_blocking(move || verifier.set_crls(crls)).await
-            {
+            let applied = match tokio::task::spawn_blocking(move || verifier.set_crls(crls)).await {
                 Ok(applied) => applied,
                 Err(_) => continue,
             };
