@@ -20,7 +20,9 @@ pub struct Limits {
     /// Agent connections open at once, handshakes included; more are refused before
     /// any cryptography.
     pub quic_max_connections: usize,
-    /// Connections one node may hold at once (a reconnecting agent briefly has two).
+    /// Sessions one node may hold at once, its direct connections and its agents
+    /// attached through relays' trunks together (a reconnecting agent briefly has
+    /// two).
     pub quic_max_connections_per_identity: usize,
     /// Whether a new connection must first prove its source address with a QUIC Retry
     /// (one more round trip), so that spoofed floods cost no handshake.
@@ -34,6 +36,12 @@ pub struct Limits {
     /// Agents one relay's trunk may hold attached at once; more attaches are refused
     /// (`limit_reached`).
     pub trunk_max_slots: u32,
+    /// Attaches one relay's trunk may make per second, sustained; more are refused
+    /// (`attach_rate`). Sized so that a relay re-attaches every agent of a dead owner
+    /// within its failover hold.
+    pub trunk_attach_rate: u32,
+    /// Attaches one relay's trunk may make at once, above the sustained rate.
+    pub trunk_attach_burst: u32,
     /// Open xDS (ADS) streams in all; more are refused with `RESOURCE_EXHAUSTED`.
     pub xds_max_streams: usize,
     /// Open xDS streams from one source address; more are refused with
@@ -86,6 +94,8 @@ impl Default for Limits {
             quic_max_datagrams_per_second: ingest.quic_max_datagrams_per_second,
             quic_report_timeout_ms: ingest.quic_report_timeout_ms,
             trunk_max_slots: ingest.trunk_max_slots,
+            trunk_attach_rate: ingest.trunk_attach_rate,
+            trunk_attach_burst: ingest.trunk_attach_burst,
             xds_max_streams: 10_000,
             xds_max_streams_per_source: 256,
             xds_max_connections: 4096,
@@ -114,6 +124,8 @@ impl Limits {
             quic_max_datagrams_per_second: self.quic_max_datagrams_per_second,
             quic_report_timeout_ms: self.quic_report_timeout_ms,
             trunk_max_slots: self.trunk_max_slots,
+            trunk_attach_rate: self.trunk_attach_rate,
+            trunk_attach_burst: self.trunk_attach_burst,
         }
     }
 
@@ -128,7 +140,7 @@ impl Limits {
 
     /// Checks that every limit admits something.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
-        let positive: [(&str, u64); 22] = [
+        let positive: [(&str, u64); 24] = [
             ("max_services", self.max_services as u64),
             (
                 "max_endpoints_per_service",
@@ -146,6 +158,8 @@ impl Limits {
             ),
             ("quic_report_timeout_ms", self.quic_report_timeout_ms),
             ("trunk_max_slots", u64::from(self.trunk_max_slots)),
+            ("trunk_attach_rate", u64::from(self.trunk_attach_rate)),
+            ("trunk_attach_burst", u64::from(self.trunk_attach_burst)),
             ("xds_max_streams", self.xds_max_streams as u64),
             (
                 "xds_max_streams_per_source",

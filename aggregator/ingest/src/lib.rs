@@ -123,6 +123,8 @@ pub struct Limits {
     /// Agents one relay's trunk may hold attached at once; more attaches are refused
     /// (`limit_reached`).
     pub trunk_max_slots: u32,
+    pub trunk_attach_rate: u32,
+    pub trunk_attach_burst: u32,
 }
 
 impl Default for Limits {
@@ -130,11 +132,27 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             quic_max_connections: 65_536,
+            // A node's sessions, direct and relayed together. An agent holds one at a
+            // time; the one it left (a lost path, a relay that died, a trunk dialled
+            // again) stays until its silence rule or its trunk's end lets go of it, so
+            // a reconnecting agent briefly has two. Four leaves room for a second
+            // reconnect within the silence timeout, and stops one certificate from
+            // being attached through every trunk many times over.
             quic_max_connections_per_identity: 4,
             quic_retry: true,
             quic_max_datagrams_per_second: 50,
             quic_report_timeout_ms: 30_000,
             trunk_max_slots: 100_000,
+            // A relay re-attaches all the agents a dead owner had as soon as the
+            // routes name the new one, which is 2.4-3.3 s after the kill (the goal
+            // 3.6 s); it holds them for `failover_hold_ms` (10 s), so it has at least
+            // 6.4 s. 10,000 at once and 2,000 a second pass 22,800 agents of one trunk
+            // in that time: a relay's whole share of a primary many times over (a
+            // 2-core relay carries about 25,000 agents spread over every primary,
+            // docs/scale.md). A hostile relay churning attaches makes the primary
+            // check at most 2,000 proofs a second on its trunk.
+            trunk_attach_rate: 2_000,
+            trunk_attach_burst: 10_000,
         }
     }
 }

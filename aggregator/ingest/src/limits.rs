@@ -1,13 +1,16 @@
-//! What one agent connection, or one node, may cost: connections in all and per node,
-//! and datagrams per second. The checks are plain values the QUIC driver consults, so
-//! that a flood is dropped before it reaches the balancer's lock.
+//! What one agent connection, or one node, may cost: connections in all, sessions per
+//! node (its direct connections and its attaches through relays' trunks together), and
+//! datagrams or attaches per second. The checks are plain values the QUIC driver and
+//! the trunks consult, so that a flood is dropped before it reaches the balancer's
+//! lock.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Open connections, in all and per node.
+/// Open connections in all, and sessions per node: a node's direct connections and
+/// its agents attached through relays count together.
 #[derive(Debug, Default)]
 pub(crate) struct Connections {
     total: AtomicUsize,
@@ -18,7 +21,15 @@ pub(crate) struct Connections {
 #[derive(Debug)]
 pub(crate) struct Slot {
     owner: Arc<Connections>,
-    node: Option<String>,
+    node: Option<NodePlace>,
+}
+
+/// One session's place among those of its node (a direct connection's, or an agent's
+/// attached through a trunk); given back when dropped.
+#[derive(Debug)]
+pub(crate) struct NodePlace {
+    owner: Arc<Connections>,
+    node: String,
 }
 
 impl Connections {
@@ -32,6 +43,23 @@ impl Connections {
         Some(Slot {
             owner: self.clone(),
             node: None,
+        })
+    }
+
+    /// A place among `node`'s sessions, if it holds fewer than `max`.
+    pub(crate) fn claim(self: &Arc<Self>, node: &str, max: usize) -> Option<NodePlace> {
+        let mut per = self.per_node();
+        let n = per.entry(node.to_string()).or_insert(0);
+        if *n >= max {
+            if *n == 0 {
+                per.remove(node);
+            }
+            return None;
+        }
+        *n += 1;
+        Some(NodePlace {
+            owner: self.clone(),
+            node: node.to_string(),
         })
     }
 
@@ -49,36 +77,32 @@ impl Connections {
 impl Slot {
     /// Counts this connection as `node`'s, if `node` holds fewer than `max`.
     pub(crate) fn claim(&mut self, node: &str, max: usize) -> bool {
-        let mut per = self.owner.per_node();
-        let n = per.entry(node.to_string()).or_insert(0);
-        if *n >= max {
-            if *n == 0 {
-                per.remove(node);
-            }
-            return false;
-        }
-        *n += 1;
-        self.node = Some(node.to_string());
-        true
+        self.node = self.owner.claim(node, max);
+        self.node.is_some()
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Some(node) = self.node.take() {
-            let mut per = self.owner.per_node();
-            if let Some(n) = per.get_mut(&node) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    per.remove(&node);
-                }
-            }
-        }
+        self.node = None;
         self.owner.total.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// A token bucket: `rate` datagrams per second sustained, `2 × rate` in a burst.
+impl Drop for NodePlace {
+    fn drop(&mut self) {
+        let mut per = self.owner.per_node();
+        if let Some(n) = per.get_mut(&self.node) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                per.remove(&self.node);
+            }
+        }
+    }
+}
+
+/// A token bucket: `rate` a second sustained, `burst` at once (`2 × rate` for a
+/// connection's datagrams).
 #[derive(Debug)]
 pub(crate) struct Rate {
     tokens: f64,
@@ -88,13 +112,19 @@ pub(crate) struct Rate {
 }
 
 impl Rate {
-    /// Full, at `now`.
+    /// Full, at `now`: `per_second` sustained, twice that in a burst.
     pub(crate) fn new(per_second: u32, now: Instant) -> Self {
+        Rate::with_burst(per_second, per_second.saturating_mul(2), now)
+    }
+
+    /// Full, at `now`: `per_second` sustained, `burst` at once.
+    pub(crate) fn with_burst(per_second: u32, burst: u32, now: Instant) -> Self {
         let rate = f64::from(per_second.max(1));
+        let burst = f64::from(burst.max(1));
         Rate {
-            tokens: 2.0 * rate,
+            tokens: burst,
             rate,
-            burst: 2.0 * rate,
+            burst,
             last: now,
         }
     }
@@ -141,6 +171,39 @@ mod tests {
         drop((b, again));
         assert_eq!(c.total(), 0);
         assert!(c.per_node().is_empty());
+    }
+
+    #[test]
+    fn a_nodes_sessions_count_together_whatever_carries_them() {
+        let c = Arc::new(Connections::default());
+        let mut direct = c.open(10).expect("a connection");
+        assert!(direct.claim("web-1", 3));
+        let relayed = c.claim("web-1", 3).expect("a relayed attach");
+        let again = c.claim("web-1", 3).expect("another");
+        assert!(
+            c.claim("web-1", 3).is_none(),
+            "a fourth session is over the cap"
+        );
+        let mut second = c.open(10).expect("a connection");
+        assert!(
+            !second.claim("web-1", 3),
+            "direct ones count with relayed ones"
+        );
+        assert_eq!(c.total(), 2, "relayed attaches hold no connection");
+        drop(relayed);
+        assert!(second.claim("web-1", 3), "a place given back by an attach");
+        drop((direct, second, again));
+        assert!(c.per_node().is_empty());
+        assert_eq!(c.total(), 0);
+    }
+
+    #[test]
+    fn a_bucket_of_its_own_burst() {
+        let t0 = Instant::now();
+        let mut r = Rate::with_burst(100, 1000, t0);
+        assert_eq!((0..5000).filter(|_| r.take(t0)).count(), 1000);
+        let t1 = t0 + Duration::from_millis(500);
+        assert_eq!((0..5000).filter(|_| r.take(t1)).count(), 50);
     }
 
     #[test]

@@ -31,6 +31,7 @@
 //! services = ["batch", "batch-eu"]  # services they may serve (globs)
 //! networks = ["10.20.0.0/16"]       # advertised addresses may be in these networks
 //! hostnames = ["*.batch.example"]   # advertised host names they may use (globs)
+//! zones = ["eu-west-1*"]            # the zones their hellos may name (globs)
 //!
 //! [[rule]]
 //! # glob patterns on the certificate's whole SPIFFE ID (`*` also crosses `/`)
@@ -39,7 +40,9 @@
 //! ```
 //!
 //! Every rule whose `nodes` or `spiffe_ids` match adds its grants; nothing in the
-//! policy takes away what another rule or the certificate grants. A certificate whose
+//! policy takes away what another rule or the certificate grants. `zones` is the one
+//! bound: a node that a rule with `zones` matches may name only those zones (of every
+//! such rule) in its hello, and a node no such rule matches may name any. A certificate whose
 //! identity is a SPIFFE ID is node `NAME` for the last path segment `NAME` of that ID
 //! ([`ballast_shared::tls::spiffe_node_name`]), which `nodes` patterns match.
 
@@ -174,6 +177,8 @@ struct RuleFile {
     networks: Vec<String>,
     #[serde(default)]
     hostnames: Vec<String>,
+    #[serde(default)]
+    zones: Vec<String>,
 }
 
 /// One rule: identities it applies to, and what it grants them.
@@ -182,6 +187,27 @@ struct Rule {
     nodes: Vec<String>,
     spiffe_ids: Vec<String>,
     grant: Grant,
+    /// The zones its nodes may name (globs); empty: the rule says nothing of zones.
+    zones: Vec<String>,
+}
+
+/// The zones a node's hellos may name: those of every rule that matches it and names
+/// zones, or any when none does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Zones(Option<Vec<String>>);
+
+impl Zones {
+    /// Whether node `node` may say it is in `zone`: `Err` with the reason if not.
+    pub(crate) fn check(&self, node: &str, zone: &str) -> Result<(), String> {
+        use ballast_shared::session::authz::glob_match;
+        match &self.0 {
+            Some(globs) if !globs.iter().any(|g| glob_match(g, zone)) => Err(format!(
+                "node {node:?} may not say it is in zone {zone:?}: the policy allows it {}",
+                globs.join(", ")
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// What connections may claim, beyond the node their certificate names.
@@ -330,16 +356,21 @@ impl Policy {
                 ("nodes", &r.nodes),
                 ("services", &r.services),
                 ("hostnames", &r.hostnames),
+                ("zones", &r.zones),
             ] {
                 if let Some(reason) = bad_glob(patterns) {
                     return Err(invalid(field, reason));
                 }
             }
             let networks = networks(&r.networks).map_err(|e| invalid("networks", e))?;
-            if r.services.is_empty() && networks.is_empty() && r.hostnames.is_empty() {
+            if r.services.is_empty()
+                && networks.is_empty()
+                && r.hostnames.is_empty()
+                && r.zones.is_empty()
+            {
                 return Err(invalid(
                     "services",
-                    "the rule grants nothing: give services, networks or hostnames".into(),
+                    "the rule grants nothing: give services, networks, hostnames or zones".into(),
                 ));
             }
             rules.push(Rule {
@@ -350,6 +381,7 @@ impl Policy {
                     networks,
                     hostnames: r.hostnames,
                 },
+                zones: r.zones,
             });
         }
         Ok(Policy {
@@ -370,24 +402,46 @@ impl Policy {
         spiffe_id: Option<&str>,
         cert_services: &[String],
     ) -> Grant {
-        use ballast_shared::session::authz::glob_match;
         let mut grant = Grant::default();
         if self.certificate_services {
             grant.services.extend(cert_services.iter().cloned());
         }
-        for rule in &self.rules {
-            let by_node = rule.nodes.iter().any(|p| glob_match(p, identity));
-            let by_spiffe =
-                spiffe_id.is_some_and(|id| rule.spiffe_ids.iter().any(|p| glob_match(p, id)));
-            if by_node || by_spiffe {
-                grant.services.extend(rule.grant.services.iter().cloned());
-                grant.networks.extend(rule.grant.networks.iter().copied());
-                grant.hostnames.extend(rule.grant.hostnames.iter().cloned());
-            }
+        for rule in self.matching(identity, spiffe_id) {
+            grant.services.extend(rule.grant.services.iter().cloned());
+            grant.networks.extend(rule.grant.networks.iter().copied());
+            grant.hostnames.extend(rule.grant.hostnames.iter().cloned());
         }
         let mut seen = std::collections::BTreeSet::new();
         grant.services.retain(|s| seen.insert(s.clone()));
         grant
+    }
+
+    /// The zones a node whose certificate names `identity` and the SPIFFE ID
+    /// `spiffe_id`, if any, may name in its hellos.
+    pub(crate) fn zones(&self, identity: &str, spiffe_id: Option<&str>) -> Zones {
+        let mut zones: Option<Vec<String>> = None;
+        for rule in self.matching(identity, spiffe_id) {
+            if !rule.zones.is_empty() {
+                zones
+                    .get_or_insert_with(Vec::new)
+                    .extend(rule.zones.iter().cloned());
+            }
+        }
+        Zones(zones)
+    }
+
+    /// The rules whose `nodes` match `identity` or whose `spiffe_ids` match
+    /// `spiffe_id`.
+    fn matching<'a>(
+        &'a self,
+        identity: &'a str,
+        spiffe_id: Option<&'a str>,
+    ) -> impl Iterator<Item = &'a Rule> + 'a {
+        use ballast_shared::session::authz::glob_match;
+        self.rules.iter().filter(move |rule| {
+            rule.nodes.iter().any(|p| glob_match(p, identity))
+                || spiffe_id.is_some_and(|id| rule.spiffe_ids.iter().any(|p| glob_match(p, id)))
+        })
     }
 
     /// Whether a relay whose certificate names `identity` (and the relay role, which
@@ -590,6 +644,56 @@ mod tests {
         assert!(
             Policy::parse("[[relay]]\nnames = [\"r\"]\nnetworks = [\"x\"]\n", "p.toml").is_err()
         );
+    }
+
+    #[test]
+    fn zones_are_bound_where_a_matching_rule_names_them() {
+        let p = Policy::parse(
+            r#"
+            [[rule]]
+            nodes = ["eu-*"]
+            zones = ["eu-west-1a", "eu-west-1b"]
+
+            [[rule]]
+            nodes = ["eu-9"]
+            zones = ["eu-central-*"]
+
+            [[rule]]
+            nodes = ["*"]
+            networks = ["10.0.0.0/8"]
+            "#,
+            "p.toml",
+        )
+        .expect("parses");
+        let eu1 = p.zones("eu-1", None);
+        assert!(eu1.check("eu-1", "eu-west-1a").is_ok());
+        let e = eu1.check("eu-1", "us-east-1a").expect_err("another zone");
+        assert!(
+            e.contains("\"us-east-1a\"") && e.contains("eu-west-1a, eu-west-1b"),
+            "{e}"
+        );
+        assert!(
+            eu1.check("eu-1", "").is_err(),
+            "no zone is not an allowed one"
+        );
+        // Two rules that name zones add theirs up.
+        let eu9 = p.zones("eu-9", None);
+        assert!(eu9.check("eu-9", "eu-west-1b").is_ok());
+        assert!(eu9.check("eu-9", "eu-central-1").is_ok());
+        assert!(eu9.check("eu-9", "us-east-1a").is_err());
+        // A node no rule with zones matches may name any, or none.
+        let us = p.zones("us-1", None);
+        assert_eq!(us, Zones::default());
+        assert!(us.check("us-1", "anything").is_ok() && us.check("us-1", "").is_ok());
+        assert!(Policy::default()
+            .zones("eu-1", None)
+            .check("eu-1", "x")
+            .is_ok());
+        // A rule of zones alone is a rule; a bad zone pattern is refused.
+        assert!(Policy::parse("[[rule]]\nnodes = [\"a\"]\nzones = [\"z\"]\n", "p.toml").is_ok());
+        let e = Policy::parse("[[rule]]\nnodes = [\"a\"]\nzones = [\"a b\"]\n", "p.toml")
+            .expect_err("bad zone");
+        assert!(e.to_string().contains("rule 1: zones"), "{e}");
     }
 
     #[test]

@@ -13,8 +13,10 @@
 //! service leaves this replica (MOVED) or its certificate is revoked or expires; the
 //! whole trunk ends when the relay's own certificate is.
 
-use super::limits::{report_timeout, Rate};
-use super::quic::{admit_identity, certificate_of, close, close_for, expires_in, peer};
+use super::limits::{report_timeout, NodePlace, Rate};
+use super::quic::{
+    admit_identity, certificate_of, close, close_for, expires_in, peer, ZONE_NOT_ALLOWED,
+};
 use super::revocation::Verdict;
 use super::upstream::{lost, Admitted, Arrival, Downstream, Forwarded, Link, Replica, Trunk};
 use super::Ingest;
@@ -28,12 +30,21 @@ use ballast_shared::trunk::TrunkProtocol;
 use ballast_shared::trunk::{Slot, MAX_BATCH, MAX_CONTROL_FRAME};
 use ballast_shared::wire::RejectReason;
 use futures_util::FutureExt;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 /// How often slots are checked for silence and expiry.
 const SWEEP: Duration = Duration::from_secs(1);
+
+/// The most slots checked again in one pass after the revocation list changed; each
+/// check verifies the slot's chain (a signature). Between passes the trunk's task
+/// yields, so that the thread's other connections and this trunk's reports go on.
+const RECHECK_BATCH: usize = 64;
+
+/// The longest one pass of checks may take, whatever its count: at least one slot is
+/// checked a pass.
+const RECHECK_SLICE: Duration = Duration::from_millis(2);
 
 /// How long a relay has to open its control stream and send its open.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -64,6 +75,8 @@ struct Agent<L> {
     heard: Instant,
     /// How long it may go without a report.
     silence_limit: Duration,
+    /// Its place among its node's sessions, direct and relayed, on this aggregator.
+    _place: NodePlace,
 }
 
 /// Why a trunk ended.
@@ -94,6 +107,7 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
     }
     let mut revocations = admit_identity(conn, metrics, ingest, place, &info.identity, &chain)?;
     let protocol = TrunkProtocol::negotiated(conn).unwrap_or(TrunkProtocol::CURRENT);
+    let limits = &ingest.limits;
     metrics.trunks_open.inc();
     let mut driver = PrimaryTrunk {
         conn,
@@ -104,6 +118,12 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
         relay: info.identity,
         relay_chain: chain,
         relay_not_after: info.not_after_unix_s,
+        attaches: Rate::with_burst(
+            limits.trunk_attach_rate,
+            limits.trunk_attach_burst,
+            Instant::now(),
+        ),
+        challenged: protocol.proves(),
         server: TrunkServer::new(TrunkServerConfig {
             replica: replica.name().to_string(),
             max_slots: ingest.limits.trunk_max_slots,
@@ -121,6 +141,7 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
             )
         }),
         agents: HashMap::new(),
+        rechecks: VecDeque::new(),
     };
     let result = driver.run(&mut revocations).await;
     driver.end();
@@ -207,9 +228,16 @@ struct PrimaryTrunk<'a, R: Replica> {
     relay_chain: Vec<CertificateDer<'static>>,
     /// When the relay's certificate expires.
     relay_not_after: i64,
+    /// The attaches the trunk may make (`trunk_attach_rate`, `trunk_attach_burst`),
+    /// taken before any proof is checked.
+    attaches: Rate,
+    /// Whether attaches are challenged (their token is then taken at the challenge).
+    challenged: bool,
     server: TrunkServer,
     /// The welcomed slots.
     agents: HashMap<Slot, Agent<R::Link>>,
+    /// The slots still to check under the revocation list that changed last.
+    rechecks: VecDeque<Slot>,
 }
 
 impl<R: Replica> PrimaryTrunk<'_, R> {
@@ -295,7 +323,14 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
                     {
                         return Err(close_for(conn, self.metrics, &self.relay, v));
                     }
+                    // Every slot, checked a batch at a time below: a list that changes
+                    // again meanwhile starts the checks over.
+                    self.rechecks = self.agents.keys().copied().collect();
+                }
+                () = std::future::ready(()), if !self.rechecks.is_empty() => {
                     write(&mut send, conn, self.metrics, self.recheck()).await?;
+                    // The thread's other tasks run before the next batch.
+                    tokio::task::yield_now().await;
                 }
                 () = lost(&mut losses) => {
                     write(&mut send, conn, self.metrics, self.moved()).await?;
@@ -336,13 +371,21 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
                 source,
                 proven,
             } => {
+                if !self.challenged {
+                    if let Some(frame) = self.too_fast(slot) {
+                        return vec![frame];
+                    }
+                }
                 if !proven {
                     tracing::warn!(relay = %self.relay, slot, "relayed agent admitted without a proof of its key (admit_unproven_relayed_agents)");
                     self.metrics.trunk_unproven.inc();
                 }
                 self.attach(slot, chain, source).await.into_iter().collect()
             }
-            TrunkServerEvent::Challenged { frame, .. } => vec![frame],
+            TrunkServerEvent::Challenged { slot, frame } => match self.too_fast(slot) {
+                Some(refused) => vec![refused],
+                None => vec![frame],
+            },
             TrunkServerEvent::ProofRefused { slot, error, frame } => {
                 tracing::warn!(relay = %self.relay, slot, reason = error.label(), "relayed agent refused: {error}");
                 self.metrics.reject_connection(error.label());
@@ -359,6 +402,25 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
                 Vec::new()
             }
         }
+    }
+
+    /// Takes an attach from the trunk's bucket: the frame that refuses `slot` if the
+    /// relay attaches faster than `trunk_attach_rate` allows (`attach_rate`), before
+    /// its proof or its chain costs anything.
+    fn too_fast(&mut self, slot: Slot) -> Option<Vec<u8>> {
+        if self.attaches.take(Instant::now()) {
+            return None;
+        }
+        tracing::debug!(relay = %self.relay, slot, "attach refused: the trunk attaches too fast");
+        self.metrics.reject_connection("attach_rate");
+        let limits = &self.ingest.limits;
+        let text = format!(
+            "the trunk attaches faster than {} a second ({} at once)",
+            limits.trunk_attach_rate, limits.trunk_attach_burst
+        );
+        self.server
+            .refuse_attach(slot, RejectReason::LimitReached, &text)
+            .ok()
     }
 
     /// Checks and admits a relayed agent: the frame that answers its attach.
@@ -391,7 +453,25 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
             let text = "a relay certificate is not an agent's";
             return self.refuse(slot, close::REJECTED, "relay_as_agent", text);
         }
+        let per_node = self.ingest.limits.quic_max_connections_per_identity;
+        let Some(place) = self.ingest.connections.claim(&info.identity, per_node) else {
+            tracing::warn!(relay = %self.relay, slot, node = %info.identity, limit = per_node,
+                "relayed agent refused: the node holds too many sessions");
+            self.metrics.reject_connection("identity_connections");
+            let text = format!(
+                "node {:?} holds {per_node} sessions already, direct and through relays",
+                info.identity
+            );
+            return self
+                .server
+                .refuse_attach(slot, RejectReason::LimitReached, &text)
+                .ok();
+        };
         let not_after_unix_s = info.not_after_unix_s;
+        let zones = self
+            .ingest
+            .policy
+            .zones(&info.identity, info.spiffe_id.as_deref());
         let peer = peer(self.ingest, info, source);
         let hello = match self.server.admit(slot, peer, now()) {
             Ok(Admission::Hello(hello)) => hello,
@@ -409,6 +489,16 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
         if let Err(text) = self.scope.service_allowed(&hello.service) {
             tracing::warn!(relay = %self.relay, slot, node = %hello.node, "relayed hello rejected: {text}");
             self.metrics.reject_connection("relay_scope");
+            return self
+                .server
+                .reject(slot, RejectReason::ServiceNotAllowed, &text)
+                .ok();
+        }
+        if let Err(text) = zones.check(&hello.node, &hello.zone) {
+            tracing::warn!(relay = %self.relay, slot, node = %hello.node, "relayed hello rejected: {text}");
+            self.metrics.reject(ZONE_NOT_ALLOWED);
+            // Told as a service the node may not serve there, which agents of every
+            // version know.
             return self
                 .server
                 .reject(slot, RejectReason::ServiceNotAllowed, &text)
@@ -445,6 +535,7 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
                         rate: Rate::new(limits.quic_max_datagrams_per_second, Instant::now()),
                         heard: Instant::now(),
                         silence_limit: report_timeout(limits.quic_report_timeout_ms, interval_ms),
+                        _place: place,
                     },
                 );
                 self.metrics.trunk_slots.inc();
@@ -563,22 +654,33 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
             .collect()
     }
 
-    /// Checks every slot's chain under a new revocation list: the frames that detach
-    /// the revoked and expired.
+    /// Checks the next batch of slots still to check under a new revocation list
+    /// (at most [`RECHECK_BATCH`], for at most [`RECHECK_SLICE`]): the frames that
+    /// detach the revoked and expired. Slots gone meanwhile are skipped; those
+    /// attached since were checked under the new list when they attached.
     fn recheck(&mut self) -> Vec<Vec<u8>> {
-        let revocation = &self.ingest.revocation;
-        let ends: Vec<(Slot, u32, &'static str)> = self
-            .agents
-            .iter()
-            .filter_map(|(slot, a)| match revocation.verdict(&a.chain) {
+        let started = Instant::now();
+        let mut frames = Vec::new();
+        for _ in 0..RECHECK_BATCH {
+            let Some(slot) = self.rechecks.pop_front() else {
+                break;
+            };
+            let Some(agent) = self.agents.get(&slot) else {
+                continue;
+            };
+            let end = match self.ingest.revocation.verdict(&agent.chain) {
                 Verdict::Valid => None,
-                Verdict::Revoked => Some((*slot, close::REVOKED, "revoked")),
-                Verdict::Expired => Some((*slot, close::EXPIRED, "expired")),
-            })
-            .collect();
-        ends.into_iter()
-            .filter_map(|(slot, code, reason)| self.detach(slot, code, reason, reason))
-            .collect()
+                Verdict::Revoked => Some((close::REVOKED, "revoked")),
+                Verdict::Expired => Some((close::EXPIRED, "expired")),
+            };
+            if let Some((code, reason)) = end {
+                frames.extend(self.detach(slot, code, reason, reason));
+            }
+            if started.elapsed() >= RECHECK_SLICE {
+                break;
+            }
+        }
+        frames
     }
 
     /// After the replica lost a bucket: the frames that detach the slots whose

@@ -48,6 +48,10 @@ const HANDSHAKE_ALERTS: [(u8, &str); 6] = [
     (120, "no_common_protocol"),
 ];
 
+/// The reason a hello naming a zone the policy does not allow its node is counted
+/// under (`ballast_reports_rejected_total`).
+pub(crate) const ZONE_NOT_ALLOWED: &str = "zone_not_allowed";
+
 /// Accepts connections until the endpoint closes, each served by a task of its own on
 /// the caller's runtime, its agent by `upstream`.
 pub async fn serve<U: Upstream>(
@@ -274,6 +278,9 @@ async fn handle<U: Upstream>(
         return Err("relay as agent");
     }
     let not_after_unix_s = info.not_after_unix_s;
+    let zones = ingest
+        .policy
+        .zones(&info.identity, info.spiffe_id.as_deref());
     let peer = peer(ingest, info, conn.remote_address().ip());
     let mut revocations = admit_identity(conn, metrics, ingest, slot, &peer.identity, &chain)?;
     // The report interval is the upstream's, set when it admits the hello: until then
@@ -315,12 +322,34 @@ async fn handle<U: Upstream>(
         match event {
             Ok(Some(ServerEvent::Hello(h))) => break h,
             Ok(Some(ServerEvent::Refused { reject, frame })) => {
-                return refuse(conn, metrics, session.identity(), &mut send, reject, frame).await
+                let counted = reject.reason.to_string();
+                return refuse(conn, metrics, &counted, &session, &mut send, reject, frame).await;
             }
             Ok(_) => continue,
             Err(e) => return Err(fault(conn, metrics, &session, &e)),
         }
     };
+    if let Err(detail) = zones.check(&hello.node, &hello.zone) {
+        // Told as a service the node may not serve there: agents of every version know
+        // that reason; the count says which.
+        let reason = ballast_shared::wire::RejectReason::ServiceNotAllowed;
+        return match session.reject(reason, detail.clone()) {
+            Ok(frame) => {
+                let reject = Reject { reason, detail };
+                refuse(
+                    conn,
+                    metrics,
+                    ZONE_NOT_ALLOWED,
+                    &session,
+                    &mut send,
+                    reject,
+                    frame,
+                )
+                .await
+            }
+            Err(_) => Err("reject failed"),
+        };
+    }
     let (prover, requests) = Prover::new();
     let mut proofs = Proofs {
         protocol,
@@ -358,7 +387,8 @@ async fn handle<U: Upstream>(
         Err(reject) => {
             return match session.reject(reject.reason, reject.detail.clone()) {
                 Ok(frame) => {
-                    refuse(conn, metrics, session.identity(), &mut send, reject, frame).await
+                    let counted = reject.reason.to_string();
+                    refuse(conn, metrics, &counted, &session, &mut send, reject, frame).await
                 }
                 Err(_) => Err("reject failed"),
             };
@@ -627,13 +657,15 @@ fn fault(
 async fn refuse(
     conn: &quinn::Connection,
     metrics: &IngestMetrics,
-    identity: &str,
+    counted: &str,
+    session: &ServerSession,
     send: &mut quinn::SendStream,
     reject: Reject,
     frame: Vec<u8>,
 ) -> Result<(), &'static str> {
-    tracing::warn!(%identity, reason = %reject.reason, detail = %reject.detail, "hello rejected");
-    metrics.reject(&reject.reason.to_string());
+    let identity = session.identity();
+    tracing::warn!(%identity, reason = %reject.reason, counted, detail = %reject.detail, "hello rejected");
+    metrics.reject(counted);
     let _ = send.write_all(&frame).await;
     let _ = send.finish();
     // Give the reject a moment to leave before the close overtakes it.

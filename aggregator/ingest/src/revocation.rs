@@ -193,7 +193,14 @@ impl Revocation {
             if bytes == last_bytes {
                 continue;
             }
-            if let Err(e) = self.verifier.set_crls(crls) {
+            // Checking and indexing a list of many entries takes a while: not on the
+            // thread that serves connections.
+            let verifier = self.verifier.clone();
+            let applied = match tokio::task::spawn_blocking(move || verifier.set_crls(crls)).await {
+                Ok(applied) => applied,
+                Err(_) => continue,
+            };
+            if let Err(e) = applied {
                 tracing::error!(crl = %path.display(), error = %e,
                     "certificate revocation list refused; the list in force stays");
                 count(&metrics, "error");

@@ -162,11 +162,16 @@ fn chain_of(ca: &Ca, node: &str) -> Vec<Vec<u8>> {
 }
 
 fn hello(node: &str, port: u16) -> Vec<u8> {
+    hello_in(node, port, "")
+}
+
+/// The hello of `node` at `port`, in `zone`.
+fn hello_in(node: &str, port: u16, zone: &str) -> Vec<u8> {
     ballast_shared::frame::encode(&Message::Hello(Hello {
         node: node.into(),
         service: "web".into(),
         address: format!("127.0.0.1:{port}"),
-        zone: String::new(),
+        zone: zone.into(),
         version: "test".into(),
     }))
     .expect("hello")
@@ -796,4 +801,419 @@ async fn a_relay_table_bounds_the_networks_and_services_of_its_agents() {
             (other, _) => panic!("{table}: {other:?}"),
         }
     }
+}
+
+/// Waits until `done` holds, for [`WAIT`] at most.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "not in time: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_nodes_sessions_are_capped_across_trunks_and_direct_connections() {
+    let mut cfg = crate::config::Config::default();
+    cfg.limits.quic_max_connections_per_identity = 2;
+    let primary = Primary::start_with(cfg, 1000).await;
+    let issued = primary
+        .ca
+        .issue_node("n1", &["web".to_string()])
+        .expect("node");
+    let chain = chain_from(&issued.pem);
+    let mut first = Relay::open(&primary).await;
+    let mut second = Relay::open(&primary).await;
+    // n1 through the first trunk, and straight to the primary: two sessions.
+    match first.attach(&hello("n1", 8080), chain.clone()).await {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("n1 not attached: {other:?}"),
+    }
+    let direct = primary
+        .connect(
+            issued.pem.identity("n1").expect("identity"),
+            ballast_shared::protocol::Protocol::CURRENT.alpn(),
+        )
+        .await
+        .expect("handshake");
+    until("the direct connection counted", || {
+        primary.metrics.connections_open.get() == 1
+    })
+    .await;
+    // A third, through the other trunk or the same one: refused, the trunks open.
+    for relay in [&mut second, &mut first] {
+        match relay.attach(&hello("n1", 8080), chain.clone()).await {
+            TrunkClientEvent::Rejected { reject, .. } => {
+                assert_eq!(reject.reason, RejectReason::LimitReached);
+                assert!(reject.detail.contains("2 sessions already"), "{reject:?}");
+            }
+            other => panic!("a third session of n1 attached: {other:?}"),
+        }
+        assert!(relay.conn.close_reason().is_none(), "the trunk stays open");
+    }
+    assert_eq!(primary.rejected("identity_connections"), 2);
+    assert_eq!(primary.metrics.trunk_slots.get(), 1);
+    // Another node is not held back by n1's sessions.
+    match second
+        .attach(&hello("n2", 8081), chain_of(&primary.ca, "n2"))
+        .await
+    {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("n2 not attached: {other:?}"),
+    }
+    // The direct connection goes: its place is n1's again, through the other trunk.
+    direct.close(0u32.into(), b"bye");
+    until("the direct connection let go", || {
+        primary.metrics.connections_open.get() == 0
+    })
+    .await;
+    match second.attach(&hello("n1", 8080), chain).await {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("n1 not attached once its place was free: {other:?}"),
+    }
+    assert_eq!(primary.metrics.trunk_slots.get(), 3);
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+#[tokio::test]
+async fn a_trunk_that_attaches_faster_than_its_rate_is_refused_the_excess() {
+    let mut cfg = crate::config::Config::default();
+    cfg.limits.trunk_attach_rate = 1;
+    cfg.limits.trunk_attach_burst = 2;
+    let primary = Primary::start_with(cfg, 1000).await;
+    let mut relay = Relay::open(&primary).await;
+    for (i, node) in ["n1", "n2"].into_iter().enumerate() {
+        let port = 8080 + u16::try_from(i).expect("small");
+        match relay
+            .attach(&hello(node, port), chain_of(&primary.ca, node))
+            .await
+        {
+            TrunkClientEvent::Attached { .. } => {}
+            other => panic!("{node} not attached within the burst: {other:?}"),
+        }
+    }
+    let n3 = chain_of(&primary.ca, "n3");
+    match relay.attach(&hello("n3", 8082), n3.clone()).await {
+        TrunkClientEvent::Rejected { reject, .. } => {
+            assert_eq!(reject.reason, RejectReason::LimitReached);
+            assert!(
+                reject.detail.contains("faster than 1 a second"),
+                "{reject:?}"
+            );
+        }
+        other => panic!("an attach over the burst went through: {other:?}"),
+    }
+    assert_eq!(primary.rejected("attach_rate"), 1);
+    assert_eq!(
+        primary.rejected("bad_proof") + primary.rejected("unproven"),
+        0,
+        "refused before its proof was looked at"
+    );
+    assert!(relay.conn.close_reason().is_none(), "the trunk stays open");
+    // A second on, the bucket holds one more.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    match relay.attach(&hello("n3", 8082), n3).await {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("n3 not attached a second later: {other:?}"),
+    }
+    assert_eq!(primary.metrics.trunk_slots.get(), 3);
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+/// How often the probe's agent reports.
+const PROBE_EVERY: Duration = Duration::from_millis(5);
+
+/// The probe's agent: reports of `slot`, one every [`PROBE_EVERY`], each in a batch of
+/// its own, until `done` holds or `limit` has passed: the latest any reply came after
+/// its report was due (or, when the probe is behind its schedule, after the previous
+/// reply), and how many reports went. The probe shares the primary's thread: a thread
+/// kept busy by anything else makes a reply late whether it held the report, its
+/// answer or the probe.
+async fn probe(
+    relay: &mut Relay,
+    slot: ballast_shared::trunk::Slot,
+    seq: &mut u32,
+    limit: Duration,
+    done: impl Fn() -> bool,
+) -> (Duration, u32) {
+    let start = tokio::time::Instant::now();
+    let mut due = start;
+    let mut worst = Duration::ZERO;
+    let mut sent = 0;
+    let mut answered = start;
+    while !done() && start.elapsed() < limit {
+        due += PROBE_EVERY;
+        tokio::time::sleep_until(due).await;
+        *seq += 1;
+        sent += 1;
+        round_trip(relay, slot, *seq).await;
+        // Behind its schedule, the probe counts from its previous reply: a backlog of
+        // its own is no stall.
+        worst = worst.max(due.max(answered).elapsed());
+        answered = tokio::time::Instant::now();
+    }
+    (worst, sent)
+}
+
+/// Sends one report of `slot` in a batch of its own and waits for its reply.
+async fn round_trip(relay: &mut Relay, slot: ballast_shared::trunk::Slot, seq: u32) {
+    let sent = Instant::now();
+    assert!(relay
+        .client
+        .push_report(sent, slot, &report(seq))
+        .expect("push")
+        .is_none());
+    let batch = relay.client.flush().expect("a batch");
+    relay.conn.send_datagram(batch.into()).expect("sent");
+    let replies = tokio::time::timeout(WAIT, relay.conn.read_datagram())
+        .await
+        .expect("a reply in time")
+        .expect("a reply");
+    let entries = relay.client.handle_datagram(&replies).expect("replies");
+    assert_eq!(entries.len(), 1, "one reply");
+}
+
+/// Agents attached through the trunk whose slots are checked again.
+const MANY: usize = 1000;
+
+#[tokio::test]
+async fn a_revocation_list_change_over_many_slots_does_not_stall_other_sessions() {
+    let ca = Ca::generate("test CA").expect("CA");
+    let dir = tempfile::tempdir().expect("directory");
+    let crl = dir.path().join("crl.pem");
+    std::fs::write(&crl, ca.revocation_list(&[], 1).expect("empty list")).expect("written");
+    let mut cfg = crate::config::Config::default();
+    cfg.authorization.crl = Some(crl.clone());
+    cfg.authorization.crl_check_ms = 100;
+    // The probe below reports every few milliseconds.
+    cfg.limits.quic_max_datagrams_per_second = 10_000;
+    // The many agents send no report while the others attach.
+    cfg.limits.quic_report_timeout_ms = 600_000;
+    let primary = Primary::start_from(ca, cfg, 1000).await;
+
+    // One trunk with many agents; all but the last are revoked below.
+    let mut many = Relay::open(&primary).await;
+    let mut revoked = Vec::new();
+    let mut serials = Vec::new();
+    let mut kept = None;
+    let attaching = Instant::now();
+    for i in 0..MANY {
+        let node = format!("m{i}");
+        let chain = chain_of(&primary.ca, &node);
+        let leaf = CertificateDer::from(chain.first().expect("a leaf").clone());
+        let serial = CertInfo::parse(&leaf).expect("certificate").serial;
+        let port = 10_000 + u16::try_from(i).expect("small");
+        let slot = match many.attach(&hello(&node, port), chain).await {
+            TrunkClientEvent::Attached { slot, .. } => slot,
+            other => panic!("{node} not attached: {other:?}"),
+        };
+        if i + 1 < MANY {
+            revoked.push(slot);
+            serials.push(serial);
+        } else {
+            kept = Some(slot);
+        }
+    }
+    eprintln!(
+        "{MANY} attaches in {:?} ({:?} each, certificates issued and proofs made here included)",
+        attaching.elapsed(),
+        attaching.elapsed() / u32::try_from(MANY).expect("small")
+    );
+
+    // Another trunk, one agent: its reports' round trips are what must not stall.
+    let mut other = Relay::open(&primary).await;
+    let slot = match other
+        .attach(&hello("probe", 9000), chain_of(&primary.ca, "probe"))
+        .await
+    {
+        TrunkClientEvent::Attached { slot, .. } => slot,
+        other => panic!("the probe not attached: {other:?}"),
+    };
+    let mut seq = 0u32;
+    let (baseline, _) = probe(&mut other, slot, &mut seq, Duration::from_secs(1), || false).await;
+
+    // The many agents' relay reads its detaches while the probe goes on.
+    let expected = revoked.len();
+    let reader = tokio::spawn(async move {
+        let mut gone = std::collections::HashSet::new();
+        while gone.len() < expected {
+            for event in many.events().await {
+                match event {
+                    TrunkClientEvent::Detached { slot, code, .. } => {
+                        assert_eq!(code, close::REVOKED, "slot {slot}");
+                        gone.insert(slot);
+                    }
+                    other => panic!("not a detach: {other:?}"),
+                }
+            }
+        }
+        (many, gone)
+    });
+    let now_s = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs(),
+    )
+    .expect("in range");
+    let list: Vec<ballast_shared::pki::Revoked> = serials
+        .into_iter()
+        .map(|serial| ballast_shared::pki::Revoked {
+            serial,
+            revoked_unix_s: now_s,
+        })
+        .collect();
+    let changed = Instant::now();
+    std::fs::write(&crl, primary.ca.revocation_list(&list, 2).expect("list")).expect("written");
+    let (during, probes) = probe(&mut other, slot, &mut seq, Duration::from_secs(60), || {
+        reader.is_finished()
+    })
+    .await;
+    let took = changed.elapsed();
+    assert!(
+        reader.is_finished(),
+        "the revoked slots were not all detached in {took:?}"
+    );
+    let (many, gone) = reader.await.expect("the reader");
+    // Every revoked slot is cut off, and only those.
+    assert_eq!(
+        gone,
+        revoked.iter().copied().collect(),
+        "the revoked slots detached"
+    );
+    assert!(!gone.contains(&kept.expect("the last slot")));
+    assert_eq!(
+        primary.detached("revoked"),
+        u64::try_from(expected).expect("small")
+    );
+    assert_eq!(
+        primary.metrics.trunk_slots.get(),
+        2,
+        "the last agent and the probe"
+    );
+    assert!(many.conn.close_reason().is_none(), "the trunk stays open");
+    // The other trunk's reports were answered all along, none later than the worst of
+    // the baseline and a margin: one pass of checks is a few milliseconds, where all
+    // the slots in one pass stalled them for the whole list.
+    let bound = baseline * 2 + Duration::from_millis(50);
+    eprintln!(
+        "revocation of {expected} slots: all detached {took:?} after the change; the other \
+         trunk's replies, latest after their report was due: {baseline:?} before, {during:?} \
+         during ({probes} reports), bound {bound:?}"
+    );
+    assert!(
+        during <= bound,
+        "the other trunk's reports stalled {during:?} while the slots were checked (baseline {baseline:?})"
+    );
+    primary.endpoint.close(0u32.into(), b"done");
+}
+
+/// Sends `hello` on a direct agent connection of `identity`: the answer on the hello
+/// stream.
+async fn direct_hello(
+    primary: &Primary,
+    identity: ballast_shared::tls::Identity,
+    hello: &[u8],
+) -> Message {
+    let conn = primary
+        .connect(identity, ballast_shared::protocol::Protocol::CURRENT.alpn())
+        .await
+        .expect("handshake");
+    let (mut send, mut recv) = conn.open_bi().await.expect("hello stream");
+    send.write_all(hello).await.expect("sent");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = tokio::time::timeout(WAIT, recv.read(&mut buf))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        match n {
+            Some(n) => answer.extend_from_slice(buf.get(..n).expect("read")),
+            None => break,
+        }
+        if let Some(&[hi, lo]) = answer.get(..2) {
+            if answer.len() >= 2 + usize::from(u16::from_be_bytes([hi, lo])) {
+                break;
+            }
+        }
+    }
+    ballast_shared::wire::decode(answer.get(2..).expect("framed")).expect("a message")
+}
+
+#[tokio::test]
+async fn a_hello_naming_a_zone_its_policy_does_not_allow_is_refused() {
+    let dir = tempfile::tempdir().expect("directory");
+    let mut cfg = crate::config::Config::default();
+    cfg.authorization.policy = Some(policy(
+        dir.path(),
+        "[[rule]]\nnodes = [\"z*\"]\nzones = [\"eu-1*\"]\n",
+    ));
+    let primary = Primary::start_with(cfg, 1000).await;
+    let zone_refusals = || {
+        primary
+            .metrics
+            .reports_rejected
+            .get_or_create(&Reason {
+                reason: "zone_not_allowed".into(),
+            })
+            .get()
+    };
+    // Through a relay: refused in another zone, attached in its own.
+    let mut relay = Relay::open(&primary).await;
+    let z1 = chain_of(&primary.ca, "z1");
+    match relay
+        .attach(&hello_in("z1", 8080, "us-1"), z1.clone())
+        .await
+    {
+        TrunkClientEvent::Rejected { reject, .. } => {
+            assert_eq!(reject.reason, RejectReason::ServiceNotAllowed);
+            assert!(reject.detail.contains("zone \"us-1\""), "{reject:?}");
+        }
+        other => panic!("z1 attached in a zone its policy does not allow: {other:?}"),
+    }
+    assert_eq!(zone_refusals(), 1);
+    match relay.attach(&hello_in("z1", 8080, "eu-1a"), z1).await {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("z1 not attached in its own zone: {other:?}"),
+    }
+    // A node no zone rule names may say any.
+    match relay
+        .attach(&hello_in("n1", 8081, "us-1"), chain_of(&primary.ca, "n1"))
+        .await
+    {
+        TrunkClientEvent::Attached { .. } => {}
+        other => panic!("n1 not attached: {other:?}"),
+    }
+    // Straight to the primary: the same.
+    let z2 = primary
+        .ca
+        .issue_node("z2", &["web".to_string()])
+        .expect("node");
+    match direct_hello(
+        &primary,
+        z2.pem.identity("z2").expect("identity"),
+        &hello_in("z2", 8082, "us-1"),
+    )
+    .await
+    {
+        Message::Reject(r) => {
+            assert_eq!(r.reason, RejectReason::ServiceNotAllowed);
+            assert!(r.detail.contains("zone \"us-1\""), "{r:?}");
+        }
+        other => panic!("z2 welcomed in a zone its policy does not allow: {other:?}"),
+    }
+    assert_eq!(zone_refusals(), 2);
+    match direct_hello(
+        &primary,
+        z2.pem.identity("z2").expect("identity"),
+        &hello_in("z2", 8082, "eu-1b"),
+    )
+    .await
+    {
+        Message::Welcome(_) => {}
+        other => panic!("z2 not welcomed in its own zone: {other:?}"),
+    }
+    assert_eq!(zone_refusals(), 2);
+    primary.endpoint.close(0u32.into(), b"done");
 }

@@ -496,8 +496,9 @@ impl TrunkServer {
         }
     }
 
-    /// Refuses a requested slot before its hello is read (its chain or source is
-    /// refused): the `Rejected` frame. The slot is gone.
+    /// Refuses a requested or challenged slot before its hello is read (its chain or
+    /// source is refused, or the trunk attaches too fast): the `Rejected` frame. The
+    /// slot is gone.
     pub fn refuse_attach(
         &mut self,
         slot: Slot,
@@ -505,7 +506,10 @@ impl TrunkServer {
         detail: &str,
     ) -> Result<Vec<u8>, TrunkServerError> {
         self.check_open()?;
-        if !matches!(self.slots.get(&slot), Some(ServerSlot::Requested { .. })) {
+        if !matches!(
+            self.slots.get(&slot),
+            Some(ServerSlot::Requested { .. } | ServerSlot::Challenged { .. })
+        ) {
             return Err(TrunkServerError::Slot {
                 slot,
                 wanted: "requested",
