@@ -123,7 +123,10 @@ pub struct Limits {
     /// Agents one relay's trunk may hold attached at once; more attaches are refused
     /// (`limit_reached`).
     pub trunk_max_slots: u32,
+    /// Attaches one relay's trunk may make per second, sustained; more are refused
+    /// (`attach_rate`).
     pub trunk_attach_rate: u32,
+    /// Attaches one relay's trunk may make at once, above the sustained rate.
     pub trunk_attach_burst: u32,
 }
 
