@@ -3,9 +3,12 @@
 //! connections), measured, and the presets held to the targets.
 //!
 //! - `grpc`: the grpcio server of `tests/grpc/inflight_server.py` (the TCP count's
-//!   measurement, `docs/inflight.md`) with `--metrics`: a server interceptor counts
-//!   every call as go-grpc-prometheus does and prometheus_client serves the counters.
-//!   The agent reads `grpc_server_started_total - grpc_server_handled_total`.
+//!   measurement, `docs/inflight.md`) with `--metrics`: py-grpc-prometheus' server
+//!   interceptor counts every call as go-grpc-prometheus does and prometheus_client
+//!   serves the counters. The agent reads `grpc_server_started_total -
+//!   grpc_server_handled_total`; on one row, each sample is followed by one of the
+//!   same counters through a written `prometheus:URL#EXPR` expression, held to the
+//!   preset's values and to the same target.
 //! - `otel-http`: the same handler over HTTP/1.1 (`serve-otel`) as a WSGI application
 //!   wrapped in OpenTelemetry's WSGI middleware, with the SDK's Prometheus exporter; the
 //!   agent reads `http_server_active_requests`.
@@ -33,9 +36,9 @@
 //! Every row's figures are printed as a Markdown table row (`--nocapture`): the tables
 //! in `docs/inflight.md` are this output. Loopback only; each row is bounded (a 30 s
 //! load, 200 samples 15 ms apart); the servers are killed on drop. Needs the tests'
-//! Python with grpcio, prometheus_client and OpenTelemetry's Prometheus exporter and
-//! WSGI middleware, and Debian's haproxy and nginx: each test fails, naming what is
-//! missing.
+//! Python with grpcio, prometheus_client, py-grpc-prometheus and OpenTelemetry's
+//! Prometheus exporter and WSGI middleware, and Debian's haproxy and nginx: each test
+//! fails, naming what is missing.
 
 #[path = "../../agent/tests/support/grpc.rs"]
 mod support;
