@@ -16,9 +16,10 @@ method is registered with a generic handler and carries raw bytes.
             offset  8  f64  CPU seconds of the whole process (time.process_time())
             offset 16  u64  calls answered
             offset 24  u64  calls started (entered the handler)
-        all little-endian. With --metrics it also counts every call as
-        go-grpc-prometheus does (grpc_server_started_total, grpc_server_handled_total)
-        and serves the counters with prometheus_client on a free loopback port. Prints
+        all little-endian. With --metrics it also counts every call with
+        py-grpc-prometheus' server interceptor, as go-grpc-prometheus does
+        (grpc_server_started_total, grpc_server_handled_total) and serves the counters
+        with prometheus_client on a free loopback port. Prints
         "port N pid P" (and " metrics M" with --metrics) once listening, then serves
         until its standard input closes. A line "stall MS" on its standard input makes
         every call that starts from then on sleep MS ms instead of burning and sleeping

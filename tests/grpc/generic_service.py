@@ -40,69 +40,50 @@ def start(service, work, workers, port=0, interceptors=()):
 
 
 def metrics_interceptor(on_render=None):
-    """go-grpc-prometheus' server counters, served by prometheus_client on a free
-    loopback port: returns the interceptor and the port.
+    """py-grpc-prometheus' server interceptor (the Python counterpart of
+    go-grpc-prometheus), its counters served by prometheus_client on a free loopback
+    port: returns the interceptor and the port.
 
     grpc_server_started_total counts a call when it reaches the server,
-    grpc_server_handled_total{grpc_code} when it is answered. `on_render`, if given,
-    is called each time the page renders, between the two families (it adds nothing
-    to the page): a test notes its true count at the instant of the scrape."""
+    grpc_server_handled_total{grpc_code} when it is answered. The interceptor registers
+    handled before started, and the registry renders families in that order, as Go's
+    client does by sorting them: a page never shows more calls handled than started.
+    `on_render`, if given, is called each time the page renders, between the two
+    families (it adds nothing to the page): a test notes its true count at the instant
+    of the scrape."""
     import socket
 
     import prometheus_client as prom
+    from py_grpc_prometheus.prometheus_server_interceptor import PromServerInterceptor
 
-    # Go's client renders families sorted by name: handled before started. So does this
-    # registry, by registration order, so that a page never shows more calls handled
-    # than started.
-    handled = prom.Counter(
-        "grpc_server_handled",
-        "Total number of RPCs completed on the server, regardless of success or failure.",
-        ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
-    )
+    interceptor = PromServerInterceptor()
+    served = prom.REGISTRY
     if on_render is not None:
 
-        class Rendering:
+        class Page:
+            """The default registry's families in its order, `on_render` called right
+            after the handled family's snapshot and before the started one's."""
+
             def collect(self):
-                on_render()
-                return []
+                handled = False
+                for family in prom.REGISTRY.collect():
+                    if family.name == "grpc_server_started" and not handled:
+                        raise RuntimeError(
+                            "grpc_server_started renders before grpc_server_handled: "
+                            "a page could show more calls handled than started"
+                        )
+                    yield family
+                    if family.name == "grpc_server_handled":
+                        handled = True
+                        on_render()
 
             def describe(self):
                 return []
 
-        prom.REGISTRY.register(Rendering())
-    started = prom.Counter(
-        "grpc_server_started",
-        "Total number of RPCs started on the server.",
-        ["grpc_type", "grpc_service", "grpc_method"],
-    )
+        served = prom.CollectorRegistry(auto_describe=False)
+        served.register(Page())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    prom.start_http_server(port, addr="127.0.0.1")
-
-    class Counting(grpc.ServerInterceptor):
-        def intercept_service(self, continuation, details):
-            handler = continuation(details)
-            if handler is None or handler.unary_unary is None:
-                return handler
-            _, service, method = details.method.split("/")
-            inner = handler.unary_unary
-
-            def behavior(request, context):
-                started.labels("unary", service, method).inc()
-                code = "OK"
-                try:
-                    return inner(request, context)
-                except Exception:
-                    code = "Unknown"
-                    raise
-                finally:
-                    handled.labels("unary", service, method, code).inc()
-
-            return grpc.unary_unary_rpc_method_handler(
-                behavior,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-
-    return Counting(), port
+    prom.start_http_server(port, addr="127.0.0.1", registry=served)
+    return interceptor, port

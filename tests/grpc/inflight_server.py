@@ -19,11 +19,12 @@ handler and carries raw bytes.
         --think-ms between calls. Prints "ready" once every channel is connected.
 
     inflight_server.py serve ... --metrics
-        Also counts every call in a server interceptor as go-grpc-prometheus does
-        (grpc_server_started_total when the call reaches the server,
-        grpc_server_handled_total{grpc_code} when it is answered; handled is registered
-        first, so a page renders it before started, as Go's client does by sorting)
-        and serves them with prometheus_client on 127.0.0.1. Prints "metrics N" too.
+        Also counts every call with py-grpc-prometheus' server interceptor, as
+        go-grpc-prometheus does (grpc_server_started_total when the call reaches the
+        server, grpc_server_handled_total{grpc_code} when it is answered; handled is
+        registered first, so a page renders it before started, as Go's client does by
+        sorting) and serves them with prometheus_client on 127.0.0.1. Prints
+        "metrics N" too.
         Each time the page renders, between the two families, the count of calls
         inside the handler at that instant is copied to offset 4 of FILE (a u32) and
         the renders are counted at offset 8 (a u64): the truth at the scrape's instant.

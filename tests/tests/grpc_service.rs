@@ -30,8 +30,8 @@
 //!    figure is in `docs/inflight.md`), not held to a bound.
 //!
 //! A second test runs the same service with the agents reading the backends'
-//! go-grpc-prometheus counters (`--inflight grpc:URL#service=ballast.Cpu`, served by
-//! prometheus_client) instead, with a shorter balancing phase before the same stall,
+//! go-grpc-prometheus counters (`--inflight grpc:URL#service=ballast.Cpu`, kept by
+//! py-grpc-prometheus' interceptor and served by prometheus_client) instead, with a shorter balancing phase before the same stall,
 //! and holds the stalled backend's share of new calls from 10 s after the stall to
 //! 2 % or less, with the shipped defaults.
 //!
@@ -148,7 +148,7 @@ enum Source {
     /// service.
     Tcp,
     /// `grpc:URL#service=ballast.Cpu`: the calls started less those handled, from the
-    /// go-grpc-prometheus counters the backend exports (prometheus_client).
+    /// go-grpc-prometheus counters the backend exports (py-grpc-prometheus).
     GrpcPreset,
 }
 

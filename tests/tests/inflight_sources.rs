@@ -3,9 +3,12 @@
 //! connections), measured, and the presets held to the targets.
 //!
 //! - `grpc`: the grpcio server of `tests/grpc/inflight_server.py` (the TCP count's
-//!   measurement, `docs/inflight.md`) with `--metrics`: a server interceptor counts
-//!   every call as go-grpc-prometheus does and prometheus_client serves the counters.
-//!   The agent reads `grpc_server_started_total - grpc_server_handled_total`.
+//!   measurement, `docs/inflight.md`) with `--metrics`: py-grpc-prometheus' server
+//!   interceptor counts every call as go-grpc-prometheus does and prometheus_client
+//!   serves the counters. The agent reads `grpc_server_started_total -
+//!   grpc_server_handled_total`; on one row, each sample is followed by one of the
+//!   same counters through a written `prometheus:URL#EXPR` expression, held to the
+//!   preset's values and to the same target.
 //! - `otel-http`: the same handler over HTTP/1.1 (`serve-otel`) as a WSGI application
 //!   wrapped in OpenTelemetry's WSGI middleware, with the SDK's Prometheus exporter; the
 //!   agent reads `http_server_active_requests`.
@@ -33,9 +36,9 @@
 //! Every row's figures are printed as a Markdown table row (`--nocapture`): the tables
 //! in `docs/inflight.md` are this output. Loopback only; each row is bounded (a 30 s
 //! load, 200 samples 15 ms apart); the servers are killed on drop. Needs the tests'
-//! Python with grpcio, prometheus_client and OpenTelemetry's Prometheus exporter and
-//! WSGI middleware, and Debian's haproxy and nginx: each test fails, naming what is
-//! missing.
+//! Python with grpcio, prometheus_client, py-grpc-prometheus and OpenTelemetry's
+//! Prometheus exporter and WSGI middleware, and Debian's haproxy and nginx: each test
+//! fails, naming what is missing.
 
 #[path = "../../agent/tests/support/grpc.rs"]
 mod support;
@@ -181,7 +184,7 @@ impl Row {
 
 /// The table's head, printed once per server; `at_render` adds the columns of the
 /// truth at the instant the page was rendered.
-fn header(source: &str, at_render: bool) -> String {
+fn header(source: &str, count: &str, at_render: bool) -> String {
     let (head, align) = if at_render {
         (
             " mean abs error at the render | correlation at the render |",
@@ -191,61 +194,81 @@ fn header(source: &str, at_render: bool) -> String {
         ("", "")
     };
     format!(
-        "\n{source}\n| load | true in-flight | preset's count | mean error | mean abs error | \
+        "\n{source}\n| load | true in-flight | {count} | mean error | mean abs error | \
          correlation |{head} TCP count | TCP's mean error | TCP's correlation |\n\
          |---|---:|---:|---:|---:|---:|{align}---:|---:|---:|"
     )
 }
 
-/// Samples `spec` (and the TCP count on `tcp_port`) against the server's truth.
-fn measure(server: &Server, spec: &InflightSpec, tcp_port: u16, label: String) -> Row {
-    let cfg = AgentConfig {
-        cpu: CpuSpec::None,
-        inflight: Some(spec.clone()),
-        ..AgentConfig::default()
-    };
-    let mut sampler =
-        open_sampler(&cfg, &SyntheticHandle::new(), &no_assignment()).expect("open the preset");
+/// Samples each of `specs` in turn (and the TCP count on `tcp_port`) against the
+/// server's truth: one row per spec, under the same load, their samples a scrape apart.
+fn measure(server: &Server, specs: &[&InflightSpec], tcp_port: u16, label: &str) -> Vec<Row> {
+    let mut samplers: Vec<_> = specs
+        .iter()
+        .map(|spec| {
+            let cfg = AgentConfig {
+                cpu: CpuSpec::None,
+                inflight: Some((*spec).clone()),
+                ..AgentConfig::default()
+            };
+            open_sampler(&cfg, &SyntheticHandle::new(), &no_assignment())
+                .unwrap_or_else(|e| panic!("open {spec}: {e}"))
+        })
+        .collect();
     let mut tcp = TcpInflight::open(vec![tcp_port]).expect("tcp source");
     // The load runs its first step from its "ready" on.
     std::thread::sleep(Duration::from_millis(200));
-    let mut points = Vec::with_capacity(SAMPLES);
+    let mut points: Vec<Vec<Point>> = specs.iter().map(|_| Vec::with_capacity(SAMPLES)).collect();
     let mut next = Instant::now();
     let at_render = server.metrics_port.is_some();
     for i in 0..SAMPLES {
-        let renders = server.at_render().1;
-        let before = server.truth();
-        let s = sampler.sample().unwrap_or_else(|e| {
-            panic!("{spec}: sample {i} of {label} failed: {e} (a preset's read must not fail under load)")
-        });
-        let after = server.truth();
-        let (rendered, renders_after) = server.at_render();
-        let t = tcp.sample().expect("tcp sample");
-        if at_render {
-            // The page this sample read, and no other, rendered since the last read.
-            assert_eq!(
-                renders_after,
-                renders + 1,
-                "{label}: the metrics page rendered {} times during one sample",
-                renders_after - renders
-            );
+        for ((spec, sampler), points) in specs.iter().zip(&mut samplers).zip(&mut points) {
+            let renders = server.at_render().1;
+            let before = server.truth();
+            let s = sampler.sample().unwrap_or_else(|e| {
+                panic!("{spec}: sample {i} of {label} failed: {e} (a preset's read must not fail under load)")
+            });
+            let after = server.truth();
+            let (rendered, renders_after) = server.at_render();
+            if at_render {
+                // The page this sample read, and no other, rendered since the last read.
+                assert_eq!(
+                    renders_after,
+                    renders + 1,
+                    "{label}: the metrics page rendered {} times during one sample",
+                    renders_after - renders
+                );
+            }
+            points.push(Point {
+                truth: f64::from(before + after) / 2.0,
+                count: f64::from(s.inflight),
+                tcp: 0.0,
+                at_render: at_render.then_some(f64::from(rendered)),
+            });
         }
-        points.push(Point {
-            truth: f64::from(before + after) / 2.0,
-            count: f64::from(s.inflight),
-            tcp: f64::from(t),
-            at_render: at_render.then_some(f64::from(rendered)),
-        });
+        let t = f64::from(tcp.sample().expect("tcp sample"));
+        for p in &mut points {
+            if let Some(last) = p.last_mut() {
+                last.tcp = t;
+            }
+        }
         next += EVERY;
         if let Some(wait) = next.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
         }
     }
-    let row = Row { label, points };
-    if let Some(d) = sampler.inflight_detail() {
-        eprintln!("{}: last derivation: {d}", row.label);
+    for (spec, sampler) in specs.iter().zip(&samplers) {
+        if let Some(d) = sampler.inflight_detail() {
+            eprintln!("{label} ({spec}): last derivation: {d}");
+        }
     }
-    row
+    points
+        .into_iter()
+        .map(|points| Row {
+            label: label.to_string(),
+            points,
+        })
+        .collect()
 }
 
 /// Prints the table and holds every row to the target, whether or not the TCP count
@@ -253,9 +276,9 @@ fn measure(server: &Server, spec: &InflightSpec, tcp_port: u16, label: String) -
 /// least 0.9 with the truth at the instant the page rendered where the server records
 /// it, else with the truth around the scrape. Where the truth at the render is
 /// recorded, the mean error is held against both truths.
-fn judge(source: &str, rows: &[Row]) {
+fn judge(source: &str, count: &str, rows: &[Row]) {
     let at_render = rows.iter().all(|r| r.at_render().is_some());
-    let mut out = header(source, at_render);
+    let mut out = header(source, count, at_render);
     for r in rows {
         let _ = write!(out, "\n{}", r.markdown());
     }
@@ -315,6 +338,58 @@ fn judge(source: &str, rows: &[Row]) {
     }
 }
 
+/// Holds an expression's row to the preset's row it was sampled beside (the same load,
+/// each expression's sample a scrape after the preset's): its mean count within ±10 %
+/// of the preset's, and on at least 95 % of the samples the same difference from the
+/// truth at its page's render as the preset's count had at its own (both pages read
+/// the same counters; the two counts themselves differ by the calls that began or ended
+/// between the two scrapes, which the correlation printed shows).
+fn agrees_with_preset(expr: &Row, preset: &Row) {
+    let pairs: Vec<(f64, f64)> = preset
+        .points
+        .iter()
+        .zip(&expr.points)
+        .map(|(p, e)| (p.count, e.count))
+        .collect();
+    let residual = |p: &Point| p.at_render.map(|t| p.count - t);
+    let same = preset
+        .points
+        .iter()
+        .zip(&expr.points)
+        .filter(|(p, e)| {
+            matches!((residual(p), residual(e)), (Some(a), Some(b)) if (a - b).abs() < 0.5)
+        })
+        .count();
+    let error = (expr.count() - preset.count()) / preset.count();
+    let share = same as f64 / pairs.len() as f64;
+    println!(
+        "\nthe expression against the preset on {}: mean count {:.2} against {:.2} ({:+.1} %); \
+         the same difference from the truth at the render on {same} of {} samples; \
+         correlation of the two counts a scrape apart {:.2}",
+        expr.label,
+        expr.count(),
+        preset.count(),
+        error * 100.0,
+        pairs.len(),
+        correlation(&pairs)
+    );
+    assert!(
+        error.abs() <= MAX_ERROR,
+        "{}: the expression's mean count {:.2} is {:+.1} % of the preset's {:.2}, beyond ±10 %",
+        expr.label,
+        expr.count(),
+        error * 100.0,
+        preset.count()
+    );
+    assert!(
+        share >= 0.95,
+        "{}: the expression's count differs from the truth at its render as the preset's \
+         does on only {same} of {} samples (< 95 %)",
+        expr.label,
+        pairs.len()
+    );
+}
+
 #[test]
 fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
     let server = Server::start_with_metrics(SERVICE_MS);
@@ -323,7 +398,16 @@ fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
         format!("grpc:http://127.0.0.1:{metrics}/metrics#service=ballast.Inflight")
             .parse()
             .expect("grpc spec");
+    // The same counters through an expression as a user would write it, with a
+    // pattern and a matcher the preset does not use: sampled right after the preset on
+    // one row's load, it must give the preset's values.
+    let expr: InflightSpec = format!(
+        r#"prometheus:http://127.0.0.1:{metrics}/metrics#grpc_server_started_total{{grpc_service=~"ballast\.Infl.+"}} - grpc_server_handled_total{{grpc_service="ballast.Inflight",grpc_type="UNARY"}}"#
+    )
+    .parse()
+    .expect("expression spec");
     let mut rows = Vec::new();
+    let mut expr_row = None;
     for (c, k, think) in [
         (1, 8, 0.0),
         (1, 16, 0.0),
@@ -333,18 +417,29 @@ fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
         (4, 4, 20.0),
     ] {
         let _load = server.load_stepped(c, k, think, LOAD_SECS, &STEPS);
-        rows.push(measure(
-            &server,
-            &spec,
-            server.port,
-            format!(
-                "{} callers on {c} connection{}, think {think} ms",
-                levels(c * k),
-                if c == 1 { "" } else { "s" }
-            ),
-        ));
+        let label = format!(
+            "{} callers on {c} connection{}, think {think} ms",
+            levels(c * k),
+            if c == 1 { "" } else { "s" }
+        );
+        let with_expr = (c, k) == (8, 4);
+        let specs: &[&InflightSpec] = if with_expr { &[&spec, &expr] } else { &[&spec] };
+        let mut measured = measure(&server, specs, server.port, &label).into_iter();
+        rows.extend(measured.next());
+        expr_row = expr_row.or(measured.next());
     }
-    judge(&format!("grpc ({spec})"), &rows);
+    let expr_row = expr_row.expect("the expression's row");
+    let preset_row = rows
+        .iter()
+        .find(|r| r.label == expr_row.label)
+        .expect("the preset's row of the expression's load");
+    agrees_with_preset(&expr_row, preset_row);
+    judge(&format!("grpc ({spec})"), "preset's count", &rows);
+    judge(
+        &format!("expression ({expr})"),
+        "expression's count",
+        &[expr_row],
+    );
 
     // `ballast-agent sample` shows the value, each series it summed and the derivation.
     let _load = server.load(2, 4, 0.0, 10.0);
@@ -468,15 +563,11 @@ fn http_rows(server: &Server, spec: &InflightSpec, front: u16) -> Vec<Row> {
     let mut rows = Vec::new();
     for (c, think) in [(4, 0.0), (16, 0.0), (48, 0.0), (16, 20.0)] {
         let _load = server.load_http(&target, c, think, LOAD_SECS, &STEPS);
-        rows.push(measure(
-            server,
-            spec,
-            server.port,
-            format!(
-                "{} of {c} keep-alive connections, think {think} ms",
-                levels(c)
-            ),
-        ));
+        let label = format!(
+            "{} of {c} keep-alive connections, think {think} ms",
+            levels(c)
+        );
+        rows.extend(measure(server, &[spec], server.port, &label));
     }
     rows
 }
@@ -489,7 +580,7 @@ fn haproxy_preset_counts_a_backends_sessions_and_queue() {
         .parse()
         .expect("haproxy spec");
     let rows = http_rows(&server, &spec, front);
-    judge(&format!("haproxy ({spec})"), &rows);
+    judge(&format!("haproxy ({spec})"), "preset's count", &rows);
 }
 
 fn require_nginx() {
@@ -562,7 +653,7 @@ fn nginx_preset_counts_writing_requests() {
         .parse()
         .expect("nginx spec");
     let rows = http_rows(&server, &spec, front);
-    judge(&format!("nginx ({spec})"), &rows);
+    judge(&format!("nginx ({spec})"), "preset's count", &rows);
 
     let text = check_auto(front, &format!("http://127.0.0.1:{status}/status"));
     assert!(
@@ -580,7 +671,7 @@ fn otel_http_preset_counts_active_requests() {
     let url = format!("http://127.0.0.1:{metrics}/metrics");
     let spec: InflightSpec = format!("otel-http:{url}").parse().expect("otel-http spec");
     let rows = http_rows(&server, &spec, server.port);
-    judge(&format!("otel-http ({spec})"), &rows);
+    judge(&format!("otel-http ({spec})"), "preset's count", &rows);
 
     let text = check_auto(server.port, &url);
     assert!(text.contains("\nfound     otel-http:"), "{text}");

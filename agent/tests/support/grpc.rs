@@ -106,7 +106,7 @@ pub fn wait_line_keep(child: &mut Child, prefix: &str) -> String {
 pub struct Server {
     _proc: Proc,
     pub port: u16,
-    /// Where its go-grpc-prometheus counters are served (`serve --metrics`).
+    /// Where its py-grpc-prometheus counters are served (`serve --metrics`).
     pub metrics_port: Option<u16>,
     pub state: File,
     _dir: tempfile::TempDir,
@@ -117,18 +117,19 @@ impl Server {
         Self::spawn("serve", service_ms, &[])
     }
 
-    /// The gRPC server with a server interceptor counting its calls as
-    /// go-grpc-prometheus does, served by prometheus_client.
+    /// The gRPC server with py-grpc-prometheus' server interceptor counting its calls
+    /// as go-grpc-prometheus does, served by prometheus_client.
     pub fn start_with_metrics(service_ms: f64) -> Server {
         let ok = Command::new(python())
-            .args(["-c", "import prometheus_client"])
+            .args(["-c", "import prometheus_client, py_grpc_prometheus"])
             .output()
             .map(|o| o.status.success())
             .unwrap_or(false);
         assert!(
             ok,
-            "this test needs a Python with the package prometheus_client: `{} -c 'import \
-             prometheus_client'` failed (run `bash tests/run`, which installs it)",
+            "this test needs a Python with the packages prometheus_client and \
+             py-grpc-prometheus: `{} -c 'import prometheus_client, py_grpc_prometheus'` \
+             failed (run `bash tests/run`, which installs them)",
             python().display()
         );
         let s = Self::spawn("serve", service_ms, &["--metrics"]);
