@@ -390,8 +390,18 @@ fn agrees_with_preset(expr: &Row, preset: &Row) {
     );
 }
 
+/// The measurements run one at a time: each holds its server, proxy and loads to a
+/// correlation with the truth, which two of them sharing the machine's two cores (the
+/// test harness's default threads) would measure as much as the count.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[test]
 fn grpc_preset_counts_multiplexed_and_back_to_back_calls() {
+    let _one_at_a_time = one_at_a_time();
     let server = Server::start_with_metrics(SERVICE_MS);
     let metrics = server.metrics_port.expect("metrics port");
     let spec: InflightSpec =
@@ -574,6 +584,7 @@ fn http_rows(server: &Server, spec: &InflightSpec, front: u16) -> Vec<Row> {
 
 #[test]
 fn haproxy_preset_counts_a_backends_sessions_and_queue() {
+    let _one_at_a_time = one_at_a_time();
     let server = Server::start_http(HTTP_SERVICE_MS);
     let (_haproxy, front, prom) = haproxy(server.port);
     let spec: InflightSpec = format!("haproxy:http://127.0.0.1:{prom}/metrics#backend=app")
@@ -647,6 +658,7 @@ fn nginx(backend_port: u16) -> (Sidecar, u16, u16) {
 
 #[test]
 fn nginx_preset_counts_writing_requests() {
+    let _one_at_a_time = one_at_a_time();
     let server = Server::start_http(HTTP_SERVICE_MS);
     let (_nginx, front, status) = nginx(server.port);
     let spec: InflightSpec = format!("nginx:http://127.0.0.1:{status}/status")
@@ -666,6 +678,7 @@ fn nginx_preset_counts_writing_requests() {
 
 #[test]
 fn otel_http_preset_counts_active_requests() {
+    let _one_at_a_time = one_at_a_time();
     let server = Server::start_otel(HTTP_SERVICE_MS);
     let metrics = server.metrics_port.expect("metrics port");
     let url = format!("http://127.0.0.1:{metrics}/metrics");
