@@ -57,6 +57,12 @@ pub fn notes(id: &str, sc: &ScenarioSummary) -> String {
              when more than 15 % are missing the whole cycle is skipped (the skipped column). \
              A58 and the others do not depend on agent reports."
             .to_string(),
+        "small_loss" => "In a service this small one silent endpoint is 25 % of it, above \
+             the 15 % at which a cycle is skipped for missing endpoints; if that alone \
+             skipped, every lost report would freeze the other three. A cycle is skipped \
+             for missing endpoints only when at least two are (the skipped column counts \
+             those), and the silent one keeps its weight meanwhile."
+            .to_string(),
         "low_traffic" => "At about 1 % CPU the average load is below `thin_load` (0.02), so \
              Ballast holds its weights and says so (`thin_feedback` skips) instead of \
              chasing noise: no oscillation, no churn. The cycle whose reports straddle the \

@@ -373,6 +373,29 @@ pub fn all() -> Vec<Scenario> {
             spread_excludes_watched: false,
         },
         Scenario {
+            id: "small_loss",
+            title: "A small service with 20 % report loss",
+            about: "Four endpoints (speeds 0.6, 1.0, 1.4, 0.6), 24 clients that each reach \
+                    all four, at 45 % average CPU, with 20 % of agent reports lost in bursts \
+                    of 5 s on average. One silent endpoint is a quarter of the service.",
+            fleet: FleetSpec {
+                endpoints: 4,
+                clients: 24,
+                subset: 4,
+                ..fleet.clone()
+            },
+            cycles: 150,
+            disturbance: 0,
+            steady_from: 60,
+            events: vec![],
+            loss: Loss {
+                share: 0.20,
+                mean_burst: 5.0,
+            },
+            strategies: base.clone(),
+            spread_excludes_watched: false,
+        },
+        Scenario {
             id: "low_traffic",
             title: "Very low traffic",
             about: "The steady fleet; at cycle 40 traffic drops to 2 % of what it was \
