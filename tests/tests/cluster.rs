@@ -691,10 +691,13 @@ fn a_new_replica_takes_only_the_buckets_it_ranks_first_for() {
     eprintln!("clean stop: r3's buckets owned by the others {handed_on:?} after SIGTERM");
     // Without the revoke they would wait for the lease to lapse: at least two thirds
     // of it after the last renewal, 2 s here, plus etcd's 500 ms sweep. The revoke
-    // makes it 156 ms on a quiet machine (docs/scale.md); a third of the lease leaves
-    // room for a loaded one and still fails if the lease is left to lapse.
+    // makes it 156 ms in docs/scale.md's run (36 to 40 ms in three runs of this test on
+    // a quiet machine); the margin is for a loaded 2-core runner, and the bound still
+    // fails by more than a second if the lease is left to lapse.
+    const DOCUMENTED: Duration = Duration::from_millis(156);
+    const MARGIN: Duration = Duration::from_millis(600);
     assert!(
-        handed_on < LEASE_TTL / 3,
+        handed_on < DOCUMENTED + MARGIN,
         "r3's buckets were handed on {handed_on:?} after SIGTERM: not at once, but as if \
          its lease had lapsed"
     );
