@@ -316,18 +316,9 @@ pub fn new_token(tokens: &Path, name: &str, role: Role, out: &Path) -> Result<Ne
     }
     text.push_str(&entry);
     // Whole or not at all: a new file beside the old one, renamed over it.
-    let tmp = tokens.with_extension(format!("new-{:016x}", rand::random::<u64>()));
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, tokens));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
+    if let Err(e) = crate::config::dir::write_atomic_mode(tokens, text.as_bytes(), 0o600) {
         let _ = std::fs::remove_file(out);
-        return Err(io(tokens, e));
+        return Err(AuthError::Token(e.to_string()));
     }
     Ok(NewToken {
         token_file: out.to_path_buf(),

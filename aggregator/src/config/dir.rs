@@ -364,6 +364,11 @@ pub fn check(
 /// exclusively (`O_EXCL`, no link followed): a file or link planted under a name the
 /// writer would use is never written through, whoever else can write the directory.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
+    write_atomic_mode(path, bytes, 0o644)
+}
+
+/// [`write_atomic`] with the new file's permission bits (0o600 for a secret's file).
+pub(crate) fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), DirError> {
     use std::os::unix::fs::OpenOptionsExt;
     let name = path
         .file_name()
@@ -373,7 +378,7 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DirError> {
     let written = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o644)
+        .mode(mode)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&tmp)
         .and_then(|mut f| {
