@@ -52,6 +52,7 @@ use ballast_agent::daemon::open_sampler;
 use ballast_agent::sample::synthetic::SyntheticHandle;
 use ballast_agent::sample::tcp::TcpInflight;
 use ballast_agent::sample::{no_assignment, CpuSpec, InflightSource, InflightSpec};
+use ballast_tests::children_of;
 use ballast_tests::harness::haproxy::{require_haproxy, HAPROXY_BIN};
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::harness::process::{command, run_bounded, Proc};
@@ -514,10 +515,18 @@ fn check_auto(port: u16, url: &str) -> String {
     text
 }
 
-/// A process with a configuration file in its own directory, killed on drop.
+/// A process with a configuration file in its own directory, stopped on drop.
 struct Sidecar {
-    _proc: Proc,
+    proc: Proc,
     _dir: tempfile::TempDir,
+}
+
+impl Drop for Sidecar {
+    /// SIGTERM first: nginx's master stops its workers on it, while a SIGKILL (what
+    /// `Proc` sends when dropped) would leave them running with no parent.
+    fn drop(&mut self) {
+        self.proc.terminate(Duration::from_secs(5));
+    }
 }
 
 /// Waits until `port` on loopback accepts a connection.
@@ -556,14 +565,7 @@ fn haproxy(backend_port: u16) -> (Sidecar, u16, u16) {
     let proc = Proc::spawn(cmd, "haproxy", &dir.path().join("haproxy.log"), 30);
     wait_port(front, "haproxy's frontend");
     wait_port(prom, "haproxy's prometheus exporter");
-    (
-        Sidecar {
-            _proc: proc,
-            _dir: dir,
-        },
-        front,
-        prom,
-    )
+    (Sidecar { proc, _dir: dir }, front, prom)
 }
 
 /// The HTTP rows: keep-alive connections to `front` (the proxy, or the server itself),
@@ -646,21 +648,14 @@ fn nginx(backend_port: u16) -> (Sidecar, u16, u16) {
     let proc = Proc::spawn(cmd, "nginx", &dir.path().join("nginx.log"), 30);
     wait_port(front, "nginx's proxy");
     wait_port(status, "nginx's stub_status");
-    (
-        Sidecar {
-            _proc: proc,
-            _dir: dir,
-        },
-        front,
-        status,
-    )
+    (Sidecar { proc, _dir: dir }, front, status)
 }
 
 #[test]
 fn nginx_preset_counts_writing_requests() {
     let _one_at_a_time = one_at_a_time();
     let server = Server::start_http(HTTP_SERVICE_MS);
-    let (_nginx, front, status) = nginx(server.port);
+    let (nginx, front, status) = nginx(server.port);
     let spec: InflightSpec = format!("nginx:http://127.0.0.1:{status}/status")
         .parse()
         .expect("nginx spec");
@@ -674,6 +669,16 @@ fn nginx_preset_counts_writing_requests() {
     );
     assert!(text.contains("\nfound     nginx:"), "{text}");
     assert!(text.contains("\nabsent    grpc:"), "{text}");
+
+    // Stopped, nginx leaves no worker behind (a SIGKILL to its master would).
+    let workers = children_of(nginx.proc.pid()).expect("nginx's workers");
+    assert!(!workers.is_empty(), "nginx runs no worker");
+    drop(nginx);
+    let left: Vec<_> = workers
+        .iter()
+        .filter(|(pid, _)| Path::new(&format!("/proc/{pid}")).exists())
+        .collect();
+    assert!(left.is_empty(), "nginx workers outlived the test: {left:?}");
 }
 
 #[test]

@@ -203,6 +203,42 @@ impl Drop for Proc {
     }
 }
 
+/// The processes whose parent is `parent`, as `(pid, command)` (the kernel's 15-byte
+/// command name). Fails when `/proc` cannot be read, or does not show `parent` itself:
+/// an empty list must mean none were found, not that nothing could be looked at.
+pub fn children_of(parent: u32) -> Result<Vec<(u32, String)>, String> {
+    let parent_s = parent.to_string();
+    let entries = std::fs::read_dir("/proc").map_err(|e| format!("/proc: {e}"))?;
+    let mut found = Vec::new();
+    let mut seen_parent = false;
+    for e in entries {
+        let e = e.map_err(|e| format!("/proc: {e}"))?;
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        // A process may exit between the listing and the read: then it is no child.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        seen_parent |= pid == parent;
+        // `pid (comm) state ppid ...`; the command may hold spaces and parentheses, so
+        // it ends at the last ") ".
+        let Some((head, rest)) = stat.rsplit_once(") ") else {
+            return Err(format!("/proc/{pid}/stat: {stat:?}"));
+        };
+        let comm = head.split_once(" (").map_or("", |(_, c)| c);
+        if rest.split_whitespace().nth(1) == Some(parent_s.as_str()) {
+            found.push((pid, comm.to_string()));
+        }
+    }
+    if !seen_parent {
+        return Err(format!(
+            "process {parent} is not in /proc: its children cannot be listed"
+        ));
+    }
+    Ok(found)
+}
+
 /// The last `lines` lines of a file (at most its last 64 KiB).
 pub fn tail(path: &Path, lines: usize) -> String {
     let Ok(mut f) = File::open(path) else {
