@@ -600,8 +600,12 @@ fn schemathesis_finds_nothing_against_the_live_api() {
         .args(["--checks", "all"])
         .args(["--max-examples", &MAX_EXAMPLES.to_string()])
         .args(["--request-timeout", "5"])
+        // One worker: with two, the stateful phase's scenarios (a drain, then the
+        // endpoint it drained) interleave with each other's acts on the same endpoints,
+        // and a run's verdict would depend on their timing. One is also quicker here
+        // (23 s against 29 s).
         .args(["--seed", "1"])
-        .args(["--workers", "2"])
+        .args(["--workers", "1"])
         .args(["--generation-database", "none"])
         .args(["--no-color"])
         .env("PYTHONUNBUFFERED", "1");
