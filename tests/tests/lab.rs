@@ -29,6 +29,7 @@
 //! them. The tests take turns (one lock), so that neither competes with the other for
 //! the CPU.
 
+use ballast_tests::children_of;
 use ballast_tests::lab::{run, LabResult, Plan};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -47,34 +48,11 @@ const LAB_COMMANDS: [&str; 4] = [
 /// Fails when `/proc` cannot be read: an empty list must mean none were found, not that
 /// nothing could be looked at.
 fn lab_children() -> Result<Vec<String>, String> {
-    let me = std::process::id().to_string();
-    let entries = std::fs::read_dir("/proc").map_err(|e| format!("/proc: {e}"))?;
-    let mut found = Vec::new();
-    let mut seen_self = false;
-    for e in entries {
-        let e = e.map_err(|e| format!("/proc: {e}"))?;
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        // A process may exit between the listing and the read: then it is no child.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        seen_self |= pid.to_string() == me;
-        // `pid (comm) state ppid ...`; the command may hold spaces and parentheses, so
-        // it ends at the last ") ".
-        let Some((head, rest)) = stat.rsplit_once(") ") else {
-            return Err(format!("/proc/{pid}/stat: {stat:?}"));
-        };
-        let comm = head.split_once(" (").map_or("", |(_, c)| c);
-        if rest.split_whitespace().nth(1) == Some(me.as_str()) && LAB_COMMANDS.contains(&comm) {
-            found.push(format!("{pid} {comm}"));
-        }
-    }
-    if !seen_self {
-        return Err("this process is not in /proc: it cannot show the lab's children".into());
-    }
-    Ok(found)
+    Ok(children_of(std::process::id())?
+        .into_iter()
+        .filter(|(_, comm)| LAB_COMMANDS.contains(&comm.as_str()))
+        .map(|(pid, comm)| format!("{pid} {comm}"))
+        .collect())
 }
 
 /// The lab's cgroup directories of this process, in every hierarchy.
@@ -165,13 +143,23 @@ fn lab_short() {
         "cargo test -p ballast-tests --test lab",
         "this test",
     );
-    eprintln!("{table}");
+    // The report goes to a file: printed, its length would push a failed bound's message
+    // out of what a CI log keeps; the line below carries every figure a bound reads.
+    let report = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("lab-short.md");
+    match std::fs::write(&report, &table) {
+        Ok(()) => eprintln!("the lab's report: {}", report.display()),
+        Err(e) => eprintln!(
+            "could not write the lab's report to {}: {e}",
+            report.display()
+        ),
+    }
     // One line of the figures the bounds below were set from.
     eprintln!(
         "lab figures: rr {:.3} oracle {:.3} ballast {:.3} ballast/oracle {:.3} min/avg {:.3} \
          smallest {:.3} converged {:?} pooled {} idle {} own {} share {:.4} share_low_after \
          {:?} inflight_max {} others_p99 {:.1} oracle_p99 {:.1} rr_p99 {:.1} ballast_p99 {:.1} \
-         errors {}",
+         errors {} others_spread {:.3} restart_p99 {:.1} served_while_drained {} served_after {} \
+         other_cores {:?}",
         rr.spread.max_over_avg,
         or.spread.max_over_avg,
         ba.spread.max_over_avg,
@@ -190,18 +178,28 @@ fn lab_short() {
         rr.load.p99_ms,
         ba.load.p99_ms,
         r.runs.iter().map(|x| x.whole.errors).sum::<u64>(),
+        d.others_spread.max_over_avg,
+        rs.load.p99_ms,
+        r.restart.served_while_drained,
+        r.restart.served_after,
+        r.runs
+            .iter()
+            .map(|x| x.other_cores.map(|c| (c * 100.0).round() / 100.0))
+            .collect::<Vec<_>>(),
     );
 
     // The peers, in the same run: what an HAProxy user would pick instead.
     for ((name, _), (_, pd)) in ballast_tests::lab::PEERS.iter().zip(&r.peer_degraded) {
         let steady = r.run(name);
         eprintln!(
-            "peer {name}: max/avg {:.3} p99 {:.1} stall share {:.4} all_p99 {:.1} others_p99 {:.1}",
+            "peer {name}: max/avg {:.3} p99 {:.1} stall share {:.4} all_p99 {:.1} others_p99 {:.1} \
+             others_spread {:.3}",
             steady.spread.max_over_avg,
             steady.load.p99_ms,
             pd.share.1,
             pd.all.p99_ms,
-            pd.others.p99_ms
+            pd.others.p99_ms,
+            pd.others_spread.max_over_avg
         );
     }
     eprintln!(
@@ -246,15 +244,35 @@ fn lab_short() {
         ba.util
     );
     // Fast: the target is 5 s from the first reports that carried the load (one report
-    // interval after it started); the bound adds one sample of the sampler's 1 s grid.
-    // Measured 4 and 5 s (the feed-forward step lands 3–4 s after the start, after the
-    // cycles whose reports straddle the load's start); 7 and 8 s before the step was
-    // allowed past a node that was merely overloaded.
-    let converged = r.convergence.after_reports.unwrap_or(f64::INFINITY);
+    // interval after it started). The feed-forward step lands 3–4 s after the start,
+    // after the cycles whose reports straddle the load's start; HAProxy takes each
+    // server's new weight at its next agent-check (every 500 ms, staggered, so one
+    // server's may show a sample later than another's); the smallest backends,
+    // saturated until then under equal weights, then drain what queued on them. That
+    // brings the 3 s windows to the oracle's band just about at the target, where one
+    // second's noise decides. Against the band around the oracle's median window it
+    // measured 3–6 s in nine runs and 8 s in one beside a busy loop, where a single
+    // second of one backend's CPU (66 % among 50 %s) kept out the windows that held
+    // it. The bound reads the band around the oracle's worst window in the same run
+    // instead, what the lab's noise did to true weights: 3, 6 and 7 s in three runs
+    // beside a busy loop (7 s where the smallest backends' queues, 16 deep, held their
+    // in-flight term up for three cycles and their weights undershot before settling).
+    // The bound is the target plus two samples of the sampler's 1 s grid, one for the
+    // grid and one for HAProxy's agent-check. (The full lab reports the median band's
+    // figure against the target.)
+    let c = &r.convergence;
+    let converged = c.within_noise.after_reports.unwrap_or(f64::INFINITY);
+    eprintln!(
+        "convergence after the first loaded reports: {converged:.0} s within the oracle's \
+         noise (bound max/avg {:.3}), {:?} s within its median band ({:.3})",
+        c.within_noise.bound, c.after_reports, c.bound
+    );
     assert!(
-        converged <= 6.0,
-        "converged {converged:.0} s after the first loaded reports (bound: max/avg {:.3})",
-        r.convergence.bound
+        converged <= 7.0,
+        "converged {converged:.0} s after the first loaded reports (bound: max/avg {:.3}, \
+         the oracle's worst window {:.3} plus 5 %)",
+        c.within_noise.bound,
+        c.within_noise.oracle_worst
     );
     assert_eq!(
         ba.whole.errors, 0,
@@ -275,19 +293,33 @@ fn lab_short() {
         plan.degraded.2.as_secs_f64(),
         d.share.0
     );
+    // The others are used evenly meanwhile: their utilizations' max/avg against the
+    // oracle's, with the steady bound's 8 %. Ballast must hand the stalled backend's
+    // share to the others by their capacity. Measured 1.007–1.030 in eleven runs, quiet
+    // and beside a busy loop (leastconn 1.03–1.21, random(2) 1.09–1.25).
+    assert!(
+        d.others_spread.max_over_avg <= (or.spread.max_over_avg * 1.08).min(1.10),
+        "the other backends' max/avg {:.3} during the stall against the oracle's {:.3}",
+        d.others_spread.max_over_avg,
+        or.spread.max_over_avg
+    );
     // The others' p99 against the oracle's. Without the stalled backend (30 % of the
     // capacity) the other five run at 86 % utilization where the oracle ran at 60 %,
-    // and a queue's tail grows with 1/(1 - utilization): 2.9× from that alone. Over
-    // seven runs the others' p99 was 4.7–11.6 ms against the oracle's 5–7 ms, once
-    // 41 ms (a burst of the machine's other work in an 11 s window whose p99 is its 22
-    // slowest requests). The bound is 1.5× the oracle's, scaled by that 2.9, plus 40 ms
-    // for such a burst: a flooded stall (its 250 ms sleep) or the others mis-balanced
-    // (round robin's p99 reaches hundreds of ms) is far beyond it. The full lab reports
+    // and a queue's tail grows with 1/(1 - utilization): 2.9× from that alone. On top,
+    // the quotas are enforced in periods of 100 ms: a backend that spent its share of
+    // a period early holds what arrives until the next one (up to 90 ms with 10 % of a
+    // core), which at 86 % happens to more than 1 % of requests, at 60 % hardly ever.
+    // The others' p99 measured 7.5–105 ms (the oracle's 7–13 ms), leastconn's 9–88 ms
+    // and random(2)'s 40–178 ms in the same runs, quiet and beside a busy loop. The bound is 1.5× the oracle's,
+    // scaled by that 2.9, plus one period: a flooded stall (its 250 ms sleep) or the
+    // others mis-balanced (round robin's p99 reaches hundreds of ms) is beyond it, and
+    // the spread just above catches an uneven hand-over first. The full lab reports
     // the 1.5× target itself.
     let stalled_share = plan.quotas[d.backend] / plan.quotas.iter().sum::<f64>();
     let tail = (1.0 - plan.utilization) / (1.0 - plan.utilization / (1.0 - stalled_share));
+    let period_ms = ballast_tests::lab::cgroup::PERIOD_US as f64 / 1000.0;
     assert!(
-        d.others.p99_ms <= or.load.p99_ms * 1.5 * tail + 40.0,
+        d.others.p99_ms <= or.load.p99_ms * 1.5 * tail + period_ms,
         "the other backends' p99 {:.0} ms during the stall, the oracle's {:.0} ms",
         d.others.p99_ms,
         or.load.p99_ms
@@ -385,6 +417,22 @@ fn lab_holds(r: &LabResult, plan: &Plan) {
         or.spread.max_over_avg,
         rr.spread.max_over_avg,
         or.util
+    );
+
+    // 2b. The load is the planned share of what the backends serve: the oracle's mean
+    //    utilization near the plan's 60 %. Measured 56–67 % on a quiet machine and
+    //    beside a busy loop, twice 75 and 79 % beside the busy loop, when the other work took
+    //    CPU the calibration had measured the backends with: that run offered nearly
+    //    its whole capacity, its surge overflowed the generator's connections (167
+    //    failed requests, under Ballast as they would under any weights), and what it
+    //    measured was the machine. The bound is the plan ±12 points.
+    let avg_util = or.spread.avg;
+    assert!(
+        (avg_util - plan.utilization).abs() <= 0.12,
+        "the oracle ran the backends at {:.0} % where the plan offers {:.0} % of their \
+         calibrated capacity: the machine gave the runs other CPU than the calibration had",
+        avg_util * 100.0,
+        plan.utilization * 100.0
     );
 
     // 3. Ballast through a surge. First, that the surge saturated: HAProxy held a

@@ -362,6 +362,20 @@ pub struct Convergence {
     /// The same from the agents' first reports that carried the load: one report
     /// interval after the load started.
     pub after_reports: Option<f64>,
+    /// The same band around the oracle's worst window instead of its median: what the
+    /// lab's own noise allowed in this run, as the short lab's bound reads it.
+    pub within_noise: NoiseBand,
+}
+
+/// Convergence against the oracle's worst window of the same run.
+#[derive(Debug, Clone)]
+pub struct NoiseBand {
+    /// The oracle's highest max/avg over windows of [`CONVERGENCE_WINDOW_S`].
+    pub oracle_worst: f64,
+    /// `oracle_worst` × [`CONVERGENCE_BAND`].
+    pub bound: f64,
+    /// Seconds from the agents' first loaded reports to the first window within it.
+    pub after_reports: Option<f64>,
 }
 
 /// What the degraded run showed about the stalled backend.
@@ -394,6 +408,9 @@ pub struct Degraded {
     /// Latency of the requests due from the reaction time on that the other backends
     /// served.
     pub others: Summary,
+    /// How evenly the other backends were used from the reaction time on: their mean
+    /// utilizations' spread.
+    pub others_spread: Spread,
     /// Latency of every request due from the reaction time on: what the service's
     /// clients saw, the stalled backend's answers included.
     pub all: Summary,
@@ -1117,6 +1134,7 @@ fn degraded_of(
     let stalled_peak = |from: f64| {
         sampler::peak(samples, start + from, start + end, |s| s.inflight_peak[k]).unwrap_or(0)
     };
+    let util_late = sampler::mean_util(samples, n, start + late, start + end);
     Degraded {
         backend: k,
         at,
@@ -1130,10 +1148,15 @@ fn degraded_of(
         inflight_max: stalled_peak(at),
         inflight_max_late: stalled_peak(late),
         flood_at_old_share: share_before * rate * plan.stall_ms as f64 / 1000.0,
-        cpu_late: sampler::mean_util(samples, n, start + late, start + end)
-            .get(k)
-            .copied()
-            .unwrap_or(0.0),
+        cpu_late: util_late.get(k).copied().unwrap_or(0.0),
+        others_spread: Spread::of(
+            &util_late
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != k)
+                .map(|(_, u)| *u)
+                .collect::<Vec<_>>(),
+        ),
         others: summarize(
             run.window(late, end)
                 .filter(|o| o.backend.as_deref() != Some(name)),
@@ -1230,37 +1253,52 @@ fn analyse(
     }
 
     // Run 3: from the start of the load to the first short window within the band of
-    // the oracle's windows of the same length.
+    // the oracle's windows of the same length (their median; and their worst, the
+    // noise band).
     let (start2, _) = &raw.runs[1];
-    let oracle_windowed = median(windows(
+    let oracle_windows = windows(
         *start2,
         plan.oracle.1.as_secs_f64(),
         plan.oracle.0.as_secs_f64(),
         CONVERGENCE_WINDOW_S,
         step,
-    ));
-    let bound = oracle_windowed * CONVERGENCE_BAND;
+    );
+    let oracle_windowed = median(oracle_windows.clone());
+    let oracle_worst = oracle_windows
+        .iter()
+        .copied()
+        .fold(oracle_windowed, f64::max);
     let (start3, _) = &raw.runs[2];
     let len3 = plan.ballast.0.as_secs_f64();
-    let mut after = None;
-    let mut t = CONVERGENCE_WINDOW_S;
-    while t <= len3 + 1e-9 {
-        if spread_over(*start3, t - CONVERGENCE_WINDOW_S, t)
-            .1
-            .max_over_avg
-            <= bound
-        {
-            after = Some(t - CONVERGENCE_WINDOW_S);
-            break;
+    let first_within = |bound: f64| {
+        let mut t = CONVERGENCE_WINDOW_S;
+        while t <= len3 + 1e-9 {
+            if spread_over(*start3, t - CONVERGENCE_WINDOW_S, t)
+                .1
+                .max_over_avg
+                <= bound
+            {
+                return Some(t - CONVERGENCE_WINDOW_S);
+            }
+            t += step;
         }
-        t += step;
-    }
+        None
+    };
     let report_s = f64::from(plan.report_interval_ms) / 1000.0;
+    let from_reports = |after: Option<f64>| after.map(|t| (t - report_s).max(0.0));
+    let bound = oracle_windowed * CONVERGENCE_BAND;
+    let after = first_within(bound);
+    let noise_bound = oracle_worst * CONVERGENCE_BAND;
     let convergence = Convergence {
         oracle_windowed,
         bound,
         after,
-        after_reports: after.map(|t| (t - report_s).max(0.0)),
+        after_reports: from_reports(after),
+        within_noise: NoiseBand {
+            oracle_worst,
+            bound: noise_bound,
+            after_reports: from_reports(first_within(noise_bound)),
+        },
     };
 
     let (m, surge_rate, start_weights) = raw.saturation;
