@@ -53,6 +53,7 @@ use ballast_lab::backend::INFLIGHT_METRIC;
 use ballast_lab::load::{self, summarize, LoadRun, LoadSpec, Mode, Summary};
 use cgroup::{Cgroups, Group, Layout};
 use sampler::Sample;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -427,7 +428,15 @@ pub struct Restart {
     pub served_after: u64,
     /// Requests it answered between the drain taking effect and the undrain.
     pub served_while_drained: u64,
+    /// The p99 latency of the requests due in each second of the run, ms.
+    pub p99_by_second: Vec<f64>,
+    /// The requests slower than [`SLOW_MS`], by the backend that answered them.
+    pub slow_by_backend: BTreeMap<String, u64>,
 }
+
+/// What the restart run counts as a slow request, ms: a tenth of the request timeout's
+/// scale, far above any backend's own time at the planned load.
+pub const SLOW_MS: f64 = 100.0;
 
 /// Everything the lab measured.
 #[derive(Debug, Clone)]
@@ -1351,6 +1360,11 @@ fn analyse(
         marks,
         served_after: served(marks[4], f64::INFINITY),
         served_while_drained: served(marks[1], marks[4]),
+        p99_by_second: (0..plan.restart.0.as_secs())
+            .map(|t| summarize(run5.window(t as f64, t as f64 + 1.0)).p99_ms)
+            .collect(),
+        slow_by_backend: summarize(run5.outcomes.iter().filter(|o| o.latency_ms > SLOW_MS))
+            .by_backend,
     };
 
     LabResult {

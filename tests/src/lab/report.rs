@@ -635,7 +635,9 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          stopped (SIGTERM) at {:.1} s once its in-flight gauge read 0; started again \
          and seen up by HAProxy at {:.1} s; `ballast-agent undrain` at {:.1} s. It \
          answered {} requests while drained and {} after the undrain, ramping up as a \
-         newcomer. **{} failed requests** out of {}.\n",
+         newcomer. **{} failed requests** out of {}.\n\n\
+         The p99 of the requests due in each second, ms: {}. Requests slower than {:.0} ms, \
+         by the backend that answered them: {}.\n",
         r.names[x.backend],
         x.marks[0],
         x.marks[1],
@@ -646,6 +648,22 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         x.served_after,
         rs.whole.errors,
         rs.whole.requests,
+        x.p99_by_second
+            .iter()
+            .enumerate()
+            .map(|(t, v)| format!("{t}: {v:.0}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        super::SLOW_MS,
+        if x.slow_by_backend.is_empty() {
+            "none".to_string()
+        } else {
+            x.slow_by_backend
+                .iter()
+                .map(|(b, n)| format!("{b} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
     );
 
     let _ = writeln!(
