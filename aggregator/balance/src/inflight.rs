@@ -56,6 +56,22 @@ pub(crate) const TERM_CAP: f64 = 2.0;
 /// because the requests in flight now arrived under the weights of the last cycles,
 /// and a weight that fell faster than a queue drains must not inflate the ratio.
 pub(crate) const WEIGHT_MEMORY: usize = 3;
+/// Requests a node still stalled would have shown in flight, summed over the reports
+/// since its last stalled verdict, before its weight may grow again. A stalled node
+/// held at a small weight has a count of a fraction of a request, so most reports find
+/// nothing in flight: three reports of 0 say little at a weight where a stalled node
+/// shows 0.3 requests, and much at one where it shows 3. A still-stalled node shows
+/// none over this many expected requests one time in a hundred (Poisson, e^-4.6).
+pub(crate) const STALL_EVIDENCE: f64 = 4.6;
+/// The longest hold after a stall, in controller steps, however little a stalled node
+/// would have shown: a node cut to the weight floor, where a stalled one shows a tenth
+/// of a request per report, grows back at most this long after its stall ended.
+pub(crate) const MAX_STALL_HOLD: u32 = 30;
+/// While held, a stalled node's weight may grow to where a node still stalled shows
+/// this many requests in flight per report: few enough that it costs its users little
+/// (the requests it holds are this many), enough that the evidence comes within a
+/// few reports.
+pub(crate) const PROBE_COUNT: f64 = 0.5;
 /// How far above the service's typical in-flight per unit of weight an endpoint must be
 /// before the in-flight term binds. Healthy endpoints of different speeds differ by
 /// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
@@ -130,6 +146,8 @@ pub struct InflightEstimate {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct InflightTracker {
     smoothed: Option<f64>,
+    /// The last reported count.
+    last: u32,
     /// The count when the term was distrusted.
     distrusted_at: Option<f64>,
     /// The count and weight when the term began to bind in this episode.
@@ -141,9 +159,9 @@ pub struct InflightTracker {
     held_from: f64,
     /// The published weights of the last cycles, newest first.
     weights: [f64; WEIGHT_MEMORY],
-    /// Controller steps left in which the weight may not grow because the endpoint
-    /// was stalled (see [`Self::hold_after_stall`]).
-    stall_hold: u32,
+    /// The hold on the weight since the endpoint was last stalled (see
+    /// [`Self::hold_after_stall`]).
+    stall_hold: Option<StallHold>,
     /// The last cycle's verdict.
     pub estimate: InflightEstimate,
 }
@@ -151,6 +169,7 @@ pub struct InflightTracker {
 impl InflightTracker {
     /// Takes a reported count into the smoothed one.
     pub fn observe(&mut self, inflight: u32) {
+        self.last = inflight;
         let x = f64::from(inflight);
         self.smoothed = Some(match self.smoothed {
             Some(s) if x < s => s + SMOOTHING_DOWN * (x - s),
@@ -164,21 +183,52 @@ impl InflightTracker {
         self.smoothed.unwrap_or(0.0)
     }
 
-    /// Called at each controller step: whether the weight must not grow this step.
-    /// `stalled` says whether the endpoint is stalled now. For [`WEIGHT_MEMORY`] steps
-    /// after the last stalled one it must not: the count per unit of weight divides by
-    /// the largest weight of those cycles, so right after a stall has cut the weight
-    /// it reads low, and a few requests at a small weight read as none; a weight grown
-    /// on that would bring the stalled node its share back before its count could say
-    /// it is still stalled. Once the memory holds only the low weight, the count says.
-    pub(crate) fn hold_after_stall(&mut self, stalled: bool) -> bool {
+    /// Called at each controller step: whether the endpoint's weight is held this step,
+    /// and if so up to which weight it may still grow (0 for not at all). `stalled`
+    /// says whether the endpoint is stalled now.
+    ///
+    /// For [`WEIGHT_MEMORY`] steps after the last stalled one it may not grow: the count
+    /// per unit of weight divides by the largest weight of those cycles, so right after
+    /// a stall has cut the weight it reads low, and a weight grown on that would bring
+    /// the stalled node its share back before its count could say it is still stalled.
+    ///
+    /// Beyond those it is held until the count has had the chance to say so: until a
+    /// node still stalled (its count per unit of weight over the episode) would have
+    /// shown [`STALL_EVIDENCE`] requests in flight at the weights since, at most
+    /// [`MAX_STALL_HOLD`] steps. At a small weight a stalled node's count is a fraction
+    /// of a request, mostly 0 when a report is taken; a few reports of 0 in a row are
+    /// not a node that has recovered, and a weight grown on them creeps back up by the
+    /// growth bound and brings the stalled node its requests again. Meanwhile it may
+    /// grow to where a node still stalled shows [`PROBE_COUNT`] requests: at the weight
+    /// floor the count would take a minute to say anything. A node that really has
+    /// recovered shows fewer and is released once the evidence is in.
+    pub(crate) fn hold_after_stall(&mut self, stalled: bool) -> Option<f64> {
+        let (count, weight) = (f64::from(self.last), self.weights[0]);
         if stalled {
-            self.stall_hold = WEIGHT_MEMORY as u32;
-            return false;
+            let hold = self.stall_hold.get_or_insert(StallHold::default());
+            hold.steps = 0;
+            hold.expected = 0.0;
+            hold.counts += count;
+            hold.weights += weight;
+            return None;
         }
-        let hold = self.stall_hold > 0;
-        self.stall_hold = self.stall_hold.saturating_sub(1);
-        hold
+        let hold = self.stall_hold.as_mut()?;
+        hold.steps += 1;
+        let per_weight = hold.counts / hold.weights.max(f64::MIN_POSITIVE);
+        hold.expected += per_weight * weight;
+        if hold.steps <= WEIGHT_MEMORY as u32 {
+            return Some(0.0);
+        }
+        if hold.expected < STALL_EVIDENCE && hold.steps <= MAX_STALL_HOLD {
+            return Some(PROBE_COUNT / per_weight.max(f64::MIN_POSITIVE));
+        }
+        self.stall_hold = None;
+        None
+    }
+
+    /// The published weight the load balancers applied in the last cycle.
+    pub(crate) fn applied_weight(&self) -> f64 {
+        self.weights[0]
     }
 
     /// Whether the term is currently distrusted.
@@ -190,6 +240,23 @@ impl InflightTracker {
     pub fn reset(&mut self) {
         *self = InflightTracker::default();
     }
+}
+
+/// The hold on an endpoint's weight while it is stalled and after.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct StallHold {
+    /// Controller steps since the last stalled verdict.
+    steps: u32,
+    /// The reported counts and the weights they were taken at, summed over the
+    /// episode's stalled verdicts: their ratio is the count per unit of weight of the
+    /// node stalled, what it shows while it stays so. A ratio of sums, not the last
+    /// verdict's: at a small weight a verdict falls on a report that happened to find a
+    /// request in flight, and one request over a small weight overstates the latency;
+    /// the episode's first verdicts, at the weight the node had, weigh the most.
+    counts: f64,
+    weights: f64,
+    /// What a node still stalled would have shown since the last stalled verdict.
+    expected: f64,
 }
 
 /// One endpoint's inputs to [`assess`].

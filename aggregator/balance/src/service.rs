@@ -987,18 +987,29 @@ impl Service {
 
     /// The controllers' step: each of the `fresh` endpoints' PID moves its weight by
     /// its error against the average, within the growth and shrink bounds; a stalled
-    /// one shrinks by the bound, and does not grow for a few steps after. Returns the
-    /// stepped weights, in the order of `fresh`.
+    /// one shrinks by the bound, and its share does not grow for a while after (see
+    /// [`inflight::InflightTracker::hold_after_stall`]). Returns the stepped weights,
+    /// in the order of `fresh`.
     fn step_controllers(&mut self, now: Millis, fresh: &[usize], avg: f64) -> Vec<f64> {
         let params = &self.params;
         let slots = &mut self.slots;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
-        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
+        // Each one's step and whether it is held; the held ones are settled after the
+        // others have moved.
+        let mut steps: Vec<(f64, Option<f64>)> = Vec::with_capacity(fresh.len());
         for &s in fresh {
             // Idle, not merely below the average: only a node that does next to no
-            // work with its requests piling up takes the bound.
-            let stalled = stalled(slots, s, avg) && slots.obs[s].cpu < inflight::IDLE_CPU * avg;
+            // work with its requests piling up takes the bound. And piling up beyond
+            // the tolerance: scaled to the fleet's load, the term of a count within it
+            // binds on any node far below the mean weight, whose CPU is idle for want
+            // of traffic, and a healthy node growing back from a small weight would be
+            // judged stalled, and held, whenever a report found a request in flight.
+            let estimate = &slots.inflight[s].estimate;
+            let piled_up =
+                params.metric != crate::LoadMetric::Max || estimate.ratio >= inflight::TOLERANCE;
+            let stalled =
+                stalled(slots, s, avg) && piled_up && slots.obs[s].cpu < inflight::IDLE_CPU * avg;
             let hold = slots.inflight[s].hold_after_stall(stalled);
             let ep = &mut slots.hot[s];
             let pid = &mut slots.pid[s];
@@ -1011,14 +1022,39 @@ impl Service {
             // A stalled node holds each request as long whatever its weight (its count
             // per unit of weight is its latency), so a proportional step gains nothing
             // by being gentle: it sheds at the fastest rate the bounds allow for as long
-            // as the stall lasts, and does not grow back until its count can tell.
-            let delta = if stalled {
-                lo
-            } else if hold {
-                delta.min(0.0)
-            } else {
-                delta
+            // as the stall lasts.
+            steps.push(if stalled { (lo, None) } else { (delta, hold) });
+        }
+        // A held node's share must not grow (beyond the probe weight): its weight moves
+        // at most by the others' mean step. Holding the weight itself is not enough:
+        // the stalled node's idle CPU pulls the average down, every healthy node reads
+        // above it and shrinks by the same step, and normalisation would hand that
+        // step to the held node.
+        let (moved, moved_weight) = fresh
+            .iter()
+            .zip(&steps)
+            .filter(|(_, (_, hold))| hold.is_none())
+            .fold((0.0, 0.0), |(m, t), (&s, (delta, _))| {
+                let w = slots.hot[s].strategy_weights.get(Strategy::Pid);
+                (m + w * (1.0 + delta), t + w)
+            });
+        let others = if moved_weight > 0.0 {
+            moved / moved_weight - 1.0
+        } else {
+            0.0
+        };
+        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
+        for (&s, &(delta, hold)) in fresh.iter().zip(&steps) {
+            let delta = match hold {
+                Some(probe) => {
+                    // Up to the probe weight, in the units the load balancers apply.
+                    let applied = slots.inflight[s].applied_weight();
+                    let to_probe = probe / applied.max(f64::MIN_POSITIVE) - 1.0;
+                    delta.min(others.min(0.0).max(to_probe))
+                }
+                None => delta,
             };
+            let ep = &mut slots.hot[s];
             let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
             ep.strategy_weights.set(Strategy::Pid, w);
             stepped.push(w);
@@ -1028,7 +1064,7 @@ impl Service {
             // up on the way, would otherwise carry it past the average.
             if ep.warming && ep.load >= avg * 0.95 {
                 ep.warming = false;
-                pid.integral = 0.0;
+                slots.pid[s].integral = 0.0;
             }
         }
         stepped

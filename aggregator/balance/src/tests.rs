@@ -1412,3 +1412,96 @@ fn a_feed_forward_step_is_not_undone_while_a_saturated_node_drains() {
         "the weights follow the speeds: {w:?}"
     );
 }
+
+/// A count drawn as a real count is: the requests in flight at the moment of a report,
+/// Poisson around the expected number (rate times latency). Deterministic, seeded.
+struct PointCounts(u64);
+
+impl PointCounts {
+    fn uniform(&mut self) -> f64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn draw(&mut self, mean: f64) -> u32 {
+        let limit = (-mean).exp();
+        let mut product = self.uniform();
+        let mut n = 0;
+        while product > limit && n < 1000 {
+            n += 1;
+            product *= self.uniform();
+        }
+        n
+    }
+}
+
+/// A stalled node at a small weight has a small count, mostly 0 at the moment of a
+/// report: a few requests in flight at once however long each is held. Its weight must
+/// stay down for as long as the stall lasts, not grow back whenever a few reports in a
+/// row happen to find nothing in flight; and once the stall ends it must grow back.
+/// Twenty seeded runs, judged by their medians: the counts are drawn, so any one run
+/// may be unlucky. Before the hold was weighed by evidence (three steps after the last
+/// stalled verdict, with the others' shrink handed to the held node) the medians were
+/// a mean share of 1.0 % and a largest of 3.1 %, regrown in 13 cycles (at most 21);
+/// now 0.68 % and 1.4 %, regrown in 20 (at most 42): a node that has recovered at a
+/// small weight waits for the evidence a stalled one would have given.
+#[test]
+fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
+    let n = 4;
+    let (mut means, mut largest, mut regrown) = (Vec::new(), Vec::new(), Vec::new());
+    for seed in 1..=20u64 {
+        let mut b = fleet(n, params());
+        let mut counts = PointCounts(0x9e37_79b9_7f4a_7c15 ^ seed);
+        // Healthy: one request in flight per unit of weight, CPU following the weight.
+        // Stalled from cycle 10 to 70: ten per unit of weight (ten times the latency)
+        // at an idle CPU.
+        let mut shares = Vec::new();
+        let mut recovered_after = None;
+        for c in 0..120u64 {
+            let now = c * 1000;
+            let w = weights(&b);
+            let total: f64 = w.iter().sum();
+            let stalled = (10..70).contains(&c);
+            for (i, wi) in w.iter().enumerate() {
+                let (cpu, per_weight) = if i == 0 && stalled {
+                    (0.002, 10.0)
+                } else {
+                    (0.3 * wi, 1.0)
+                };
+                let o = inflight_obs(cpu, counts.draw(per_weight * wi));
+                b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+            }
+            b.cycle(now);
+            // The share of the weight from 20 cycles into the stall to its end.
+            if (30..70).contains(&c) {
+                shares.push(w[0] / total);
+            }
+            if c >= 70 && recovered_after.is_none() && weights(&b)[0] >= 0.8 {
+                recovered_after = Some(c - 70);
+            }
+        }
+        means.push(shares.iter().sum::<f64>() / shares.len() as f64);
+        largest.push(shares.iter().copied().fold(0.0, f64::max));
+        regrown.push(recovered_after.unwrap_or(u64::MAX));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    regrown.sort_unstable();
+    let (mean, large) = (median(&mut means), median(&mut largest));
+    let summary =
+        format!("medians: mean share {mean:.4}, largest {large:.4}; cycles to regrow {regrown:?}");
+    eprintln!("{summary}");
+    assert!(
+        mean <= 0.008 && large <= 0.02,
+        "the stalled node's share of the weight: {summary}"
+    );
+    assert!(
+        regrown[regrown.len() / 2] <= 25 && regrown[regrown.len() - 1] <= 60,
+        "the weight grows back to 0.8 too late after the stall: {summary}"
+    );
+}
