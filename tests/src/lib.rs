@@ -42,7 +42,7 @@ pub use harness::haproxy::{require_haproxy, Haproxy, HaproxyOpts, ServerState};
 pub use harness::packages::{packages, repo_root, require_tool, Packages, ScratchRoot};
 pub use harness::pki::Pki;
 pub use harness::process::{
-    bench_arg, binary, children_of, command, run_bounded, AGENT_BIN, AGGREGATOR_BIN,
+    bench_arg, binary, children_of, command, one_at_a_time, run_bounded, AGENT_BIN, AGGREGATOR_BIN,
 };
 pub use harness::quic::{client_config_without_certificate, RawClient, RawConn};
 pub use harness::raw_trunk::RawTrunk;

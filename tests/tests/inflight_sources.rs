@@ -52,11 +52,11 @@ use ballast_agent::daemon::open_sampler;
 use ballast_agent::sample::synthetic::SyntheticHandle;
 use ballast_agent::sample::tcp::TcpInflight;
 use ballast_agent::sample::{no_assignment, CpuSpec, InflightSource, InflightSpec};
-use ballast_tests::children_of;
 use ballast_tests::harness::haproxy::{require_haproxy, HAPROXY_BIN};
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::harness::process::{command, run_bounded, Proc};
 use ballast_tests::harness::wait::wait_for;
+use ballast_tests::{children_of, one_at_a_time};
 use support::{Server, Steps};
 
 /// Mean service time of the gRPC handler (as in the TCP count's measurement), and of the
@@ -389,15 +389,6 @@ fn agrees_with_preset(expr: &Row, preset: &Row) {
         expr.label,
         pairs.len()
     );
-}
-
-/// The measurements run one at a time: each holds its server, proxy and loads to a
-/// correlation with the truth, which two of them sharing the machine's two cores (the
-/// test harness's default threads) would measure as much as the count.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[test]

@@ -29,12 +29,9 @@
 //! them. The tests take turns (one lock), so that neither competes with the other for
 //! the CPU.
 
-use ballast_tests::children_of;
 use ballast_tests::lab::{run, LabResult, Plan};
-use std::sync::Mutex;
+use ballast_tests::{children_of, one_at_a_time};
 use std::time::Duration;
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// The lab's processes, by the command name the kernel keeps (cut to 15 bytes).
 const LAB_COMMANDS: [&str; 4] = [
@@ -76,7 +73,7 @@ fn own_cgroups() -> Vec<String> {
 
 #[test]
 fn a_failing_run_leaves_no_process_and_no_cgroup() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let _turn = one_at_a_time();
     let s = Duration::from_secs;
     let plan = Plan {
         calibrate: s(1),
@@ -116,7 +113,7 @@ fn a_failing_run_leaves_no_process_and_no_cgroup() {
 
 #[test]
 fn lab_short() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let _turn = one_at_a_time();
     let plan = Plan::short();
     // The lab's own checks (the quotas hold, round robin saturates and unbalances, the
     // oracle balances, the surge leaves a pool) say whether this machine ran the

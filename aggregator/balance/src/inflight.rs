@@ -226,6 +226,11 @@ impl InflightTracker {
         None
     }
 
+    /// Whether the weight is held after a stall (see [`Self::hold_after_stall`]).
+    pub(crate) fn held_after_stall(&self) -> bool {
+        self.stall_hold.is_some()
+    }
+
     /// The published weight the load balancers applied in the last cycle.
     pub(crate) fn applied_weight(&self) -> f64 {
         self.weights[0]

@@ -1192,18 +1192,24 @@ fn stalled(slots: &Slots, slot: usize, avg: f64) -> bool {
 
 /// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one
 /// has a new report (the caller checks that none is held), none is ramping up from a
-/// cold start or stalled (its in-flight count stands out against the fleet while its
-/// CPU is below the average: its capacity is not its weight over its load), the
-/// average is high enough and the spread wide enough.
+/// cold start, stalled (its in-flight count stands out against the fleet while its
+/// CPU is below the average: its capacity is not its weight over its load) or held
+/// after a stall, the average is high enough and the spread wide enough.
 fn feed_forward_applies(slots: &Slots, fresh: &[usize], avg: f64) -> bool {
     if fresh.is_empty() || avg < FEED_FORWARD_MIN_AVG {
         return false;
     }
     // A node whose in-flight count stands out while its CPU is below the average is
-    // stalled, and its weight over its load is no capacity: no step while any is. One
-    // whose CPU is high as well is merely overloaded, and the step is what it needs.
+    // stalled, and its weight over its load is no capacity: no step while any is, or
+    // is held after a stall (its few requests may all have completed at a report, and
+    // its idle CPU would read as room for twice its weight). One whose CPU is high as
+    // well is merely overloaded, and the step is what it needs.
     let calm = fresh.iter().all(|&s| {
-        !slots.hot[s].warming && !stalled(slots, s, avg) && !slots.inflight[s].distrusted()
+        let inflight = &slots.inflight[s];
+        !slots.hot[s].warming
+            && !stalled(slots, s, avg)
+            && !inflight.held_after_stall()
+            && !inflight.distrusted()
     });
     let spread = fresh
         .iter()

@@ -1505,3 +1505,48 @@ fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
         "the weight grows back to 0.8 too late after the stall: {summary}"
     );
 }
+
+/// No feed-forward step while a stalled node is held: reports that find none of its few
+/// requests in flight leave its term unbound, and its idle CPU read as spare capacity
+/// would double its weight and hand it its calls back.
+#[test]
+fn feed_forward_does_not_step_a_held_stalled_node_up() {
+    let ff = Params {
+        grace_ms: 0,
+        ..Params::default()
+    };
+    let mut b = fleet(4, ff);
+    let steps = |b: &Balancer| b.service(SVC).expect("svc").stats.feed_forward_steps;
+    let report = |b: &mut Balancer, c: u64, stalled_count: Option<u32>| {
+        let now = c * 1000;
+        let w = weights(b);
+        for (i, wi) in w.iter().enumerate() {
+            let o = match stalled_count {
+                Some(n) if i == 0 => inflight_obs(0.002, n),
+                _ => inflight_obs(0.4 * wi, 1),
+            };
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        b.cycle(now);
+    };
+    for c in 0..3 {
+        report(&mut b, c, None);
+    }
+    // The stall: ten requests per unit of weight, then none in flight at one report.
+    for c in 3..20 {
+        let n = (10.0 * weights(&b)[0]).round().max(1.0) as u32;
+        report(&mut b, c, Some(n));
+    }
+    let before = (steps(&b), weights(&b)[0]);
+    assert!(before.1 < 0.05, "the stall cut the weight: {}", before.1);
+    // Two reports find none: the first cycle after the last cut, and one with the
+    // weights steady, when a step could be due.
+    report(&mut b, 20, Some(0));
+    report(&mut b, 21, Some(0));
+    let after = (steps(&b), weights(&b)[0]);
+    assert_eq!(
+        after.0, before.0,
+        "a step was taken: {before:?} -> {after:?}"
+    );
+    assert!(after.1 <= before.1 * 1.01, "{before:?} -> {after:?}");
+}

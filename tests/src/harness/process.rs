@@ -203,6 +203,16 @@ impl Drop for Proc {
     }
 }
 
+/// A turn of this test binary's tests that measure timing: the guard, held for the
+/// test, keeps the others holding one waiting. The harness runs a binary's tests on
+/// two threads by default; two measurements sharing this machine's two cores measure
+/// each other. One lock per test binary (each links its own copy of this crate).
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The processes whose parent is `parent`, as `(pid, command)` (the kernel's 15-byte
 /// command name). Fails when `/proc` cannot be read, or does not show `parent` itself:
 /// an empty list must mean none were found, not that nothing could be looked at.
