@@ -1047,7 +1047,9 @@ impl Service {
         for (&s, &(delta, hold)) in fresh.iter().zip(&steps) {
             let delta = match hold {
                 Some(probe) => {
-                    // Up to the probe weight, in the units the load balancers apply.
+                    // Up to the probe weight, in the units the load balancers apply
+                    // (normalisation then scales it by about 1 / (1 + others): a
+                    // little above the probe while the others shrink).
                     let applied = slots.inflight[s].applied_weight();
                     let to_probe = probe / applied.max(f64::MIN_POSITIVE) - 1.0;
                     delta.min(others.min(0.0).max(to_probe))

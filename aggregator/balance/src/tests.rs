@@ -1515,7 +1515,7 @@ fn feed_forward_does_not_step_a_held_stalled_node_up() {
         grace_ms: 0,
         ..Params::default()
     };
-    let mut b = fleet(4, ff);
+    let mut b = fleet(4, ff.clone());
     let steps = |b: &Balancer| b.service(SVC).expect("svc").stats.feed_forward_steps;
     let report = |b: &mut Balancer, c: u64, stalled_count: Option<u32>| {
         let now = c * 1000;
@@ -1549,4 +1549,18 @@ fn feed_forward_does_not_step_a_held_stalled_node_up() {
         "a step was taken: {before:?} -> {after:?}"
     );
     assert!(after.1 <= before.1 * 1.01, "{before:?} -> {after:?}");
+    // The same loads from a node that was never stalled (idle, nothing in flight) do
+    // bring a step: the hold withheld it, not the loads.
+    let mut b = fleet(4, ff);
+    for c in 0..3 {
+        report(&mut b, c, None);
+    }
+    for c in 3..8 {
+        report(&mut b, c, Some(0));
+    }
+    assert!(
+        steps(&b) >= 1,
+        "no step for an idle node: {:?}",
+        weights(&b)
+    );
 }

@@ -354,10 +354,11 @@ fn degraded_io(sc: &ScenarioSummary) -> String {
          to it.\n\n\
          With the shipped agents (no capacity) the core compares each endpoint's smoothed \
          in-flight count per unit of weight, and per unit of CPU, with the fleet's typical \
-         values and lets the term bind once both stand out by more than 2×: the stalled \
-         node holds its requests many times longer than a healthy one, so its weight \
-         falls ({}). It settles where its count per unit of weight is about twice the \
-         typical one; {} With a configured capacity of 32 the \
+         values and judges a node stalled once both stand out by more than 3× while its \
+         CPU idles: the stalled node holds its requests many times longer than a healthy \
+         one, so its weight falls at the shrink bound and is held down until its count \
+         could have shown otherwise ({}). It settles where its count keeps it; {} With \
+         a configured capacity of 32 the \
          term is `in-flight / 32`, an absolute override ({}): the node is held where its \
          queue is as loaded as an average node, in a sawtooth — the queue builds whenever \
          the weight creeps above what the I/O drains, the controller sees it a cycle \
