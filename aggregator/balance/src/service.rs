@@ -999,17 +999,7 @@ impl Service {
         // others have moved.
         let mut steps: Vec<(f64, Option<f64>)> = Vec::with_capacity(fresh.len());
         for &s in fresh {
-            // Idle, not merely below the average: only a node that does next to no
-            // work with its requests piling up takes the bound. And piling up beyond
-            // the tolerance: scaled to the fleet's load, the term of a count within it
-            // binds on any node far below the mean weight, whose CPU is idle for want
-            // of traffic, and a healthy node growing back from a small weight would be
-            // judged stalled, and held, whenever a report found a request in flight.
-            let estimate = &slots.inflight[s].estimate;
-            let piled_up =
-                params.metric != crate::LoadMetric::Max || estimate.ratio >= inflight::TOLERANCE;
-            let stalled =
-                stalled(slots, s, avg) && piled_up && slots.obs[s].cpu < inflight::IDLE_CPU * avg;
+            let stalled = sheds_at_bound(slots, s, avg, params.metric);
             let hold = slots.inflight[s].hold_after_stall(stalled);
             let ep = &mut slots.hot[s];
             let pid = &mut slots.pid[s];
@@ -1181,6 +1171,20 @@ pub const FEED_FORWARD_SETTLE: u64 = 2;
 /// Cycles after a feed-forward step before another may be taken: the controllers trim
 /// the first one, and a second would undo their work.
 pub(crate) const FEED_FORWARD_HOLDOFF: u64 = 10;
+
+/// Whether the endpoint in `slot` is stalled beyond doubt, so that it sheds at the
+/// shrink bound and is held after ([`Service::step_controllers`]): [`stalled`], with its
+/// CPU idle, not merely below the average (only a node that does next to no work with
+/// its requests piling up), and under `max` its count above the tolerance. Scaled to
+/// the fleet's load, the term of a count within the tolerance binds on any node far
+/// below the mean weight, whose CPU is idle for want of traffic: a healthy node growing
+/// back from a small weight would be judged stalled, and held, whenever a report found
+/// a request in flight.
+fn sheds_at_bound(slots: &Slots, slot: usize, avg: f64, metric: crate::LoadMetric) -> bool {
+    let piled_up = metric != crate::LoadMetric::Max
+        || slots.inflight[slot].estimate.ratio >= inflight::TOLERANCE;
+    stalled(slots, slot, avg) && piled_up && slots.obs[slot].cpu < inflight::IDLE_CPU * avg
+}
 
 /// Whether the endpoint in `slot` is stalled: its trusted in-flight count stands out
 /// against the fleet (the term binds) while its CPU is below the average `avg`. One
