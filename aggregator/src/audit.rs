@@ -37,6 +37,14 @@ pub struct AuditRecord {
     pub until_ms: Option<u64>,
     /// The reason the operator gave.
     pub reason: String,
+    /// In a cluster: the replica whose API received the request.
+    #[serde(default)]
+    pub received_by: Option<String>,
+    /// In a cluster: the replica that applied the action, the service's owner (the
+    /// receiving replica itself, or the owner it handed the action to); absent while
+    /// the action is only accepted for an owner, and outside a cluster.
+    #[serde(default)]
+    pub applied_by: Option<String>,
 }
 
 /// The records kept in memory, bounded.
@@ -84,6 +92,8 @@ impl Audit {
             weight = record.weight,
             until_ms = record.until_ms,
             reason = %record.reason,
+            received_by = record.received_by.as_deref().unwrap_or("-"),
+            applied_by = record.applied_by.as_deref().unwrap_or("-"),
             "operator action"
         );
         if records.len() == self.capacity {
@@ -117,6 +127,8 @@ mod tests {
             weight: None,
             until_ms: None,
             reason: reason.into(),
+            received_by: None,
+            applied_by: None,
         }
     }
 

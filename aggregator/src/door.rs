@@ -6,9 +6,17 @@
 //!
 //! It is a leaf: the senders know nothing of the state, the cluster's overlay or the
 //! loop, and the loop (in the daemon's wiring) knows what each command means.
+//!
+//! In a cluster, an operator's action on a service another replica owns is not this
+//! replica's to carry out: the door then holds a [`Relay`] to the owners' doors, which
+//! hands the action to the service's owner (through etcd) as a [`Request`].
 
-use ballast_balance::{Act, ActError, ServiceSnapshot};
+use ballast_balance::{Act, ActError, Action, Actions, ServiceSnapshot};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 /// Stored services, by name.
@@ -37,13 +45,127 @@ pub enum Command {
     /// locality splits) changed.
     Publish,
     /// Carry out an operator's action on a service this replica balances, and publish
-    /// it at once. Answers whether it was done.
-    Act(String, Act, oneshot::Sender<Result<(), ActError>>),
+    /// it at once. Answers the operators' actions in force on the service after it,
+    /// or why it was refused.
+    Act(String, Act, oneshot::Sender<Result<Actions, ActError>>),
+}
+
+/// An operator's action as one replica of a cluster received it, for the service's
+/// owner to apply: what, who asked, how they were recognised, from where, why and
+/// when, and through which replica. Kept in etcd as JSON until the owner answers it
+/// with its [`Outcome`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// The service.
+    pub service: String,
+    /// What.
+    pub action: Action,
+    /// Who: the token's name or the certificate's identity.
+    pub by: String,
+    /// How they were recognised (`token`, `certificate`, `open`).
+    pub via: String,
+    /// The address the request came from, as the receiving replica saw it.
+    pub from: Option<String>,
+    /// Why.
+    pub reason: String,
+    /// When, on the receiving replica's wall clock (ms since the Unix epoch).
+    pub at_ms: u64,
+    /// The replica whose API received it.
+    pub received_by: String,
+    /// The owner's answer, once it has given one.
+    #[serde(default)]
+    pub outcome: Option<Outcome>,
+}
+
+impl Request {
+    /// The action, as the balancer takes it.
+    pub fn act(&self) -> Act {
+        Act {
+            action: self.action.clone(),
+            by: self.by.clone(),
+            reason: self.reason.clone(),
+            at: self.at_ms,
+        }
+    }
+}
+
+/// The owner's answer to a [`Request`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// The replica that answered: the service's owner.
+    pub by: String,
+    /// When, on its wall clock.
+    pub at_ms: u64,
+    /// The operators' actions in force on the service after it, or why it was refused.
+    pub result: Result<Actions, ActError>,
+}
+
+/// What became of an action handed to the service's owner.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Handed {
+    /// The owner applied it.
+    Applied {
+        /// The owner's replica name.
+        by: String,
+        /// The operators' actions in force on the service after it.
+        operator: Actions,
+    },
+    /// Stored for the owner, which did not answer within the wait: no replica holds
+    /// the service now (an owner just died), or the owner is slow. The owner applies
+    /// it when it holds the service, if that is within `lapses_s` seconds.
+    Accepted {
+        /// How long the request waits for an owner, in seconds.
+        lapses_s: u64,
+    },
+}
+
+/// Why an action could not be handed to the service's owner, or was refused there.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RelayError {
+    /// The owner refused it.
+    #[error("{error} (answered by {by}, the service's owner)")]
+    Refused {
+        /// The owner's replica name.
+        by: String,
+        /// Why.
+        error: ActError,
+    },
+    /// etcd did not take the request, or the owner's answer could not be read.
+    #[error("cannot hand the action to the service's owner through etcd: {0}")]
+    Store(String),
+    /// The request is larger than a request is allowed to be.
+    #[error("the action is too large to hand to the service's owner ({0} bytes)")]
+    TooLarge(usize),
+}
+
+impl RelayError {
+    /// A short label for metrics: the owner's refusal's own, or `relay_failed`,
+    /// `relay_too_large`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            RelayError::Refused { error, .. } => error.label(),
+            RelayError::Store(_) => "relay_failed",
+            RelayError::TooLarge(_) => "relay_too_large",
+        }
+    }
+}
+
+/// A future a [`Relay`] answers with.
+pub type Relaying<'a> = Pin<Box<dyn Future<Output = Result<Handed, RelayError>> + Send + 'a>>;
+
+/// The way to the owners' doors, in a cluster.
+pub trait Relay: Send + Sync {
+    /// This replica's name.
+    fn replica(&self) -> &str;
+    /// Whether this replica applies actions on `service` itself: it owns it now.
+    fn owns(&self, service: &str) -> bool;
+    /// Hands `request` to the owner of its service and waits a little for the answer.
+    fn hand(&self, request: Request) -> Relaying<'_>;
 }
 
 /// The sending side, cloned into every task that asks.
 #[derive(Clone)]
-pub struct Door(mpsc::UnboundedSender<Command>);
+pub struct Door(mpsc::UnboundedSender<Command>, Option<Arc<dyn Relay>>);
 
 /// The cycle loop's side.
 pub type Inbox = mpsc::UnboundedReceiver<Command>;
@@ -54,7 +176,17 @@ impl Door {
     /// never from peers.
     pub fn new() -> (Door, Inbox) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (Door(tx), rx)
+        (Door(tx, None), rx)
+    }
+
+    /// This door, with the way to the owners' doors of a cluster.
+    pub fn with_relay(self, relay: Arc<dyn Relay>) -> Door {
+        Door(self.0, Some(relay))
+    }
+
+    /// The way to the owners' doors, for a cluster replica.
+    pub fn relay(&self) -> Option<&Arc<dyn Relay>> {
+        self.1.as_ref()
     }
 
     /// Sends a command whose answer is awaited; the default answer when the cycle
@@ -90,7 +222,7 @@ impl Door {
     /// See [`Command::Act`]. Each caller is an authenticated operator's request,
     /// waiting for its answer: the HTTP listener's connection limit bounds how many
     /// wait at once.
-    pub async fn act(&self, service: String, act: Act) -> Result<(), ActError> {
+    pub async fn act(&self, service: String, act: Act) -> Result<Actions, ActError> {
         let (tx, rx) = oneshot::channel();
         let gone = || ActError::Unavailable;
         self.0

@@ -495,10 +495,27 @@ fn act(
             .until_ms
             .map(|u| format!(" until {u} ms since the Unix epoch"))
             .unwrap_or_default();
-        println!(
-            "{} {on}{until}: done by {} (audit record {})",
-            r.action, r.who, r.seq
-        );
+        let replica = |name: &Option<String>| {
+            name.as_deref()
+                .map(|n| format!(" at replica {n}"))
+                .unwrap_or_default()
+        };
+        match done.outcome {
+            ballast_aggregator::api::act::Outcome::Applied => println!(
+                "{} {on}{until}: done by {}{} (audit record {})",
+                r.action,
+                r.who,
+                replica(&done.applied_by),
+                r.seq
+            ),
+            ballast_aggregator::api::act::Outcome::Accepted => println!(
+                "{} {on}{until}: accepted{} for the service's owner, which has not applied \
+                 it yet; it does when it holds the service (audit record {})",
+                r.action,
+                replica(&r.received_by),
+                r.seq
+            ),
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

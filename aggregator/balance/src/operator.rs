@@ -157,8 +157,9 @@ pub struct Act {
     pub at: WallMillis,
 }
 
-/// Why an action was refused.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+/// Why an action was refused. Serialisable, so that a cluster replica that applies an
+/// action another replica received can say why it refused it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 pub enum ActError {
     /// The balancer does not hold the service.
     #[error("service {0:?} is not balanced here (unknown, or owned by another replica)")]

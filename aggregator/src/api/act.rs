@@ -5,13 +5,21 @@
 //! authenticated 401), and each needs a reason. The action goes to the cycle loop
 //! through its door, which carries it out between two cycles and publishes it at once,
 //! and it is audited: who, what, when, from which address, why.
+//!
+//! In a cluster, any replica takes an action: on a service it owns, it carries it out
+//! itself; on another's, it hands it to the owner through etcd (the door's
+//! [`crate::door::Relay`]) and waits a little for the owner's answer. The answer says
+//! which happened: 200 when the action is applied (`outcome` `applied`, with the
+//! replica that applied it), 202 when it is only accepted for the owner, which has not
+//! answered yet (a failover is under way): the owner applies it when it holds the
+//! service. The receiving replica audits it either way, naming itself and the owner.
 
 use super::auth::Operator;
 use super::listener::Peer;
 use super::views::ErrorBody;
 use super::ApiError;
 use crate::audit::{Audit, AuditRecord};
-use crate::door::Door;
+use crate::door::{Door, Handed, Relay, RelayError, Request};
 use crate::state::State;
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{ConnectInfo, Path, State as AxState};
@@ -93,13 +101,34 @@ pub struct PinBody {
     pub for_s: Option<u64>,
 }
 
-/// The answer to an action: its audit record and the actions now in force on the
-/// service.
+/// Whether an action was applied, or only accepted for the service's owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Applied: in force, and published by the replica that applied it (HTTP 200).
+    #[default]
+    Applied,
+    /// Accepted for the service's owner, which has not applied it yet: in a cluster,
+    /// while no replica holds the service (a failover), or its owner is slow to
+    /// answer (HTTP 202). The owner applies it when it holds the service.
+    Accepted,
+}
+
+/// The answer to an action: its audit record, whether it was applied, and the actions
+/// now in force on the service.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ActResult {
-    /// The audit record of the action.
+    /// The audit record of the action, as the replica that received it keeps it.
     pub audit: AuditRecord,
-    /// The operators' actions in force on the service now.
+    /// Applied (HTTP 200), or only accepted for the service's owner (HTTP 202).
+    #[serde(default)]
+    pub outcome: Outcome,
+    /// In a cluster: the replica that applied it (the one that answers, or the
+    /// service's owner); absent while only accepted, and outside a cluster.
+    #[serde(default)]
+    pub applied_by: Option<String>,
+    /// The operators' actions in force on the service now: after the action where it
+    /// was applied; as this replica last saw the owner's where it was only accepted.
     pub operator: Actions,
 }
 
@@ -162,7 +191,23 @@ fn until(
     }
 }
 
-/// Sends `action` on `service` through the door, audits it, and answers it.
+/// The HTTP status of a refused action.
+fn refused_status(e: &ActError) -> StatusCode {
+    match e {
+        ActError::UnknownService(_) | ActError::UnknownEndpoint { .. } => StatusCode::NOT_FOUND,
+        ActError::NotInForce(_) | ActError::BadWeight { .. } => StatusCode::CONFLICT,
+        ActError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        ActError::NoReason | ActError::ReasonTooLong | ActError::UntilPast { .. } => {
+            StatusCode::BAD_REQUEST
+        }
+    }
+}
+
+/// What an action answers: its status (200 applied, 202 accepted) and body.
+type Answer = Result<(StatusCode, Json<ActResult>), ApiError>;
+
+/// Sends `action` on `service` through the door, or in a cluster to the service's
+/// owner, audits it, and answers it.
 async fn carry(
     state: &State,
     acting: WithActing,
@@ -171,7 +216,7 @@ async fn carry(
     service: String,
     action: Action,
     reason: String,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let label = action.label();
     let Some(Extension(acting)) = acting else {
         return Err(refuse(
@@ -183,6 +228,7 @@ async fn carry(
         ));
     };
     let at = state.clock.wall();
+    let relay = acting.door.relay().cloned();
     let record = AuditRecord {
         seq: 0,
         at_ms: at,
@@ -201,33 +247,143 @@ async fn carry(
             _ => None,
         },
         reason: reason.clone(),
+        received_by: relay.as_ref().map(|r| r.replica().to_string()),
+        applied_by: None,
     };
+    if let Some(relay) = relay.filter(|r| !r.owns(&service)) {
+        return hand(state, &acting, relay.as_ref(), record, action).await;
+    }
     let act = Act {
         action,
         by: who.0.name,
         reason,
         at,
     };
-    if let Err(e) = acting.door.act(service.clone(), act).await {
-        let status = match e {
-            ActError::UnknownService(_) | ActError::UnknownEndpoint { .. } => StatusCode::NOT_FOUND,
-            ActError::NotInForce(_) | ActError::BadWeight { .. } => StatusCode::CONFLICT,
-            ActError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ActError::NoReason | ActError::ReasonTooLong | ActError::UntilPast { .. } => {
-                StatusCode::BAD_REQUEST
-            }
-        };
-        return Err(refuse(state, label, e.label(), status, e.to_string()));
+    match acting.door.act(service, act).await {
+        Ok(operator) => {
+            state.metrics.act(label, "applied");
+            let applied_by = record.received_by.clone();
+            let audit = acting.audit.record(AuditRecord {
+                applied_by: applied_by.clone(),
+                ..record
+            });
+            let result = ActResult {
+                audit,
+                outcome: Outcome::Applied,
+                applied_by,
+                operator,
+            };
+            Ok((StatusCode::OK, Json(result)))
+        }
+        Err(e) => Err(refuse(
+            state,
+            label,
+            e.label(),
+            refused_status(&e),
+            e.to_string(),
+        )),
     }
-    state.metrics.act(label, "applied");
-    let audit = acting.audit.record(record);
-    let operator = state
-        .published()
-        .services
-        .get(&service)
-        .map(|s| s.operator.clone())
-        .unwrap_or_default();
-    Ok(Json(ActResult { audit, operator }))
+}
+
+/// Hands an action on a service another replica owns to its owner, through `relay`,
+/// and answers what became of it. The service and the endpoint it names must be among
+/// those this replica serves as their owners stored them, so that nothing is stored
+/// for an owner that would only refuse it.
+async fn hand(
+    state: &State,
+    acting: &Acting,
+    relay: &dyn Relay,
+    record: AuditRecord,
+    action: Action,
+) -> Answer {
+    let label = action.label();
+    let service = record.service.clone();
+    let seen = state.published().services.get(&service).map(|s| {
+        let known = match &action {
+            Action::Drain { node } | Action::Pin { node, .. } => s.endpoints.contains_key(node),
+            _ => true,
+        };
+        (known, s.operator.clone())
+    });
+    let seen_operator = match seen {
+        None => {
+            let e = ActError::UnknownService(service.clone());
+            let message = format!(
+                "service {service:?} is not served by any replica of the cluster (none has \
+                 stored it)"
+            );
+            return Err(refuse(
+                state,
+                label,
+                e.label(),
+                StatusCode::NOT_FOUND,
+                message,
+            ));
+        }
+        Some((false, _)) => {
+            let e = ActError::UnknownEndpoint {
+                service: service.clone(),
+                node: action.node().unwrap_or_default().to_string(),
+            };
+            return Err(refuse(
+                state,
+                label,
+                e.label(),
+                StatusCode::NOT_FOUND,
+                e.to_string(),
+            ));
+        }
+        Some((true, operator)) => operator,
+    };
+    let request = Request {
+        service,
+        action,
+        by: record.who.clone(),
+        via: record.via.clone(),
+        from: record.from.clone(),
+        reason: record.reason.clone(),
+        at_ms: record.at_ms,
+        received_by: relay.replica().to_string(),
+        outcome: None,
+    };
+    match relay.hand(request).await {
+        Ok(Handed::Applied { by, operator }) => {
+            state.metrics.act(label, "applied");
+            let audit = acting.audit.record(AuditRecord {
+                applied_by: Some(by.clone()),
+                ..record
+            });
+            let result = ActResult {
+                audit,
+                outcome: Outcome::Applied,
+                applied_by: Some(by),
+                operator,
+            };
+            Ok((StatusCode::OK, Json(result)))
+        }
+        Ok(Handed::Accepted { lapses_s }) => {
+            state.metrics.act(label, "accepted");
+            tracing::info!(action = label, service = %record.service, lapses_s,
+                "an operator's action is accepted for the service's owner, which has not \
+                 answered yet: it applies it when it holds the service");
+            let audit = acting.audit.record(record);
+            let result = ActResult {
+                audit,
+                outcome: Outcome::Accepted,
+                applied_by: None,
+                operator: seen_operator,
+            };
+            Ok((StatusCode::ACCEPTED, Json(result)))
+        }
+        Err(e) => {
+            let status = match &e {
+                RelayError::Refused { error, .. } => refused_status(error),
+                RelayError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+                RelayError::TooLarge(_) => StatusCode::BAD_REQUEST,
+            };
+            Err(refuse(state, label, e.label(), status, e.to_string()))
+        }
+    }
 }
 
 /// The service and node of a `{name}/endpoints/{node}` path, or the API's 400.
@@ -279,10 +435,11 @@ fn service_path(
     ),
     request_body = ReasonBody,
     responses(
-        (status = 200, description = "Drained", body = ActResult),
+        (status = 200, description = "Drained: applied (by the service's owner, in a cluster)", body = ActResult),
+        (status = 202, description = "In a cluster: accepted for the service's owner, which has not answered yet (`outcome` is `accepted`); it applies it when it holds the service", body = ActResult),
         (status = 400, description = "No reason, or a body that does not parse", body = ErrorBody),
-        (status = 404, description = "No such service or endpoint here", body = ErrorBody),
-        (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
+        (status = 404, description = "No such service or endpoint (in a cluster: at none of its replicas)", body = ErrorBody),
+        (status = 503, description = "The aggregator takes no actions now, or (in a cluster) cannot hand the action to the service's owner through etcd", body = ErrorBody),
     )
 )]
 pub(crate) async fn drain(
@@ -292,7 +449,7 @@ pub(crate) async fn drain(
     AxState(state): AxState<Arc<State>>,
     path: Result<Path<(String, String)>, PathRejection>,
     b: Result<Json<ReasonBody>, JsonRejection>,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let (service, node) = endpoint_path(&state, "drain", path)?;
     let b = body(&state, "drain", b)?;
     let action = Action::Drain { node };
@@ -313,11 +470,12 @@ pub(crate) async fn drain(
     ),
     request_body = ReasonBody,
     responses(
-        (status = 200, description = "Undrained", body = ActResult),
+        (status = 200, description = "Undrained: applied (by the service's owner, in a cluster)", body = ActResult),
+        (status = 202, description = "In a cluster: accepted for the service's owner, which has not answered yet (`outcome` is `accepted`); it applies it when it holds the service", body = ActResult),
         (status = 400, description = "No reason, or a body that does not parse", body = ErrorBody),
-        (status = 404, description = "No such service here", body = ErrorBody),
+        (status = 404, description = "No such service (in a cluster: at none of its replicas)", body = ErrorBody),
         (status = 409, description = "The endpoint is not drained by an operator", body = ErrorBody),
-        (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
+        (status = 503, description = "The aggregator takes no actions now, or (in a cluster) cannot hand the action to the service's owner through etcd", body = ErrorBody),
     )
 )]
 pub(crate) async fn undrain(
@@ -327,7 +485,7 @@ pub(crate) async fn undrain(
     AxState(state): AxState<Arc<State>>,
     path: Result<Path<(String, String)>, PathRejection>,
     b: Result<Json<ReasonBody>, JsonRejection>,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let (service, node) = endpoint_path(&state, "undrain", path)?;
     let b = body(&state, "undrain", b)?;
     let action = Action::Undrain { node };
@@ -346,10 +504,11 @@ pub(crate) async fn undrain(
     params(("name" = String, Path, description = "The service")),
     request_body = HoldBody,
     responses(
-        (status = 200, description = "Held", body = ActResult),
+        (status = 200, description = "Held: applied (by the service's owner, in a cluster)", body = ActResult),
+        (status = 202, description = "In a cluster: accepted for the service's owner, which has not answered yet (`outcome` is `accepted`); it applies it when it holds the service", body = ActResult),
         (status = 400, description = "No reason, a duration out of bounds, or a body that does not parse", body = ErrorBody),
-        (status = 404, description = "No such service here", body = ErrorBody),
-        (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
+        (status = 404, description = "No such service (in a cluster: at none of its replicas)", body = ErrorBody),
+        (status = 503, description = "The aggregator takes no actions now, or (in a cluster) cannot hand the action to the service's owner through etcd", body = ErrorBody),
     )
 )]
 pub(crate) async fn hold(
@@ -359,7 +518,7 @@ pub(crate) async fn hold(
     AxState(state): AxState<Arc<State>>,
     path: Result<Path<String>, PathRejection>,
     b: Result<Json<HoldBody>, JsonRejection>,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let service = service_path(&state, "hold", path)?;
     let b = body(&state, "hold", b)?;
     let until_ms = until(&state, "hold", state.clock.wall(), b.for_s)?;
@@ -377,11 +536,12 @@ pub(crate) async fn hold(
     params(("name" = String, Path, description = "The service")),
     request_body = ReasonBody,
     responses(
-        (status = 200, description = "Released", body = ActResult),
+        (status = 200, description = "Released: applied (by the service's owner, in a cluster)", body = ActResult),
+        (status = 202, description = "In a cluster: accepted for the service's owner, which has not answered yet (`outcome` is `accepted`); it applies it when it holds the service", body = ActResult),
         (status = 400, description = "No reason, or a body that does not parse", body = ErrorBody),
-        (status = 404, description = "No such service here", body = ErrorBody),
+        (status = 404, description = "No such service (in a cluster: at none of its replicas)", body = ErrorBody),
         (status = 409, description = "The service is not held", body = ErrorBody),
-        (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
+        (status = 503, description = "The aggregator takes no actions now, or (in a cluster) cannot hand the action to the service's owner through etcd", body = ErrorBody),
     )
 )]
 pub(crate) async fn release(
@@ -391,7 +551,7 @@ pub(crate) async fn release(
     AxState(state): AxState<Arc<State>>,
     path: Result<Path<String>, PathRejection>,
     b: Result<Json<ReasonBody>, JsonRejection>,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let service = service_path(&state, "release", path)?;
     let b = body(&state, "release", b)?;
     carry(
@@ -421,11 +581,12 @@ pub(crate) async fn release(
     ),
     request_body = PinBody,
     responses(
-        (status = 200, description = "Pinned", body = ActResult),
+        (status = 200, description = "Pinned: applied (by the service's owner, in a cluster)", body = ActResult),
+        (status = 202, description = "In a cluster: accepted for the service's owner, which has not answered yet (`outcome` is `accepted`); it applies it when it holds the service", body = ActResult),
         (status = 400, description = "No reason, a weight out of bounds, a duration out of bounds, or a body that does not parse", body = ErrorBody),
-        (status = 404, description = "No such service or endpoint here", body = ErrorBody),
+        (status = 404, description = "No such service or endpoint (in a cluster: at none of its replicas)", body = ErrorBody),
         (status = 409, description = "A weight outside the service's min_weight and max_weight", body = ErrorBody),
-        (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
+        (status = 503, description = "The aggregator takes no actions now, or (in a cluster) cannot hand the action to the service's owner through etcd", body = ErrorBody),
     )
 )]
 pub(crate) async fn pin(
@@ -435,7 +596,7 @@ pub(crate) async fn pin(
     AxState(state): AxState<Arc<State>>,
     path: Result<Path<(String, String)>, PathRejection>,
     b: Result<Json<PinBody>, JsonRejection>,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let (service, node) = endpoint_path(&state, "pin", path)?;
     let b = body(&state, "pin", b)?;
     let until_ms = until(&state, "pin", state.clock.wall(), b.for_s)?;
@@ -469,11 +630,12 @@ pub(crate) async fn pin(
     ),
     request_body = ReasonBody,
     responses(
-        (status = 200, description = "Unpinned", body = ActResult),
+        (status = 200, description = "Unpinned: applied (by the service's owner, in a cluster)", body = ActResult),
+        (status = 202, description = "In a cluster: accepted for the service's owner, which has not answered yet (`outcome` is `accepted`); it applies it when it holds the service", body = ActResult),
         (status = 400, description = "No reason, or a body that does not parse", body = ErrorBody),
-        (status = 404, description = "No such service here", body = ErrorBody),
+        (status = 404, description = "No such service (in a cluster: at none of its replicas)", body = ErrorBody),
         (status = 409, description = "The endpoint is not pinned", body = ErrorBody),
-        (status = 503, description = "The aggregator takes no actions now", body = ErrorBody),
+        (status = 503, description = "The aggregator takes no actions now, or (in a cluster) cannot hand the action to the service's owner through etcd", body = ErrorBody),
     )
 )]
 pub(crate) async fn unpin(
@@ -483,7 +645,7 @@ pub(crate) async fn unpin(
     AxState(state): AxState<Arc<State>>,
     path: Result<Path<(String, String)>, PathRejection>,
     b: Result<Json<ReasonBody>, JsonRejection>,
-) -> Result<Json<ActResult>, ApiError> {
+) -> Answer {
     let (service, node) = endpoint_path(&state, "unpin", path)?;
     let b = body(&state, "unpin", b)?;
     let action = Action::Unpin { node };

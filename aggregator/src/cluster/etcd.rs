@@ -21,6 +21,7 @@
 //! runs on every change under the cluster's prefix (an etcd watch) and twice a second,
 //! so a bucket whose owner died is claimed as soon as etcd deletes the key.
 
+use super::requests::Answerer;
 use super::{
     cluster_prefix, config_key, member_key, owner_key, parse_view, preferred, ClusterKv, OwnerKey,
     Ownership, View,
@@ -57,11 +58,14 @@ pub(crate) struct Replica {
     lease_ttl_s: u32,
     /// Turns true when the daemon shuts down: the replica hands its buckets on at once.
     stop: tokio::sync::watch::Receiver<bool>,
+    /// Applies the operators' actions other replicas received for its services.
+    answerer: Answerer,
 }
 
 impl Replica {
     /// The replica `ownership` describes, on `store`'s etcd, taking agents at
     /// `advertise`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         door: Door,
         metrics: Arc<Metrics>,
@@ -70,8 +74,18 @@ impl Replica {
         cfg: &ClusterConfig,
         advertise: String,
         stop: tokio::sync::watch::Receiver<bool>,
+        audit: Arc<crate::audit::Audit>,
     ) -> Self {
+        let answerer = Answerer::new(
+            door.clone(),
+            audit,
+            ownership.clone(),
+            metrics.clone(),
+            &store,
+            &cfg.name,
+        );
         Replica {
+            answerer,
             door,
             metrics,
             store,
@@ -217,6 +231,8 @@ impl Replica {
                                 tracing::warn!(error = %e, "reading the stored services failed")
                             }
                         }
+                        // Requests written while the watch was not there.
+                        self.answer_pending(client).await;
                     }
                     Err(e) => tracing::warn!(error = %e, "cluster watch failed; retrying"),
                 }
@@ -250,9 +266,13 @@ impl Replica {
                 },
                 m = next(&mut members) => match m {
                     Ok(Some(resp)) if resp.canceled() => members = None,
-                    Ok(Some(_)) => {
-                        if let Err(e) = self.reconcile(client, id).await {
-                            tracing::warn!(error = %e, "cluster reconcile failed");
+                    Ok(Some(resp)) => {
+                        // Operators' actions handed on by other replicas are answered;
+                        // anything else under the cluster's keys may move buckets.
+                        if self.answer_events(client, &resp).await {
+                            if let Err(e) = self.reconcile(client, id).await {
+                                tracing::warn!(error = %e, "cluster reconcile failed");
+                            }
                         }
                     }
                     Ok(None) | Err(_) => members = None,
@@ -434,6 +454,38 @@ impl Replica {
         complete
     }
 
+    /// Answers the requests for operators' actions that `resp` shows written. Whether
+    /// it shows anything else (or nothing), which the caller reconciles.
+    async fn answer_events(&self, client: &mut Client, resp: &WatchResponse) -> bool {
+        let mut other = resp.events().is_empty();
+        for event in resp.events() {
+            let Some(kv) = event.kv() else { continue };
+            if !self.answerer.is_request(kv.key()) {
+                other = true;
+                continue;
+            }
+            if event.event_type() == EventType::Put {
+                self.answerer
+                    .answer(client, kv.key(), kv.value(), kv.mod_revision())
+                    .await;
+            }
+        }
+        other
+    }
+
+    /// Answers every pending request on the services this replica owns: those written
+    /// while no replica held them, or while this one's watch was not there.
+    async fn answer_pending(&self, client: &mut Client) {
+        match self.answerer.scan(client).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                requests = n,
+                "operators' actions handed on while this replica was not watching applied"
+            ),
+            Err(e) => tracing::warn!(error = %e, "reading operators' pending actions failed"),
+        }
+    }
+
     /// Reads the cluster's members and owners.
     async fn view(&self, client: &mut Client) -> Result<View, String> {
         let prefix = cluster_prefix(self.store.prefix(), &self.cluster);
@@ -545,7 +597,13 @@ impl Replica {
             tracing::info!(buckets = ?lost, services = gone, "buckets given up");
         }
         if !claimed.is_empty() {
-            if let Err(e) = self.take_over(&claimed).await {
+            let taken = self.take_over(&claimed).await;
+            if taken.is_ok() {
+                // Actions handed on while nobody held these buckets are the new
+                // owner's to apply.
+                self.answer_pending(client).await;
+            }
+            if let Err(e) = taken {
                 // Not held half-taken: given back, for this or another replica to
                 // claim again.
                 for (b, rev) in &claimed {
