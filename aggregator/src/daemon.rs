@@ -81,8 +81,6 @@ pub struct Daemon {
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
     ends: crate::supervise::Ends,
-    /// The audit trail of operators' actions.
-    audit: Arc<crate::audit::Audit>,
     /// As a cluster replica: the signal that hands the buckets on, and the task that
     /// does it.
     cluster: Option<(
@@ -142,14 +140,8 @@ impl Daemon {
             },
         )?;
         let dyn_store: Arc<dyn RoutingStore> = store.clone();
-        // The cluster's task moves services through the cycle loop's door; operators'
-        // actions on services other replicas own go to their owners through etcd.
+        // The cluster's task moves services through the cycle loop's door.
         let (door, inbox) = Door::new();
-        let door = door.with_relay(Arc::new(crate::cluster::requests::EtcdRelay::new(
-            store.clone(),
-            ownership.clone(),
-            &cluster.name,
-        )));
         let mut daemon = Self::start_with_store(
             cfg,
             identity,
@@ -172,7 +164,6 @@ impl Daemon {
             cluster,
             advertise,
             stopped,
-            daemon.audit.clone(),
         );
         tracing::info!(%replica, cluster = %cluster.name, buckets = cluster.buckets,
             "serving as a cluster replica");
@@ -262,19 +253,15 @@ impl Daemon {
         let xds_tls = xds_tls(cfg, &ingest)?;
         // The HTTP listener's TLS: on the files of [tls], the QUIC listener's live
         // certificate and verifier (its revocation list included); on files of its own,
-        // watched here.
+        // with the revocation list of [http_auth] crl, watched here.
         let http_tls = match &cfg.http_tls {
-            Some(files) if *files == cfg.tls => Some((
-                crate::api::listener::server_config(
-                    ingest.live_tls(),
-                    ingest.revocation().verifier(),
-                )?,
-                None,
-            )),
-            Some(files) => {
-                let (config, live) = crate::api::listener::tls_config(files)?;
-                Some((config, Some(live)))
-            }
+            Some(files) => Some(crate::api::listener::http_tls(
+                files,
+                cfg.http_auth.crl.clone(),
+                Duration::from_millis(cfg.http_auth.crl_check_ms),
+                &cfg.tls,
+                &ingest,
+            )?),
             None => None,
         };
         let local = Arc::new(crate::ingest::local::Local::new(state.clone(), &ingest));
@@ -291,7 +278,11 @@ impl Daemon {
             .await?,
         );
         let quic_addr = quic.addr;
-        let auth = crate::api::auth::Auth::new(cfg, state.metrics.clone())?;
+        let mut auth = crate::api::auth::Auth::new(&cfg.http_auth, state.metrics.clone())?;
+        if let Some(tls) = &http_tls {
+            auth = auth.with_revocation(tls.revocation.clone());
+        }
+        let auth = Arc::new(auth);
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| DaemonError::Bind {
@@ -361,7 +352,7 @@ impl Daemon {
         ));
         let acting = crate::api::act::Acting {
             door: door.clone(),
-            audit: audit.clone(),
+            audit,
         };
         let app = crate::api::router_with(state.clone(), auth.clone())
             .layer(axum::Extension(Arc::new(acting)))
@@ -371,9 +362,9 @@ impl Daemon {
             state.metrics.clone(),
             state.limits.http(),
         );
-        if let Some((config, own)) = http_tls {
-            listener = listener.with_tls(config);
-            if let Some(live) = own {
+        if let Some(tls) = http_tls {
+            listener = listener.with_tls(tls.config);
+            if let Some(live) = tls.files {
                 tasks.push(supervisor.spawn(
                     "HTTP TLS files",
                     live.watch(
@@ -381,6 +372,15 @@ impl Daemon {
                         crate::metrics::tls_reload_counter(&state.metrics, "http_"),
                     ),
                 ));
+            }
+            if tls.own_revocation {
+                tasks.push(
+                    supervisor.spawn(
+                        "HTTP revocation list",
+                        tls.revocation
+                            .watch_counting(state.metrics.ingest.http_crl_reloads.clone()),
+                    ),
+                );
             }
         }
         if let Some(watch) = auth.watch_tokens() {
@@ -409,7 +409,6 @@ impl Daemon {
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
             ends,
-            audit,
             cluster: None,
         })
     }
@@ -558,8 +557,6 @@ fn lapse(
                 "lapsed at its end time; set by {}: {}",
                 l.mark.by, l.mark.reason
             ),
-            received_by: None,
-            applied_by: state.ownership.as_ref().map(|o| o.replica().to_string()),
         });
     }
 }
@@ -588,12 +585,11 @@ fn apply(state: &State, overlay: &mut Overlay, command: Command) {
             let _ = answer.send(crate::store::restore_newer(&mut b, newer, &balances, now));
         }
         Command::Act(service, act, answer) => {
-            let result = b.act(&service, &act).map(|()| {
-                let actions = b.service(&service).map(|s| s.actions().clone());
+            let result = b.act(&service, &act);
+            if result.is_ok() {
                 let ran = std::iter::once(service).collect();
                 state.publish(&b, &ran, overlay.followed(), now);
-                actions.unwrap_or_default()
-            });
+            }
             let _ = answer.send(result);
         }
         Command::Publish => {

@@ -51,7 +51,9 @@ pub enum RunError {
 }
 
 /// The relay's configuration: the file `args` name (or the defaults), amended by the
-/// flags, with a `[relay]` table with its defaults if the file has none; validated.
+/// flags, with a `[relay]` table with its defaults if the file has none; validated,
+/// and refused if it would serve `/metrics` off loopback without TLS and a credential
+/// (unless `insecure_http`).
 pub fn config(args: &RelayArgs) -> Result<Config, RunError> {
     let mut cfg = match &args.common.config {
         // Checked once the flags are in: a file may leave to them what its checks need.
@@ -59,10 +61,12 @@ pub fn config(args: &RelayArgs) -> Result<Config, RunError> {
         None => Config::default(),
     };
     args.apply(&mut cfg)?;
-    cfg.validate().map_err(|setting| RunError::Invalid {
+    let invalid = |setting| RunError::Invalid {
         origin: args.common.origin(),
         setting,
-    })?;
+    };
+    cfg.validate().map_err(invalid)?;
+    cfg.check_relay_http_exposure().map_err(invalid)?;
     Ok(cfg)
 }
 

@@ -1,4 +1,8 @@
-//! The relay's HTTP endpoints: `/metrics` and `/healthz`.
+//! The relay's HTTP endpoints: `/metrics` and `/healthz`. `/healthz` is open;
+//! `/metrics` takes, when `[http_auth]` configures any credential, a bearer token or
+//! client certificate whose role reads the metrics (`scrape`, or a viewer's under
+//! `http_auth.metrics = "scrape_and_viewers"`): `ballast-http-auth`'s rules, the
+//! aggregator's own.
 
 use super::metrics::RelayMetrics;
 use super::routes::{Freshness, Routes};
@@ -75,11 +79,15 @@ impl Status {
     }
 }
 
-/// The relay's router.
-pub(crate) fn router(status: Arc<Status>) -> Router {
+/// The relay's router, each request admitted by `auth`.
+pub(crate) fn router(status: Arc<Status>, auth: Arc<ballast_http_auth::Auth>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            ballast_http_auth::metrics_only,
+        ))
         .with_state(status)
 }
 

@@ -55,13 +55,20 @@ pub enum RelayError {
     /// The etcd settings are unusable.
     #[error(transparent)]
     Routes(#[from] routes::RoutesError),
+    /// The HTTP port's TLS (`[http_tls]`, `http_auth.crl`) is unusable.
+    #[error("the HTTP port's TLS: {0}")]
+    HttpTls(ballast_ingest::IngestError),
+    /// The HTTP port's token file is unusable.
+    #[error("the HTTP port's credentials: {0}")]
+    HttpAuth(#[from] ballast_http_auth::AuthError),
 }
 
 /// A running relay.
 pub struct Relay {
     /// The bound QUIC address agents connect to.
     pub quic_addr: SocketAddr,
-    /// The bound HTTP address (`/healthz`, `/metrics`).
+    /// The bound HTTP address (`/healthz`, open, and `/metrics`, which takes a
+    /// credential of the `scrape` role when `[http_auth]` has any).
     pub http_addr: SocketAddr,
     running: running::Running,
 }
@@ -155,6 +162,22 @@ mod running {
             &client_ca,
             &ballast_ingest::agent_alpns()?,
         )?;
+        // The HTTP port's TLS: on the files of [tls], the agents' listener's
+        // certificate and verifier (authorization.crl included); on files of its own,
+        // with the revocation list of [http_auth] crl, watched below.
+        let http_tls = match &cfg.http_tls {
+            Some(files) => Some(
+                ballast_ingest::http_listener::http_tls(
+                    files,
+                    cfg.http_auth.crl.clone(),
+                    Duration::from_millis(cfg.http_auth.crl_check_ms),
+                    &cfg.tls,
+                    &ingest,
+                )
+                .map_err(RelayError::HttpTls)?,
+            ),
+            None => None,
+        };
 
         let (supervisor, ends) = ballast_ingest::supervise::supervisor();
         let metrics = Arc::new(RelayMetrics::new());
@@ -238,15 +261,57 @@ mod running {
             .await
             .map_err(bind)?;
         let http_addr = listener.local_addr().map_err(bind)?;
-        let app = router(Arc::new(Status {
-            name: name.clone(),
-            metrics: metrics.clone(),
-            routes,
-            freshness,
-            trunks,
-        }));
-        let listener =
-            ballast_ingest::http_listener::Limited::new(listener, metrics, cfg.limits.http());
+        let mut auth = ballast_http_auth::Auth::new(&cfg.http_auth, metrics.clone())?;
+        if let Some(tls) = &http_tls {
+            auth = auth.with_revocation(tls.revocation.clone());
+        }
+        let auth = Arc::new(auth);
+        if let Some(watch) = auth.watch_tokens() {
+            tasks.push(supervisor.spawn("HTTP token file", watch));
+        }
+        tracing::info!(
+            tls = cfg.http_tls.is_some(),
+            tokens = auth.takes_tokens(),
+            certificates = auth.takes_certificates(),
+            "HTTP credentials"
+        );
+        let app = router(
+            Arc::new(Status {
+                name: name.clone(),
+                metrics: metrics.clone(),
+                routes,
+                freshness,
+                trunks,
+            }),
+            auth,
+        )
+        .into_make_service_with_connect_info::<ballast_ingest::http_listener::Peer>();
+        let mut listener = ballast_ingest::http_listener::Limited::new(
+            listener,
+            metrics.clone(),
+            cfg.limits.http(),
+        );
+        if let Some(tls) = http_tls {
+            listener = listener.with_tls(tls.config);
+            if let Some(live) = tls.files {
+                tasks.push(supervisor.spawn(
+                    "HTTP TLS files",
+                    live.watch(
+                        ballast_shared::tls::live::CHECK_EVERY,
+                        ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "http_"),
+                    ),
+                ));
+            }
+            if tls.own_revocation {
+                tasks.push(
+                    supervisor.spawn(
+                        "HTTP revocation list",
+                        tls.revocation
+                            .watch_counting(metrics.ingest.http_crl_reloads.clone()),
+                    ),
+                );
+            }
+        }
         tasks.push(supervisor.spawn("HTTP", async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "HTTP stopped");

@@ -18,6 +18,11 @@ pub struct RelayMetrics {
     pub ingest: Arc<IngestMetrics>,
     /// Connections the HTTP listener refused or cut off, by reason.
     pub http_refused: Family<Reason, Counter>,
+    /// HTTP requests and TLS handshakes refused for their credential, by reason
+    /// (`missing`, `bad_token`, `bad_cert`, `revoked`, `forbidden`).
+    pub http_auth_failures: Family<Reason, Counter>,
+    /// Changes of the HTTP port's token file, by outcome (`applied`, `invalid`).
+    pub http_token_reloads: Family<Reason, Counter>,
     /// Agents' reports handed to a trunk.
     pub reports_forwarded: Counter,
     /// Agents' reports not handed on, by reason (`failover`: a newer one replaced it
@@ -52,6 +57,8 @@ impl RelayMetrics {
             registry: Registry::default(),
             ingest: Arc::new(IngestMetrics::new()),
             http_refused: Family::default(),
+            http_auth_failures: Family::default(),
+            http_token_reloads: Family::default(),
             reports_forwarded: Counter::default(),
             reports_dropped: Family::default(),
             replies_forwarded: Counter::default(),
@@ -66,6 +73,16 @@ impl RelayMetrics {
             "http_refused",
             "HTTP connections refused or cut off, by reason",
             m.http_refused.clone(),
+        );
+        registry.register(
+            "http_auth_failures",
+            "HTTP requests and TLS handshakes refused for their credential, by reason",
+            m.http_auth_failures.clone(),
+        );
+        registry.register(
+            "http_token_reloads",
+            "Changes of the HTTP port's token file, by outcome",
+            m.http_token_reloads.clone(),
         );
         registry.register(
             "reports_forwarded",
@@ -138,7 +155,26 @@ impl ballast_ingest::http_listener::HttpCounts for RelayMetrics {
             .inc();
     }
 
-    fn refuse_cert(&self) {
-        self.refuse("bad_cert");
+    fn refuse_cert(&self, reason: &str) {
+        ballast_http_auth::AuthCounts::auth_failure(self, reason);
+    }
+}
+
+/// The HTTP port's credentials count their refusals and token file reloads here.
+impl ballast_http_auth::AuthCounts for RelayMetrics {
+    fn auth_failure(&self, reason: &str) {
+        self.http_auth_failures
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    fn tokens_reload(&self, outcome: &str) {
+        self.http_token_reloads
+            .get_or_create(&Reason {
+                reason: outcome.to_string(),
+            })
+            .inc();
     }
 }

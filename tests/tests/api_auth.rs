@@ -21,6 +21,15 @@
 //!    - the viewer's entry removed from the token file while the aggregator runs, its
 //!      token (verified and cached before) is refused within 2 s, no restart;
 //!    - every refusal is counted by reason, and no token appears in the log.
+//! 3. **A CA of its own, and its revocation list.** The HTTP listener on the
+//!    certificate and CA of an operators' PKI, not the agents' (`[http_tls]` on other
+//!    files), with that CA's revocation list (`[http_auth] crl`):
+//!    - a client certificate the list names when the aggregator starts is refused at
+//!      the handshake, while one it does not name reads;
+//!    - that one revoked while the aggregator runs (`certs revoke` rewrites the list):
+//!      a new connection with it is refused at the handshake within 5 s, and a
+//!      connection it made before is answered 401, "revoked", on its next request;
+//!    - the refusals are counted as `revoked`, and the list's reload as `applied`.
 
 use ballast_tests::harness::aggregator::ApiAccess;
 use ballast_tests::harness::api::token_entry;
@@ -548,4 +557,87 @@ fn the_dashboard_signs_in_with_a_token_kept_in_memory_and_shows_who_drained() {
     );
     assert_eq!(browser.errors(), Vec::new(), "the page reported errors");
     drop(agent);
+}
+
+#[test]
+fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
+    let pki = Pki::new();
+    // The operators' PKI: the HTTP listener's certificate, and its clients'.
+    let ops = Pki::new();
+    let carol = ops.node_tls_dir("ops-carol");
+    let bob = ops.node_tls_dir("ops-bob");
+    ops.revoke("ops-carol");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("api-tokens.toml");
+    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
+    let tls = ops.server_tls_dir();
+    let config = format!(
+        "[http_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n\n\
+         [http_auth]\ntokens = {tokens:?}\ncrl = {:?}\ncrl_check_ms = 200\n\n\
+         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n",
+        tls.join("ca.pem"),
+        tls.join("server.pem"),
+        tls.join("server.key"),
+        ops.crl_path(),
+    );
+    let agg = Aggregator::start(
+        &pki,
+        AggregatorOpts {
+            config_toml: Some(config),
+            api: Some(ApiAccess {
+                ca: ops.dir().join("ca.pem"),
+                token: Some(VIEWER_TOKEN.to_string()),
+            }),
+            ..AggregatorOpts::default()
+        },
+    );
+
+    // Revoked before the start: refused at the handshake. Not revoked: reads.
+    let refused = get(&client(&ops, Some(&carol)), &agg, "/v1/services", None);
+    assert!(
+        refused.is_err(),
+        "a certificate the revocation list names was served: {refused:?}"
+    );
+    let kept = client(&ops, Some(&bob));
+    assert_eq!(status(&kept, &agg, "/v1/services", None), 200);
+
+    // Revoked while it runs: a new connection is refused at the handshake...
+    ops.revoke("ops-bob");
+    let revoked = std::time::Instant::now();
+    wait_for(
+        Duration::from_secs(5),
+        "a new connection with the revoked certificate refused",
+        || match get(&client(&ops, Some(&bob)), &agg, "/v1/services", None) {
+            Err(_) => Ok(()),
+            Ok((code, _, _)) => Err(format!("status {code}")),
+        },
+    );
+    eprintln!("revoked certificate refused after {:?}", revoked.elapsed());
+    // ...and the connection made before is answered 401, saying why.
+    let (code, challenge, body) =
+        get(&kept, &agg, "/v1/services", None).expect("the kept connection answered");
+    assert_eq!(code, 401, "{body}");
+    assert!(body.contains("revoked"), "{body}");
+    assert!(challenge.is_some(), "a 401 says how to authenticate");
+
+    let metrics = agg.metrics();
+    let samples = ballast_tests::harness::api::parse_metrics(&metrics);
+    let revoked = ballast_tests::harness::api::sum_samples(
+        &samples,
+        "ballast_http_auth_failures_total",
+        &[("reason", "revoked")],
+    );
+    assert!(
+        revoked >= 3.0,
+        "revoked refusals counted: {revoked}\n{metrics}"
+    );
+    let reloads = ballast_tests::harness::api::sum_samples(
+        &samples,
+        "ballast_http_crl_reloads_total",
+        &[("reason", "applied")],
+    );
+    assert!(
+        reloads >= 1.0,
+        "no reload of the HTTP list counted:\n{metrics}"
+    );
 }

@@ -77,6 +77,19 @@ pub struct RelayArgs {
     /// The relay's name, told to the replicas (default: host name and QUIC port).
     #[arg(long, env = "BALLAST_RELAY_NAME")]
     pub name: Option<String>,
+    /// Directory with the TLS identity of the HTTP port (/metrics, /healthz): ca.pem
+    /// (client certificates are checked against it), server.pem and server.key, as
+    /// `certs init` lays them out; the --tls-dir will do (`[http_tls]`).
+    #[arg(long, env = "BALLAST_HTTP_TLS_DIR")]
+    pub http_tls_dir: Option<PathBuf>,
+    /// The token file of the HTTP port (`[http_auth] tokens`): entries from
+    /// `ballast-aggregator token new` or `token hash`, of role scrape for a scraper.
+    #[arg(long, env = "BALLAST_HTTP_TOKENS")]
+    pub http_tokens: Option<PathBuf>,
+    /// Serve /metrics on an address other than loopback without TLS or credentials
+    /// (`insecure_http = true`).
+    #[arg(long, env = "BALLAST_INSECURE_HTTP")]
+    pub insecure_http: bool,
 }
 
 /// Fills every unset field of `$dst` from `$src` (the flags given before a subcommand,
@@ -203,6 +216,13 @@ impl RelayArgs {
         if let Some(name) = &self.name {
             relay.name = Some(name.clone());
         }
+        if let Some(dir) = &self.http_tls_dir {
+            cfg.http_tls = Some(TlsFiles::in_dir(dir, "server"));
+        }
+        if let Some(tokens) = &self.http_tokens {
+            cfg.http_auth.tokens = Some(tokens.clone());
+        }
+        cfg.insecure_http |= self.insecure_http;
         Ok(())
     }
 }

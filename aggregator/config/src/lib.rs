@@ -673,6 +673,14 @@ pub struct HttpAuthConfig {
     pub metrics: MetricsAccess,
     /// The roles of client certificates (from the CA of `[http_tls] ca`), by name.
     pub cert_roles: CertRoles,
+    /// A certificate revocation list (PEM, one or more `X509 CRL` blocks) of the CA of
+    /// `[http_tls] ca`, when that CA is not the agents' (`[tls] ca`): a client
+    /// certificate it names is refused at the handshake, and on the next request of a
+    /// connection made before. Reloaded when it changes. None by default. With
+    /// `[http_tls]` on the files of `[tls]`, the list is `authorization.crl`.
+    pub crl: Option<PathBuf>,
+    /// How often the revocation list's file is checked for changes, in milliseconds.
+    pub crl_check_ms: u64,
 }
 
 impl Default for HttpAuthConfig {
@@ -682,6 +690,8 @@ impl Default for HttpAuthConfig {
             tokens_check_ms: 1000,
             metrics: MetricsAccess::default(),
             cert_roles: CertRoles::default(),
+            crl: None,
+            crl_check_ms: 1000,
         }
     }
 }
@@ -692,13 +702,42 @@ impl HttpAuthConfig {
         self.tokens.is_some() || !self.cert_roles.is_empty()
     }
 
-    /// Checks what the types cannot.
-    pub fn validate(&self, tls: bool) -> Result<(), InvalidSetting> {
+    /// Checks what the types cannot; `tls` is `[http_tls]`, `agents` `[tls]`.
+    pub fn validate(
+        &self,
+        tls: Option<&TlsFiles>,
+        agents: &TlsFiles,
+    ) -> Result<(), InvalidSetting> {
         if !(100..=3_600_000).contains(&self.tokens_check_ms) {
             return Err(InvalidSetting::new(
                 "http_auth.tokens_check_ms",
                 "must be between 100 and 3600000",
             ));
+        }
+        if !(100..=3_600_000).contains(&self.crl_check_ms) {
+            return Err(InvalidSetting::new(
+                "http_auth.crl_check_ms",
+                "must be between 100 and 3600000",
+            ));
+        }
+        if self.crl.is_some() {
+            match tls {
+                None => {
+                    return Err(InvalidSetting::new(
+                        "http_auth.crl",
+                        "a revocation list is for client certificates, which need TLS on \
+                         the HTTP listener: add [http_tls] with ca, cert and key",
+                    ))
+                }
+                Some(files) if files == agents => {
+                    return Err(InvalidSetting::new(
+                        "http_auth.crl",
+                        "[http_tls] names the files of [tls], whose client certificates \
+                         are checked against authorization.crl: set that one instead",
+                    ))
+                }
+                Some(_) => {}
+            }
         }
         for (role, patterns) in [
             ("viewer", &self.cert_roles.viewer),
@@ -712,7 +751,7 @@ impl HttpAuthConfig {
                 ));
             }
         }
-        if !self.cert_roles.is_empty() && !tls {
+        if !self.cert_roles.is_empty() && tls.is_none() {
             return Err(InvalidSetting::new(
                 "http_auth.cert_roles",
                 "client certificates need TLS on the HTTP listener: add [http_tls] with \
@@ -911,32 +950,58 @@ impl<B: BalanceTable> Config<B> {
         self.service_config.validate()?;
         self.limits.validate()?;
         self.authorization.validate()?;
-        self.http_auth.validate(self.http_tls.is_some())?;
+        self.http_auth.validate(self.http_tls.as_ref(), &self.tls)?;
         Ok(())
     }
 
     /// Checks that the HTTP API is not served beyond this host unprotected: on an
     /// address other than loopback it needs TLS and at least one credential source,
     /// unless `insecure_http` says otherwise. The error says what to add. (`run`'s
-    /// check; the relay's HTTP port serves no API.)
+    /// check; the relay's is [`Config::check_relay_http_exposure`].)
     pub fn check_http_exposure(&self) -> Result<(), InvalidSetting> {
+        self.exposure(
+            "the API would serve anyone who reaches it",
+            "TLS: [http_tls] with ca = \"...\", cert = \"...\" and key = \"...\" \
+             (the files of [tls] will do; `run --http-tls-dir DIR` for a directory \
+             `certs init` made)",
+            "credentials: [http_auth] with tokens = \"/etc/ballast/api-tokens.toml\" \
+             (or `run --http-tokens FILE`; entries from `ballast-aggregator token new`) \
+             or [http_auth.cert_roles] viewer = [\"NAME-PATTERN\", ...]",
+        )
+    }
+
+    /// The relay's [`Config::check_http_exposure`]: its HTTP port serves `/metrics`
+    /// (and an open `/healthz`), which off loopback needs TLS and a credential of the
+    /// `scrape` role, unless `insecure_http` says otherwise. The error says what to add.
+    pub fn check_relay_http_exposure(&self) -> Result<(), InvalidSetting> {
+        self.exposure(
+            "its /metrics would serve anyone who reaches it",
+            "TLS: [http_tls] with ca = \"...\", cert = \"...\" and key = \"...\" \
+             (the files of [tls] will do; `--http-tls-dir DIR` for a directory \
+             `certs init` made)",
+            "credentials: [http_auth] with tokens = \"/etc/ballast/relay-tokens.toml\" \
+             (or `--http-tokens FILE`; an entry of role scrape from \
+             `ballast-aggregator token new --role scrape`) or [http_auth.cert_roles] \
+             scrape = [\"NAME-PATTERN\", ...]",
+        )
+    }
+
+    /// The check of both daemons: what the listener would expose, and what to add.
+    fn exposure(
+        &self,
+        exposed: &str,
+        add_tls: &str,
+        add_credentials: &str,
+    ) -> Result<(), InvalidSetting> {
         if self.http.ip().is_loopback() || self.insecure_http {
             return Ok(());
         }
         let mut missing = Vec::new();
         if self.http_tls.is_none() {
-            missing.push(
-                "TLS: [http_tls] with ca = \"...\", cert = \"...\" and key = \"...\" \
-                 (the files of [tls] will do; `run --http-tls-dir DIR` for a directory \
-                 `certs init` made)",
-            );
+            missing.push(add_tls);
         }
         if !self.http_auth.enabled() {
-            missing.push(
-                "credentials: [http_auth] with tokens = \"/etc/ballast/api-tokens.toml\" \
-                 (or `run --http-tokens FILE`; entries from `ballast-aggregator token new`) \
-                 or [http_auth.cert_roles] viewer = [\"NAME-PATTERN\", ...]",
-            );
+            missing.push(add_credentials);
         }
         if missing.is_empty() {
             return Ok(());
@@ -944,8 +1009,8 @@ impl<B: BalanceTable> Config<B> {
         Err(InvalidSetting::new(
             "http",
             format!(
-                "{} is not a loopback address, and the API would serve anyone who reaches \
-                 it; add {}; or set insecure_http = true to serve it unprotected anyway",
+                "{} is not a loopback address, and {exposed}; add {}; or set \
+                 insecure_http = true to serve it unprotected anyway",
                 self.http,
                 missing.join(", and ")
             ),

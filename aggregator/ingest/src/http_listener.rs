@@ -8,7 +8,9 @@
 //! With TLS (`[http_tls]`), each connection's handshake runs in a task of its own, under
 //! the same deadline, so that a slow handshake holds up no other connection; a client
 //! certificate is optional, and one that does not verify fails the handshake (counted
-//! as `bad_cert`). The certificate's name travels with the connection ([`Peer`]).
+//! as `revoked` when the revocation list in force names it, `bad_cert` otherwise). The
+//! certificate's name and chain travel with the connection ([`Peer`]), so that a
+//! request on a connection made before the list changed can be checked again.
 
 use std::future::Future;
 use std::io;
@@ -23,6 +25,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
 
+use crate::revocation::Revocation;
+use ballast_shared::tls::CertificateDer;
+
 /// Who is at the other end of a connection: its address, and the name of the client
 /// certificate it presented over TLS, if any (for the HTTP API's authentication).
 #[derive(Debug, Clone)]
@@ -31,6 +36,10 @@ pub struct Peer {
     pub addr: SocketAddr,
     /// The client certificate's name ([`ballast_shared::tls::CertInfo::identity`]).
     pub cert: Option<Arc<str>>,
+    /// The client certificate's chain as presented (leaf first), checked again against
+    /// the revocation list in force on each request: a keep-alive connection outlives
+    /// a change of the list.
+    pub chain: Option<Arc<[CertificateDer<'static>]>>,
 }
 
 impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Limited>> for Peer {
@@ -56,8 +65,9 @@ pub struct HttpLimits {
 pub trait HttpCounts: Send + Sync + 'static {
     /// A connection refused or cut off, for `reason` (`connections`, `timeout`, ...).
     fn refuse(&self, reason: &str);
-    /// A TLS handshake that failed on the client's certificate.
-    fn refuse_cert(&self);
+    /// A TLS handshake that failed on the client's certificate: `revoked` when the
+    /// revocation list in force names it, `bad_cert` for any other reason.
+    fn refuse_cert(&self, reason: &str);
 }
 
 /// Accepts at most `http_max_connections` at a time; the rest wait in the backlog.
@@ -140,28 +150,30 @@ async fn handshake(
 ) -> Option<(Conn, Peer)> {
     match acceptor.accept(stream).await {
         Ok(tls) => {
-            let cert = tls
-                .get_ref()
-                .1
-                .peer_certificates()
+            let presented = tls.get_ref().1.peer_certificates();
+            let cert = presented
                 .and_then(|chain| chain.first())
                 .and_then(|leaf| ballast_shared::tls::CertInfo::parse(leaf).ok())
                 .map(|info| Arc::from(info.identity.as_str()));
-            Some((Conn::Tls(Box::new(tls)), Peer { addr, cert }))
+            let chain = presented
+                .filter(|chain| !chain.is_empty())
+                .map(|chain| chain.iter().map(|c| c.clone().into_owned()).collect());
+            Some((Conn::Tls(Box::new(tls)), Peer { addr, cert, chain }))
         }
         Err(e) => {
-            let refused_cert = e
+            let refused = e
                 .get_ref()
                 .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-                .is_some_and(|r| {
-                    matches!(
-                        r,
-                        rustls::Error::InvalidCertificate(_)
-                            | rustls::Error::InvalidCertRevocationList(_)
-                    )
+                .and_then(|r| match r {
+                    rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked) => {
+                        Some("revoked")
+                    }
+                    rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::InvalidCertRevocationList(_) => Some("bad_cert"),
+                    _ => None,
                 });
-            if refused_cert {
-                metrics.refuse_cert();
+            if let Some(reason) = refused {
+                metrics.refuse_cert(reason);
             }
             tracing::debug!(%addr, error = %e, "HTTP TLS handshake failed");
             None
@@ -265,7 +277,14 @@ impl axum::serve::Listener for Limited {
                 self.idle,
             );
             match &self.tls {
-                None => return (Conn::Plain(guarded), Peer { addr, cert: None }),
+                None => {
+                    let peer = Peer {
+                        addr,
+                        cert: None,
+                        chain: None,
+                    };
+                    return (Conn::Plain(guarded), peer);
+                }
                 Some(acceptor) => {
                     self.handshakes.spawn(handshake(
                         acceptor.clone(),
@@ -282,6 +301,7 @@ impl axum::serve::Listener for Limited {
         Ok(Peer {
             addr: self.inner.local_addr()?,
             cert: None,
+            chain: None,
         })
     }
 }
@@ -495,24 +515,68 @@ impl rustls::server::danger::ClientCertVerifier for OptionalClientCert {
     }
 }
 
-/// The HTTP listener's TLS from `files` (`[http_tls]`): the certificate and key, taken
-/// live by the returned [`LiveTls`](ballast_shared::tls::live::LiveTls) as the QUIC
-/// listener's are (run its `watch`), and client certificates, optional, checked against
-/// the CA file (also taken live). HTTP/1.1 only.
-pub fn tls_config(
+/// The HTTP listener's TLS as a daemon runs it (`[http_tls]`): the server
+/// configuration, and what of it is the listener's own to watch.
+pub struct HttpTls {
+    /// The configuration every connection's handshake runs with.
+    pub config: Arc<rustls::ServerConfig>,
+    /// The certificate, key and CA files when they are the listener's own (run its
+    /// `watch`); `None` when they are the agents' listener's, watched by ingest.
+    pub files: Option<Arc<ballast_shared::tls::live::LiveTls>>,
+    /// The revocation list client certificates are checked against: the listener's own
+    /// (`http_auth.crl`; run its [`Revocation::watch_counting`]), or the agents'
+    /// listener's (`authorization.crl`, watched by ingest) when the files are theirs.
+    pub revocation: Arc<Revocation>,
+    /// Whether `revocation` is the listener's own, for its caller to watch.
+    pub own_revocation: bool,
+}
+
+/// The HTTP listener's TLS from `files` (`[http_tls]`), for a daemon whose agents'
+/// listener is `agents`, set up from `agent_files` (`[tls]`):
+///
+/// - on the agents' files, the agents' listener's live certificate and verifier, its
+///   revocation list (`authorization.crl`) included: one set of watched files;
+/// - on files of its own, the certificate and key taken live as the QUIC listener's
+///   are, and client certificates (optional) checked against the CA file (also taken
+///   live) and against the revocation list `crl` (`http_auth.crl`), if one is given,
+///   its file checked for changes every `crl_check`.
+///
+/// `crl` with the agents' files is refused: their list is `authorization.crl`'s.
+/// HTTP/1.1 only.
+pub fn http_tls(
     files: &ballast_shared::config::TlsFiles,
-) -> Result<
-    (
-        Arc<rustls::ServerConfig>,
-        Arc<ballast_shared::tls::live::LiveTls>,
-    ),
-    ballast_shared::tls::TlsError,
-> {
+    crl: Option<std::path::PathBuf>,
+    crl_check: Duration,
+    agent_files: &ballast_shared::config::TlsFiles,
+    agents: &crate::Ingest,
+) -> Result<HttpTls, crate::IngestError> {
+    if files == agent_files {
+        if crl.is_some() {
+            return Err(crate::IngestError::Setting {
+                setting: "http_auth.crl",
+                reason: "[http_tls] names the files of [tls], whose client certificates are \
+                         checked against authorization.crl: set that one instead",
+            });
+        }
+        let revocation = agents.revocation();
+        return Ok(HttpTls {
+            config: server_config(agents.live_tls(), revocation.verifier())?,
+            files: None,
+            revocation,
+            own_revocation: false,
+        });
+    }
     let identity = files.identity()?;
     let cas = files.ca_certs()?;
-    let verifier = Arc::new(ballast_shared::tls::ClientVerifier::new(&cas, Vec::new())?);
-    let live = ballast_shared::tls::live::LiveTls::server(files, identity, cas, verifier.clone())?;
-    Ok((server_config(live.clone(), verifier)?, live))
+    let revocation = Arc::new(Revocation::load(&cas, crl, crl_check)?);
+    let live =
+        ballast_shared::tls::live::LiveTls::server(files, identity, cas, revocation.verifier())?;
+    Ok(HttpTls {
+        config: server_config(live.clone(), revocation.verifier())?,
+        files: Some(live),
+        revocation,
+        own_revocation: true,
+    })
 }
 
 /// The HTTP listener's TLS presenting the certificate `live` has in force, client

@@ -76,6 +76,9 @@ pub struct IngestMetrics {
     pub trunk_reports: Counter,
     /// Certificate revocation list reloads, by outcome (`applied`, `error`).
     pub crl_reloads: Family<Reason, Counter>,
+    /// Reloads of the HTTP listener's own certificate revocation list
+    /// (`http_auth.crl`), by outcome (`applied`, `error`).
+    pub http_crl_reloads: Family<Reason, Counter>,
     /// Reloads of the TLS files (certificate and key, CA bundle), by file and result.
     pub tls_reloads: Family<TlsReloadLabels, Counter>,
 }
@@ -161,6 +164,11 @@ impl IngestMetrics {
             "crl_reloads",
             "Certificate revocation list reloads, by outcome",
             self.crl_reloads.clone(),
+        );
+        registry.register(
+            "http_crl_reloads",
+            "Reloads of the HTTP listener's own certificate revocation list (http_auth.crl), by outcome",
+            self.http_crl_reloads.clone(),
         );
         registry.register(
             "tls_reloads",

@@ -9,6 +9,8 @@
 use super::IngestError;
 use crate::metrics::{IngestMetrics, Reason};
 use ballast_shared::tls::{self, CertificateDer, CertificateRevocationListDer, ClientVerifier};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -144,8 +146,16 @@ impl Revocation {
 
     /// Watches the list's file until the task ends: a changed file is read and put in
     /// force, then every live connection checks its certificate again. A file that is
-    /// unusable, or gone, leaves the list in force as it was.
+    /// unusable, or gone, leaves the list in force as it was. Reloads are counted in
+    /// `crl_reloads`.
     pub async fn watch(self: Arc<Self>, metrics: Arc<IngestMetrics>) {
+        self.watch_counting(metrics.crl_reloads.clone()).await
+    }
+
+    /// [`Revocation::watch`], its reloads counted by outcome in `reloads` (the HTTP
+    /// listener's own list has a family of its own).
+    pub async fn watch_counting(self: Arc<Self>, reloads: Family<Reason, Counter>) {
+        let metrics = &reloads;
         let Some(path) = self.path.clone() else {
             return std::future::pending().await;
         };
@@ -162,7 +172,7 @@ impl Revocation {
                     if !complained {
                         tracing::warn!(crl = %path.display(), error = %e,
                             "cannot read the certificate revocation list; the list in force stays");
-                        count(&metrics, "error");
+                        count(metrics, "error");
                         complained = true;
                     }
                     continue;
@@ -180,7 +190,7 @@ impl Revocation {
                     // whatever the stamp says.
                     if !complained {
                         tracing::error!(error = %e, "certificate revocation list refused; the list in force stays");
-                        count(&metrics, "error");
+                        count(metrics, "error");
                         complained = true;
                     }
                     last_stamp = None;
@@ -203,21 +213,20 @@ impl Revocation {
             if let Err(e) = applied {
                 tracing::error!(crl = %path.display(), error = %e,
                     "certificate revocation list refused; the list in force stays");
-                count(&metrics, "error");
+                count(metrics, "error");
                 last_bytes = bytes;
                 continue;
             }
             last_bytes = bytes;
             tracing::info!(crl = %path.display(), "certificate revocation list reloaded; live connections are checked again");
-            count(&metrics, "applied");
+            count(metrics, "applied");
             self.generation.send_modify(|g| *g = g.wrapping_add(1));
         }
     }
 }
 
-fn count(metrics: &IngestMetrics, outcome: &str) {
-    metrics
-        .crl_reloads
+fn count(reloads: &Family<Reason, Counter>, outcome: &str) {
+    reloads
         .get_or_create(&Reason {
             reason: outcome.to_string(),
         })

@@ -11,8 +11,8 @@ impl listener::HttpCounts for crate::metrics::Metrics {
         self.refuse_http(reason);
     }
 
-    fn refuse_cert(&self) {
-        self.fail_http_auth(auth::Failure::BadCert.label());
+    fn refuse_cert(&self, reason: &str) {
+        self.fail_http_auth(reason);
     }
 }
 pub(crate) mod openapi;
