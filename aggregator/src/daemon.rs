@@ -81,6 +81,8 @@ pub struct Daemon {
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
     ends: crate::supervise::Ends,
+    /// The audit trail of operators' actions.
+    audit: Arc<crate::audit::Audit>,
     /// As a cluster replica: the signal that hands the buckets on, and the task that
     /// does it.
     cluster: Option<(
@@ -140,8 +142,14 @@ impl Daemon {
             },
         )?;
         let dyn_store: Arc<dyn RoutingStore> = store.clone();
-        // The cluster's task moves services through the cycle loop's door.
+        // The cluster's task moves services through the cycle loop's door; operators'
+        // actions on services other replicas own go to their owners through etcd.
         let (door, inbox) = Door::new();
+        let door = door.with_relay(Arc::new(crate::cluster::requests::EtcdRelay::new(
+            store.clone(),
+            ownership.clone(),
+            &cluster.name,
+        )));
         let mut daemon = Self::start_with_store(
             cfg,
             identity,
@@ -164,6 +172,7 @@ impl Daemon {
             cluster,
             advertise,
             stopped,
+            daemon.audit.clone(),
         );
         tracing::info!(%replica, cluster = %cluster.name, buckets = cluster.buckets,
             "serving as a cluster replica");
@@ -352,7 +361,7 @@ impl Daemon {
         ));
         let acting = crate::api::act::Acting {
             door: door.clone(),
-            audit,
+            audit: audit.clone(),
         };
         let app = crate::api::router_with(state.clone(), auth.clone())
             .layer(axum::Extension(Arc::new(acting)))
@@ -409,6 +418,7 @@ impl Daemon {
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
             ends,
+            audit,
             cluster: None,
         })
     }
@@ -557,6 +567,8 @@ fn lapse(
                 "lapsed at its end time; set by {}: {}",
                 l.mark.by, l.mark.reason
             ),
+            received_by: None,
+            applied_by: state.ownership.as_ref().map(|o| o.replica().to_string()),
         });
     }
 }
@@ -585,11 +597,12 @@ fn apply(state: &State, overlay: &mut Overlay, command: Command) {
             let _ = answer.send(crate::store::restore_newer(&mut b, newer, &balances, now));
         }
         Command::Act(service, act, answer) => {
-            let result = b.act(&service, &act);
-            if result.is_ok() {
+            let result = b.act(&service, &act).map(|()| {
+                let actions = b.service(&service).map(|s| s.actions().clone());
                 let ran = std::iter::once(service).collect();
                 state.publish(&b, &ran, overlay.followed(), now);
-            }
+                actions.unwrap_or_default()
+            });
             let _ = answer.send(result);
         }
         Command::Publish => {
