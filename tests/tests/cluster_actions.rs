@@ -243,7 +243,7 @@ fn an_action_sent_to_any_replica_is_applied_by_the_owner_and_outlives_it() {
             Duration::from_secs(10),
             "alpha-3 still drained after the failover",
             || match published(&replicas[i], NODE)? {
-                (w, true) if w == 0.0 => Ok(()),
+                (0.0, true) => Ok(()),
                 other => Err(format!("{other:?}")),
             },
         );
