@@ -306,6 +306,11 @@ pub struct RunArgs {
     /// `mutual` (clients need a certificate from the CA) or `plaintext` [default: tls].
     #[arg(long, env = "BALLAST_XDS_TLS", value_enum)]
     pub xds_tls: Option<crate::config::XdsTls>,
+    /// TCP address where the aggregator answers HAProxy's agent-check for every node it
+    /// publishes, so that a drain reaches HAProxy even from a node whose agent is
+    /// wedged, e.g. 0.0.0.0:7404 [default: off].
+    #[arg(long, env = "BALLAST_AGENT_CHECK")]
+    pub agent_check: Option<SocketAddr>,
     /// HTTPS on the HTTP API with the files of this directory: ca.pem (client
     /// certificates are checked against it), server.pem and server.key, as `certs init`
     /// lays them out; the --tls-dir will do (`[http_tls]`).
@@ -343,7 +348,7 @@ impl RunArgs {
     /// These flags, with those given before `run` (`top`) where these are unset.
     fn inherit(&mut self, top: &RunArgs) {
         self.common.inherit(&top.common);
-        fill!(self, top; xds, xds_tls, http_tls_dir, http_tokens, config_dir, store, replica,
+        fill!(self, top; xds, xds_tls, agent_check, http_tls_dir, http_tokens, config_dir, store, replica,
             cycle_ms, grace_ms, report_interval_ms);
         self.insecure_http |= top.insecure_http;
     }

@@ -75,6 +75,8 @@ pub struct Daemon {
     pub http_addr: SocketAddr,
     /// The bound xDS address, when configured.
     pub xds_addr: Option<SocketAddr>,
+    /// The bound address of the HAProxy agent-check feed, when configured.
+    pub agent_check_addr: Option<SocketAddr>,
     xds: Option<crate::feed::xds::XdsServer>,
     quic: Arc<crate::ingest::threads::Threads>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -334,6 +336,30 @@ impl Daemon {
         let xds_addr = xds.as_ref().map(|x| x.local_addr());
 
         let mut tasks = Vec::new();
+        let agent_check_addr = match cfg.agent_check {
+            Some(addr) => {
+                let bind_error = |source| DaemonError::Bind {
+                    what: "agent-check",
+                    addr,
+                    source,
+                };
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(bind_error)?;
+                let bound = listener.local_addr().map_err(bind_error)?;
+                tasks.push(supervisor.spawn(
+                    "HAProxy agent-check",
+                    crate::feed::haproxy::serve(
+                        listener,
+                        state.subscribe(),
+                        state.metrics.haproxy.clone(),
+                    ),
+                ));
+                tracing::info!(addr = %bound, "answering HAProxy's agent-check");
+                Some(bound)
+            }
+            None => None,
+        };
         let threads = quic.clone();
         tasks.push(supervisor.spawn("QUIC ingest", async move {
             threads.ended().await;
@@ -412,6 +438,7 @@ impl Daemon {
             quic_addr,
             http_addr,
             xds_addr,
+            agent_check_addr,
             xds,
             quic,
             tasks,

@@ -134,6 +134,9 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.xds_tls {
         cfg.xds_tls = v;
     }
+    if let Some(v) = args.agent_check {
+        cfg.agent_check = Some(v);
+    }
     if let Some(dir) = &args.config_dir {
         cfg.service_config.dir = Some(dir.clone());
     }

@@ -97,6 +97,36 @@ pub struct WatchMetrics {
     pub streams: Gauge,
 }
 
+/// The HAProxy agent-check feed's counters: the part of [`Metrics`] the feed is given.
+#[derive(Debug, Default)]
+pub struct HaproxyMetrics {
+    /// Agent-checks answered, by what the answer said (`weight`, `drain`, `unknown`).
+    pub replies: Family<Reason, Counter>,
+    /// Agent-check connections closed unanswered, by reason (`malformed`, `too_long`,
+    /// `timeout`, `io`, `connections`, `accept`).
+    pub refused: Family<Reason, Counter>,
+}
+
+impl HaproxyMetrics {
+    /// Counts an answer that said `what`.
+    pub fn reply(&self, what: &str) {
+        self.replies
+            .get_or_create(&Reason {
+                reason: what.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a connection closed unanswered for `reason`.
+    pub fn refuse(&self, reason: &str) {
+        self.refused
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+}
+
 /// Every counter the daemon keeps.
 pub struct Metrics {
     registry: Registry,
@@ -148,6 +178,8 @@ pub struct Metrics {
     pub http_token_reloads: Family<Reason, Counter>,
     /// The HTTP watch feed's.
     pub watch: Arc<WatchMetrics>,
+    /// The HAProxy agent-check feed's.
+    pub haproxy: Arc<HaproxyMetrics>,
     /// Config-directory reloads, by outcome (`applied`, `unchanged`, `error`).
     pub config_reloads: Family<Reason, Counter>,
     /// As a cluster replica: the buckets of services this replica owns now.
@@ -255,6 +287,7 @@ impl Metrics {
             http_token_reloads: Family::default(),
             operator_actions: Family::default(),
             watch: Arc::new(WatchMetrics::default()),
+            haproxy: Arc::new(HaproxyMetrics::default()),
             config_reloads: Family::default(),
             config_rejected: Family::default(),
             cluster_buckets_owned: Gauge::default(),
@@ -402,6 +435,16 @@ impl Metrics {
             "watch_streams",
             "HTTP watch streams open",
             m.watch.streams.clone(),
+        );
+        registry.register(
+            "haproxy_agent_replies",
+            "HAProxy agent-checks answered by the aggregator, by what the answer said",
+            m.haproxy.replies.clone(),
+        );
+        registry.register(
+            "haproxy_agent_refused",
+            "HAProxy agent-check connections closed unanswered, by reason",
+            m.haproxy.refused.clone(),
         );
         registry.register(
             "config_reloads",

@@ -37,6 +37,7 @@
 //!
 //! Needs Debian's `haproxy` package; the tests fail, naming it, when it is missing.
 
+use ballast_tests::harness::haproxy::request;
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::*;
 use std::collections::BTreeMap;
@@ -146,31 +147,6 @@ fn weights_match(w: &WeightSet, s: &BTreeMap<String, ServerState>) -> Result<Str
     } else {
         Err(format!("\n{table}"))
     }
-}
-
-/// One plain HTTP/1.1 request with `Connection: close`; returns the backend's name
-/// from the body of a 200.
-fn request(frontend: SocketAddr) -> Result<String, String> {
-    let mut s = TcpStream::connect_timeout(&frontend, Duration::from_secs(2))
-        .map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .and_then(|_| s.set_write_timeout(Some(Duration::from_secs(5))))
-        .map_err(|e| format!("timeouts: {e}"))?;
-    s.write_all(b"GET / HTTP/1.1\r\nHost: ballast-test\r\nConnection: close\r\n\r\n")
-        .map_err(|e| format!("write: {e}"))?;
-    let mut resp = Vec::new();
-    s.take(64 * 1024)
-        .read_to_end(&mut resp)
-        .map_err(|e| format!("read: {e}"))?;
-    let text = String::from_utf8_lossy(&resp);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("no end of head: {text:?}"))?;
-    let status = head.lines().next().unwrap_or("");
-    if !status.starts_with("HTTP/1.1 200") {
-        return Err(status.to_string());
-    }
-    Ok(body.trim().to_string())
 }
 
 /// Sends `n` requests at [`RATE_PER_SEC`] without measuring them. HAProxy's round

@@ -808,6 +808,10 @@ pub struct Config<B> {
     /// How the xDS port is secured: `tls` (the default), `mutual`, or `plaintext`,
     /// which must be asked for.
     pub xds_tls: XdsTls,
+    /// TCP address where the aggregator answers HAProxy's agent-check for every node
+    /// it publishes (HAProxy names the node with `agent-send "SERVICE NODE\n"`); none
+    /// by default. Plain TCP, as HAProxy's agent-check is.
+    pub agent_check: Option<SocketAddr>,
     /// Balancing defaults for every service.
     pub balance: B,
     /// The per-service config directory.
@@ -841,6 +845,7 @@ impl<B: BalanceTable> Default for Config<B> {
             xds: None,
             xds_lb_policy: LbPolicy::default(),
             xds_tls: XdsTls::default(),
+            agent_check: None,
             service_config: ServiceConfigSettings::default(),
             authorization: AuthorizationConfig::default(),
             limits: limits::Limits::default(),

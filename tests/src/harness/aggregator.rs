@@ -80,6 +80,9 @@ pub struct AggregatorOpts {
     /// certificate only), which the tests' clients use unless they ask for more; the
     /// shipped default is `mutual`.
     pub xds_tls: XdsTls,
+    /// `--agent-check` on a free port of its address: HAProxy's agent-check answered
+    /// by the aggregator.
+    pub agent_check: bool,
     /// `--etcd ENDPOINTS --etcd-prefix PREFIX`: weights in etcd instead of the file.
     pub etcd: Option<(String, String)>,
     /// `--config-dir`: the per-service config directory, watched live.
@@ -151,6 +154,7 @@ impl Default for AggregatorOpts {
             config_toml: None,
             xds: false,
             xds_tls: XdsTls::Tls,
+            agent_check: false,
             etcd: None,
             config_dir: None,
             log_json: false,
@@ -234,6 +238,7 @@ pub struct Aggregator {
     quic: SocketAddr,
     http: SocketAddr,
     xds: Option<SocketAddr>,
+    agent_check: Option<SocketAddr>,
     store: PathBuf,
     runs: u32,
     http_client: reqwest::blocking::Client,
@@ -270,6 +275,7 @@ impl Aggregator {
             quic: SocketAddr::from(([127, 0, 0, 1], 0)),
             http: SocketAddr::from(([127, 0, 0, 1], 0)),
             xds: None,
+            agent_check: None,
             store: dir.path().join("weights.json"),
             runs: 0,
             http_client,
@@ -289,6 +295,8 @@ impl Aggregator {
             agg.http = SocketAddr::from((ip, ports::free_tcp()));
             let xds = agg.opts.xds;
             agg.xds = xds.then(|| SocketAddr::from((ip, ports::free_tcp())));
+            let agent_check = agg.opts.agent_check;
+            agg.agent_check = agent_check.then(|| SocketAddr::from((ip, ports::free_tcp())));
             match agg.launch() {
                 Ok(()) => return agg,
                 Err(StartError::Exited(status, log)) if log.contains("cannot bind") => {
@@ -338,6 +346,9 @@ impl Aggregator {
                 XdsTls::Plaintext => "plaintext",
             };
             cmd.args(["--xds-tls", mode]);
+        }
+        if let Some(addr) = self.agent_check {
+            cmd.arg("--agent-check").arg(addr.to_string());
         }
         if let Some((endpoints, prefix)) = &self.opts.etcd {
             cmd.args(["--etcd", endpoints, "--etcd-prefix", prefix]);
@@ -506,6 +517,13 @@ impl Aggregator {
     pub fn xds_addr(&self) -> SocketAddr {
         self.xds
             .expect("the aggregator was started without AggregatorOpts::xds")
+    }
+
+    /// Where the aggregator answers HAProxy's agent-check; panics unless started with
+    /// `agent_check`.
+    pub fn agent_check_addr(&self) -> SocketAddr {
+        self.agent_check
+            .expect("the aggregator was started without AggregatorOpts::agent_check")
     }
 
     /// How an xDS client reaches this aggregator: the address, and the CA to check its

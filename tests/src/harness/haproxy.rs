@@ -7,6 +7,7 @@
 use super::ports;
 use super::process::{run_bounded, Proc};
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,9 @@ pub struct HaproxyOpts {
     pub balance: String,
     /// Extra lines for the backend section, such as `option http-server-close`.
     pub backend_lines: Vec<String>,
+    /// `agent-send "SERVICE NAME\n"` on every server, naming it to an agent-check
+    /// responder that answers for many (the aggregator's): the service's name.
+    pub agent_send: Option<String>,
 }
 
 impl Default for HaproxyOpts {
@@ -49,6 +53,7 @@ impl Default for HaproxyOpts {
             check_inter_ms: 500,
             balance: "roundrobin".to_string(),
             backend_lines: Vec::new(),
+            agent_send: None,
         }
     }
 }
@@ -108,6 +113,31 @@ pub struct Haproxy {
     proc: Option<Proc>,
     // Last, so that the process is gone before its directory is removed.
     dir: tempfile::TempDir,
+}
+
+/// One plain HTTP/1.1 request to `frontend` with `Connection: close`; returns the backend's name
+/// from the body of a 200.
+pub fn request(frontend: SocketAddr) -> Result<String, String> {
+    let mut s = TcpStream::connect_timeout(&frontend, Duration::from_secs(2))
+        .map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .and_then(|_| s.set_write_timeout(Some(Duration::from_secs(5))))
+        .map_err(|e| format!("timeouts: {e}"))?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: ballast-test\r\nConnection: close\r\n\r\n")
+        .map_err(|e| format!("write: {e}"))?;
+    let mut resp = Vec::new();
+    s.take(64 * 1024)
+        .read_to_end(&mut resp)
+        .map_err(|e| format!("read: {e}"))?;
+    let text = String::from_utf8_lossy(&resp);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("no end of head: {text:?}"))?;
+    let status = head.lines().next().unwrap_or("");
+    if !status.starts_with("HTTP/1.1 200") {
+        return Err(status.to_string());
+    }
+    Ok(body.trim().to_string())
 }
 
 /// Fails the test, naming the package, unless HAProxy is installed.
@@ -321,9 +351,15 @@ fn config_text(
         text.push_str(&format!("    {line}\n"));
     }
     for s in servers {
+        // HAProxy reads `\n` inside double quotes as a newline.
+        let send = opts
+            .agent_send
+            .as_ref()
+            .map(|service| format!(" agent-send \"{service} {}\\n\"", s.name))
+            .unwrap_or_default();
         text.push_str(&format!(
             "    server {name} {addr} weight {weight} agent-check agent-addr {aip} \
-             agent-port {aport} agent-inter {ai}ms check inter {ci}ms\n",
+             agent-port {aport}{send} agent-inter {ai}ms check inter {ci}ms\n",
             name = s.name,
             addr = s.addr,
             weight = opts.weight,
