@@ -41,7 +41,7 @@ use ballast_tests::harness::haproxy::request;
 use ballast_tests::harness::ports::free_tcp;
 use ballast_tests::*;
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
