@@ -20,7 +20,9 @@ const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x0
 pub enum Speaks {
     /// A SETTINGS frame: HTTP/2 with prior knowledge, which every gRPC server speaks.
     Http2,
-    /// An HTTP/1.x status line: the preface was taken for a bad HTTP/1 request.
+    /// An HTTP/1.x status line: the preface was taken for a bad HTTP/1 request. Or an
+    /// HTML error page with no status line: an HTTP/1 server that answers a version
+    /// it does not know in HTTP/0.9's manner (Python's `http.server` does).
     Http1,
     /// Something else, said in words.
     Other(String),
@@ -53,7 +55,7 @@ pub fn port_protocol(port: u16) -> Result<Speaks, SampleError> {
 
 /// Names what the first bytes of an answer to the preface are.
 fn classify(got: &[u8]) -> Speaks {
-    if got.starts_with(b"HTTP/1.") {
+    if got.starts_with(b"HTTP/1.") || is_html(got) {
         Speaks::Http1
     } else if got.len() >= 9 && got[3] == 0x04 && got[5..9] == [0, 0, 0, 0] {
         Speaks::Http2
@@ -67,6 +69,18 @@ fn classify(got: &[u8]) -> Speaks {
             "an answer that is neither HTTP/1 nor HTTP/2: {head:?}"
         ))
     }
+}
+
+/// Whether an answer is the start of an HTML page (white space aside).
+fn is_html(got: &[u8]) -> bool {
+    let start = got
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(got.len());
+    let head = &got[start..];
+    [&b"<!doctype html"[..], b"<html"]
+        .iter()
+        .any(|tag| head.len() >= tag.len() && head[..tag.len()].eq_ignore_ascii_case(tag))
 }
 
 /// Whether a page has a preset's series: how it derives its count, or why not.
@@ -116,6 +130,17 @@ mod tests {
         assert!(matches!(classify(b""), Speaks::Other(_)));
         assert!(matches!(classify(b"\x15\x03\x03\x00\x02"), Speaks::Other(w) if w.contains("TLS")));
         assert!(matches!(classify(b"SSH-2.0-x\r\n"), Speaks::Other(_)));
+        // Python's http.server answers the preface's "HTTP/2.0" with its error page
+        // alone, no status line.
+        assert_eq!(
+            classify(b"<!DOCTYPE HTML>\n<html lang=\"en\">\n    <head>"),
+            Speaks::Http1
+        );
+        assert_eq!(
+            classify(b"\r\n<html><body>400</body></html>"),
+            Speaks::Http1
+        );
+        assert!(matches!(classify(b"<?xml version"), Speaks::Other(_)));
     }
 
     #[test]
