@@ -422,6 +422,11 @@ impl Metrics {
             m.operator_actions.clone(),
         );
         registry.register(
+            "http_crl_reloads",
+            "Reloads of the HTTP listener's own certificate revocation list (http_auth.crl), by outcome",
+            m.ingest.http_crl_reloads.clone(),
+        );
+        registry.register(
             "http_token_reloads",
             "Changes of the HTTP API's token file, by outcome",
             m.http_token_reloads.clone(),

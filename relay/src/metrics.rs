@@ -85,6 +85,11 @@ impl RelayMetrics {
             m.http_token_reloads.clone(),
         );
         registry.register(
+            "http_crl_reloads",
+            "Reloads of the HTTP port's own certificate revocation list (http_auth.crl), by outcome",
+            m.ingest.http_crl_reloads.clone(),
+        );
+        registry.register(
             "reports_forwarded",
             "Agents' reports handed to a trunk",
             m.reports_forwarded.clone(),

@@ -77,7 +77,8 @@ pub struct IngestMetrics {
     /// Certificate revocation list reloads, by outcome (`applied`, `error`).
     pub crl_reloads: Family<Reason, Counter>,
     /// Reloads of the HTTP listener's own certificate revocation list
-    /// (`http_auth.crl`), by outcome (`applied`, `error`).
+    /// (`http_auth.crl`), by outcome (`applied`, `error`). Not registered here: each
+    /// process registers it under the name of its HTTP port's families.
     pub http_crl_reloads: Family<Reason, Counter>,
     /// Reloads of the TLS files (certificate and key, CA bundle), by file and result.
     pub tls_reloads: Family<TlsReloadLabels, Counter>,
@@ -164,11 +165,6 @@ impl IngestMetrics {
             "crl_reloads",
             "Certificate revocation list reloads, by outcome",
             self.crl_reloads.clone(),
-        );
-        registry.register(
-            "http_crl_reloads",
-            "Reloads of the HTTP listener's own certificate revocation list (http_auth.crl), by outcome",
-            self.http_crl_reloads.clone(),
         );
         registry.register(
             "tls_reloads",
