@@ -44,8 +44,8 @@ const HTTP_GAP: Duration = Duration::from_millis(7);
 const HTTP_MAX: usize = 20_000;
 /// The gRPC client's pace: one round of calls every this long at most.
 const GRPC_ROUND: Duration = Duration::from_millis(250);
-/// The most gRPC rounds, whatever happens.
-const GRPC_MAX_ROUNDS: usize = 400;
+/// The most gRPC rounds, whatever happens (about ten minutes of them).
+const GRPC_MAX_ROUNDS: usize = 2400;
 
 /// One request the HTTP client made: when it was sent, and who answered or why not.
 struct Sent {
@@ -142,11 +142,15 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
     agg.wait_for_endpoints("web", 3, Duration::from_secs(20));
     agg.wait_for_endpoints("api", 3, Duration::from_secs(20));
 
-    let servers: Vec<(&str, std::net::SocketAddr, std::net::SocketAddr)> = web
+    // A fourth server, `web-9`, that no agent reports for: the aggregator has no
+    // answer for it.
+    let stray = Backend::start("web-9");
+    let mut servers: Vec<(&str, std::net::SocketAddr, std::net::SocketAddr)> = web
         .iter()
         .zip(&backends)
         .map(|(n, b)| (n.as_str(), b.addr, agg.agent_check_addr()))
         .collect();
+    servers.push(("web-9", stray.addr, agg.agent_check_addr()));
     let hap = Haproxy::start(
         0,
         &servers,
@@ -185,6 +189,32 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
             }
         },
     );
+    // A server the aggregator does not know stays as HAProxy has it: drained here by
+    // hand on the runtime API, it stays drained (an answer of `ready` would undo it).
+    hap.command("set server be/web-9 state drain");
+    let unknown = || {
+        sum_samples(
+            &parse_metrics(&agg.metrics()),
+            "ballast_haproxy_agent_replies_total",
+            &[("reason", "unknown")],
+        )
+    };
+    let before = unknown();
+    wait_for(Duration::from_secs(10), "four checks of web-9", || {
+        let n = unknown() - before;
+        if n >= 4.0 {
+            Ok(())
+        } else {
+            Err(format!("{n} unanswered checks"))
+        }
+    });
+    let state = hap.show_servers_state();
+    assert!(
+        state["web-9"].draining(),
+        "a node the aggregator does not know was undrained: {:?}",
+        state["web-9"]
+    );
+
     // Live traffic, each side in a thread of its own, until told to stop.
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(Mutex::new(Vec::<Sent>::new()));
@@ -252,6 +282,8 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
     agents[web2].pause();
     agents[api2].pause();
     let asked = Instant::now();
+    // When each drain was in force: as its command returned.
+    let mut done = Vec::new();
     for (node, service) in [("web-2", "web"), ("api-2", "api")] {
         let said = cli(
             &agg,
@@ -265,8 +297,11 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
             ],
         );
         assert!(said.contains(node), "{said}");
+        done.push(Instant::now());
     }
-    let deadline = asked + WITHIN;
+    // Two cycles from each drain's command; the later of the two for what both share.
+    let (web_deadline, api_deadline) = (done[0] + WITHIN, done[1] + WITHIN);
+    let deadline = api_deadline.max(web_deadline);
     wait_for(WITHIN, "HAProxy has web-2 in DRAIN", || {
         let s = hap.try_show_servers_state()?;
         match s.get("web-2") {
@@ -275,20 +310,21 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
         }
     });
     eprintln!(
-        "HAProxy had web-2 in DRAIN {} ms after the CLI started",
-        asked.elapsed().as_millis()
+        "HAProxy had web-2 in DRAIN {} ms after the CLI started, {} ms after it returned",
+        asked.elapsed().as_millis(),
+        done[0].elapsed().as_millis()
     );
     std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
     let web2_count = backends[web2].requests();
     std::thread::sleep(Duration::from_secs(3));
     {
         let sent = sent.lock().expect("lock");
-        let (to_web2, failed) = reached(&sent, "web-2", deadline);
+        let (to_web2, failed) = reached(&sent, "web-2", web_deadline);
         assert_eq!(to_web2, 0, "requests sent to web-2 after the drain held");
         assert!(failed.is_empty(), "failed requests: {failed:?}");
         let rounds = rounds.lock().expect("lock");
         assert_eq!(
-            grpc_reached(&rounds, "api-2", deadline),
+            grpc_reached(&rounds, "api-2", api_deadline),
             0,
             "gRPC calls to api-2 after the drain held"
         );

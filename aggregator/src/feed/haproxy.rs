@@ -14,17 +14,22 @@
 //! and reads one line back, the same line the node's agent would send
 //! ([`ballast_balance::load::haproxy_agent_reply`]): `drain` for an endpoint draining or
 //! drained by an operator (even one the aggregator no longer hears from), otherwise
-//! `ready up N%`. A node or service the publication does not have gets `ready up 100%`,
-//! the mean weight, which is what HAProxy does without Ballast, and is counted, so that
-//! a mistyped `agent-send` shows.
+//! `ready up N%`. A node or service the publication does not have gets no answer: the
+//! connection is closed, and HAProxy keeps the weight and state it had. Answering
+//! `ready` would take the server out of DRAIN, so a replica that does not (yet) have
+//! the service, or a mistyped `agent-send`, would undo an operator's drain. It is
+//! counted, so that a mistyped `agent-send` shows.
 //!
 //! Plain TCP, as HAProxy's agent-check is: the answers say what every node's weight
 //! is, no more than the node agents' own agent-check ports say. The listener holds at
-//! most [`MAX_CONNECTIONS`] connections, and each for at most [`ANSWER_WITHIN`].
+//! most [`MAX_CONNECTIONS`] connections, at most [`MAX_PER_SOURCE`] from one address,
+//! and each for at most [`ANSWER_WITHIN`], so that idle connections from one host
+//! cannot crowd out the load balancers' checks.
 
 use crate::metrics::HaproxyMetrics;
 use ballast_balance::load::haproxy_agent_reply;
 use ballast_balance::Published;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -36,8 +41,13 @@ use tokio::sync::{watch, Semaphore};
 /// milliseconds.
 pub const MAX_CONNECTIONS: usize = 1024;
 
-/// How long a connection may take to name its node and read the answer.
-pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+/// The most agent-check connections open at once from one address. An HAProxy opens
+/// one per server per `agent-inter`, each answered within milliseconds.
+pub const MAX_PER_SOURCE: usize = 64;
+
+/// How long a connection may take to name its node and read the answer. HAProxy sends
+/// its `agent-send` as soon as it connects.
+pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 
 /// The longest question taken: a service and a node name, with room to spare.
 pub const MAX_QUESTION: usize = 512;
@@ -53,7 +63,7 @@ pub enum Answer {
     Weight,
     /// `drain`.
     Drain,
-    /// `ready up 100%` for a node or service the publication does not have.
+    /// No answer, for a node or service the publication does not have.
     Unknown,
 }
 
@@ -109,20 +119,24 @@ pub fn parse_question(bytes: &[u8]) -> Result<(&str, &str), QuestionError> {
     }
 }
 
-/// The line HAProxy is sent for `node` of `service` as `published` has them.
-pub fn answer(published: &Published, service: &str, node: &str) -> (String, Answer) {
+/// The line HAProxy is sent for `node` of `service` as `published` has them; none for
+/// a node or service it does not have.
+pub fn answer(published: &Published, service: &str, node: &str) -> (Option<String>, Answer) {
     let Some(svc) = published.services.get(service) else {
-        return (haproxy_agent_reply(None, false), Answer::Unknown);
+        return (None, Answer::Unknown);
     };
     // An operator's drain holds for a node the aggregator no longer hears from, and
     // after its endpoint expired from the weights.
     if svc.operator.drained(node) {
-        return (haproxy_agent_reply(None, true), Answer::Drain);
+        return (Some(haproxy_agent_reply(None, true)), Answer::Drain);
     }
     match svc.endpoints.get(node) {
-        Some(e) if e.draining => (haproxy_agent_reply(None, true), Answer::Drain),
-        Some(e) => (haproxy_agent_reply(Some(e.weight), false), Answer::Weight),
-        None => (haproxy_agent_reply(None, false), Answer::Unknown),
+        Some(e) if e.draining => (Some(haproxy_agent_reply(None, true)), Answer::Drain),
+        Some(e) => (
+            Some(haproxy_agent_reply(Some(e.weight), false)),
+            Answer::Weight,
+        ),
+        None => (None, Answer::Unknown),
     }
 }
 
@@ -133,9 +147,10 @@ pub async fn serve(
     metrics: Arc<HaproxyMetrics>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let sources = Arc::new(Sources::default());
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // A full file table or the like: wait, rather than spin on it.
                 tracing::warn!(error = %e, "agent-check listener: accept failed");
@@ -148,10 +163,13 @@ pub async fn serve(
             metrics.refuse("connections");
             continue;
         };
+        let Some(source) = Sources::take(&sources, peer.ip()) else {
+            metrics.refuse("connections_per_source");
+            continue;
+        };
         let publications = publications.clone();
         let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
-            let peer = stream.peer_addr().ok();
             match tokio::time::timeout(ANSWER_WITHIN, one(stream, &publications)).await {
                 Ok(Ok(answer)) => metrics.reply(answer.label()),
                 Ok(Err(e)) => {
@@ -160,8 +178,40 @@ pub async fn serve(
                 }
                 Err(_) => metrics.refuse(QuestionError::Timeout.label()),
             }
-            drop(slot);
+            drop((slot, source));
         });
+    }
+}
+
+/// Connections open now, by source address.
+#[derive(Default)]
+struct Sources(std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>);
+
+/// One connection's place in [`Sources`], given back when dropped.
+struct Source(Arc<Sources>, IpAddr);
+
+impl Sources {
+    /// A place for one more connection from `ip`, unless it has [`MAX_PER_SOURCE`].
+    fn take(this: &Arc<Sources>, ip: IpAddr) -> Option<Source> {
+        let mut open = this.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if *n >= MAX_PER_SOURCE {
+            return None;
+        }
+        *n += 1;
+        Some(Source(Arc::clone(this), ip))
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        let mut open = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.1);
+            }
+        }
     }
 }
 
@@ -203,13 +253,13 @@ async fn one(
         let published = publications.borrow();
         self::answer(&published, service, node)
     };
-    if answer == Answer::Unknown {
-        tracing::debug!(service, node, "agent-check for a node not published");
+    match reply {
+        Some(reply) => stream
+            .write_all(reply.as_bytes())
+            .await
+            .map_err(|e| QuestionError::Io(e.to_string()))?,
+        None => tracing::debug!(service, node, "agent-check for a node not published"),
     }
-    stream
-        .write_all(reply.as_bytes())
-        .await
-        .map_err(|e| QuestionError::Io(e.to_string()))?;
     let _ = stream.shutdown().await;
     Ok(answer)
 }
@@ -218,6 +268,37 @@ async fn one(
 mod tests {
     use super::*;
     use ballast_balance::{Act, Action, Balancer, Observation, Params, PublishedService};
+
+    #[test]
+    fn one_source_holds_at_most_its_share_of_the_connections() {
+        let sources = Arc::new(Sources::default());
+        let a = IpAddr::from([10, 0, 0, 1]);
+        let held: Vec<Source> = (0..MAX_PER_SOURCE)
+            .map(|_| Sources::take(&sources, a).expect("a place"))
+            .collect();
+        assert!(
+            Sources::take(&sources, a).is_none(),
+            "one too many from {a}"
+        );
+        let b = IpAddr::from([10, 0, 0, 2]);
+        assert!(
+            Sources::take(&sources, b).is_some(),
+            "another source is served"
+        );
+        drop(held);
+        let again = Sources::take(&sources, a);
+        assert!(again.is_some(), "places are given back");
+        assert_eq!(
+            sources.0.lock().expect("lock").len(),
+            1,
+            "no entry kept for b"
+        );
+        drop(again);
+        assert!(
+            sources.0.lock().expect("lock").is_empty(),
+            "no entry kept for a"
+        );
+    }
 
     #[test]
     fn a_question_names_a_service_and_a_node() {
@@ -265,18 +346,14 @@ mod tests {
         let published = publication(&b);
         let (line, a) = answer(&published, "web", "web-1");
         assert_eq!(a, Answer::Weight);
+        let line = line.expect("an answer");
         assert!(
             line.starts_with("ready up ") && line.ends_with("%\n"),
             "{line:?}"
         );
-        assert_eq!(
-            answer(&published, "web", "web-9"),
-            ("ready up 100%\n".into(), Answer::Unknown)
-        );
-        assert_eq!(
-            answer(&published, "api", "web-1"),
-            ("ready up 100%\n".into(), Answer::Unknown)
-        );
+        // Nothing for what it does not have: `ready` would undo a drain in HAProxy.
+        assert_eq!(answer(&published, "web", "web-9"), (None, Answer::Unknown));
+        assert_eq!(answer(&published, "api", "web-1"), (None, Answer::Unknown));
         let drain = Act {
             action: Action::Drain {
                 node: "web-2".into(),
@@ -289,7 +366,7 @@ mod tests {
         let mut published = publication(&b);
         assert_eq!(
             answer(&published, "web", "web-2"),
-            ("drain\n".into(), Answer::Drain)
+            (Some("drain\n".into()), Answer::Drain)
         );
         // The drained node's endpoint expires from the weights; the drain still holds.
         let web = published.services.get_mut("web").expect("web");
@@ -298,7 +375,7 @@ mod tests {
         *web = Arc::new(svc);
         assert_eq!(
             answer(&published, "web", "web-2"),
-            ("drain\n".into(), Answer::Drain)
+            (Some("drain\n".into()), Answer::Drain)
         );
     }
 }
