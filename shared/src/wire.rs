@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub mod examples;
 pub mod v1;
 
 /// The version byte that opens every encoded message.

@@ -40,7 +40,7 @@
 // A test: a failed expectation fails it, with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use ballast_shared::wire::{self, Hello, Message, NodeState, Reply, Report};
+use ballast_shared::wire::{self, examples, Message};
 use regex::Regex;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -523,49 +523,19 @@ fn encoded(m: Message) -> f64 {
 /// The reports of `docs/protocol.md`'s table (those `cargo bench -p ballast-sim --bench
 /// figures` prints): a typical one, and every field at its maximum.
 fn reports() -> (f64, f64) {
-    let typical = Report {
-        seq: 3600,
-        cpu: 0.42,
-        inflight: 17,
-        capacity: 0,
-        error_rate: None,
-        state: NodeState::Serving,
-    };
-    let worst = Report {
-        seq: u32::MAX,
-        inflight: u32::MAX,
-        capacity: u32::MAX,
-        error_rate: Some(0.5),
-        state: NodeState::Draining,
-        ..typical
-    };
     (
-        encoded(Message::Report(typical)),
-        encoded(Message::Report(worst)),
+        encoded(Message::Report(examples::typical_report())),
+        encoded(Message::Report(examples::largest_report())),
     )
 }
 
-/// A reply at `cycle`, telling the agent to report every `interval_ms`: its cycle and
-/// interval are variable-length integers, the rest has one size.
+/// A reply at `cycle`, telling the agent to report every `interval_ms`.
 fn reply(cycle: u64, interval_ms: u32) -> f64 {
-    encoded(Message::Reply(Reply {
-        weight: 1.23,
-        cycle,
-        interval_ms,
-        draining: false,
-        load: 0.42,
-        inflight_trusted: true,
-    }))
+    encoded(Message::Reply(examples::reply(cycle, interval_ms)))
 }
 
 fn hello() -> f64 {
-    encoded(Message::Hello(Hello {
-        node: "web-042.dc1.example.com".into(),
-        service: "web-frontend".into(),
-        address: "10.1.2.3:8080".into(),
-        zone: "dc1-a".into(),
-        version: ballast_shared::VERSION.into(),
-    }))
+    encoded(Message::Hello(examples::hello()))
 }
 
 /// Every size a reply can have at the intervals the ingest bench sets (100 and

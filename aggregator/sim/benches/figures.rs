@@ -14,7 +14,7 @@ mod common;
 use common::{cpu_seconds, release_binary, status_mib};
 
 use ballast_shared::pki::Ca;
-use ballast_shared::wire::{self, Hello, Message, NodeState, Reply, Report};
+use ballast_shared::wire::{self, examples, Message};
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -34,37 +34,10 @@ fn main() {
 }
 
 fn sizes() {
-    let typical = Report {
-        seq: 3600,
-        cpu: 0.42,
-        inflight: 17,
-        capacity: 0,
-        error_rate: None,
-        state: NodeState::Serving,
-    };
-    let worst = Report {
-        seq: u32::MAX,
-        inflight: u32::MAX,
-        capacity: u32::MAX,
-        error_rate: Some(0.5),
-        state: NodeState::Draining,
-        ..typical
-    };
-    let reply = Reply {
-        weight: 1.23,
-        cycle: 86_400,
-        interval_ms: 1000,
-        draining: false,
-        load: 0.42,
-        inflight_trusted: true,
-    };
-    let hello = Hello {
-        node: "web-042.dc1.example.com".into(),
-        service: "web-frontend".into(),
-        address: "10.1.2.3:8080".into(),
-        zone: "dc1-a".into(),
-        version: ballast_shared::VERSION.into(),
-    };
+    let typical = examples::typical_report();
+    let worst = examples::largest_report();
+    let reply = examples::documented_reply();
+    let hello = examples::hello();
     let len = |m: Message| wire::encode(&m).map(|b| b.len()).unwrap_or(0);
     println!("## Encoded sizes (bytes, including the version byte)\n");
     println!("| message | bytes |\n|---|---|");
