@@ -169,7 +169,7 @@ pub struct Metrics {
     /// HTTP connections and watch streams refused or cut off for a limit, by reason.
     pub http_refused: Family<Reason, Counter>,
     /// HTTP requests and TLS handshakes refused for their credential, by reason
-    /// (`missing`, `bad_token`, `bad_cert`, `forbidden`).
+    /// (`missing`, `bad_token`, `bad_cert`, `revoked`, `expired`, `forbidden`).
     pub http_auth_failures: Family<Reason, Counter>,
     /// Operators' actions through the API, by action and outcome (`applied`, or why
     /// it was refused: `no_reason`, `bad_body`, `unknown_endpoint`...).

@@ -19,7 +19,7 @@ pub struct RelayMetrics {
     /// Connections the HTTP listener refused or cut off, by reason.
     pub http_refused: Family<Reason, Counter>,
     /// HTTP requests and TLS handshakes refused for their credential, by reason
-    /// (`missing`, `bad_token`, `bad_cert`, `revoked`, `forbidden`).
+    /// (`missing`, `bad_token`, `bad_cert`, `revoked`, `expired`, `forbidden`).
     pub http_auth_failures: Family<Reason, Counter>,
     /// Changes of the HTTP port's token file, by outcome (`applied`, `invalid`).
     pub http_token_reloads: Family<Reason, Counter>,

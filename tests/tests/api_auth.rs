@@ -30,6 +30,9 @@
 //!      a new connection with it is refused at the handshake within 5 s, and a
 //!      connection it made before is answered 401, "revoked", on its next request;
 //!    - the refusals are counted as `revoked`, and the list's reload as `applied`.
+//! 4. **A CA rotated out.** The listener's CA file replaced while the aggregator runs:
+//!    a connection kept alive from before, with a certificate of the old CA, is
+//!    answered 403 on its next request (`bad_cert`).
 
 use ballast_tests::harness::aggregator::ApiAccess;
 use ballast_tests::harness::api::token_entry;
@@ -639,5 +642,79 @@ fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
     assert!(
         reloads >= 1.0,
         "no reload of the HTTP list counted:\n{metrics}"
+    );
+}
+
+/// The HTTP listener's CA file replaced while the aggregator runs by another PKI's: a
+/// new connection with a certificate of the old CA is refused at the handshake, and a
+/// connection it made before is answered 403 ("no longer verifies") on its next
+/// request, counted as `bad_cert`.
+#[test]
+fn a_kept_alive_connection_from_a_ca_rotated_out_is_refused_on_its_next_request() {
+    let pki = Pki::new();
+    let ops = Pki::new();
+    let other = Pki::new();
+    let bob = ops.node_tls_dir("ops-bob");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("api-tokens.toml");
+    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
+    // The CA bundle the listener checks client certificates against, a file of its own
+    // so that it can be rotated without touching the server's certificate.
+    let client_ca = dir.path().join("client-ca.pem");
+    let ops_ca = std::fs::read_to_string(ops.dir().join("ca.pem")).expect("ops ca.pem");
+    write_atomically(&client_ca, &ops_ca);
+    let tls = ops.server_tls_dir();
+    let config = format!(
+        "[http_tls]\nca = {client_ca:?}\ncert = {:?}\nkey = {:?}\n\n\
+         [http_auth]\ntokens = {tokens:?}\n\n\
+         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n",
+        tls.join("server.pem"),
+        tls.join("server.key"),
+    );
+    let agg = Aggregator::start(
+        &pki,
+        AggregatorOpts {
+            config_toml: Some(config),
+            api: Some(ApiAccess {
+                ca: ops.dir().join("ca.pem"),
+                token: Some(VIEWER_TOKEN.to_string()),
+            }),
+            ..AggregatorOpts::default()
+        },
+    );
+    let kept = client(&ops, Some(&bob));
+    assert_eq!(status(&kept, &agg, "/v1/services", None), 200);
+
+    // The operators' CA rotated out: only the other PKI's CA is trusted now.
+    let other_ca = std::fs::read_to_string(other.dir().join("ca.pem")).expect("other ca.pem");
+    write_atomically(&client_ca, &other_ca);
+    wait_for(
+        Duration::from_secs(10),
+        "a new connection with a certificate of the rotated-out CA refused",
+        || match get(&client(&ops, Some(&bob)), &agg, "/v1/services", None) {
+            Err(_) => Ok(()),
+            Ok((code, _, _)) => Err(format!("status {code}")),
+        },
+    );
+    // The connection made before the rotation is refused on its next request.
+    let (code, _, body) =
+        get(&kept, &agg, "/v1/services", None).expect("the kept connection answered");
+    assert_eq!(
+        code, 403,
+        "a certificate of a rotated-out CA was served: {body}"
+    );
+    assert!(body.contains("no longer verifies"), "{body}");
+
+    let metrics = agg.metrics();
+    let samples = ballast_tests::harness::api::parse_metrics(&metrics);
+    let bad_cert = ballast_tests::harness::api::sum_samples(
+        &samples,
+        "ballast_http_auth_failures_total",
+        &[("reason", "bad_cert")],
+    );
+    // The new connection's handshake, and the kept connection's request.
+    assert!(
+        bad_cert >= 2.0,
+        "bad_cert refusals counted: {bad_cert}\n{metrics}"
     );
 }

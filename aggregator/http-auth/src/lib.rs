@@ -13,13 +13,15 @@
 //!
 //! A request without a credential is answered 401 with `WWW-Authenticate: Bearer`, one
 //! whose role does not reach the route 403; each refusal is counted by reason
-//! ([`AuthCounts`]: `missing`, `bad_token`, `bad_cert`, `revoked`, `forbidden`). A
+//! ([`AuthCounts`]: `missing`, `bad_token`, `bad_cert`, `revoked`, `expired`,
+//! `forbidden`). A
 //! token never appears in a log or a metric: the logs name the token's entry.
 //!
 //! A client certificate is checked at the TLS handshake (`ballast_ingest::http_listener`)
-//! and, on each request, again against the revocation list in force
-//! ([`Auth::with_revocation`]): a connection kept alive from before the list changed
-//! gets 401 for a certificate revoked since.
+//! and, on each request, again as a handshake would check it then
+//! ([`Auth::with_revocation`]): a connection kept alive from before the revocation list
+//! or the CA bundle changed gets 401 for a certificate revoked or expired since, and
+//! 403 for one whose CA is no longer trusted.
 
 pub mod tokens;
 
@@ -114,11 +116,16 @@ pub enum Failure {
     Missing,
     /// An `Authorization` header that is not a known bearer token (401).
     BadToken,
-    /// A client certificate that holds no role, or one refused at the handshake.
+    /// A client certificate that holds no role, one refused at the handshake, or one
+    /// that no longer verifies on a request of a connection made before the CA bundle
+    /// changed (its CA is no longer trusted).
     BadCert,
     /// A client certificate the revocation list in force names (401): refused at the
     /// handshake, or on a request of a connection made before the list named it.
     Revoked,
+    /// A client certificate past its validity period on a request of a connection made
+    /// while it was valid (401).
+    Expired,
     /// A credential whose role does not reach the route (403).
     Forbidden,
 }
@@ -131,13 +138,16 @@ impl Failure {
             Failure::BadToken => "bad_token",
             Failure::BadCert => "bad_cert",
             Failure::Revoked => "revoked",
+            Failure::Expired => "expired",
             Failure::Forbidden => "forbidden",
         }
     }
 
     fn status(self) -> StatusCode {
         match self {
-            Failure::Missing | Failure::BadToken | Failure::Revoked => StatusCode::UNAUTHORIZED,
+            Failure::Missing | Failure::BadToken | Failure::Revoked | Failure::Expired => {
+                StatusCode::UNAUTHORIZED
+            }
             Failure::BadCert | Failure::Forbidden => StatusCode::FORBIDDEN,
         }
     }
@@ -146,8 +156,11 @@ impl Failure {
         match self {
             Failure::Missing => "authentication required: a bearer token or a client certificate",
             Failure::BadToken => "the bearer token is not valid",
-            Failure::BadCert => "the client certificate holds no role on this listener",
+            Failure::BadCert => {
+                "the client certificate holds no role on this listener, or no longer verifies"
+            }
             Failure::Revoked => "the client certificate is revoked",
+            Failure::Expired => "the client certificate has expired",
             Failure::Forbidden => "the credential's role does not allow this",
         }
     }
@@ -169,7 +182,7 @@ impl Failure {
         let challenge = match self {
             Failure::Missing => Some(r#"Bearer realm="ballast""#),
             Failure::BadToken => Some(r#"Bearer realm="ballast", error="invalid_token""#),
-            Failure::Revoked => Some(r#"Bearer realm="ballast""#),
+            Failure::Revoked | Failure::Expired => Some(r#"Bearer realm="ballast""#),
             _ => None,
         };
         if let Some(c) = challenge {
@@ -199,8 +212,8 @@ pub struct Auth {
     enabled: bool,
     /// How often the token file is checked.
     check_every: Duration,
-    /// The revocation list client certificates are checked against again on each
-    /// request; none without TLS.
+    /// The verifier (CA bundle and revocation list in force) client certificates are
+    /// checked against again on each request; none without TLS.
     revocation: Option<Arc<Revocation>>,
 }
 
@@ -243,8 +256,9 @@ impl Auth {
         })
     }
 
-    /// Client certificates checked again, on each request, against the revocation
-    /// list `revocation` holds (the one the listener's handshakes check).
+    /// Client certificates checked again, on each request, as the listener's handshakes
+    /// would check them then: against the CA bundle and the revocation list in force in
+    /// `revocation`'s verifier (the one the handshakes run).
     pub fn with_revocation(mut self, revocation: Arc<Revocation>) -> Auth {
         self.revocation = Some(revocation);
         self
@@ -300,8 +314,8 @@ impl Auth {
 
     /// Who presented `authorization` (the header's value) or, failing that, the client
     /// certificate of `peer`; or why they are refused. A bearer token wins over a
-    /// certificate; a certificate the revocation list in force names is refused
-    /// whichever credential comes with it.
+    /// certificate; a certificate that a handshake would refuse now (revoked, expired,
+    /// or from a CA no longer trusted) is refused whichever credential comes with it.
     pub async fn identify(
         &self,
         authorization: Option<HeaderValue>,
@@ -310,10 +324,28 @@ impl Auth {
         if let (Some(revocation), Some(chain)) =
             (&self.revocation, peer.and_then(|p| p.chain.as_ref()))
         {
-            if revocation.verdict(chain) == Verdict::Revoked {
-                tracing::info!(certificate = ?peer.and_then(|p| p.cert.as_deref()),
-                    "a client certificate revoked since its connection was made");
-                return Err(Failure::Revoked);
+            let certificate = peer.and_then(|p| p.cert.as_deref());
+            match revocation.judge(chain) {
+                Ok(Verdict::Valid) => {}
+                Ok(Verdict::Revoked) => {
+                    tracing::info!(
+                        ?certificate,
+                        "a client certificate revoked since its connection was made"
+                    );
+                    return Err(Failure::Revoked);
+                }
+                Ok(Verdict::Expired) => {
+                    tracing::info!(
+                        ?certificate,
+                        "a client certificate expired since its connection was made"
+                    );
+                    return Err(Failure::Expired);
+                }
+                Err(e) => {
+                    tracing::info!(?certificate, error = %e,
+                        "a client certificate that no longer verifies (its CA rotated out?)");
+                    return Err(Failure::BadCert);
+                }
             }
         }
         if let Some(value) = authorization {

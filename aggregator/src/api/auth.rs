@@ -16,9 +16,10 @@
 //! A request without a credential is answered 401 with `WWW-Authenticate: Bearer`, one
 //! whose role does not reach the route 403; each refusal is counted by reason in
 //! `ballast_http_auth_failures_total` (`missing`, `bad_token`, `bad_cert`, `revoked`,
-//! `forbidden`). A token never appears in a log or a metric: the logs name the token's
-//! entry. A client certificate revoked since its connection was made is refused (401)
-//! on that connection's next request.
+//! `expired`, `forbidden`). A token never appears in a log or a metric: the logs name
+//! the token's entry. A client certificate revoked or expired since its connection was
+//! made is refused (401) on that connection's next request, and one whose CA has been
+//! taken out of the CA bundle since (403, `bad_cert`).
 
 pub use ballast_http_auth::{
     hash_entry, token_names, Auth, AuthCounts, AuthError, Failure, Principal, Role, TokenStore,
