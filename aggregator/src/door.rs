@@ -72,6 +72,10 @@ pub struct Request {
     pub at_ms: u64,
     /// The replica whose API received it.
     pub received_by: String,
+    /// The owner that took it to apply it, before it applied it: a request claimed and
+    /// not answered (the owner died between the two) is applied by no other replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimed_by: Option<String>,
     /// The owner's answer, once it has given one.
     #[serde(default)]
     pub outcome: Option<Outcome>,

@@ -189,6 +189,12 @@ pub struct Metrics {
     /// As a cluster replica: lease sessions that ended (etcd unreachable, the lease
     /// lapsed), each giving up every bucket the replica held.
     pub cluster_sessions_lost: Counter,
+    /// As a cluster replica: operators' actions other replicas handed on through etcd,
+    /// as this replica dealt with them, by outcome (`applied`, `refused`,
+    /// `left_for_owner`, `claimed_unanswered`, `claim_lost`, `outcome_write_failed`,
+    /// `refused_forged`, `refused_too_large`, `unparseable`, `queue_full`,
+    /// `scan_failed`...; docs/operations.md lists them all).
+    pub cluster_action_requests: Family<RequestOutcome, Counter>,
     /// As a cluster replica: seconds since etcd last confirmed its copy of the stored
     /// services current. Set when scraped.
     pub cluster_feed_behind_seconds: Gauge<f64, AtomicU64>,
@@ -206,6 +212,14 @@ pub struct ActionOutcome {
     /// `drain`, `undrain`, `hold`, `release`, `pin` or `unpin`.
     pub action: String,
     /// `applied`, or why it was refused.
+    pub outcome: String,
+}
+
+/// What became of a request for an operator's action handed on through etcd.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestOutcome {
+    /// `applied`, `refused`, or why it was not answered (see
+    /// [`Metrics::cluster_action_requests`]).
     pub outcome: String,
 }
 
@@ -246,6 +260,15 @@ impl Metrics {
         self.operator_actions
             .get_or_create(&ActionOutcome {
                 action: action.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a request for an operator's action handed on through etcd, by `outcome`.
+    pub fn action_request(&self, outcome: &str) {
+        self.cluster_action_requests
+            .get_or_create(&RequestOutcome {
                 outcome: outcome.to_string(),
             })
             .inc();
@@ -294,6 +317,7 @@ impl Metrics {
             cluster_takeovers: Counter::default(),
             cluster_feed_behind_seconds: Gauge::default(),
             cluster_sessions_lost: Counter::default(),
+            cluster_action_requests: Family::default(),
             service_families: ServiceFamilies::default(),
             scrape: Mutex::new(()),
             registry: Registry::default(),
@@ -319,6 +343,11 @@ impl Metrics {
             "cluster_sessions_lost",
             "Cluster lease sessions that ended, giving up every bucket held",
             m.cluster_sessions_lost.clone(),
+        );
+        registry.register(
+            "cluster_action_requests",
+            "Operators' actions handed on by other cluster replicas, by what became of them here",
+            m.cluster_action_requests.clone(),
         );
         registry.register(
             "cycles_skipped",

@@ -344,6 +344,7 @@ async fn hand(
         reason: record.reason.clone(),
         at_ms: record.at_ms,
         received_by: relay.replica().to_string(),
+        claimed_by: None,
         outcome: None,
     };
     match relay.hand(request).await {

@@ -21,7 +21,7 @@
 //! runs on every change under the cluster's prefix (an etcd watch) and twice a second,
 //! so a bucket whose owner died is claimed as soon as etcd deletes the key.
 
-use super::requests::Answerer;
+use super::requests::{Answerer, Answering};
 use super::{
     cluster_prefix, config_key, member_key, owner_key, parse_view, preferred, ClusterKv, OwnerKey,
     Ownership, View,
@@ -58,8 +58,11 @@ pub(crate) struct Replica {
     lease_ttl_s: u32,
     /// Turns true when the daemon shuts down: the replica hands its buckets on at once.
     stop: tokio::sync::watch::Receiver<bool>,
-    /// Applies the operators' actions other replicas received for its services.
-    answerer: Answerer,
+    /// Applies the operators' actions other replicas received for its services, in a
+    /// task of its own that [`Replica::run`] starts.
+    answerer: Option<Answerer>,
+    /// How this task asks it to, without ever waiting for it.
+    answering: Answering,
 }
 
 impl Replica {
@@ -85,7 +88,8 @@ impl Replica {
             &cfg.name,
         );
         Replica {
-            answerer,
+            answering: answerer.answering(),
+            answerer: Some(answerer),
             door,
             metrics,
             store,
@@ -98,7 +102,12 @@ impl Replica {
     }
 
     /// Runs until the daemon stops: a session per lease, another after any failure.
-    pub(crate) async fn run(self) {
+    pub(crate) async fn run(mut self) {
+        // Answering requests never holds up the renewal of the lease: it ends when
+        // this replica does (its `Answering` dropped).
+        if let Some(answerer) = self.answerer.take() {
+            tokio::spawn(answerer.run());
+        }
         let mut failing = false;
         loop {
             let started = Instant::now();
@@ -232,7 +241,7 @@ impl Replica {
                             }
                         }
                         // Requests written while the watch was not there.
-                        self.answer_pending(client).await;
+                        self.answering.scan();
                     }
                     Err(e) => tracing::warn!(error = %e, "cluster watch failed; retrying"),
                 }
@@ -269,7 +278,7 @@ impl Replica {
                     Ok(Some(resp)) => {
                         // Operators' actions handed on by other replicas are answered;
                         // anything else under the cluster's keys may move buckets.
-                        if self.answer_events(client, &resp).await {
+                        if self.answer_events(&resp) {
                             if let Err(e) = self.reconcile(client, id).await {
                                 tracing::warn!(error = %e, "cluster reconcile failed");
                             }
@@ -454,36 +463,23 @@ impl Replica {
         complete
     }
 
-    /// Answers the requests for operators' actions that `resp` shows written. Whether
-    /// it shows anything else (or nothing), which the caller reconciles.
-    async fn answer_events(&self, client: &mut Client, resp: &WatchResponse) -> bool {
+    /// Hands the requests for operators' actions that `resp` shows written to the
+    /// answering task. Whether it shows anything else (or nothing), which the caller
+    /// reconciles.
+    fn answer_events(&self, resp: &WatchResponse) -> bool {
         let mut other = resp.events().is_empty();
         for event in resp.events() {
             let Some(kv) = event.kv() else { continue };
-            if !self.answerer.is_request(kv.key()) {
+            if !self.answering.is_request(kv.key()) {
                 other = true;
                 continue;
             }
             if event.event_type() == EventType::Put {
-                self.answerer
-                    .answer(client, kv.key(), kv.value(), kv.mod_revision())
-                    .await;
+                self.answering
+                    .request(kv.key(), kv.value(), kv.mod_revision());
             }
         }
         other
-    }
-
-    /// Answers every pending request on the services this replica owns: those written
-    /// while no replica held them, or while this one's watch was not there.
-    async fn answer_pending(&self, client: &mut Client) {
-        match self.answerer.scan(client).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(
-                requests = n,
-                "operators' actions handed on while this replica was not watching applied"
-            ),
-            Err(e) => tracing::warn!(error = %e, "reading operators' pending actions failed"),
-        }
     }
 
     /// Reads the cluster's members and owners.
@@ -601,7 +597,7 @@ impl Replica {
             if taken.is_ok() {
                 // Actions handed on while nobody held these buckets are the new
                 // owner's to apply.
-                self.answer_pending(client).await;
+                self.answering.scan();
             }
             if let Err(e) = taken {
                 // Not held half-taken: given back, for this or another replica to

@@ -1178,7 +1178,7 @@ impl RoutingStore for EtcdStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn v(s: &str) -> Vec<u8> {
@@ -1500,14 +1500,14 @@ mod tests {
 
     /// A real etcd of Debian's, on free loopback ports in a directory of its own,
     /// stopped when dropped. Panics, saying what to install, when there is no etcd.
-    struct RealEtcd {
+    pub(crate) struct RealEtcd {
         child: std::process::Child,
-        url: String,
+        pub(crate) url: String,
         _dir: tempfile::TempDir,
     }
 
     impl RealEtcd {
-        fn start() -> RealEtcd {
+        pub(crate) fn start() -> RealEtcd {
             let port = || {
                 std::net::TcpListener::bind("127.0.0.1:0")
                     .and_then(|l| l.local_addr())
