@@ -61,20 +61,6 @@ struct GrpcRound {
     errors: BTreeMap<String, u32>,
 }
 
-/// `ballast-aggregator ARGS --url URL`: its stdout, or a panic with what it said.
-fn cli(agg: &Aggregator, args: &[&str]) -> String {
-    let mut cmd = command(AGGREGATOR_BIN);
-    cmd.args(args).arg("--url").arg(agg.base_url());
-    let out = run_bounded(cmd, Duration::from_secs(20));
-    assert!(
-        out.status.success(),
-        "ballast-aggregator {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// The requests sent at or after `from` that `node` answered, and every failure.
 fn reached(sent: &[Sent], node: &str, from: Instant) -> (usize, Vec<String>) {
     let to_node = sent
@@ -285,17 +271,14 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
     // When each drain was in force: as its command returned.
     let mut done = Vec::new();
     for (node, service) in [("web-2", "web"), ("api-2", "api")] {
-        let said = cli(
-            &agg,
-            &[
-                "drain",
-                node,
-                "--service",
-                service,
-                "--reason",
-                "agent wedged",
-            ],
-        );
+        let said = agg.cli(&[
+            "drain",
+            node,
+            "--service",
+            service,
+            "--reason",
+            "agent wedged",
+        ]);
         assert!(said.contains(node), "{said}");
         done.push(Instant::now());
     }
@@ -386,17 +369,14 @@ fn a_central_drain_takes_a_wedged_node_out_of_haproxy_and_grpc_with_live_traffic
     // 3. Undrained, the agents still frozen: both nodes take requests again.
     let undrained = Instant::now();
     for (node, service) in [("web-2", "web"), ("api-2", "api")] {
-        cli(
-            &agg,
-            &[
-                "undrain",
-                node,
-                "--service",
-                service,
-                "--reason",
-                "agent back",
-            ],
-        );
+        agg.cli(&[
+            "undrain",
+            node,
+            "--service",
+            service,
+            "--reason",
+            "agent back",
+        ]);
     }
     wait_for(WITHIN, "HAProxy has web-2 ready again", || {
         let s = hap.try_show_servers_state()?;

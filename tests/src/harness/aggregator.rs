@@ -7,7 +7,7 @@ use super::api::{
 use super::netns::Netns;
 use super::pki::Pki;
 use super::ports;
-use super::process::{command, Proc, AGGREGATOR_BIN};
+use super::process::{command, run_bounded, Proc, AGGREGATOR_BIN};
 pub use ballast_aggregator::config::XdsTls;
 use serde::de::DeserializeOwned;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -511,6 +511,22 @@ impl Aggregator {
             "http"
         };
         format!("{scheme}://{}", self.http)
+    }
+
+    /// `ballast-aggregator ARGS --url (this aggregator's API)`, bounded to 30 s: its
+    /// stdout, or a panic with all it said. The operators' commands (`drain`, `hold`,
+    /// ...); credentials (`--ca`, `--token-file`) go in `args`.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let mut cmd = command(AGGREGATOR_BIN);
+        cmd.args(args).arg("--url").arg(self.base_url());
+        let out = run_bounded(cmd, Duration::from_secs(30));
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "ballast-aggregator {args:?}: {said}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     /// The xDS address; panics unless started with `xds`.
