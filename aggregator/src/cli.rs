@@ -1,7 +1,7 @@
 //! The `ballast-aggregator` command line, in the library so that man pages and shell
 //! completions can be generated from it.
 
-pub use ballast_config::cli::{CommonArgs, RelayArgs};
+pub use ballast_config::cli::{CommonArgs, HttpArgs, RelayArgs};
 use ballast_config::fill_unset as fill;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::net::SocketAddr;
@@ -311,19 +311,9 @@ pub struct RunArgs {
     /// wedged, e.g. 0.0.0.0:7404 [default: off].
     #[arg(long, env = "BALLAST_AGENT_CHECK")]
     pub agent_check: Option<SocketAddr>,
-    /// HTTPS on the HTTP API with the files of this directory: ca.pem (client
-    /// certificates are checked against it), server.pem and server.key, as `certs init`
-    /// lays them out; the --tls-dir will do (`[http_tls]`).
-    #[arg(long, env = "BALLAST_HTTP_TLS_DIR")]
-    pub http_tls_dir: Option<PathBuf>,
-    /// The token file of the HTTP API (`[http_auth] tokens`): entries from `token new`
-    /// or `token hash`.
-    #[arg(long, env = "BALLAST_HTTP_TOKENS")]
-    pub http_tokens: Option<PathBuf>,
-    /// Serve the HTTP API on an address other than loopback without TLS or
-    /// credentials (`insecure_http = true`).
-    #[arg(long, env = "BALLAST_INSECURE_HTTP")]
-    pub insecure_http: bool,
+    /// The HTTP API's TLS and credentials, as the relay has them for its HTTP port.
+    #[command(flatten)]
+    pub http: HttpArgs,
     /// Per-service config directory (`<service>.toml` files), merged live.
     #[arg(long, env = "BALLAST_CONFIG_DIR")]
     pub config_dir: Option<PathBuf>,
@@ -348,9 +338,9 @@ impl RunArgs {
     /// These flags, with those given before `run` (`top`) where these are unset.
     fn inherit(&mut self, top: &RunArgs) {
         self.common.inherit(&top.common);
-        fill!(self, top; xds, xds_tls, agent_check, http_tls_dir, http_tokens, config_dir, store, replica,
+        self.http.inherit(&top.http);
+        fill!(self, top; xds, xds_tls, agent_check, config_dir, store, replica,
             cycle_ms, grace_ms, report_interval_ms);
-        self.insecure_http |= top.insecure_http;
     }
 }
 

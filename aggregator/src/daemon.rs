@@ -398,25 +398,8 @@ impl Daemon {
             state.limits.http(),
         );
         if let Some(tls) = http_tls {
+            tasks.extend(tls.spawn_watches(&supervisor, &state.metrics.ingest));
             listener = listener.with_tls(tls.config);
-            if let Some(live) = tls.files {
-                tasks.push(supervisor.spawn(
-                    "HTTP TLS files",
-                    live.watch(
-                        ballast_shared::tls::live::CHECK_EVERY,
-                        crate::metrics::tls_reload_counter(&state.metrics, "http_"),
-                    ),
-                ));
-            }
-            if tls.own_revocation {
-                tasks.push(
-                    supervisor.spawn(
-                        "HTTP revocation list",
-                        tls.revocation
-                            .watch_counting(state.metrics.ingest.http_crl_reloads.clone()),
-                    ),
-                );
-            }
         }
         if let Some(watch) = auth.watch_tokens() {
             tasks.push(supervisor.spawn("HTTP token file", watch));

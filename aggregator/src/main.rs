@@ -9,7 +9,7 @@ use ballast_aggregator::cli::{
 use ballast_aggregator::client::{self, ActTarget, ApiClient};
 use ballast_aggregator::config::Config;
 use ballast_aggregator::daemon::{self, Daemon};
-use ballast_shared::config::{init_logging, TlsFiles};
+use ballast_shared::config::init_logging;
 use reqwest::Method;
 use serde_json::json;
 use std::process::ExitCode;
@@ -158,13 +158,7 @@ fn config(args: &RunArgs) -> Result<Config> {
     if let Some(v) = args.report_interval_ms {
         cfg.report_interval_ms = v;
     }
-    if let Some(dir) = &args.http_tls_dir {
-        cfg.http_tls = Some(TlsFiles::in_dir(dir, "server"));
-    }
-    if let Some(tokens) = &args.http_tokens {
-        cfg.http_auth.tokens = Some(tokens.clone());
-    }
-    cfg.insecure_http |= args.insecure_http;
+    args.http.apply(&mut cfg);
     cfg.validate().with_context(|| args.common.origin())?;
     cfg.check_http_exposure()
         .with_context(|| args.common.origin())?;

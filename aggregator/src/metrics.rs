@@ -662,15 +662,6 @@ impl Collector for ServiceFamilies {
     }
 }
 
-/// A counter of TLS file reloads for [`ballast_shared::tls::live::LiveTls::watch`],
-/// into `metrics`' ingest families, its `file` label prefixed with `prefix`.
-pub fn tls_reload_counter(
-    metrics: &Metrics,
-    prefix: &'static str,
-) -> ballast_shared::tls::live::ReloadCounter {
-    ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, prefix)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

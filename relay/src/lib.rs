@@ -292,25 +292,8 @@ mod running {
             cfg.limits.http(),
         );
         if let Some(tls) = http_tls {
+            tasks.extend(tls.spawn_watches(&supervisor, &metrics.ingest));
             listener = listener.with_tls(tls.config);
-            if let Some(live) = tls.files {
-                tasks.push(supervisor.spawn(
-                    "HTTP TLS files",
-                    live.watch(
-                        ballast_shared::tls::live::CHECK_EVERY,
-                        ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "http_"),
-                    ),
-                ));
-            }
-            if tls.own_revocation {
-                tasks.push(
-                    supervisor.spawn(
-                        "HTTP revocation list",
-                        tls.revocation
-                            .watch_counting(metrics.ingest.http_crl_reloads.clone()),
-                    ),
-                );
-            }
         }
         tasks.push(supervisor.spawn("HTTP", async move {
             if let Err(e) = axum::serve(listener, app).await {

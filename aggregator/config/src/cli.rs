@@ -1,5 +1,6 @@
-//! The command-line flags the aggregator and the relay share ([`CommonArgs`]), and the
-//! relay's ([`RelayArgs`]), with how they amend a configuration file.
+//! The command-line flags the aggregator and the relay share ([`CommonArgs`],
+//! [`HttpArgs`]), and the relay's ([`RelayArgs`]), with how they amend a configuration
+//! file.
 
 use crate::{BalanceTable, Config, EtcdConfig, TlsFiles};
 use clap::Args;
@@ -77,19 +78,50 @@ pub struct RelayArgs {
     /// The relay's name, told to the replicas (default: host name and QUIC port).
     #[arg(long, env = "BALLAST_RELAY_NAME")]
     pub name: Option<String>,
-    /// Directory with the TLS identity of the HTTP port (/metrics, /healthz): ca.pem
-    /// (client certificates are checked against it), server.pem and server.key, as
-    /// `certs init` lays them out; the --tls-dir will do (`[http_tls]`).
+    /// The HTTP port's TLS and credentials.
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// The HTTP listener's flags, the daemon's (its API and /metrics) and the relay's (its
+/// /metrics and /healthz) alike; each overrides the configuration file.
+#[derive(Args, Clone, Default)]
+pub struct HttpArgs {
+    /// HTTPS on the HTTP port (an aggregator's API and /metrics, a relay's /metrics and
+    /// /healthz) with the files of this directory: ca.pem (client certificates are checked
+    /// against it), server.pem and server.key, as `certs init` lays them out; the
+    /// --tls-dir will do (`[http_tls]`).
     #[arg(long, env = "BALLAST_HTTP_TLS_DIR")]
     pub http_tls_dir: Option<PathBuf>,
     /// The token file of the HTTP port (`[http_auth] tokens`): entries from
-    /// `ballast-aggregator token new` or `token hash`, of role scrape for a scraper.
+    /// `ballast-aggregator token new` or `token hash` (on a relay, of role scrape for
+    /// a scraper).
     #[arg(long, env = "BALLAST_HTTP_TOKENS")]
     pub http_tokens: Option<PathBuf>,
-    /// Serve /metrics on an address other than loopback without TLS or credentials
-    /// (`insecure_http = true`).
+    /// Serve the HTTP port (an aggregator's API, a relay's /metrics) on an address other
+    /// than loopback without TLS or credentials (`insecure_http = true`).
     #[arg(long, env = "BALLAST_INSECURE_HTTP")]
     pub insecure_http: bool,
+}
+
+impl HttpArgs {
+    /// These flags, with those given before the subcommand (`top`) where these are unset.
+    pub fn inherit(&mut self, top: &HttpArgs) {
+        crate::fill_unset!(self, top; http_tls_dir, http_tokens);
+        self.insecure_http |= top.insecure_http;
+    }
+
+    /// Amends `cfg` with these flags: `[http_tls]` in the directory, the token file,
+    /// `insecure_http`. Nothing is validated yet.
+    pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) {
+        if let Some(dir) = &self.http_tls_dir {
+            cfg.http_tls = Some(TlsFiles::in_dir(dir, "server"));
+        }
+        if let Some(tokens) = &self.http_tokens {
+            cfg.http_auth.tokens = Some(tokens.clone());
+        }
+        cfg.insecure_http |= self.insecure_http;
+    }
 }
 
 /// Fills every unset field of `$dst` from `$src` (the flags given before a subcommand,
@@ -216,13 +248,7 @@ impl RelayArgs {
         if let Some(name) = &self.name {
             relay.name = Some(name.clone());
         }
-        if let Some(dir) = &self.http_tls_dir {
-            cfg.http_tls = Some(TlsFiles::in_dir(dir, "server"));
-        }
-        if let Some(tokens) = &self.http_tokens {
-            cfg.http_auth.tokens = Some(tokens.clone());
-        }
-        cfg.insecure_http |= self.insecure_http;
+        self.http.apply(cfg);
         Ok(())
     }
 }

@@ -531,6 +531,41 @@ pub struct HttpTls {
     pub own_revocation: bool,
 }
 
+impl HttpTls {
+    /// Starts, under `supervisor`, the watches of what is the listener's own: its TLS
+    /// files (reloads counted in `metrics`' `tls_reloads`, the `file` label prefixed
+    /// `http_`) and its revocation list (reloads counted in `http_crl_reloads`). What
+    /// is the agents' listener's is watched by ingest, and not here. The tasks, for
+    /// the daemon to end at shutdown.
+    pub fn spawn_watches(
+        &self,
+        supervisor: &crate::supervise::Supervisor,
+        metrics: &Arc<crate::metrics::IngestMetrics>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut tasks = Vec::new();
+        if let Some(live) = &self.files {
+            tasks.push(supervisor.spawn(
+                "HTTP TLS files",
+                live.clone().watch(
+                    ballast_shared::tls::live::CHECK_EVERY,
+                    crate::metrics::tls_reload_counter(metrics, "http_"),
+                ),
+            ));
+        }
+        if self.own_revocation {
+            tasks.push(
+                supervisor.spawn(
+                    "HTTP revocation list",
+                    self.revocation
+                        .clone()
+                        .watch_counting(metrics.http_crl_reloads.clone()),
+                ),
+            );
+        }
+        tasks
+    }
+}
+
 /// The HTTP listener's TLS from `files` (`[http_tls]`), for a daemon whose agents'
 /// listener is `agents`, set up from `agent_files` (`[tls]`):
 ///
