@@ -562,6 +562,60 @@ fn the_dashboard_signs_in_with_a_token_kept_in_memory_and_shows_who_drained() {
     drop(agent);
 }
 
+/// An aggregator whose HTTP listener presents the server certificate of `ops` (the
+/// operators' PKI, not the agents') and checks client certificates against the CA file
+/// `ca`, `ops-*` ones as viewers, with the viewer's token in a token file of `dir` and
+/// the `[http_auth]` lines `extra` (its revocation list, say).
+fn start_on_operators_ca(pki: &Pki, ops: &Pki, dir: &Path, ca: &Path, extra: &str) -> Aggregator {
+    let tokens = dir.join("api-tokens.toml");
+    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
+    let tls = ops.server_tls_dir();
+    let config = format!(
+        "[http_tls]\nca = {ca:?}\ncert = {:?}\nkey = {:?}\n\n\
+         [http_auth]\ntokens = {tokens:?}\n{extra}\n\
+         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n",
+        tls.join("server.pem"),
+        tls.join("server.key"),
+    );
+    Aggregator::start(
+        pki,
+        AggregatorOpts {
+            config_toml: Some(config),
+            api: Some(ApiAccess {
+                ca: ops.dir().join("ca.pem"),
+                token: Some(VIEWER_TOKEN.to_string()),
+            }),
+            ..AggregatorOpts::default()
+        },
+    )
+}
+
+/// Waits up to `within` for a new connection with the certificate in `identity` (of
+/// `ops`) to be refused at the handshake, `what` saying why it should be.
+fn wait_refused_at_handshake(
+    ops: &Pki,
+    identity: &Path,
+    agg: &Aggregator,
+    within: Duration,
+    what: &str,
+) {
+    wait_for(within, what, || {
+        match get(&client(ops, Some(identity)), agg, "/v1/services", None) {
+            Err(_) => Ok(()),
+            Ok((code, _, _)) => Err(format!("status {code}")),
+        }
+    });
+}
+
+/// The samples of `name` labelled `reason` on the aggregator's /metrics, summed; and
+/// the page, for a failure's message.
+fn counted(agg: &Aggregator, name: &str, reason: &str) -> (f64, String) {
+    let metrics = agg.metrics();
+    let samples = ballast_tests::harness::api::parse_metrics(&metrics);
+    let sum = ballast_tests::harness::api::sum_samples(&samples, name, &[("reason", reason)]);
+    (sum, metrics)
+}
+
 #[test]
 fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
     let pki = Pki::new();
@@ -571,29 +625,8 @@ fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
     let bob = ops.node_tls_dir("ops-bob");
     ops.revoke("ops-carol");
     let dir = tempfile::tempdir().expect("tempdir");
-    let tokens = dir.path().join("api-tokens.toml");
-    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
-    let tls = ops.server_tls_dir();
-    let config = format!(
-        "[http_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n\n\
-         [http_auth]\ntokens = {tokens:?}\ncrl = {:?}\ncrl_check_ms = 200\n\n\
-         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n",
-        tls.join("ca.pem"),
-        tls.join("server.pem"),
-        tls.join("server.key"),
-        ops.crl_path(),
-    );
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts {
-            config_toml: Some(config),
-            api: Some(ApiAccess {
-                ca: ops.dir().join("ca.pem"),
-                token: Some(VIEWER_TOKEN.to_string()),
-            }),
-            ..AggregatorOpts::default()
-        },
-    );
+    let crl = format!("crl = {:?}\ncrl_check_ms = 200\n", ops.crl_path());
+    let agg = start_on_operators_ca(&pki, &ops, dir.path(), &ops.dir().join("ca.pem"), &crl);
 
     // Revoked before the start: refused at the handshake. Not revoked: reads.
     let refused = get(&client(&ops, Some(&carol)), &agg, "/v1/services", None);
@@ -607,13 +640,12 @@ fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
     // Revoked while it runs: a new connection is refused at the handshake...
     ops.revoke("ops-bob");
     let revoked = std::time::Instant::now();
-    wait_for(
+    wait_refused_at_handshake(
+        &ops,
+        &bob,
+        &agg,
         Duration::from_secs(5),
         "a new connection with the revoked certificate refused",
-        || match get(&client(&ops, Some(&bob)), &agg, "/v1/services", None) {
-            Err(_) => Ok(()),
-            Ok((code, _, _)) => Err(format!("status {code}")),
-        },
     );
     eprintln!("revoked certificate refused after {:?}", revoked.elapsed());
     // ...and the connection made before is answered 401, saying why.
@@ -623,22 +655,12 @@ fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
     assert!(body.contains("revoked"), "{body}");
     assert!(challenge.is_some(), "a 401 says how to authenticate");
 
-    let metrics = agg.metrics();
-    let samples = ballast_tests::harness::api::parse_metrics(&metrics);
-    let revoked = ballast_tests::harness::api::sum_samples(
-        &samples,
-        "ballast_http_auth_failures_total",
-        &[("reason", "revoked")],
-    );
+    let (revoked, metrics) = counted(&agg, "ballast_http_auth_failures_total", "revoked");
     assert!(
         revoked >= 3.0,
         "revoked refusals counted: {revoked}\n{metrics}"
     );
-    let reloads = ballast_tests::harness::api::sum_samples(
-        &samples,
-        "ballast_http_crl_reloads_total",
-        &[("reason", "applied")],
-    );
+    let (reloads, metrics) = counted(&agg, "ballast_http_crl_reloads_total", "applied");
     assert!(
         reloads >= 1.0,
         "no reload of the HTTP list counted:\n{metrics}"
@@ -656,45 +678,24 @@ fn a_kept_alive_connection_from_a_ca_rotated_out_is_refused_on_its_next_request(
     let other = Pki::new();
     let bob = ops.node_tls_dir("ops-bob");
     let dir = tempfile::tempdir().expect("tempdir");
-    let tokens = dir.path().join("api-tokens.toml");
-    write_atomically(&tokens, &token_entry("grafana", "viewer", VIEWER_TOKEN));
     // The CA bundle the listener checks client certificates against, a file of its own
     // so that it can be rotated without touching the server's certificate.
     let client_ca = dir.path().join("client-ca.pem");
     let ops_ca = std::fs::read_to_string(ops.dir().join("ca.pem")).expect("ops ca.pem");
     write_atomically(&client_ca, &ops_ca);
-    let tls = ops.server_tls_dir();
-    let config = format!(
-        "[http_tls]\nca = {client_ca:?}\ncert = {:?}\nkey = {:?}\n\n\
-         [http_auth]\ntokens = {tokens:?}\n\n\
-         [http_auth.cert_roles]\nviewer = [\"ops-*\"]\n",
-        tls.join("server.pem"),
-        tls.join("server.key"),
-    );
-    let agg = Aggregator::start(
-        &pki,
-        AggregatorOpts {
-            config_toml: Some(config),
-            api: Some(ApiAccess {
-                ca: ops.dir().join("ca.pem"),
-                token: Some(VIEWER_TOKEN.to_string()),
-            }),
-            ..AggregatorOpts::default()
-        },
-    );
+    let agg = start_on_operators_ca(&pki, &ops, dir.path(), &client_ca, "");
     let kept = client(&ops, Some(&bob));
     assert_eq!(status(&kept, &agg, "/v1/services", None), 200);
 
     // The operators' CA rotated out: only the other PKI's CA is trusted now.
     let other_ca = std::fs::read_to_string(other.dir().join("ca.pem")).expect("other ca.pem");
     write_atomically(&client_ca, &other_ca);
-    wait_for(
+    wait_refused_at_handshake(
+        &ops,
+        &bob,
+        &agg,
         Duration::from_secs(10),
         "a new connection with a certificate of the rotated-out CA refused",
-        || match get(&client(&ops, Some(&bob)), &agg, "/v1/services", None) {
-            Err(_) => Ok(()),
-            Ok((code, _, _)) => Err(format!("status {code}")),
-        },
     );
     // The connection made before the rotation is refused on its next request.
     let (code, _, body) =
@@ -705,14 +706,8 @@ fn a_kept_alive_connection_from_a_ca_rotated_out_is_refused_on_its_next_request(
     );
     assert!(body.contains("no longer verifies"), "{body}");
 
-    let metrics = agg.metrics();
-    let samples = ballast_tests::harness::api::parse_metrics(&metrics);
-    let bad_cert = ballast_tests::harness::api::sum_samples(
-        &samples,
-        "ballast_http_auth_failures_total",
-        &[("reason", "bad_cert")],
-    );
     // The new connection's handshake, and the kept connection's request.
+    let (bad_cert, metrics) = counted(&agg, "ballast_http_auth_failures_total", "bad_cert");
     assert!(
         bad_cert >= 2.0,
         "bad_cert refusals counted: {bad_cert}\n{metrics}"
