@@ -33,6 +33,9 @@
 //! 4. **A CA rotated out.** The listener's CA file replaced while the aggregator runs:
 //!    a connection kept alive from before, with a certificate of the old CA, is
 //!    answered 403 on its next request (`bad_cert`).
+//! 5. **A certificate expired.** A client certificate that expires while a connection
+//!    it made is kept alive: that connection is answered 401 on its next request
+//!    (`expired`).
 
 use ballast_tests::harness::aggregator::ApiAccess;
 use ballast_tests::harness::api::token_entry;
@@ -711,5 +714,41 @@ fn a_kept_alive_connection_from_a_ca_rotated_out_is_refused_on_its_next_request(
     assert!(
         bad_cert >= 2.0,
         "bad_cert refusals counted: {bad_cert}\n{metrics}"
+    );
+}
+
+/// A client certificate that expires while a connection it made is kept alive: the
+/// connection's next request is answered 401 ("expired"), counted as `expired`.
+#[test]
+fn a_kept_alive_connection_whose_certificate_expired_is_refused_on_its_next_request() {
+    let pki = Pki::new();
+    let ops = Pki::new();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64;
+    // Valid for 3 s more: long enough for the first request, not for the second.
+    let dana = ops.node_tls_dir_valid("ops-dana", &[], now - 60, now + 3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agg = start_on_operators_ca(&pki, &ops, dir.path(), &ops.dir().join("ca.pem"), "");
+    let kept = client(&ops, Some(&dana));
+    assert_eq!(status(&kept, &agg, "/v1/services", None), 200);
+
+    wait_refused_at_handshake(
+        &ops,
+        &dana,
+        &agg,
+        Duration::from_secs(10),
+        "a new connection with the expired certificate refused",
+    );
+    let (code, challenge, body) =
+        get(&kept, &agg, "/v1/services", None).expect("the kept connection answered");
+    assert_eq!(code, 401, "an expired certificate was served: {body}");
+    assert!(body.contains("expired"), "{body}");
+    assert!(challenge.is_some(), "a 401 says how to authenticate");
+    let (expired, metrics) = counted(&agg, "ballast_http_auth_failures_total", "expired");
+    assert!(
+        expired >= 1.0,
+        "expired refusals counted: {expired}\n{metrics}"
     );
 }
