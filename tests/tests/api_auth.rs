@@ -594,29 +594,35 @@ fn start_on_operators_ca(pki: &Pki, ops: &Pki, dir: &Path, ca: &Path, extra: &st
 }
 
 /// Waits up to `within` for a new connection with the certificate in `identity` (of
-/// `ops`) to be refused at the handshake, `what` saying why it should be.
-fn wait_refused_at_handshake(
+/// `ops`) to be refused at the handshake, `what` saying why it should be; then the
+/// answer to `kept`, a client whose connection was made before, on its next request.
+fn refused_anew_then_kept(
     ops: &Pki,
     identity: &Path,
     agg: &Aggregator,
+    kept: &reqwest::blocking::Client,
     within: Duration,
     what: &str,
-) {
+) -> (u16, Option<String>, String) {
     wait_for(within, what, || {
         match get(&client(ops, Some(identity)), agg, "/v1/services", None) {
             Err(_) => Ok(()),
             Ok((code, _, _)) => Err(format!("status {code}")),
         }
     });
+    get(kept, agg, "/v1/services", None).expect("the kept connection answered")
 }
 
-/// The samples of `name` labelled `reason` on the aggregator's /metrics, summed; and
-/// the page, for a failure's message.
-fn counted(agg: &Aggregator, name: &str, reason: &str) -> (f64, String) {
+/// Asserts that the samples of `name` labelled `reason` on the aggregator's /metrics
+/// add up to `at_least` or more.
+fn assert_counted(agg: &Aggregator, name: &str, reason: &str, at_least: f64) {
     let metrics = agg.metrics();
     let samples = ballast_tests::harness::api::parse_metrics(&metrics);
     let sum = ballast_tests::harness::api::sum_samples(&samples, name, &[("reason", reason)]);
-    (sum, metrics)
+    assert!(
+        sum >= at_least,
+        "{name}{{reason=\"{reason}\"}} is {sum}, below {at_least}:\n{metrics}"
+    );
 }
 
 #[test]
@@ -643,31 +649,22 @@ fn the_http_listeners_own_ca_has_its_revocation_list_honoured_and_reloaded() {
     // Revoked while it runs: a new connection is refused at the handshake...
     ops.revoke("ops-bob");
     let revoked = std::time::Instant::now();
-    wait_refused_at_handshake(
+    let (code, challenge, body) = refused_anew_then_kept(
         &ops,
         &bob,
         &agg,
+        &kept,
         Duration::from_secs(5),
         "a new connection with the revoked certificate refused",
     );
     eprintln!("revoked certificate refused after {:?}", revoked.elapsed());
     // ...and the connection made before is answered 401, saying why.
-    let (code, challenge, body) =
-        get(&kept, &agg, "/v1/services", None).expect("the kept connection answered");
     assert_eq!(code, 401, "{body}");
     assert!(body.contains("revoked"), "{body}");
     assert!(challenge.is_some(), "a 401 says how to authenticate");
 
-    let (revoked, metrics) = counted(&agg, "ballast_http_auth_failures_total", "revoked");
-    assert!(
-        revoked >= 3.0,
-        "revoked refusals counted: {revoked}\n{metrics}"
-    );
-    let (reloads, metrics) = counted(&agg, "ballast_http_crl_reloads_total", "applied");
-    assert!(
-        reloads >= 1.0,
-        "no reload of the HTTP list counted:\n{metrics}"
-    );
+    assert_counted(&agg, "ballast_http_auth_failures_total", "revoked", 3.0);
+    assert_counted(&agg, "ballast_http_crl_reloads_total", "applied", 1.0);
 }
 
 /// The HTTP listener's CA file replaced while the aggregator runs by another PKI's: a
@@ -693,16 +690,15 @@ fn a_kept_alive_connection_from_a_ca_rotated_out_is_refused_on_its_next_request(
     // The operators' CA rotated out: only the other PKI's CA is trusted now.
     let other_ca = std::fs::read_to_string(other.dir().join("ca.pem")).expect("other ca.pem");
     write_atomically(&client_ca, &other_ca);
-    wait_refused_at_handshake(
+    let (code, _, body) = refused_anew_then_kept(
         &ops,
         &bob,
         &agg,
+        &kept,
         Duration::from_secs(10),
         "a new connection with a certificate of the rotated-out CA refused",
     );
     // The connection made before the rotation is refused on its next request.
-    let (code, _, body) =
-        get(&kept, &agg, "/v1/services", None).expect("the kept connection answered");
     assert_eq!(
         code, 403,
         "a certificate of a rotated-out CA was served: {body}"
@@ -710,11 +706,7 @@ fn a_kept_alive_connection_from_a_ca_rotated_out_is_refused_on_its_next_request(
     assert!(body.contains("no longer verifies"), "{body}");
 
     // The new connection's handshake, and the kept connection's request.
-    let (bad_cert, metrics) = counted(&agg, "ballast_http_auth_failures_total", "bad_cert");
-    assert!(
-        bad_cert >= 2.0,
-        "bad_cert refusals counted: {bad_cert}\n{metrics}"
-    );
+    assert_counted(&agg, "ballast_http_auth_failures_total", "bad_cert", 2.0);
 }
 
 /// A client certificate that expires while a connection it made is kept alive: the
@@ -734,21 +726,16 @@ fn a_kept_alive_connection_whose_certificate_expired_is_refused_on_its_next_requ
     let kept = client(&ops, Some(&dana));
     assert_eq!(status(&kept, &agg, "/v1/services", None), 200);
 
-    wait_refused_at_handshake(
+    let (code, challenge, body) = refused_anew_then_kept(
         &ops,
         &dana,
         &agg,
+        &kept,
         Duration::from_secs(10),
         "a new connection with the expired certificate refused",
     );
-    let (code, challenge, body) =
-        get(&kept, &agg, "/v1/services", None).expect("the kept connection answered");
     assert_eq!(code, 401, "an expired certificate was served: {body}");
     assert!(body.contains("expired"), "{body}");
     assert!(challenge.is_some(), "a 401 says how to authenticate");
-    let (expired, metrics) = counted(&agg, "ballast_http_auth_failures_total", "expired");
-    assert!(
-        expired >= 1.0,
-        "expired refusals counted: {expired}\n{metrics}"
-    );
+    assert_counted(&agg, "ballast_http_auth_failures_total", "expired", 1.0);
 }
