@@ -182,3 +182,16 @@ async fn the_metrics_only_listener_opens_healthz_and_gives_metrics_to_the_roles_
         ));
     assert_eq!(call(&open, "/metrics", None).await, 200);
 }
+
+#[test]
+fn a_certificate_that_expired_or_no_longer_verifies_is_refused_with_its_own_reason() {
+    // Expired since its connection was made: 401, with the challenge, as revoked is.
+    let expired = Failure::Expired.response();
+    assert_eq!(Failure::Expired.label(), "expired");
+    assert_eq!(expired.status(), StatusCode::UNAUTHORIZED);
+    assert!(expired.headers().contains_key(header::WWW_AUTHENTICATE));
+    // From a CA no longer trusted: 403, as any certificate the listener refuses.
+    let unverified = Failure::BadCert.response();
+    assert_eq!(Failure::BadCert.label(), "bad_cert");
+    assert_eq!(unverified.status(), StatusCode::FORBIDDEN);
+}
