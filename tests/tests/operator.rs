@@ -29,25 +29,12 @@ const VIEWER_TOKEN: &str = "viewer-0b6f3c1d9e2a4f7b8c5d6e0a";
 const OPERATOR_TOKEN: &str = "operator-7e2d9a4c1b8f0e3d6a5c2b9f";
 const CYCLE_MS: u64 = 500;
 
-/// `ballast-aggregator ARGS --url … --ca … --token-file …`: its stdout, or a panic
-/// with what it said.
+/// [`Aggregator::cli`] with `--ca` and `--token-file`.
 fn cli(agg: &Aggregator, ca: &Path, token_file: &Path, args: &[&str]) -> String {
-    let mut cmd = command(AGGREGATOR_BIN);
-    cmd.args(args)
-        .arg("--url")
-        .arg(agg.base_url())
-        .arg("--ca")
-        .arg(ca)
-        .arg("--token-file")
-        .arg(token_file);
-    let out = run_bounded(cmd, Duration::from_secs(20));
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "ballast-aggregator {args:?}: {said}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let (ca, token_file) = (ca.to_string_lossy(), token_file.to_string_lossy());
+    let mut args = args.to_vec();
+    args.extend(["--ca", &ca, "--token-file", &token_file]);
+    agg.cli(&args)
 }
 
 /// The published weight and draining flag of `node`, as `/v1/published` has them.
