@@ -166,7 +166,7 @@ impl Daemon {
             .clone()
             .unwrap_or_else(|| default_advertise(daemon.quic_addr));
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let member = crate::cluster::etcd::Replica::new(
+        let mut member = crate::cluster::etcd::Replica::new(
             door,
             daemon.state.metrics.clone(),
             store,
@@ -178,6 +178,12 @@ impl Daemon {
         );
         tracing::info!(%replica, cluster = %cluster.name, buckets = cluster.buckets,
             "serving as a cluster replica");
+        if let Some(answerer) = member.take_answerer() {
+            let task = daemon
+                .supervisor
+                .spawn("cluster action requests", answerer.run());
+            daemon.tasks.push(task);
+        }
         let task = daemon.supervisor.spawn("cluster membership", member.run());
         daemon.cluster = Some((stop, task));
         Ok(daemon)

@@ -154,7 +154,7 @@ fn an_action_sent_to_any_replica_is_applied_by_the_owner_and_outlives_it() {
             .filter(|e| e.key == owner_key)
             .collect::<Vec<_>>()
     };
-    let held_before = wait_for(Duration::from_secs(5), "alpha's owner key seen", || {
+    let held_before = wait_for(Duration::from_secs(20), "alpha's owner key seen", || {
         let events = owner_key_events();
         match events.last() {
             Some(e) if e.kind == "PUT" && e.value == owner => Ok(events.clone()),

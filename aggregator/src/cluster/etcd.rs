@@ -101,13 +101,17 @@ impl Replica {
         }
     }
 
+    /// What answers other replicas' requests for actions, for the caller to run as a
+    /// task of its own under the daemon's supervisor: answering never holds up the
+    /// renewal of the lease. It ends when this replica does (its `Answering` dropped).
+    pub(crate) fn take_answerer(&mut self) -> Option<Answerer> {
+        self.answerer.take()
+    }
+
     /// Runs until the daemon stops: a session per lease, another after any failure.
-    pub(crate) async fn run(mut self) {
-        // Answering requests never holds up the renewal of the lease: it ends when
-        // this replica does (its `Answering` dropped).
-        if let Some(answerer) = self.answerer.take() {
-            tokio::spawn(answerer.run());
-        }
+    /// The requests for actions are answered only while the task of
+    /// [`Replica::take_answerer`] runs.
+    pub(crate) async fn run(self) {
         let mut failing = false;
         loop {
             let started = Instant::now();
