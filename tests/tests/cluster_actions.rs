@@ -144,23 +144,16 @@ fn an_action_sent_to_any_replica_is_applied_by_the_owner_and_outlives_it() {
         );
     }
 
-    // Alpha's owner key, as etcd has had it up to now: O's last.
+    // Alpha's owner key, as etcd has it now: O's.
     let owner_key = owner_key(PREFIX, CLUSTER, bucket);
-    let owner_keys = etcd.watch(&owner_key);
-    let owner_key_events = || {
-        owner_keys
-            .events()
-            .into_iter()
-            .filter(|e| e.key == owner_key)
-            .collect::<Vec<_>>()
-    };
-    let held_before = wait_for(Duration::from_secs(20), "alpha's owner key seen", || {
-        let events = owner_key_events();
-        match events.last() {
-            Some(e) if e.kind == "PUT" && e.value == owner => Ok(events.clone()),
+    let held_before = wait_for(
+        Duration::from_secs(20),
+        "alpha's owner key held by O",
+        || match etcd.get(&owner_key) {
+            Some(v) if v == owner => Ok(v),
             other => Err(format!("{other:?}")),
-        }
-    });
+        },
+    );
 
     // 1. A drain through the successor, which does not own alpha: applied by the
     // owner (200), or, the owner slow to answer, accepted for it (202).
@@ -248,8 +241,8 @@ fn an_action_sent_to_any_replica_is_applied_by_the_owner_and_outlives_it() {
     // Nothing but O wrote alpha's key: its owner key did not change (and etcd refuses
     // a write of alpha's key not fenced by it).
     assert_eq!(
-        owner_key_events(),
-        held_before,
+        etcd.get(&owner_key),
+        Some(held_before),
         "alpha's owner key changed during the drain"
     );
 
