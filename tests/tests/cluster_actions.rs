@@ -12,9 +12,9 @@
 //!    within two cycles, the others once O's store write reaches them through etcd's
 //!    watch (the time each took is printed). S's audit trail says who acted, from
 //!    which address and why, that S received it and (when answered) O applied it; O's
-//!    says the same. Nothing but O wrote alpha's key: alpha's owner key is O's,
-//!    unchanged, from before the drain until O is killed, and etcd refuses a write of
-//!    alpha's key not fenced by that key.
+//!    says the same. Nothing but O wrote alpha's key: alpha's owner key is O's before
+//!    the drain and after it, and etcd refuses a write of alpha's key not fenced by
+//!    that key.
 //! 2. **The owner dies.** O is killed (SIGKILL); S takes alpha over from etcd and still
 //!    has `alpha-3` drained, at every replica.
 //! 3. **An action while the service changes hands.** A hold sent through T right
