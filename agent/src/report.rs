@@ -539,6 +539,8 @@ pub(crate) fn assigned(shared: &Shared, a: Assignment) {
 /// nothing (see [`measure`]): a missing report is handled by the aggregator, while a
 /// made-up zero would look like idleness.
 fn send_report(shared: &Shared, m: Measurement, s: &mut ClientSession, conn: &quinn::Connection) {
+    #[cfg(feature = "gate-probe")]
+    ballast_shared::gate_probe::spin("agent");
     let ok = match s.report(m) {
         Ok(bytes) => conn.send_datagram(bytes.into()).is_ok(),
         Err(e) => {

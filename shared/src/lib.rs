@@ -3,6 +3,8 @@
 
 pub mod config;
 pub mod frame;
+#[cfg(feature = "gate-probe")]
+pub mod gate_probe;
 pub mod pki;
 pub mod protocol;
 pub mod reconnect;

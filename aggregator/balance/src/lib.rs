@@ -16,6 +16,8 @@
 
 pub mod by_node;
 pub mod endpoints;
+#[cfg(feature = "gate-probe")]
+mod gate_probe;
 pub mod inflight;
 pub mod load;
 pub mod mixture;

@@ -525,6 +525,8 @@ impl Service {
     /// restored endpoints are alive; those that stay silent keep their stored weights
     /// and expire by the rule above, without freezing the rest of the service.
     pub fn cycle(&mut self, now: Millis, grace_until: Millis) -> CycleResult {
+        #[cfg(feature = "gate-probe")]
+        crate::gate_probe::spin_cycle(self.slots.len());
         self.stats.cycles += 1;
         let cycle = self.stats.cycles;
         // Registrations out of order and removals since the last cycle left the slots

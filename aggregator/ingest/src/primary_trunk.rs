@@ -600,6 +600,8 @@ impl<R: Replica> PrimaryTrunk<'_, R> {
                         } => {
                             if accepted {
                                 self.metrics.reports_accepted.inc();
+                                #[cfg(feature = "gate-probe")]
+                                ballast_shared::gate_probe::spin("trunk");
                             } else {
                                 self.metrics.reject("reordered");
                             }

@@ -513,6 +513,11 @@ async fn handle<U: Upstream>(
                     } => {
                         if accepted {
                             metrics.reports_accepted.inc();
+                            #[cfg(feature = "gate-probe")]
+                            {
+                                ballast_shared::gate_probe::spin("direct");
+                                ballast_shared::gate_probe::leak();
+                            }
                         } else {
                             metrics.reject("reordered");
                         }
