@@ -197,6 +197,7 @@ fn main() {
             ..AggregatorOpts::default()
                 .etcd(&etcd.endpoint(), PREFIX)
                 .cluster(CLUSTER, "p0")
+                .relays(&["relay-bench"])
                 .report_interval_ms(interval_ms)
                 .cycle_ms(1000)
         },
@@ -233,6 +234,8 @@ fn main() {
         ca: Arc::new(ca_certs),
         identities: Arc::new(identities),
         services: Arc::new(vec![SERVICE.to_string()]),
+        // Today's agent: a relay admits no other.
+        current: true,
     };
 
     let relay_pid = relay.pid().expect("the relay runs");

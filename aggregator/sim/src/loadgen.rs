@@ -7,8 +7,11 @@
 //! Every connection is a tokio task on the caller's runtime; the counters in [`Stats`]
 //! say what was sent, answered and lost.
 
+use ballast_shared::protocol::{self, Protocol};
 use ballast_shared::session::driver::{now, until};
-use ballast_shared::session::{close, ClientConfig, ClientEvent, ClientSession, Measurement};
+use ballast_shared::session::{
+    close, proof, ClientConfig, ClientEvent, ClientSession, Measurement,
+};
 use ballast_shared::tls::{self, CertificateDer, Identity};
 use ballast_shared::wire::Hello;
 use std::net::SocketAddr;
@@ -98,6 +101,12 @@ pub struct Target {
     pub identities: Arc<Vec<Identity>>,
     /// The service of connection `i`: `services[i % services.len()]`.
     pub services: Arc<Vec<String>>,
+    /// Whether each connection speaks as today's agent: every protocol version
+    /// offered, the hello stream kept open, and a relay's challenges answered with the
+    /// certificate's key (a relay admits no agent otherwise). Without it, the
+    /// connections speak the previous version, which a bare QUIC server answers too
+    /// (the ingest bench compares the two on it).
+    pub current: bool,
 }
 
 /// The node name of connection `i`, which its certificate must carry.
@@ -172,6 +181,7 @@ impl Load {
                 service: service.clone(),
                 identity: identity.clone(),
                 ca: self.target.ca.clone(),
+                current: self.target.current,
                 stats: self.stats.clone(),
             };
             let task = agent.run(self.gate.clone(), self.control.subscribe());
@@ -269,6 +279,7 @@ struct Agent {
     service: String,
     identity: Identity,
     ca: Arc<Vec<CertificateDer<'static>>>,
+    current: bool,
     stats: Arc<Stats>,
 }
 
@@ -276,7 +287,8 @@ impl Agent {
     async fn run(self, gate: Arc<Semaphore>, mut control: watch::Receiver<Option<u32>>) {
         // A second attempt when the first fails, as an agent reconnects.
         let mut attempts = 0;
-        let (conn, mut session) = loop {
+        // The hello stream, held open for the connection's life (today's protocol).
+        let (conn, mut session, _hello_stream) = loop {
             attempts += 1;
             let permit = gate.clone().acquire_owned().await;
             let opened = tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await;
@@ -329,9 +341,27 @@ impl Agent {
     }
 
     /// The handshake and the session's hello, as an agent opens them.
-    async fn connect(&self) -> Result<(quinn::Connection, ClientSession), String> {
-        let client = tls::client_config(self.identity.clone(), &self.ca)
-            .map_err(|e| format!("client config: {e}"))?;
+    #[allow(clippy::type_complexity)]
+    async fn connect(
+        &self,
+    ) -> Result<
+        (
+            quinn::Connection,
+            ClientSession,
+            Option<(quinn::SendStream, quinn::RecvStream)>,
+        ),
+        String,
+    > {
+        let client = if self.current {
+            tls::client_config_with_alpns(
+                self.identity.clone(),
+                &self.ca,
+                &protocol::alpns(&Protocol::ALL),
+            )
+        } else {
+            tls::client_config(self.identity.clone(), &self.ca)
+        }
+        .map_err(|e| format!("client config: {e}"))?;
         let conn = self
             .endpoint
             .connect_with(client, self.server, &self.server_name)
@@ -345,13 +375,25 @@ impl Agent {
             zone: String::new(),
             version: ballast_shared::VERSION.into(),
         };
-        let mut session = ClientSession::new(hello, ClientConfig::default(), now());
+        let config = ClientConfig {
+            protocol: Protocol::negotiated(&conn).unwrap_or(Protocol::CURRENT),
+            ..ClientConfig::default()
+        };
+        let mut session = ClientSession::new(hello, config, now());
+        if self.current {
+            let key =
+                proof::signing_key(&self.identity.key).map_err(|e| format!("signing key: {e}"))?;
+            session = session.with_key(key);
+        }
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| format!("stream: {e}"))?;
         let frame = session.hello_frame().map_err(|e| e.to_string())?;
         send.write_all(&frame)
             .await
             .map_err(|e| format!("hello: {e}"))?;
-        let _ = send.finish();
+        let keep_open = config.protocol == Protocol::CURRENT;
+        if !keep_open {
+            let _ = send.finish();
+        }
         let mut buf = [0u8; 512];
         loop {
             let read = tokio::select! {
@@ -365,8 +407,17 @@ impl Agent {
                 Ok(Some(n)) => session.handle_stream(now(), buf.get(..n).unwrap_or_default()),
                 Ok(None) | Err(_) => session.handle_stream_end().map(|()| None),
             };
+            // A relay's challenge answered: the proof goes out on the stream.
+            let out = session.take_stream_out();
+            if !out.is_empty() {
+                send.write_all(&out)
+                    .await
+                    .map_err(|e| format!("proof: {e}"))?;
+            }
             match event {
-                Ok(Some(ClientEvent::Welcomed { .. })) => return Ok((conn, session)),
+                Ok(Some(ClientEvent::Welcomed { .. })) => {
+                    return Ok((conn, session, keep_open.then_some((send, recv))))
+                }
                 Ok(_) if session.is_closed() => return Err("no welcome".into()),
                 Ok(_) => {}
                 Err(e) => return Err(e.to_string()),
