@@ -50,12 +50,13 @@ const RELAY_ROUNDS: usize = 2;
 /// primary process: sessions or trunk, the cycle and the etcd writes).
 ///
 /// Measured (debug builds, 2 cores, light work beside): 0.140 (relayed 24.1 CPU-µs a
-/// report, windows 23.8 and 24.4; direct 172.7, windows 170.7 and 174.8); the windows
-/// of a run stay within 2 % of each other. The target is 0.25 (docs/scale.md's
-/// release figures are about 0.2), but a bound of 0.25 would let a relayed path 75 %
-/// slower pass: 0.17 is 20 % above the measured ratio, and a relayed report 30 %
-/// dearer (`trunk=7500`) measured 0.183.
-const RELAY_BOUND: f64 = 0.17;
+/// report, windows 23.8 and 24.4; direct 172.7) and 0.167 (relayed 29.1, windows 28.3
+/// and 29.9; direct 174.0): the windows of a run agree within 6 %, the runs do not.
+/// The target is 0.25 (docs/scale.md's release figures are about 0.2). 0.21 is 25 %
+/// above the worst run: it fails a relayed path 30 % dearer than that run's, but not
+/// one 30 % dearer than the best run's (`trunk=7500` measured 0.183, which passes it);
+/// the two runs' spread allows no bound that does both without failing quiet runs.
+const RELAY_BOUND: f64 = 0.21;
 
 /// The primary's CPU and accepted reports, as counters at one moment (the harness's
 /// HTTP client blocks: off the runtime's workers).
