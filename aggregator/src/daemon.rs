@@ -83,8 +83,6 @@ pub struct Daemon {
     store_writer: tokio::task::JoinHandle<()>,
     supervisor: crate::supervise::Supervisor,
     ends: crate::supervise::Ends,
-    /// The audit trail of operators' actions.
-    audit: Arc<crate::audit::Audit>,
     /// As a cluster replica: the signal that hands the buckets on, and the task that
     /// does it.
     cluster: Option<(
@@ -117,7 +115,9 @@ impl Daemon {
             Some(cluster) => Self::start_replica(cfg, cluster, identity, client_ca).await,
             None => {
                 let store = crate::store::open(&cfg.store)?;
-                Self::start_with_store(cfg, identity, client_ca, store, None, Door::new()).await
+                let audit = Arc::new(crate::audit::Audit::default());
+                Self::start_with_store(cfg, identity, client_ca, store, None, Door::new(), audit)
+                    .await
             }
         }
     }
@@ -147,6 +147,7 @@ impl Daemon {
         // The cluster's task moves services through the cycle loop's door; operators'
         // actions on services other replicas own go to their owners through etcd.
         let (door, inbox) = Door::new();
+        let audit = Arc::new(crate::audit::Audit::default());
         let door = door.with_relay(Arc::new(crate::cluster::requests::EtcdRelay::new(
             store.clone(),
             ownership.clone(),
@@ -159,6 +160,7 @@ impl Daemon {
             dyn_store,
             Some(ownership.clone()),
             (door.clone(), inbox),
+            audit.clone(),
         )
         .await?;
         let advertise = cluster
@@ -174,7 +176,7 @@ impl Daemon {
             cluster,
             advertise,
             stopped,
-            daemon.audit.clone(),
+            audit,
         );
         tracing::info!(%replica, cluster = %cluster.name, buckets = cluster.buckets,
             "serving as a cluster replica");
@@ -207,7 +209,7 @@ impl Daemon {
     /// tests can bring their own): restores from it, then writes to it in the
     /// background. The cycle loop takes its commands from `door`'s inbox; the caller
     /// keeps a clone of the door for the tasks it starts besides (a replica's cluster
-    /// membership).
+    /// membership), and of `audit`, the trail every action is recorded in.
     pub(crate) async fn start_with_store(
         cfg: &Config,
         identity: Identity,
@@ -215,6 +217,7 @@ impl Daemon {
         store: Arc<dyn RoutingStore>,
         ownership: Option<Arc<crate::cluster::Ownership>>,
         (door, inbox): (Door, Inbox),
+        audit: Arc<crate::audit::Audit>,
     ) -> Result<Daemon, DaemonError> {
         let clock = Clock::start();
         let restored = store.load().await?;
@@ -238,7 +241,6 @@ impl Daemon {
             state = state.with_ownership(ownership);
         }
         let state = Arc::new(state);
-        let audit = Arc::new(crate::audit::Audit::default());
         let restored_by_takeover = crate::store::Restored::default();
         let mut overlay = Overlay::new(restored_by_takeover.clone());
         if state.ownership.is_some() {
@@ -434,7 +436,6 @@ impl Daemon {
             store_writer: supervisor.spawn("routing store writer", store_writer),
             supervisor,
             ends,
-            audit,
             cluster: None,
         })
     }
@@ -685,6 +686,7 @@ mod tests {
             Arc::new(PanickingStore),
             None,
             Door::new(),
+            Arc::new(crate::audit::Audit::default()),
         )
         .await
         .expect("starts");
