@@ -18,19 +18,11 @@
 use ballast_sim::loadgen::{node_name, Load, Target};
 use ballast_sim::procstat::{cpu_seconds, status_mib};
 use ballast_tests::harness::converge::node_names;
+// One gate at a time: each measures CPU or memory on a machine it should have to itself.
+use ballast_tests::harness::process::one_at_a_time;
 use ballast_tests::*;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One gate at a time: each measures CPU or memory on a machine it should have to
-/// itself.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 // ---------------------------------------------------------------------------------
 // The relay gate.
