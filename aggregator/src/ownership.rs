@@ -13,6 +13,7 @@
 //! only the agents of owned services), the state and the cluster's etcd side (which
 //! claims, renews and resigns) all read it, and it reads none of them.
 
+use ballast_shared::trunk::routes::RouteTable;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -43,6 +44,9 @@ pub struct Ownership {
     /// Moves on every bucket this replica loses, so that connections can check
     /// whether their service went with it.
     lost: tokio::sync::watch::Sender<u64>,
+    /// Each reading of the cluster's keys, as the routes relays follow
+    /// ([`ballast_ingest::routes_feed`]); `None` before the first.
+    routes: tokio::sync::watch::Sender<Option<Arc<RouteTable>>>,
     /// Buckets taken over since start.
     takeovers: AtomicU64,
     /// What [`Ownership::valid_until`] counts from.
@@ -71,6 +75,7 @@ impl Ownership {
             fences: (0..n).map(|_| AtomicI64::new(0)).collect(),
             owners: RwLock::new(vec![None; n]),
             lost: tokio::sync::watch::channel(0).0,
+            routes: tokio::sync::watch::channel(None).0,
             takeovers: AtomicU64::new(0),
             base: Instant::now(),
             valid_until_ms: AtomicU64::new(0),
@@ -211,6 +216,19 @@ impl Ownership {
         usize::try_from(self.bucket(service))
             .ok()
             .and_then(|i| owners.get(i).cloned().flatten())
+    }
+
+    /// Publishes a reading of the cluster's keys to the relays that follow the routes
+    /// here: every reading, changed or not, since each is what confirms a relay's
+    /// routes current.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn publish_routes(&self, table: RouteTable) {
+        self.routes.send_replace(Some(Arc::new(table)));
+    }
+
+    /// The readings of the cluster's keys, as [`Ownership::publish_routes`] gives them.
+    pub fn watch_routes(&self) -> tokio::sync::watch::Receiver<Option<Arc<RouteTable>>> {
+        self.routes.subscribe()
     }
 
     /// A receiver that sees a change whenever this replica loses a bucket.

@@ -25,14 +25,14 @@ pub(crate) struct Status {
     pub(crate) metrics: Arc<RelayMetrics>,
     /// The routes as last read.
     pub(crate) routes: watch::Receiver<Arc<Routes>>,
-    /// When etcd last confirmed them.
+    /// When a replica last confirmed them.
     pub(crate) freshness: Arc<Freshness>,
     /// The trunks.
     pub(crate) trunks: Arc<Trunks>,
 }
 
 /// The relay's `/healthz`: always `ok` while it runs (it serves from the last routes
-/// while etcd is away), with what it knows.
+/// while no replica confirms them), with what it knows.
 #[derive(Debug, Serialize)]
 pub(crate) struct Health {
     status: &'static str,
@@ -51,8 +51,9 @@ struct RoutesHealth {
     members: usize,
     /// Buckets with a live owner.
     owned_buckets: usize,
-    /// Milliseconds since etcd last confirmed the routes; null before the first read.
-    behind_etcd_ms: Option<u64>,
+    /// Milliseconds since a replica last confirmed the routes; null before the first
+    /// table.
+    behind_ms: Option<u64>,
 }
 
 impl Status {
@@ -67,7 +68,7 @@ impl Status {
                 buckets: routes.buckets.unwrap_or(0),
                 members: routes.members.len(),
                 owned_buckets: routes.owned_buckets(),
-                behind_etcd_ms: self.freshness.behind_ms(),
+                behind_ms: self.freshness.behind_ms(),
             },
             trunks: self
                 .trunks

@@ -5,8 +5,8 @@
 //!
 //! The agent-facing side is `ballast-ingest`'s driver (hello, certificate and policy,
 //! rate limit, silence rule, revocation and expiry) with the relay's
-//! [`upstream::RelayUpstream`]; where each service is served comes from etcd
-//! ([`routes`]); the trunks are [`trunks`]'s. It reads the aggregator's configuration
+//! [`upstream::RelayUpstream`]; where each service is served comes from the replicas
+//! ([`routes`]), so that a relay needs no etcd credential; the trunks are [`trunks`]'s. It reads the aggregator's configuration
 //! file (`ballast-config`), and links no balancer, xDS or charts.
 
 pub mod cli;
@@ -25,7 +25,7 @@ pub type Config = ballast_config::Config<toml::Table>;
 /// Why the relay could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    /// The configuration has no `[cluster]` table, or no etcd table.
+    /// The configuration names no replica to learn the routes from.
     #[error("a relay needs {0} in its configuration")]
     Missing(&'static str),
     /// A TLS file is unusable.
@@ -52,9 +52,6 @@ pub enum RelayError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The etcd settings are unusable.
-    #[error(transparent)]
-    Routes(#[from] routes::RoutesError),
     /// The HTTP port's TLS (`[http_tls]`, `http_auth.crl`) is unusable.
     #[error("the HTTP port's TLS: {0}")]
     HttpTls(ballast_ingest::IngestError),
@@ -74,8 +71,8 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Starts the relay `cfg` describes (its `[relay]` and `[cluster]` tables, and
-    /// `[relay.etcd]`, or `[store.etcd]` without it).
+    /// Starts the relay `cfg` describes (its `[relay]` table, whose `replicas` it
+    /// learns the routes from, and the agent-facing `[tls]`, `[quic]` and limits).
     pub async fn start(cfg: &Config) -> Result<Relay, RelayError> {
         running::start(cfg).await
     }
@@ -116,18 +113,15 @@ mod running {
 
     pub(super) async fn start(cfg: &Config) -> Result<Relay, RelayError> {
         let relay = cfg.relay.clone().unwrap_or_default();
-        let cluster = cfg
-            .cluster
-            .as_ref()
-            .ok_or(RelayError::Missing("[cluster]"))?;
-        let etcd = relay
-            .etcd_or(cfg.store.etcd.as_ref())
-            .ok_or(RelayError::Missing("[relay.etcd] or [store.etcd]"))?;
-        if relay.etcd.is_none() && (etcd.user.is_some() || etcd.cert_file.is_some()) {
+        if relay.replicas.is_empty() {
+            return Err(RelayError::Missing(
+                "the replicas to learn the routes from ([relay] replicas, or --replica)",
+            ));
+        }
+        if relay.etcd.is_some() {
             tracing::warn!(
-                "the relay connects to etcd with [store.etcd]'s credentials, which the \
-                 replicas write with; give it [relay.etcd] with a user that can only read \
-                 the cluster's keys (docs/security.md)"
+                "[relay.etcd] is no longer read: the relay learns the routes from the \
+                 replicas of [relay] replicas; its etcd user can be removed"
             );
         }
         let name = relay
@@ -156,6 +150,11 @@ mod running {
             .map_err(|e| tls("the relay's identity (relay.tls)", e))?;
         let client = ballast_shared::tls::client_config_live(&relay_tls, &trunk_alpns()?)
             .map_err(|e| tls("the relay's client configuration", e))?;
+        let routes_client = ballast_shared::tls::client_config_live(
+            &relay_tls,
+            &[ballast_shared::trunk::routes::ROUTES_ALPN],
+        )
+        .map_err(|e| tls("the relay's client configuration", e))?;
         let (server, ingest) = ballast_ingest::setup_with(
             &cfg.ingest(),
             identity,
@@ -181,16 +180,6 @@ mod running {
 
         let (supervisor, ends) = ballast_ingest::supervise::supervisor();
         let metrics = Arc::new(RelayMetrics::new());
-        let (follower, routes, freshness) = super::routes::follower(etcd, &cluster.name)?;
-        let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
-        tasks.push(supervisor.spawn(
-            "relay TLS files",
-            relay_tls.watch(
-                ballast_shared::tls::live::CHECK_EVERY,
-                ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
-            ),
-        ));
-
         let any: SocketAddr = if cfg.quic.is_ipv6() {
             (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
         } else {
@@ -201,6 +190,25 @@ mod running {
             addr: any,
             source,
         })?;
+        let (follower, routes, freshness) = super::routes::follower(
+            super::routes::Dial {
+                relay: name.clone(),
+                endpoint: endpoint.clone(),
+                client: routes_client,
+                server_name: relay.server_name.clone(),
+                seeds: relay.replicas.clone(),
+            },
+            metrics.clone(),
+        );
+        let mut tasks = vec![supervisor.spawn("cluster routes", follower.run())];
+        tasks.push(supervisor.spawn(
+            "relay TLS files",
+            relay_tls.watch(
+                ballast_shared::tls::live::CHECK_EVERY,
+                ballast_ingest::metrics::tls_reload_counter(&metrics.ingest, "relay_"),
+            ),
+        ));
+
         let trunks = Trunks::new(Dialer {
             relay: name.clone(),
             endpoint: endpoint.clone(),
@@ -300,7 +308,7 @@ mod running {
                 tracing::error!(error = %e, "HTTP stopped");
             }
         }));
-        tracing::info!(%name, cluster = %cluster.name, %quic_addr, %http_addr, "relay serving");
+        tracing::info!(%name, replicas = ?relay.replicas, %quic_addr, %http_addr, "relay serving");
         Ok(Relay {
             quic_addr,
             http_addr,

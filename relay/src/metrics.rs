@@ -40,6 +40,12 @@ pub struct RelayMetrics {
     pub attach_refused: Family<Reason, Counter>,
     /// Trunks open now.
     pub trunks_open: Gauge,
+    /// Route tables received from replicas (changes and confirmations).
+    pub routes_received: Counter,
+    /// Routes connections to replicas that failed or ended, by reason (`unreachable`,
+    /// `no_routes_protocol`: a replica of a release before this one, `refused`,
+    /// `silent`: no table within the confirmation window, `malformed`, `lost`).
+    pub routes_failures: Family<Reason, Counter>,
 }
 
 impl Default for RelayMetrics {
@@ -66,6 +72,8 @@ impl RelayMetrics {
             rehomed: Counter::default(),
             attach_refused: Family::default(),
             trunks_open: Gauge::default(),
+            routes_received: Counter::default(),
+            routes_failures: Family::default(),
         };
         m.ingest.register(&mut top);
         let registry = top.sub_registry_with_prefix("relay");
@@ -120,12 +128,31 @@ impl RelayMetrics {
             m.attach_refused.clone(),
         );
         registry.register("trunks_open", "Trunks open now", m.trunks_open.clone());
+        registry.register(
+            "routes_received",
+            "Route tables received from replicas (changes and confirmations)",
+            m.routes_received.clone(),
+        );
+        registry.register(
+            "routes_failures",
+            "Routes connections to replicas that failed or ended, by reason",
+            m.routes_failures.clone(),
+        );
         RelayMetrics { registry: top, ..m }
     }
 
     /// Counts a report dropped for `reason`.
     pub fn drop_report(&self, reason: &str) {
         self.reports_dropped
+            .get_or_create(&Reason {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a routes connection that failed or ended for `reason`.
+    pub fn routes_failed(&self, reason: &str) {
+        self.routes_failures
             .get_or_create(&Reason {
                 reason: reason.to_string(),
             })

@@ -1,25 +1,37 @@
-//! Where each service is served: the cluster's members and bucket owners, read from
-//! etcd and followed by a watch.
+//! Where each service is served: the cluster's members and bucket owners, as the
+//! replicas tell them.
 //!
-//! The relay reads the keys under the cluster's prefix (the bucket count, each
-//! member's advertised QUIC address, each bucket's owner), then watches them from the
-//! read's revision on, and publishes every new reading as an [`Arc<Routes>`] on a
-//! `tokio::sync::watch`. It writes nothing: it is no member, so rendezvous hashing
-//! never gives it a bucket. A lost etcd connection keeps the last routes published
-//! and is made again with backoff.
+//! The relay dials one replica at a time with the routes protocol
+//! ([`ballast_shared::trunk::routes`]): first the addresses it was given
+//! (`[relay] replicas`), then every member the routes name. The replica sends the
+//! cluster as it reads it from etcd, whenever that changes and at least every second;
+//! each table is published as an [`Arc<Routes>`] on a `tokio::sync::watch`. A replica
+//! that goes quiet, refuses, or is lost is left for the next address, with backoff;
+//! the last routes stay published meanwhile. The relay holds no etcd credential: it
+//! writes nothing and reads only what the replicas tell it, over its own mutual TLS.
 
-use ballast_config::EtcdConfig;
-use ballast_etcd::cluster::{bucket_of, cluster_prefix, parse_view, ClusterKv, View};
-use ballast_etcd::Connection;
-use etcd_client::{EventType, GetOptions, WatchOptions};
+use super::metrics::RelayMetrics;
+use ballast_etcd::cluster::bucket_of;
+use ballast_shared::reconnect::{host_part, Backoff};
+use ballast_shared::trunk::routes::{RouteTable, RoutesMessage, ROUTES_CONFIRM};
+use ballast_shared::trunk::{encode_control, ControlReader, ToPrimary, MAX_CONTROL_FRAME};
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// How often an idle watch asks etcd to confirm that it is current.
-const PROGRESS_EVERY: Duration = Duration::from_millis(500);
+/// How long a replica may go without sending a table before the relay asks another:
+/// it confirms its routes every [`ROUTES_CONFIRM`] while it reads etcd.
+const SILENT_AFTER: Duration = Duration::from_secs(5);
+
+/// How long a replica has to answer the dial.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The TLS alert a server ends a handshake with when it speaks none of the
+/// application protocols offered (RFC 7301).
+const NO_APPLICATION_PROTOCOL: u8 = 120;
 
 /// Who serves what, as one reading of the cluster's keys says.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -43,16 +55,12 @@ pub(crate) struct Owner {
 }
 
 impl Routes {
-    /// The routes a view amounts to.
-    pub(crate) fn from_view(view: View) -> Self {
+    /// The routes a replica's table says.
+    pub(crate) fn from_table(table: &RouteTable) -> Self {
         Routes {
-            buckets: view.buckets,
-            members: view.members,
-            owners: view
-                .owners
-                .into_iter()
-                .map(|(bucket, owner)| (bucket, owner.replica))
-                .collect(),
+            buckets: Some(table.buckets),
+            members: table.member_map(),
+            owners: table.owner_map(),
         }
     }
 
@@ -79,7 +87,7 @@ impl Routes {
     }
 }
 
-/// When etcd last confirmed the routes current, for `/healthz`.
+/// When a replica last confirmed the routes current, for `/healthz`.
 #[derive(Debug)]
 pub(crate) struct Freshness {
     base: Instant,
@@ -101,7 +109,7 @@ impl Freshness {
             .store(ms.saturating_add(1), Ordering::Relaxed);
     }
 
-    /// How long since etcd last confirmed the routes, in milliseconds; `None` before
+    /// How long since a replica last confirmed the routes, in milliseconds; `None` before
     /// the first reading.
     pub(crate) fn behind_ms(&self) -> Option<u64> {
         let at = self.confirmed_ms.load(Ordering::Relaxed).checked_sub(1)?;
@@ -110,186 +118,258 @@ impl Freshness {
     }
 }
 
-/// Why the routes could not be followed.
-#[derive(Debug, thiserror::Error)]
-pub enum RoutesError {
-    /// The etcd settings are unusable (a TLS or password file).
-    #[error(transparent)]
-    Setup(#[from] ballast_etcd::SetupError),
-}
-
-/// Follows one cluster's routes in etcd.
+/// Follows the cluster's routes from its replicas.
 pub(crate) struct Follower {
-    connection: Connection,
-    prefix: String,
+    /// The relay's name, told to each replica.
+    relay: String,
+    /// The endpoint the routes connections are dialled from.
+    endpoint: quinn::Endpoint,
+    /// The relay's client identity, offering the routes protocol.
+    client: quinn::ClientConfig,
+    /// The name replicas' certificates are checked against, if not the host part of
+    /// the address dialled.
+    server_name: Option<String>,
+    /// The addresses the relay was given.
+    seeds: Vec<String>,
     tx: watch::Sender<Arc<Routes>>,
     freshness: Arc<Freshness>,
+    metrics: Arc<RelayMetrics>,
 }
 
 /// A follower, the receiver of its routes, and their freshness.
 pub(crate) type Following = (Follower, watch::Receiver<Arc<Routes>>, Arc<Freshness>);
 
-/// The follower of cluster `cluster` on `etcd`, the receiver of its routes (empty until
-/// the first reading) and their freshness. Nothing is contacted yet.
-pub(crate) fn follower(etcd: &EtcdConfig, cluster: &str) -> Result<Following, RoutesError> {
-    let connection = Connection::new(&etcd.connect())?;
+/// What a follower dials with.
+pub(crate) struct Dial {
+    /// The relay's name.
+    pub(crate) relay: String,
+    /// The endpoint to dial from.
+    pub(crate) endpoint: quinn::Endpoint,
+    /// The relay's client identity, offering [`ballast_shared::trunk::routes::ROUTES_ALPN`].
+    pub(crate) client: quinn::ClientConfig,
+    /// The name replicas' certificates are checked against, if not the host part of
+    /// each address.
+    pub(crate) server_name: Option<String>,
+    /// The replicas' addresses to start from.
+    pub(crate) seeds: Vec<String>,
+}
+
+/// The follower of the routes the replicas at `dial.seeds` (and then every member)
+/// tell, the receiver of its routes (empty until the first table) and their
+/// freshness. Nothing is contacted yet.
+pub(crate) fn follower(dial: Dial, metrics: Arc<RelayMetrics>) -> Following {
     let (tx, rx) = watch::channel(Arc::new(Routes::default()));
     let freshness = Arc::new(Freshness::new());
     let follower = Follower {
-        connection,
-        prefix: cluster_prefix(&etcd.prefix, cluster),
+        relay: dial.relay,
+        endpoint: dial.endpoint,
+        client: dial.client,
+        server_name: dial.server_name,
+        seeds: dial.seeds,
         tx,
         freshness: freshness.clone(),
+        metrics,
     };
-    Ok((follower, rx, freshness))
+    (follower, rx, freshness)
 }
 
-/// One key as the follower keeps it.
-#[derive(Debug, Clone)]
-struct Kept {
-    value: Vec<u8>,
-    create_revision: i64,
-    lease: i64,
+/// How a routes connection ended: why, counted under which reason, and whether it
+/// brought a table.
+struct Ended {
+    error: String,
+    reason: &'static str,
+    heard: bool,
 }
 
-/// The routes the kept keys under `prefix` amount to.
-fn routes_of(prefix: &str, kvs: &BTreeMap<Vec<u8>, Kept>) -> Routes {
-    Routes::from_view(parse_view(
-        prefix,
-        kvs.iter().map(|(key, kept)| ClusterKv {
-            key,
-            value: &kept.value,
-            create_revision: kept.create_revision,
-            lease: kept.lease,
-        }),
-    ))
+impl Ended {
+    fn before(reason: &'static str, error: String) -> Self {
+        Ended {
+            error,
+            reason,
+            heard: false,
+        }
+    }
 }
 
 impl Follower {
-    /// Follows the routes until the receivers are all gone: a session per etcd
-    /// connection, made again with backoff when one ends.
-    pub(crate) async fn run(self) {
-        let mut backoff = ballast_shared::reconnect::Backoff::new(
-            Duration::from_millis(200),
-            Duration::from_secs(5),
-        );
-        loop {
-            let (error, read) = self.session().await;
-            if self.tx.is_closed() {
-                return;
+    /// The addresses to ask, in order: those given, then the members the routes name
+    /// that are not among them.
+    fn candidates(&self) -> Vec<String> {
+        let mut out = self.seeds.clone();
+        for address in self.tx.borrow().members.values() {
+            if !out.contains(address) {
+                out.push(address.clone());
             }
-            if read {
+        }
+        out
+    }
+
+    /// Follows the routes until the receivers are all gone: one replica at a time,
+    /// the next one when a connection ends, with backoff.
+    pub(crate) async fn run(self) {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        let mut next = 0usize;
+        loop {
+            let candidates = self.candidates();
+            let Some(address) = candidates.get(next % candidates.len().max(1)).cloned() else {
+                tracing::error!(
+                    "the relay has no replica to ask for the routes ([relay] replicas)"
+                );
+                self.tx.closed().await;
+                return;
+            };
+            next = next.wrapping_add(1);
+            let ended = tokio::select! {
+                ended = self.session(&address) => ended,
+                () = self.tx.closed() => return,
+            };
+            self.metrics.routes_failed(ended.reason);
+            if ended.heard {
                 backoff.reset();
             }
             let wait = backoff.next_delay(&mut rand::thread_rng());
-            tracing::warn!(%error, retry_in = ?wait, "following the cluster's owners in etcd failed; the relay keeps the last routes");
-            tokio::time::sleep(wait).await;
-        }
-    }
-
-    async fn bounded<T, E: std::error::Error + 'static>(
-        &self,
-        what: &str,
-        fut: impl std::future::Future<Output = Result<T, E>>,
-    ) -> Result<T, String> {
-        let limit = self.connection.request_timeout();
-        tokio::time::timeout(limit, fut)
-            .await
-            .map_err(|_| format!("{what} timed out after {limit:?}"))?
-            .map_err(|e| format!("{what}: {}", ballast_shared::error_chain(&e)))
-    }
-
-    /// One connection's life: read, then watch. Why it ended, and whether it read the
-    /// routes.
-    async fn session(&self) -> (String, bool) {
-        let mut client = match self.connection.connect().await {
-            Ok(c) => c,
-            Err(e) => return (e, false),
-        };
-        let resp = match self
-            .bounded(
-                "reading the cluster",
-                client.get(self.prefix.clone(), Some(GetOptions::new().with_prefix())),
-            )
-            .await
-        {
-            Ok(r) => r,
-            Err(e) => return (e, false),
-        };
-        let revision = resp.header().map_or(0, |h| h.revision());
-        let mut kvs: BTreeMap<Vec<u8>, Kept> = resp
-            .kvs()
-            .iter()
-            .map(|kv| {
-                let kept = Kept {
-                    value: kv.value().to_vec(),
-                    create_revision: kv.create_revision(),
-                    lease: kv.lease(),
-                };
-                (kv.key().to_vec(), kept)
-            })
-            .collect();
-        self.publish(&kvs);
-        self.freshness.confirm();
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision.saturating_add(1))
-            .with_progress_notify();
-        let mut stream = match self
-            .bounded(
-                "watching the cluster",
-                client.watch(self.prefix.clone(), Some(options)),
-            )
-            .await
-        {
-            Ok(s) => s,
-            Err(e) => return (e, true),
-        };
-        let mut progress = tokio::time::interval(PROGRESS_EVERY);
-        loop {
+            tracing::warn!(replica = %address, error = %ended.error, retry_in = ?wait,
+                "following the routes from a replica ended; the relay keeps the last routes and asks the next");
             tokio::select! {
-                m = stream.message() => match m {
-                    Ok(Some(resp)) if resp.canceled() => {
-                        return ("etcd cancelled the watch (compacted past it)".into(), true)
-                    }
-                    Ok(Some(resp)) => {
-                        let mut changed = false;
-                        for event in resp.events() {
-                            let Some(kv) = event.kv() else { continue };
-                            changed = true;
-                            match event.event_type() {
-                                EventType::Put => {
-                                    kvs.insert(kv.key().to_vec(), Kept {
-                                        value: kv.value().to_vec(),
-                                        create_revision: kv.create_revision(),
-                                        lease: kv.lease(),
-                                    });
-                                }
-                                EventType::Delete => {
-                                    kvs.remove(kv.key());
-                                }
-                            }
-                        }
-                        if changed {
-                            self.publish(&kvs);
-                        }
-                        self.freshness.confirm();
-                    }
-                    Ok(None) => return ("the watch ended".into(), true),
-                    Err(e) => return (format!("watch: {}", ballast_shared::error_chain(&e)), true),
-                },
-                _ = progress.tick() => {
-                    if let Err(e) = self.bounded("watch progress", stream.request_progress()).await {
-                        return (e, true);
-                    }
-                }
-                () = self.tx.closed() => return ("the relay stopped".into(), true),
+                () = tokio::time::sleep(wait) => {}
+                () = self.tx.closed() => return,
             }
         }
     }
 
-    fn publish(&self, kvs: &BTreeMap<Vec<u8>, Kept>) {
-        let routes = routes_of(&self.prefix, kvs);
+    /// One connection's life: dial, open, then read tables until it ends.
+    async fn session(&self, address: &str) -> Ended {
+        let conn = match tokio::time::timeout(CONNECT_TIMEOUT, self.connect(address)).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(ended)) => return ended,
+            Err(_) => {
+                return Ended::before(
+                    "unreachable",
+                    format!("{address} did not answer within {CONNECT_TIMEOUT:?}"),
+                )
+            }
+        };
+        let ended = self.follow(&conn).await;
+        conn.close(quinn::VarInt::from_u32(0), b"routes followed elsewhere");
+        ended
+    }
+
+    async fn connect(&self, address: &str) -> Result<quinn::Connection, Ended> {
+        let unreachable = |e: String| Ended::before("unreachable", e);
+        let addr: SocketAddr = tokio::net::lookup_host(address)
+            .await
+            .map_err(|e| unreachable(format!("resolving {address}: {e}")))?
+            .next()
+            .ok_or_else(|| unreachable(format!("{address} resolves to no address")))?;
+        let name = self
+            .server_name
+            .as_deref()
+            .unwrap_or_else(|| host_part(address));
+        let connecting = self
+            .endpoint
+            .connect_with(self.client.clone(), addr, name)
+            .map_err(|e| unreachable(format!("dialling {addr}: {e}")))?;
+        connecting.await.map_err(|e| match &e {
+            quinn::ConnectionError::ConnectionClosed(c)
+                if c.error_code == quinn::TransportErrorCode::crypto(NO_APPLICATION_PROTOCOL) =>
+            {
+                Ended::before(
+                    "no_routes_protocol",
+                    format!(
+                        "{address} speaks no routes protocol: a replica of a release whose \
+                         relays read etcd themselves; upgrade the replicas before the relays \
+                         ({e})"
+                    ),
+                )
+            }
+            _ => unreachable(format!("connecting to {addr}: {e}")),
+        })
+    }
+
+    /// Opens the routes stream on `conn` and publishes every table it brings.
+    async fn follow(&self, conn: &quinn::Connection) -> Ended {
+        let lost = |e: String| Ended::before("lost", e);
+        let (mut send, mut recv) = match conn.open_bi().await {
+            Ok(s) => s,
+            Err(e) => return lost(format!("opening the routes stream: {e}")),
+        };
+        let open = ToPrimary::Open {
+            relay: self.relay.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        };
+        let frame = match encode_control(&open) {
+            Ok(f) => f,
+            Err(e) => return lost(format!("the open frame: {e}")),
+        };
+        if let Err(e) = send.write_all(&frame).await {
+            return lost(format!("writing the open: {e}"));
+        }
+        let mut reader = ControlReader::<RoutesMessage>::new();
+        let mut buf = vec![0u8; MAX_CONTROL_FRAME];
+        let mut heard = false;
+        loop {
+            let read = match tokio::time::timeout(SILENT_AFTER, recv.read(&mut buf)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Ended {
+                        error: format!(
+                            "no routes for {SILENT_AFTER:?} (a replica confirms them every \
+                             {ROUTES_CONFIRM:?} while it reads etcd)"
+                        ),
+                        reason: "silent",
+                        heard,
+                    }
+                }
+            };
+            let n = match read {
+                Ok(Some(n)) => n,
+                Ok(None) => {
+                    return Ended {
+                        error: "the replica ended the routes stream".into(),
+                        reason: "lost",
+                        heard,
+                    }
+                }
+                Err(e) => {
+                    return Ended {
+                        error: format!("reading the routes: {e}"),
+                        reason: "lost",
+                        heard,
+                    }
+                }
+            };
+            let messages = match reader.push(buf.get(..n).unwrap_or_default()) {
+                Ok(m) => m,
+                Err(e) => {
+                    return Ended {
+                        error: format!("the replica's routes: {e}"),
+                        reason: "malformed",
+                        heard,
+                    }
+                }
+            };
+            for message in messages {
+                match message {
+                    RoutesMessage::Routes(table) => {
+                        heard = true;
+                        self.metrics.routes_received.inc();
+                        self.publish(&table);
+                        self.freshness.confirm();
+                    }
+                    RoutesMessage::Closed(reason) => {
+                        return Ended {
+                            error: format!("refused: {reason}"),
+                            reason: "refused",
+                            heard,
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn publish(&self, table: &RouteTable) {
+        let routes = Routes::from_table(table);
         self.tx.send_if_modified(|current| {
             if **current == routes {
                 return false;
@@ -304,35 +384,24 @@ impl Follower {
 mod tests {
     use super::*;
 
-    fn kv(key: &str, value: &str) -> (Vec<u8>, Kept) {
-        let kept = Kept {
-            value: value.as_bytes().to_vec(),
-            create_revision: 7,
-            lease: 1,
-        };
-        (key.as_bytes().to_vec(), kept)
-    }
-
     #[test]
-    fn routes_name_each_services_owner_from_the_cluster_keys() {
-        let prefix = cluster_prefix("/ballast", "prod");
+    fn routes_name_each_services_owner_from_a_replicas_table() {
         let buckets = 4;
-        // Every bucket owned: a to the buckets 0 and 1, b to 2; 3 by a replica that
-        // is no member any more (its member key lapsed first).
-        let fixture: BTreeMap<Vec<u8>, Kept> = [
-            kv("/ballast/cluster/prod/config", "4"),
-            kv("/ballast/cluster/prod/members/a", "10.0.0.1:7400"),
-            kv("/ballast/cluster/prod/members/b", "10.0.0.2:7400"),
-            kv("/ballast/cluster/prod/owners/00000", "a"),
-            kv("/ballast/cluster/prod/owners/00001", "a"),
-            kv("/ballast/cluster/prod/owners/00002", "b"),
-            kv("/ballast/cluster/prod/owners/00003", "gone"),
-            // Another cluster's keys are not this one's.
-            kv("/ballast/cluster/other/members/c", "10.0.0.3:7400"),
+        let members: BTreeMap<String, String> = [
+            ("a".to_string(), "10.0.0.1:7400".to_string()),
+            ("b".to_string(), "10.0.0.2:7400".to_string()),
         ]
         .into_iter()
         .collect();
-        let routes = routes_of(&prefix, &fixture);
+        // a owns the buckets 0 and 1, b owns 2; 3 is held by a replica that is no
+        // member any more (its member key lapsed first), so the table leaves it out.
+        let table = RouteTable::new(
+            7,
+            buckets,
+            &members,
+            [(0, "a"), (1, "a"), (2, "b"), (3, "gone")],
+        );
+        let routes = Routes::from_table(&table);
         assert_eq!(routes.buckets, Some(buckets));
         assert_eq!(routes.members.len(), 2);
         assert_eq!(routes.owned_buckets(), 3);
@@ -351,11 +420,9 @@ mod tests {
                 _ => assert_eq!(owner, None, "{service}: its owner is no member"),
             }
         }
-        // Without the bucket count nothing has an owner.
-        let mut no_config = fixture.clone();
-        no_config.remove("/ballast/cluster/prod/config".as_bytes());
-        let routes = routes_of(&prefix, &no_config);
-        assert_eq!(routes.owner("svc-1"), None);
-        assert_eq!(routes.owned_buckets(), 0);
+        // Before any table nothing has an owner.
+        let none = Routes::default();
+        assert_eq!(none.owner("svc-1"), None);
+        assert_eq!(none.owned_buckets(), 0);
     }
 }

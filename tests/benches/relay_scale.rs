@@ -204,7 +204,7 @@ fn main() {
     );
     // `--batch-delay-ms` sets the relay's `[relay] batch_delay_ms`; 0 keeps its default.
     let batch_delay_ms = bench_arg("--batch-delay-ms", 0);
-    let mut relay_opts = RelayOpts::new("relay-bench", &etcd.endpoint(), PREFIX, CLUSTER);
+    let mut relay_opts = RelayOpts::new("relay-bench", &[&primary]);
     if batch_delay_ms > 0 {
         relay_opts = relay_opts.config(&format!("[relay]\nbatch_delay_ms = {batch_delay_ms}\n"));
     }

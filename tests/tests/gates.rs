@@ -111,11 +111,8 @@ fn a_relayed_report_costs_the_primary_at_most_a_quarter_of_a_direct_one() {
             .report_interval_ms(1000 / RELAY_HZ)
             .cycle_ms(1000),
     );
-    let relay = Relay::start(
-        &pki,
-        RelayOpts::new("relay-gate", &etcd.endpoint(), PREFIX, CLUSTER),
-    );
-    // The relay opens its trunk once etcd names the primary as the owner.
+    let relay = Relay::start(&pki, RelayOpts::new("relay-gate", &[&primary]));
+    // The relay opens its trunk once the primary names itself the owner.
     wait_for(
         Duration::from_secs(30),
         "the relay's trunk to the primary",

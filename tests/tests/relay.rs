@@ -40,8 +40,11 @@ fn replica(pki: &Pki, etcd: &Etcd, name: &str) -> Aggregator {
     )
 }
 
-fn relay(pki: &Pki, etcd: &Etcd, name: &str) -> Relay {
-    Relay::start(pki, RelayOpts::new(name, &etcd.endpoint(), PREFIX, CLUSTER))
+/// Relay `name`, told of every replica in `replicas` (as an operator lists them in
+/// `[relay] replicas`).
+fn relay(pki: &Pki, replicas: &[Aggregator], name: &str) -> Relay {
+    let all: Vec<&Aggregator> = replicas.iter().collect();
+    Relay::start(pki, RelayOpts::new(name, &all))
 }
 
 /// Thirty agents in three services, each told of both relays and nothing else, half
@@ -72,7 +75,10 @@ fn agents_behind_relays_stay_connected_while_a_killed_owner_hands_their_service_
     let dir = tempfile::tempdir().expect("temporary directory");
     let names = ["r0", "r1", "r2"];
     let mut replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
-    let relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let relays = [
+        relay(&pki, &replicas, "relay-a"),
+        relay(&pki, &replicas, "relay-b"),
+    ];
     let watch = etcd.watch(&format!("{PREFIX}/services/"));
     let alpha_nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("alpha-{i}")).collect();
     let backends = Backends::start(
@@ -304,7 +310,10 @@ fn a_killed_relays_agents_go_on_through_the_other() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let names = ["r0", "r1"];
     let replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
-    let mut relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let mut relays = [
+        relay(&pki, &replicas, "relay-a"),
+        relay(&pki, &replicas, "relay-b"),
+    ];
     let watch = etcd.watch(&format!("{PREFIX}/services/"));
     let alpha_nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("alpha-{i}")).collect();
     let backends = Backends::start(
@@ -375,7 +384,10 @@ fn an_agent_no_replica_takes_within_the_hold_is_closed_with_moved_and_moves_on()
     let etcd = Etcd::start();
     let pki = Pki::new();
     let mut owner = replica(&pki, &etcd, "r0");
-    let relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let relays = [
+        relay(&pki, std::slice::from_ref(&owner), "relay-a"),
+        relay(&pki, std::slice::from_ref(&owner), "relay-b"),
+    ];
     let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();
     // One agent, told of both relays: relay-a first, but it goes on to relay-b if
     // relay-a had no routes yet.
@@ -445,7 +457,10 @@ fn a_new_replica_takes_its_buckets_and_only_their_agents_move_to_it() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let names = ["r0", "r1", "r2"];
     let mut replicas: Vec<Aggregator> = names.iter().map(|r| replica(&pki, &etcd, r)).collect();
-    let relays = [relay(&pki, &etcd, "relay-a"), relay(&pki, &etcd, "relay-b")];
+    let relays = [
+        relay(&pki, &replicas, "relay-a"),
+        relay(&pki, &replicas, "relay-b"),
+    ];
     let watch = etcd.watch(&format!("{PREFIX}/services/"));
     let alpha_nodes: Vec<String> = (0..PER_SERVICE).map(|i| format!("alpha-{i}")).collect();
     let backends = Backends::start(
@@ -577,10 +592,10 @@ fn ballast_relay_and_its_deprecated_alias_run_the_same_relay_with_only_relay_met
     let pki = Pki::new();
     let replica = replica(&pki, &etcd, "r0");
     let relays = [
-        relay(&pki, &etcd, "relay-a"),
+        relay(&pki, std::slice::from_ref(&replica), "relay-a"),
         Relay::start(
             &pki,
-            RelayOpts::new("relay-b", &etcd.endpoint(), PREFIX, CLUSTER).aggregator_alias(),
+            RelayOpts::new("relay-b", &[&replica]).aggregator_alias(),
         ),
     ];
     let addrs: Vec<String> = relays.iter().map(|r| r.quic_addr().to_string()).collect();

@@ -48,8 +48,7 @@ fn relay(pki: &Pki, ns: &std::sync::Arc<Netns>, http: &str, config: &Path) -> Co
         .arg(pki.server_tls_dir())
         .arg("--relay-tls-dir")
         .arg(pki.relay_tls_dir(RELAY))
-        .args(["--etcd", "http://127.0.0.1:9"])
-        .args(["--cluster", "edge", "--name", RELAY])
+        .args(["--replica", "127.0.0.1:9", "--name", RELAY])
         .arg("--config")
         .arg(config);
     ns.enter(&mut cmd);

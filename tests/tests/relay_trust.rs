@@ -4,10 +4,9 @@
 //! It cannot attach that node, because it cannot sign the primary's challenge with
 //! the node's key; agents really behind it, which sign, are admitted. A relay the
 //! policy does not list is refused, and so is a relay whose open names another relay
-//! than its certificate. A relay reads its cluster's routes from etcd with a user of
-//! its own that may only read them: it routes, and etcd refuses that user's writes.
+//! than its certificate. A relay learns its cluster's routes from the replicas, with
+//! no etcd credential at all, and only if the policy lists it.
 
-use ballast_aggregator::cluster::{cluster_prefix, owner_key};
 use ballast_shared::session::trunk::TrunkClientEvent;
 use ballast_shared::wire::{Hello, RejectReason};
 use ballast_tests::harness::cluster;
@@ -151,46 +150,50 @@ fn password_file(dir: &std::path::Path, name: &str, password: &str) -> std::path
     path
 }
 
+/// A relay's `/healthz` routes: members, owned buckets, and how far behind.
+fn routes_health(relay: &Relay) -> (u64, u64, Option<u64>) {
+    let h = relay.healthz();
+    let r = &h["routes"];
+    (
+        r["members"].as_u64().unwrap_or(0),
+        r["owned_buckets"].as_u64().unwrap_or(0),
+        r["behind_ms"].as_u64(),
+    )
+}
+
 #[test]
-fn a_relay_routes_with_a_read_only_etcd_user_whose_writes_etcd_refuses() {
+fn a_relay_learns_its_routes_from_the_replicas_and_holds_no_etcd_credential() {
     require_etcd();
-    const PREFIX: &str = "/ballast-ro";
+    const PREFIX: &str = "/ballast-routes";
     const CLUSTER: &str = "edge";
-    const READER: (&str, &str) = ("relay", "relay-reads-only");
+    // etcd takes only the replicas' user: nothing the relay could present.
     let mut etcd = Etcd::start();
     etcd.enable_auth("root-password");
-    // The replicas' user writes the whole prefix; the relay's reads the cluster's keys.
     etcd.add_user("ballast", "replicas-write", PREFIX);
-    etcd.add_reader(READER.0, READER.1, &cluster_prefix(PREFIX, CLUSTER));
     let dir = etcd.scratch_dir().to_path_buf();
-    let replicas_password = password_file(&dir, "ballast.password", "replicas-write");
-    let relays_password = password_file(&dir, "relay.password", READER.1);
-
+    let password = password_file(&dir, "ballast.password", "replicas-write");
     let pki = Pki::new();
-    let replica = Aggregator::start(
-        &pki,
-        AggregatorOpts {
+    let start = |name: &str, protocol: Option<&str>| {
+        let opts = AggregatorOpts {
             config_toml: Some(format!(
-                "[store.etcd]\nuser = \"ballast\"\npassword_file = {replicas_password:?}\n"
+                "[store.etcd]\nuser = \"ballast\"\npassword_file = {password:?}\n"
             )),
             ..AggregatorOpts::default()
         }
         .etcd(&etcd.endpoint(), PREFIX)
-        .cluster(CLUSTER, "r0")
-        .relays(&["relay-*"]),
-    );
-    // The relay's file has its own table and no [store.etcd]: --etcd and
-    // --etcd-prefix amend [relay.etcd].
-    let relay = Relay::start(
-        &pki,
-        RelayOpts::new("relay-a", &etcd.endpoint(), PREFIX, CLUSTER).config(&format!(
-            "[relay.etcd]\nuser = {:?}\npassword_file = {relays_password:?}\n",
-            READER.0
-        )),
-    );
+        .cluster(CLUSTER, name)
+        .relays(&["relay-*"]);
+        let opts = match protocol {
+            Some(p) => opts.protocol(p),
+            None => opts,
+        };
+        Aggregator::start(&pki, opts)
+    };
+    let r0 = start("r0", None);
+    let relay = Relay::start(&pki, RelayOpts::new("relay-a", &[&r0]));
     let agents = cluster::fleet(
         &pki,
-        &replica,
+        &r0,
         &[relay.quic_addr().to_string()],
         &["web"],
         1,
@@ -202,23 +205,122 @@ fn a_relay_routes_with_a_read_only_etcd_user_whose_writes_etcd_refuses() {
         Some(relay.quic_addr().to_string()),
         "{status:?}"
     );
-    assert_eq!(replica.counter("ballast_trunk_slots", &[]), 1.0);
-
-    // What the relay can do with its credentials: read the owners, and nothing more.
-    let owners = format!("{PREFIX}/cluster/{CLUSTER}/owners/");
-    let read = etcd.try_ctl_as(READER.0, READER.1, &["get", "--prefix", &owners]);
+    assert_eq!(r0.counter("ballast_trunk_slots", &[]), 1.0);
+    // The replica told it the whole cluster, and keeps confirming it.
+    let (members, owned, behind) = routes_health(&relay);
+    assert_eq!((members, owned), (1, 64), "{}", relay.healthz());
+    assert!(behind.is_some_and(|ms| ms < 3_000), "{}", relay.healthz());
+    assert_eq!(r0.counter("ballast_routes_feeds_open", &[]), 1.0);
+    let sent = r0.counter("ballast_routes_sent_total", &[]);
+    std::thread::sleep(Duration::from_millis(2_500));
     assert!(
-        read.is_ok_and(|out| out.contains("r0")),
-        "the relay cannot read the owners"
+        r0.counter("ballast_routes_sent_total", &[]) >= sent + 2.0,
+        "an unchanged table is confirmed every second"
     );
-    for args in [
-        vec!["put", &owner_key(PREFIX, CLUSTER, 0), "relay-a"],
-        vec!["put", &format!("{PREFIX}/services/web"), "{}"],
-        vec!["get", &format!("{PREFIX}/services/web")],
-    ] {
-        match etcd.try_ctl_as(READER.0, READER.1, &args) {
-            Err(e) => assert!(e.contains("permission denied"), "{args:?}: {e}"),
-            Ok(out) => panic!("etcd let the relay's user {args:?}: {out}"),
-        }
-    }
+
+    // A second replica joins: the relay, told only of r0, learns of it and its
+    // buckets from r0.
+    let r1 = start("r1", None);
+    wait_for(Duration::from_secs(20), "the relay learns of r1", || {
+        let (members, owned, _) = routes_health(&relay);
+        (members == 2 && owned == 64)
+            .then_some(())
+            .ok_or(format!("{}", relay.healthz()))
+    });
+    // r0 stops for good: the relay follows the routes from r1, which it learned of
+    // from r0 alone, and they name r1 the owner of everything.
+    drop(r0);
+    wait_for(
+        Duration::from_secs(30),
+        "the relay follows r1's routes",
+        || {
+            let (members, owned, behind) = routes_health(&relay);
+            (members == 1 && owned == 64 && behind.is_some_and(|ms| ms < 3_000))
+                .then_some(())
+                .ok_or(format!("{}", relay.healthz()))
+        },
+    );
+    assert!(r1.counter("ballast_routes_feeds_open", &[]) >= 1.0);
+    let status = agents[0].wait_weight(Duration::from_secs(30));
+    assert_eq!(status.connected_to, Some(relay.quic_addr().to_string()));
+
+    // A replica standing for the previous release speaks no routes protocol: a relay
+    // told only of it says so, and counts it.
+    let old = start("r-old", Some("previous"));
+    let lonely = Relay::start(&pki, RelayOpts::new("relay-b", &[&old]));
+    wait_for(
+        Duration::from_secs(20),
+        "the old replica is named as such",
+        || {
+            let n = lonely.counter(
+                "ballast_relay_routes_failures_total",
+                &[("reason", "no_routes_protocol")],
+            );
+            (n >= 1.0)
+                .then_some(())
+                .ok_or(format!("{n}: {}", lonely.log_tail(5)))
+        },
+    );
+    assert!(
+        lonely
+            .log_tail(50)
+            .contains("upgrade the replicas before the relays"),
+        "{}",
+        lonely.log_tail(20)
+    );
+    assert_eq!(routes_health(&lonely).0, 0);
+}
+
+#[test]
+fn a_relay_the_policy_does_not_list_learns_no_routes() {
+    require_etcd();
+    let etcd = Etcd::start();
+    let pki = Pki::new();
+    let replica = Aggregator::start(
+        &pki,
+        AggregatorOpts::default()
+            .etcd(&etcd.endpoint(), "/ballast-unlisted")
+            .cluster("edge", "r0")
+            .relays(&["relay-*"]),
+    );
+    let outsider = Relay::start(&pki, RelayOpts::new("edge-x", &[&replica]));
+    wait_for(
+        Duration::from_secs(20),
+        "the replica refuses the relay",
+        || {
+            let n = replica.counter(
+                "ballast_connections_rejected_total",
+                &[("reason", "relay_not_allowed")],
+            );
+            (n >= 1.0).then_some(()).ok_or(format!("{n}"))
+        },
+    );
+    assert_eq!(replica.counter("ballast_routes_feeds_open", &[]), 0.0);
+    assert_eq!(
+        outsider.counter("ballast_relay_routes_received_total", &[]),
+        0.0
+    );
+    assert_eq!(routes_health(&outsider).0, 0);
+    // A lone aggregator (no cluster) has no routes to give, and says so.
+    let lone = Aggregator::start(&pki, AggregatorOpts::default().relays(&["relay-*"]));
+    let relay = Relay::start(&pki, RelayOpts::new("relay-c", &[&lone]));
+    wait_for(
+        Duration::from_secs(20),
+        "the lone aggregator refuses",
+        || {
+            let n = relay.counter(
+                "ballast_relay_routes_failures_total",
+                &[("reason", "refused")],
+            );
+            (n >= 1.0)
+                .then_some(())
+                .ok_or(format!("{n}: {}", relay.log_tail(5)))
+        },
+    );
+    assert!(
+        lone.counter(
+            "ballast_connections_rejected_total",
+            &[("reason", "routes_not_served")]
+        ) >= 1.0
+    );
 }

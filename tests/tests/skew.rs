@@ -154,14 +154,10 @@ fn agents_of_both_versions_report_through_relays_of_both_versions_to_a_current_r
     );
     // A relay of today's release, and one that speaks only the previous agent
     // protocol to its agents.
-    let current = Relay::start(
-        &pki,
-        RelayOpts::new("relay-a", &etcd.endpoint(), RELAY_PREFIX, RELAY_CLUSTER),
-    );
+    let current = Relay::start(&pki, RelayOpts::new("relay-a", &[&replica]));
     let previous = Relay::start(
         &pki,
-        RelayOpts::new("relay-b", &etcd.endpoint(), RELAY_PREFIX, RELAY_CLUSTER)
-            .protocol("previous"),
+        RelayOpts::new("relay-b", &[&replica]).protocol("previous"),
     );
     // web-0: old agent, current relay; web-1: new agent, current relay;
     // web-2: old agent, old relay; web-3: new agent, old relay (negotiates down).

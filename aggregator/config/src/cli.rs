@@ -66,8 +66,8 @@ pub struct CommonArgs {
 /// The relay's settings; each overrides the configuration file.
 #[derive(Args, Clone, Default)]
 pub struct RelayArgs {
-    /// The settings the daemon has too. --tls-dir holds the identity agents see;
-    /// --etcd, --etcd-prefix and --cluster say where the cluster's owners are read.
+    /// The settings the daemon has too. --tls-dir holds the identity agents see; the
+    /// etcd flags are the daemon's only: a relay reads no etcd.
     #[command(flatten)]
     pub common: CommonArgs,
     /// Directory with the relay's own client identity for trunks to the replicas:
@@ -78,6 +78,14 @@ pub struct RelayArgs {
     /// The relay's name, told to the replicas (default: host name and QUIC port).
     #[arg(long, env = "BALLAST_RELAY_NAME")]
     pub name: Option<String>,
+    /// A replica to learn the cluster's routes from, host:port (its QUIC address);
+    /// repeat it, or separate addresses with commas. Replaces `[relay] replicas`.
+    #[arg(
+        long = "replica",
+        env = "BALLAST_RELAY_REPLICAS",
+        value_delimiter = ','
+    )]
+    pub replicas: Vec<String>,
     /// The HTTP port's TLS and credentials.
     #[command(flatten)]
     pub http: HttpArgs,
@@ -183,7 +191,7 @@ impl CommonArgs {
         }
     }
 
-    /// Amends the etcd table `table` (`[store.etcd]`, or a relay's `[relay.etcd]`)
+    /// Amends the etcd table `table` (`[store.etcd]`)
     /// with the etcd flags: `--etcd` makes one if there is none, the others need one.
     fn apply_etcd(&self, table: &mut Option<EtcdConfig>) -> Result<(), FlagError> {
         if let Some(endpoints) = &self.etcd {
@@ -230,18 +238,13 @@ impl CommonArgs {
 
 impl RelayArgs {
     /// Amends `cfg` with the relay's own flags, into a `[relay]` table with its
-    /// defaults if it has none; nothing is validated yet. The etcd flags amend the
-    /// table the relay connects with: `[relay.etcd]` when the file has one, else
-    /// `[store.etcd]`.
+    /// defaults if it has none; nothing is validated yet.
     pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) -> Result<(), FlagError> {
+        self.common.apply(cfg)?;
         let relay = cfg.relay.get_or_insert_with(Default::default);
-        if relay.etcd.is_some() {
-            self.common.apply_etcd(&mut relay.etcd)?;
-            self.common.apply_others(cfg);
-        } else {
-            self.common.apply(cfg)?;
+        if !self.replicas.is_empty() {
+            relay.replicas.clone_from(&self.replicas);
         }
-        let relay = cfg.relay.get_or_insert_with(Default::default);
         if let Some(dir) = &self.relay_tls_dir {
             relay.tls = TlsFiles::in_dir(dir, "relay");
         }

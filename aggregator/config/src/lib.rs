@@ -195,8 +195,8 @@ impl ClusterConfig {
 
 /// The relay (`[relay]`, `ballast-relay`): agents connect to it as to an
 /// aggregator, and it hands each agent on over a trunk to the cluster replica that
-/// owns its service. It needs `[cluster] name` and `[relay.etcd]` (or, failing that,
-/// `[store.etcd]`), where it reads the owners.
+/// owns its service. It learns which replica owns what from the replicas it is
+/// given (`replicas`), and reads no etcd.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RelayConfig {
@@ -220,12 +220,14 @@ pub struct RelayConfig {
     /// How long an agent whose owner went away is held, answered from its last reply,
     /// until a new owner takes it, in milliseconds; then it is closed with MOVED.
     pub failover_hold_ms: u64,
-    /// The relay's own etcd connection (`[relay.etcd]`): the endpoints, the prefix,
-    /// and credentials that need only read the cluster's keys,
-    /// `<prefix>/cluster/<name>/` (`docs/security.md` shows such a role). Without it
-    /// the relay connects with `[store.etcd]`'s settings, which are the replicas'
-    /// and can write. Its `max_request_bytes`, `max_value_bytes` and `local_copy`
-    /// are the routing store's, and unused here.
+    /// Addresses (`host:port`) of replicas to learn the cluster's routes from: the
+    /// relay asks one at a time, and then every member the routes name. Any replica
+    /// of the cluster will do; list more than one, so that the relay can start while
+    /// one is down.
+    pub replicas: Vec<String>,
+    /// No longer read: relays learn the routes from the replicas
+    /// ([`RelayConfig::replicas`]) and need no etcd credential. Accepted, with a
+    /// warning, so that the previous release's file still reads.
     pub etcd: Option<EtcdConfig>,
 }
 
@@ -238,6 +240,7 @@ impl Default for RelayConfig {
             batch_delay_ms: 25,
             attach_timeout_ms: 2000,
             failover_hold_ms: 10_000,
+            replicas: Vec::new(),
             etcd: None,
         }
     }
@@ -278,22 +281,18 @@ impl RelayConfig {
                 "must be at most 600000",
             ));
         }
-        if let Some(etcd) = &self.etcd {
-            etcd.validate_as("relay.etcd")?;
-            if etcd.local_copy.is_some() {
+        for replica in &self.replicas {
+            let port = replica
+                .rsplit_once(':')
+                .map(|(host, port)| (host, port.parse::<u16>()));
+            if !matches!(port, Some((host, Ok(p))) if !host.is_empty() && p > 0) {
                 return Err(InvalidSetting::new(
-                    "relay.etcd.local_copy",
-                    "a relay keeps no copy of the weights: it reads only the cluster's keys",
+                    "relay.replicas",
+                    format!("{replica:?} is not host:port"),
                 ));
             }
         }
         Ok(())
-    }
-
-    /// The etcd settings the relay connects with: `[relay.etcd]`, or `[store.etcd]`
-    /// when it has none; `None` when neither is set.
-    pub fn etcd_or<'a>(&'a self, store: Option<&'a EtcdConfig>) -> Option<&'a EtcdConfig> {
-        self.etcd.as_ref().or(store)
     }
 }
 
@@ -924,10 +923,9 @@ impl<B: BalanceTable> Config<B> {
         }
         if let Some(cluster) = &self.cluster {
             cluster.validate()?;
-            // A relay may follow the cluster with its own etcd table alone; a replica
-            // started so is refused when it opens its store.
-            let relays_own = self.relay.as_ref().is_some_and(|r| r.etcd.is_some());
-            if self.store.etcd.is_none() && !relays_own {
+            // A relay's file may name the cluster with no etcd at all (a relay reads
+            // none); a replica started so is refused when it opens its store.
+            if self.store.etcd.is_none() && self.relay.is_none() {
                 return Err(InvalidSetting::new(
                     "cluster",
                     "a cluster shares its services through etcd: it needs [store.etcd] \
@@ -935,22 +933,10 @@ impl<B: BalanceTable> Config<B> {
                 ));
             }
         }
+        // A relay's replicas are required where it starts (`ballast-relay`), not here:
+        // a replica may read a file with a [relay] table of the previous release.
         if let Some(relay) = &self.relay {
             relay.validate()?;
-            if self.cluster.is_none() {
-                return Err(InvalidSetting::new(
-                    "relay",
-                    "a relay serves the agents of one cluster: it needs [cluster] name \
-                     (or --cluster)",
-                ));
-            }
-            if relay.etcd_or(self.store.etcd.as_ref()).is_none() {
-                return Err(InvalidSetting::new(
-                    "relay",
-                    "a relay reads its cluster's owners from etcd: it needs [relay.etcd] \
-                     (or [store.etcd], or --etcd)",
-                ));
-            }
         }
         self.service_config.validate()?;
         self.limits.validate()?;

@@ -16,6 +16,7 @@ pub mod policy;
 pub mod primary_trunk;
 pub mod quic;
 pub mod revocation;
+pub mod routes_feed;
 pub mod supervise;
 pub mod threads;
 pub mod upstream;
@@ -198,7 +199,9 @@ impl Ingest {
 
 /// What an aggregator's QUIC server offers: agents' connections in every version of
 /// their protocol it speaks (current first, so that an agent that offers both gets
-/// the current), and relays' trunks in every version of theirs.
+/// the current), relays' trunks in every version of theirs, and relays' routes
+/// ([`routes_feed`]), which a process standing for the previous release
+/// (`BALLAST_PROTOCOL=previous`) does not offer: that release had none.
 pub fn aggregator_alpns() -> Result<Vec<&'static [u8]>, IngestError> {
     let mut alpns = agent_alpns()?;
     alpns.extend(
@@ -206,6 +209,9 @@ pub fn aggregator_alpns() -> Result<Vec<&'static [u8]>, IngestError> {
             .into_iter()
             .map(TrunkProtocol::alpn),
     );
+    if protocol::from_env()?.contains(&protocol::Protocol::CURRENT) {
+        alpns.push(ballast_shared::trunk::routes::ROUTES_ALPN);
+    }
     Ok(alpns)
 }
 

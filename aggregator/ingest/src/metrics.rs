@@ -63,6 +63,10 @@ pub struct IngestMetrics {
     pub trunks_open: Gauge,
     /// Agents attached through trunks now (slots welcomed and not yet detached).
     pub trunk_slots: Gauge,
+    /// Relays following the cluster's routes from this replica now.
+    pub routes_feeds_open: Gauge,
+    /// Route tables sent to relays (changes and confirmations).
+    pub routes_sent: Counter,
     /// Slots the primary detached, or lost with their trunk, by reason (`moved`,
     /// `revoked`, `expired`, `no_reports`, `protocol`, `relay_gone`).
     pub trunk_detached: Family<Reason, Counter>,
@@ -140,6 +144,16 @@ impl IngestMetrics {
             "trunk_slots",
             "Agents attached through trunks from relays",
             self.trunk_slots.clone(),
+        );
+        registry.register(
+            "routes_feeds_open",
+            "Relays following the cluster's routes from this replica",
+            self.routes_feeds_open.clone(),
+        );
+        registry.register(
+            "routes_sent",
+            "Route tables sent to relays (changes and confirmations)",
+            self.routes_sent.clone(),
         );
         registry.register(
             "trunk_detached",

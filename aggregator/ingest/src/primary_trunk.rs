@@ -151,7 +151,10 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
 
 /// Whether a relay with the certificate `info` may open a trunk: the reason it is
 /// counted under and the close's text, if not.
-fn admit_relay(ingest: &Ingest, info: &CertInfo) -> Result<(), (&'static str, &'static str)> {
+pub(crate) fn admit_relay(
+    ingest: &Ingest,
+    info: &CertInfo,
+) -> Result<(), (&'static str, &'static str)> {
     if !info.has_role(ballast_shared::pki::RELAY_ROLE) {
         return Err(("not_relay", "the certificate has no relay role"));
     }

@@ -93,6 +93,18 @@ pub async fn serve<U: Upstream>(
                     return;
                 }
             };
+            if crate::routes_feed::is_routes(&conn) {
+                let trunk = Trunk {
+                    conn: &conn,
+                    metrics: &metrics,
+                    ingest: &ingest,
+                    place: &mut slot,
+                };
+                if let Err(reason) = upstream.serve_routes(trunk).await {
+                    tracing::debug!(remote = %conn.remote_address(), reason, "routes feed ended");
+                }
+                return;
+            }
             if is_trunk(&conn) {
                 let trunk = Trunk {
                     conn: &conn,

@@ -103,6 +103,21 @@ pub trait Upstream: Send + Sync + 'static {
         );
         std::future::ready(Err("no trunks are taken here"))
     }
+
+    /// Serves a connection that negotiated the routes protocol (a relay following the
+    /// cluster's routes, [`crate::routes_feed`]) until it ends. An upstream that has no
+    /// routes closes it.
+    fn serve_routes(
+        &self,
+        trunk: Trunk<'_>,
+    ) -> impl Future<Output = Result<(), &'static str>> + Send {
+        trunk.metrics.reject_connection("routes_not_served");
+        trunk.conn.close(
+            ballast_shared::session::close::REJECTED.into(),
+            b"no routes are served here",
+        );
+        std::future::ready(Err("no routes are served here"))
+    }
 }
 
 /// An upstream that serves relays' trunks as a primary ([`crate::primary_trunk::serve`]): each
@@ -119,6 +134,10 @@ pub trait Replica: Upstream {
     /// Moves whenever this replica loses services: each link is then asked
     /// ([`Link::next`]) whether its agent must go. `None` when it never loses any.
     fn losses(&self) -> Option<tokio::sync::watch::Receiver<u64>>;
+
+    /// The cluster's routes as this replica reads them, for relays
+    /// ([`crate::routes_feed`]); `None` for an aggregator that is no cluster member.
+    fn cluster_routes(&self) -> Option<crate::routes_feed::RoutesReceiver>;
 }
 
 /// Resolves when `losses` has moved since the last call; never when there is none, or

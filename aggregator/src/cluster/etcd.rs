@@ -31,6 +31,7 @@ use crate::door::Door;
 use crate::metrics::Metrics;
 use crate::store::etcd::EtcdStore;
 use crate::store::etcd::{decode_entry, service_from_key, services_prefix};
+use ballast_shared::trunk::routes::RouteTable;
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     PutOptions, Txn, TxnOp, WatchOptions, WatchResponse, WatchStream,
@@ -486,7 +487,7 @@ impl Replica {
         other
     }
 
-    /// Reads the cluster's members and owners.
+    /// Reads the cluster's members and owners, and publishes them as the routes.
     async fn view(&self, client: &mut Client) -> Result<View, String> {
         let prefix = cluster_prefix(self.store.prefix(), &self.cluster);
         let resp = self
@@ -501,7 +502,16 @@ impl Replica {
             create_revision: kv.create_revision(),
             lease: kv.lease(),
         });
-        Ok(parse_view(&prefix, kvs))
+        let view = parse_view(&prefix, kvs);
+        // Every reading goes to the relays that follow the routes here.
+        let revision = resp.header().map_or(0, |h| h.revision());
+        self.ownership.publish_routes(RouteTable::new(
+            revision,
+            view.buckets.unwrap_or_else(|| self.ownership.buckets()),
+            &view.members,
+            view.owners.iter().map(|(b, o)| (*b, o.replica.as_str())),
+        ));
+        Ok(view)
     }
 
     /// Brings what this replica holds in line with what it should (see

@@ -82,14 +82,15 @@ mod tests {
     }
 
     #[test]
-    fn a_relay_needs_a_cluster_and_etcd() {
+    fn a_relay_reads_its_replicas_and_no_etcd() {
         let cfg = Config::parse(
-            "[store.etcd]\n[cluster]\nname = \"prod\"\n[relay]\nname = \"relay-1\"\n",
+            "[relay]\nname = \"relay-1\"\nreplicas = [\"agg-1:7400\", \"[fd00::1]:7400\"]\n",
             "t",
         )
         .expect("parses");
         let relay = cfg.relay.expect("relay");
         assert_eq!(relay.name.as_deref(), Some("relay-1"));
+        assert_eq!(relay.replicas, ["agg-1:7400", "[fd00::1]:7400"]);
         assert_eq!(
             (
                 relay.batch_delay_ms,
@@ -99,47 +100,30 @@ mod tests {
             (25, 2000, 10_000)
         );
         for (body, why) in [
-            ("[store.etcd]\n[relay]\n", "relay needs [cluster] name"),
             (
-                "[cluster]\nname = \"prod\"\n[relay]\n",
-                "relay needs [store.etcd]",
-            ),
-            (
-                "[store.etcd]\n[cluster]\nname = \"p\"\n[relay]\nattach_timeout_ms = 5\n",
+                "[relay]\nattach_timeout_ms = 5\n",
                 "relay.attach_timeout_ms",
             ),
-            (
-                "[store.etcd]\n[cluster]\nname = \"p\"\n[relay]\nname = \"a b\"\n",
-                "relay.name",
-            ),
-            (
-                "[cluster]\nname = \"p\"\n[relay.etcd]\nprefix = \"/w/\"\n",
-                "relay.etcd.prefix",
-            ),
-            (
-                "[cluster]\nname = \"p\"\n[relay.etcd]\nlocal_copy = \"/tmp/c\"\n",
-                "relay.etcd.local_copy",
-            ),
+            ("[relay]\nname = \"a b\"\n", "relay.name"),
+            ("[relay]\nreplicas = [\"agg-1\"]\n", "relay.replicas"),
+            ("[relay]\nreplicas = [\":7400\"]\n", "relay.replicas"),
+            ("[relay]\nreplicas = [\"agg-1:0\"]\n", "relay.replicas"),
+            ("[relay]\nreplicas = [\"agg-1:http\"]\n", "relay.replicas"),
         ] {
             let err = Config::parse(body, "t").expect_err(why).to_string();
-            let want = why.rsplit(' ').next().unwrap_or(why);
-            assert!(err.contains(want), "{why}: {err}");
+            assert!(err.contains(why), "{why}: {err}");
         }
-        // Its own etcd table is enough, and is what it connects with.
+        // The previous release's relay file, a cluster name with its own etcd table
+        // and no [store.etcd], still reads: the table is unread now.
         let cfg = Config::parse(
-            "[store.etcd]\nprefix = \"/s\"\n[cluster]\nname = \"p\"\n\
-             [relay.etcd]\nprefix = \"/r\"\nuser = \"relay\"\npassword_file = \"/p\"\n",
+            "[cluster]\nname = \"p\"\n[relay]\nreplicas = [\"a:1\"]\n[relay.etcd]\nprefix = \"/r\"\n",
             "t",
         )
         .expect("parses");
-        let relay = cfg.relay.as_ref().expect("relay");
-        let etcd = relay.etcd_or(cfg.store.etcd.as_ref()).expect("etcd");
-        assert_eq!(
-            (etcd.prefix.as_str(), etcd.user.as_deref()),
-            ("/r", Some("relay"))
-        );
-        let cfg = Config::parse("[cluster]\nname = \"p\"\n[relay.etcd]\n", "t").expect("parses");
         assert!(cfg.store.etcd.is_none() && cfg.relay.is_some_and(|r| r.etcd.is_some()));
+        // A cluster without etcd and without a relay is a replica's mistake.
+        let err = Config::parse("[cluster]\nname = \"p\"\n", "t").expect_err("no etcd");
+        assert!(err.to_string().contains("[store.etcd]"), "{err}");
     }
 
     #[test]

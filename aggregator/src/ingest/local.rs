@@ -108,6 +108,13 @@ impl Upstream for Local {
     fn trunk(&self, trunk: Trunk<'_>) -> impl Future<Output = Result<(), &'static str>> + Send {
         ballast_ingest::primary_trunk::serve(self, trunk)
     }
+
+    fn serve_routes(
+        &self,
+        trunk: Trunk<'_>,
+    ) -> impl Future<Output = Result<(), &'static str>> + Send {
+        ballast_ingest::routes_feed::serve(self, trunk)
+    }
 }
 
 impl Replica for Local {
@@ -126,6 +133,11 @@ impl Replica for Local {
     /// Moves whenever this replica loses a bucket; `None` for a lone aggregator.
     fn losses(&self) -> Option<watch::Receiver<u64>> {
         self.state.ownership.as_ref().map(|o| o.watch_losses())
+    }
+
+    /// The cluster's routes as this replica reads them; `None` for a lone aggregator.
+    fn cluster_routes(&self) -> Option<ballast_ingest::routes_feed::RoutesReceiver> {
+        self.state.ownership.as_ref().map(|o| o.watch_routes())
     }
 }
 

@@ -333,7 +333,7 @@ fn config() -> impl bincode::config::Config {
 }
 
 /// Whether `len` is within `max`, as a [`TrunkError::TooLarge`] naming `what`.
-fn within(what: &'static str, len: usize, max: usize) -> Result<(), TrunkError> {
+pub(crate) fn within(what: &'static str, len: usize, max: usize) -> Result<(), TrunkError> {
     if len > max {
         return Err(TrunkError::TooLarge { what, len, max });
     }

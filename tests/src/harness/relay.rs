@@ -2,6 +2,7 @@
 //! old name, `ballast-aggregator relay`): agents connect to it as to an
 //! aggregator, and it hands their reports on to the replicas that own their services.
 
+use super::aggregator::Aggregator;
 use super::api::{parse_metrics, sum_samples};
 use super::pki::Pki;
 use super::ports;
@@ -20,12 +21,8 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 pub struct RelayOpts {
     /// `--name`, which its certificate also names.
     pub name: String,
-    /// `--etcd`.
-    pub etcd: String,
-    /// `--etcd-prefix`.
-    pub prefix: String,
-    /// `--cluster`.
-    pub cluster: String,
+    /// `--replica`, each: the replicas it learns the routes from.
+    pub replicas: Vec<String>,
     /// Extra TOML for `--config` (e.g. a `[relay]` table).
     pub config_toml: Option<String>,
     /// `BALLAST_PROTOCOL`: the agent protocol versions it accepts; default: every
@@ -36,14 +33,20 @@ pub struct RelayOpts {
 }
 
 impl RelayOpts {
-    /// Relay `name` of cluster `cluster`, whose replicas keep their state under
-    /// `prefix` in the etcd at `etcd`.
-    pub fn new(name: &str, etcd: &str, prefix: &str, cluster: &str) -> Self {
+    /// Relay `name`, told of the replicas `replicas` (any of a cluster's will do: it
+    /// learns the others from them).
+    pub fn new(name: &str, replicas: &[&Aggregator]) -> Self {
+        Self::at(
+            name,
+            replicas.iter().map(|r| r.quic_addr().to_string()).collect(),
+        )
+    }
+
+    /// Relay `name`, told of the replicas at `addresses` (`host:port`).
+    pub fn at(name: &str, addresses: Vec<String>) -> Self {
         RelayOpts {
             name: name.to_string(),
-            etcd: etcd.to_string(),
-            prefix: prefix.to_string(),
-            cluster: cluster.to_string(),
+            replicas: addresses,
             config_toml: None,
             protocol: None,
             aggregator_alias: false,
@@ -139,10 +142,10 @@ impl Relay {
             .arg(pki.server_tls_dir())
             .arg("--relay-tls-dir")
             .arg(pki.relay_tls_dir(&self.opts.name))
-            .args(["--etcd", &self.opts.etcd])
-            .args(["--etcd-prefix", &self.opts.prefix])
-            .args(["--cluster", &self.opts.cluster])
             .args(["--name", &self.opts.name]);
+        for replica in &self.opts.replicas {
+            cmd.args(["--replica", replica]);
+        }
         if let Some(toml) = &self.opts.config_toml {
             let path = self.dir.path().join("relay.toml");
             std::fs::write(&path, toml).expect("write relay.toml");
