@@ -399,11 +399,14 @@ fn an_agent_no_replica_takes_within_the_hold_is_closed_with_moved_and_moves_on()
         .unwrap_or_else(|| panic!("not through a relay: {status:?}"));
     let (holding, next) = (&relays[at], &relays[1 - at]);
     let moved = |r: &Relay| r.counter("ballast_connections_rejected_total", &[("reason", "moved")]);
+    // No replica is left to tell the relays the owner is gone: their routes still
+    // name it, and its trunk is down (`trunk_down`); a relay that never heard of an
+    // owner refuses with `no_owner`. Either way no replica takes the agent.
     let refused = |r: &Relay| {
-        r.counter(
-            "ballast_relay_attach_refused_total",
-            &[("reason", "no_owner")],
-        )
+        ["no_owner", "trunk_down"]
+            .iter()
+            .map(|reason| r.counter("ballast_relay_attach_refused_total", &[("reason", reason)]))
+            .sum::<f64>()
     };
 
     // The only replica stops: its buckets go to nobody, and the relay holds the agent,
@@ -437,8 +440,8 @@ fn an_agent_no_replica_takes_within_the_hold_is_closed_with_moved_and_moves_on()
             &[("reason", "failover")]
         ) >= 1.0
     );
-    // The agent moves on to its next address, the other relay, which finds no owner
-    // either.
+    // The agent moves on to its next address, the other relay, which finds no live
+    // owner either.
     wait_for(
         Duration::from_secs(10),
         "the agent tries the other relay",

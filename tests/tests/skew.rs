@@ -153,7 +153,10 @@ fn agents_of_both_versions_report_through_relays_of_both_versions_to_a_current_r
             .policy("relays = [\"relay-*\"]\nadmit_unproven_relayed_agents = true\n"),
     );
     // A relay of today's release, and one that speaks only the previous agent
-    // protocol to its agents.
+    // protocol to its agents and the previous trunk protocol to the replica. (The
+    // previous release's relays read the routes from etcd themselves; today's binary
+    // standing for one learns them from the replica, which changes nothing on the
+    // trunk.)
     let current = Relay::start(&pki, RelayOpts::new("relay-a", &[&replica]));
     let previous = Relay::start(
         &pki,
