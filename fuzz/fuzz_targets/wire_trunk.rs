@@ -1,8 +1,9 @@
 //! The trunk codec (`ballast_shared::trunk`): control streams in any chunks, as a
-//! primary reads a relay's and a relay a primary's, and datagram batches of either
+//! primary reads a relay's and a relay a primary's, a replica's routes stream as a
+//! relay reads it (`ballast_shared::trunk::routes`), and datagram batches of either
 //! kind. The input is a 2-byte header (what the rest is: 0 a relay's control stream, 1
-//! a primary's, 2 a batch of reports, 3 a batch of replies; the chunk size) and the
-//! bytes.
+//! a primary's, 2 a batch of reports, 3 a batch of replies, 4 a routes stream; the
+//! chunk size) and the bytes.
 //!
 //! Invariants: nothing panics; every decoded control message holds its limits,
 //! encodes, and decodes again to itself, in no more bytes than it came in; the reader
@@ -16,6 +17,7 @@ use ballast_shared::trunk::{
     decode_batch, decode_control, encode_control, BatchEncoder, BatchKind, ControlMessage,
     ControlReader, ToPrimary, ToRelay, MAX_BATCH, MAX_CONTROL_FRAME,
 };
+use ballast_shared::trunk::routes::RoutesMessage;
 use libfuzzer_sys::fuzz_target;
 use std::fmt::Debug;
 
@@ -61,10 +63,11 @@ fn batch(data: &[u8], kind: BatchKind) {
 fuzz_target!(|data: &[u8]| {
     let ([mode, chunk], rest) = header::<2>(data);
     let chunk = usize::from(chunk).max(1);
-    match mode % 4 {
+    match mode % 5 {
         0 => control::<ToPrimary>(rest, chunk),
         1 => control::<ToRelay>(rest, chunk),
         2 => batch(rest, BatchKind::Reports),
-        _ => batch(rest, BatchKind::Replies),
+        3 => batch(rest, BatchKind::Replies),
+        _ => control::<RoutesMessage>(rest, chunk),
     }
 });

@@ -9,14 +9,16 @@ use clap::Parser;
 use std::process::ExitCode;
 
 /// Ballast relay: agents connect to it as to an aggregator, and it hands their hellos
-/// and reports on to the cluster replica that owns each agent's service. Needs --etcd
-/// and --cluster (or [relay.etcd] and [cluster]).
+/// and reports on to the cluster replica that owns each agent's service. Needs
+/// --replica (or [relay] replicas).
 ///
-/// The relay only reads its cluster's keys in etcd (<prefix>/cluster/<name>/). Give it
-/// an etcd user of its own, whose role can only read them, in the [relay.etcd] table
-/// of its configuration (the settings of [store.etcd]); the etcd flags then amend that
-/// table. Without it the relay connects with [store.etcd], whose user is the
-/// replicas' and can write (docs/security.md).
+/// The relay learns which replica owns what from the replicas themselves: it asks
+/// one at a time, at its QUIC address, with the routes protocol (ballast-routes/1) and
+/// its relay certificate (--relay-tls-dir), first the addresses it is given, then every
+/// member the routes name. The replicas' policy must list it, as for its trunks. It
+/// reads no etcd and holds no etcd credential: [relay.etcd] is no longer read, and
+/// the etcd flags amend only [store.etcd], which the relay does not read either
+/// (docs/security.md).
 #[derive(Parser)]
 #[command(name = "ballast-relay", version, about)]
 pub struct Cli {
