@@ -1,9 +1,9 @@
 //! Where each service is served: the cluster's members and bucket owners, as the
 //! replicas tell them.
 //!
-//! The relay dials one replica at a time with the routes protocol
-//! ([`ballast_shared::trunk::routes`]): first the addresses it was given
-//! (`[relay] replicas`), then every member the routes name. The replica sends the
+//! The relay follows two replicas at once with the routes protocol
+//! ([`ballast_shared::trunk::routes`]), each lane taking the addresses it was given
+//! (`[relay] replicas`), then every member the routes name, in turn. The replica sends the
 //! cluster as it reads it from etcd, whenever that changes and at least every second;
 //! each table is published as an [`Arc<Routes>`] on a `tokio::sync::watch`. A replica
 //! that goes quiet, refuses, or is lost is left for the next address, with backoff;
@@ -18,13 +18,17 @@ use ballast_shared::trunk::{encode_control, ControlReader, ToPrimary, MAX_CONTRO
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// How long a replica may go without sending a table before the relay asks another:
 /// it confirms its routes every [`ROUTES_CONFIRM`] while it reads etcd.
 const SILENT_AFTER: Duration = Duration::from_secs(5);
+
+/// How many replicas the relay follows the routes from at once ([`Follower::run`]
+/// runs that many lanes).
+const LANES: usize = 2;
 
 /// How long a replica has to answer the dial.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -134,6 +138,10 @@ pub(crate) struct Follower {
     tx: watch::Sender<Arc<Routes>>,
     freshness: Arc<Freshness>,
     metrics: Arc<RelayMetrics>,
+    /// The address each lane follows now.
+    lanes_at: Mutex<[Option<String>; LANES]>,
+    /// The revision of the newest table published, and when.
+    newest: Mutex<Option<(i64, Instant)>>,
 }
 
 /// A follower, the receiver of its routes, and their freshness.
@@ -169,6 +177,8 @@ pub(crate) fn follower(dial: Dial, metrics: Arc<RelayMetrics>) -> Following {
         tx,
         freshness: freshness.clone(),
         metrics,
+        lanes_at: Mutex::new(Default::default()),
+        newest: Mutex::new(None),
     };
     (follower, rx, freshness)
 }
@@ -204,25 +214,70 @@ impl Follower {
         out
     }
 
-    /// Follows the routes until the receivers are all gone: one replica at a time,
-    /// the next one when a connection ends, with backoff.
+    /// Follows the routes until the receivers are all gone, from [`LANES`] replicas
+    /// at once where there are that many: a replica that dies leaves the other's
+    /// tables coming, so that the relay hears of the new owners as soon as etcd does,
+    /// not a silence later.
     pub(crate) async fn run(self) {
+        tokio::join!(self.lane(0), self.lane(1));
+    }
+
+    /// One lane: one replica at a time, the next one free of the other lanes when a
+    /// connection ends, with backoff.
+    async fn lane(&self, lane: usize) {
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-        let mut next = 0usize;
+        let mut next = lane;
         loop {
             let candidates = self.candidates();
-            let Some(address) = candidates.get(next % candidates.len().max(1)).cloned() else {
+            if candidates.is_empty() {
                 tracing::error!(
                     "the relay has no replica to ask for the routes ([relay] replicas)"
                 );
                 self.tx.closed().await;
                 return;
+            }
+            // The first address from `next` on that no other lane follows; none while
+            // the relay knows fewer replicas than lanes (it learns of more from the
+            // first table).
+            let address = {
+                let mut busy = self.lanes_at.lock().unwrap_or_else(|p| p.into_inner());
+                let free = (0..candidates.len())
+                    .map(|i| (next + i) % candidates.len())
+                    .find(|i| {
+                        candidates.get(*i).is_some_and(|c| {
+                            !busy
+                                .iter()
+                                .enumerate()
+                                .any(|(l, b)| l != lane && b.as_deref() == Some(c.as_str()))
+                        })
+                    });
+                free.and_then(|i| {
+                    next = i + 1;
+                    let address = candidates.get(i).cloned()?;
+                    if let Some(mine) = busy.get_mut(lane) {
+                        *mine = Some(address.clone());
+                    }
+                    Some(address)
+                })
             };
-            next = next.wrapping_add(1);
+            let Some(address) = address else {
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    () = self.tx.closed() => return,
+                }
+            };
             let ended = tokio::select! {
                 ended = self.session(&address) => ended,
                 () = self.tx.closed() => return,
             };
+            if let Some(mine) = self
+                .lanes_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_mut(lane)
+            {
+                *mine = None;
+            }
             self.metrics.routes_failed(ended.reason);
             if ended.heard {
                 backoff.reset();
@@ -368,7 +423,20 @@ impl Follower {
         }
     }
 
+    /// Publishes `table`, unless another lane published a newer reading (of a later
+    /// etcd revision) within the last silence: two replicas' readings interleave, and
+    /// an older one must not undo a newer. (An etcd restored from a backup, whose
+    /// revisions go back, is followed again after one silence.)
     fn publish(&self, table: &RouteTable) {
+        {
+            let mut newest = self.newest.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((revision, at)) = *newest {
+                if table.revision < revision && at.elapsed() < SILENT_AFTER {
+                    return;
+                }
+            }
+            *newest = Some((table.revision, Instant::now()));
+        }
         let routes = Routes::from_table(table);
         self.tx.send_if_modified(|current| {
             if **current == routes {
