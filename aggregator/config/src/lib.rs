@@ -221,7 +221,7 @@ pub struct RelayConfig {
     /// until a new owner takes it, in milliseconds; then it is closed with MOVED.
     pub failover_hold_ms: u64,
     /// Addresses (`host:port`) of replicas to learn the cluster's routes from: the
-    /// relay asks one at a time, and then every member the routes name. Any replica
+    /// relay follows two at once, and then every member the routes name. Any replica
     /// of the cluster will do; list more than one, so that the relay can start while
     /// one is down.
     pub replicas: Vec<String>,
@@ -358,7 +358,7 @@ impl EtcdConfig {
         self.validate_as("store.etcd")
     }
 
-    /// [`EtcdConfig::validate`] for the table at `table` (`store.etcd`, `relay.etcd`),
+    /// [`EtcdConfig::validate`] for the table at `table` (`store.etcd`),
     /// which its errors name.
     pub fn validate_as(&self, table: &str) -> Result<(), InvalidSetting> {
         let at = |name: &str| format!("{table}.{name}");

@@ -1,6 +1,8 @@
 //! Ballast in etcd: a cluster's keys ([`cluster`], no I/O), and, with the `client`
 //! feature, the connection to etcd, one for every part of Ballast that talks to it:
-//! the routing store (whose client the cluster's lease shares) and the relay's routes.
+//! the routing store and the cluster (whose lease shares the store's client). Relays
+//! read no etcd: they learn the routes from the replicas, and use only [`cluster`]'s
+//! bucket hash.
 //!
 //! [`Connection::new`] reads and checks the files the settings name (a CA, a client
 //! certificate, a password file) at start, before anything is contacted;
