@@ -149,6 +149,27 @@ pub(crate) struct Names {
     pub(crate) node: Arc<str>,
     pub(crate) address: Arc<str>,
     pub(crate) zone: Arc<str>,
+    /// The digest of the three ([`crate::publish::names_digest`]), made when they are
+    /// set, so that a publication's change digest reads one number per endpoint.
+    pub(crate) digest: u64,
+}
+
+impl Names {
+    /// Node `node` at `address` in `zone`.
+    pub(crate) fn new(node: Arc<str>, address: Arc<str>, zone: Arc<str>) -> Self {
+        let digest = crate::publish::names_digest(&node, &address, &zone);
+        Names {
+            node,
+            address,
+            zone,
+            digest,
+        }
+    }
+
+    /// The node, moved to `address` in `zone`.
+    pub(crate) fn moved(&mut self, address: &str, zone: Arc<str>) {
+        *self = Names::new(Arc::clone(&self.node), Arc::from(address), zone);
+    }
 }
 
 /// What only registration, sessions and publication read.
@@ -236,11 +257,7 @@ impl Slots {
         now: Millis,
         weight: f64,
     ) -> usize {
-        let names = Names {
-            node: Arc::from(node),
-            address: Arc::from(address),
-            zone: self.zone(zone),
-        };
+        let names = Names::new(Arc::from(node), Arc::from(address), self.zone(zone));
         let in_order = self.sorted == self.len()
             && self
                 .cold
@@ -299,8 +316,7 @@ impl Slots {
         self.obs[slot] = Observation::default();
         self.inflight[slot] = InflightTracker::default();
         let cold = &mut self.cold[slot];
-        cold.names.address = Arc::from(address);
-        cold.names.zone = zone;
+        cold.names.moved(address, zone);
         cold.last_seq = None;
         cold.moved_at = None;
     }

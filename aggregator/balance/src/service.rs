@@ -340,9 +340,7 @@ impl Service {
                 let names = &self.slots.cold[slot].names;
                 if *names.address != *address || *names.zone != *zone {
                     let zone = self.slots.zone(zone);
-                    let names = &mut self.slots.cold[slot].names;
-                    names.address = Arc::from(address);
-                    names.zone = zone;
+                    self.slots.cold[slot].names.moved(address, zone);
                 }
                 slot
             }

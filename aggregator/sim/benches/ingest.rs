@@ -197,13 +197,14 @@ fn bare_server(args: &[String]) {
                 let Ok((mut send, mut recv)) = conn.accept_bi().await else {
                     return;
                 };
-                // Whatever the hello says, it is welcomed.
-                if recv.read_to_end(wire::MAX_MESSAGE + 2).await.is_err()
+                // Whatever the hello says, it is welcomed. The agent keeps its side of
+                // the stream open (proofs of possession come on it), so one frame is
+                // read, as the aggregator reads it, not the stream's end.
+                if ballast_shared::frame::read(&mut recv).await.is_err()
                     || send.write_all(&welcome).await.is_err()
                 {
                     return;
                 }
-                let _ = send.finish();
                 while let Ok(_report) = conn.read_datagram().await {
                     count.fetch_add(1, Ordering::Relaxed);
                     let _ = conn.send_datagram(reply.to_vec().into());

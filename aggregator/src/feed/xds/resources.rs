@@ -532,9 +532,7 @@ impl ServiceResources {
             version,
             endpoints.iter().map(|e| {
                 (
-                    e.node.as_str(),
-                    e.address.as_str(),
-                    e.zone.as_str(),
+                    ballast_balance::publish::names_digest(&e.node, &e.address, &e.zone),
                     e.draining,
                 )
             }),
