@@ -995,10 +995,12 @@ impl Service {
         let slots = &mut self.slots;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
-        // Each one's step and whether it is held; the held ones are settled after the
-        // others have moved.
-        let mut steps: Vec<(f64, Option<f64>)> = Vec::with_capacity(fresh.len());
-        for &s in fresh {
+        // The steps of those not held are taken at once; the held ones (rarely any)
+        // are settled after, against the others' mean step.
+        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
+        let mut held: Vec<(usize, f64, f64)> = Vec::new();
+        let (mut moved, mut moved_weight) = (0.0, 0.0);
+        for (i, &s) in fresh.iter().enumerate() {
             let stalled = sheds_at_bound(slots, s, avg, params.metric);
             let hold = slots.inflight[s].hold_after_stall(stalled);
             let ep = &mut slots.hot[s];
@@ -1013,50 +1015,40 @@ impl Service {
             // per unit of weight is its latency), so a proportional step gains nothing
             // by being gentle: it sheds at the fastest rate the bounds allow for as long
             // as the stall lasts.
-            steps.push(if stalled { (lo, None) } else { (delta, hold) });
+            match (stalled, hold) {
+                (false, Some(probe)) => {
+                    held.push((i, delta, probe));
+                    stepped.push(0.0);
+                }
+                _ => {
+                    let delta = if stalled { lo } else { delta };
+                    let w = slots.hot[s].strategy_weights.get(Strategy::Pid);
+                    moved += w * (1.0 + delta);
+                    moved_weight += w;
+                    stepped.push(take_step(slots, s, delta, now, avg));
+                }
+            }
         }
         // A held node's share must not grow (beyond the probe weight): its weight moves
         // at most by the others' mean step. Holding the weight itself is not enough:
         // the stalled node's idle CPU pulls the average down, every healthy node reads
         // above it and shrinks by the same step, and normalisation would hand that
         // step to the held node.
-        let (moved, moved_weight) = fresh
-            .iter()
-            .zip(&steps)
-            .filter(|(_, (_, hold))| hold.is_none())
-            .fold((0.0, 0.0), |(m, t), (&s, (delta, _))| {
-                let w = slots.hot[s].strategy_weights.get(Strategy::Pid);
-                (m + w * (1.0 + delta), t + w)
-            });
         let others = if moved_weight > 0.0 {
             moved / moved_weight - 1.0
         } else {
             0.0
         };
-        let mut stepped: Vec<f64> = Vec::with_capacity(fresh.len());
-        for (&s, &(delta, hold)) in fresh.iter().zip(&steps) {
-            let delta = match hold {
-                Some(probe) => {
-                    // Up to the probe weight, in the units the load balancers apply
-                    // (normalisation then scales it by about 1 / (1 + others): a
-                    // little above the probe while the others shrink).
-                    let applied = slots.inflight[s].applied_weight();
-                    let to_probe = probe / applied.max(f64::MIN_POSITIVE) - 1.0;
-                    delta.min(others.min(0.0).max(to_probe))
-                }
-                None => delta,
-            };
-            let ep = &mut slots.hot[s];
-            let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
-            ep.strategy_weights.set(Strategy::Pid, w);
-            stepped.push(w);
-            ep.set_last_update(Some(now));
-            ep.established = true;
-            // The ramp ends once the newcomer carries its share; its integral, built
-            // up on the way, would otherwise carry it past the average.
-            if ep.warming && ep.load >= avg * 0.95 {
-                ep.warming = false;
-                slots.pid[s].integral = 0.0;
+        for (i, delta, probe) in held {
+            let Some(&s) = fresh.get(i) else { continue };
+            // Up to the probe weight, in the units the load balancers apply
+            // (normalisation then scales it by about 1 / (1 + others): a little above
+            // the probe while the others shrink).
+            let applied = slots.inflight[s].applied_weight();
+            let to_probe = probe / applied.max(f64::MIN_POSITIVE) - 1.0;
+            let delta = delta.min(others.min(0.0).max(to_probe));
+            if let Some(w) = stepped.get_mut(i) {
+                *w = take_step(slots, s, delta, now, avg);
             }
         }
         stepped
@@ -1171,6 +1163,23 @@ pub const FEED_FORWARD_SETTLE: u64 = 2;
 /// Cycles after a feed-forward step before another may be taken: the controllers trim
 /// the first one, and a second would undo their work.
 pub(crate) const FEED_FORWARD_HOLDOFF: u64 = 10;
+
+/// Moves endpoint `s`'s controller weight by `delta` in the step at `now`, and
+/// returns it; ends its ramp once a newcomer carries its share of `avg`.
+fn take_step(slots: &mut Slots, s: usize, delta: f64, now: Millis, avg: f64) -> f64 {
+    let ep = &mut slots.hot[s];
+    let w = ep.strategy_weights.get(Strategy::Pid) * (1.0 + delta);
+    ep.strategy_weights.set(Strategy::Pid, w);
+    ep.set_last_update(Some(now));
+    ep.established = true;
+    // The ramp ends once the newcomer carries its share; its integral, built up on
+    // the way, would otherwise carry it past the average.
+    if ep.warming && ep.load >= avg * 0.95 {
+        ep.warming = false;
+        slots.pid[s].integral = 0.0;
+    }
+    w
+}
 
 /// Whether the endpoint in `slot` is stalled beyond doubt, so that it sheds at the
 /// shrink bound and is held after ([`Service::step_controllers`]): [`stalled`], with its
