@@ -13,6 +13,7 @@
 //! only the agents of owned services), the state and the cluster's etcd side (which
 //! claims, renews and resigns) all read it, and it reads none of them.
 
+use ballast_ingest::routes_feed::Reading;
 use ballast_shared::trunk::routes::RouteTable;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -46,7 +47,7 @@ pub struct Ownership {
     lost: tokio::sync::watch::Sender<u64>,
     /// Each reading of the cluster's keys, as the routes relays follow
     /// ([`ballast_ingest::routes_feed`]); `None` before the first.
-    routes: tokio::sync::watch::Sender<Option<Arc<RouteTable>>>,
+    routes: tokio::sync::watch::Sender<Option<Reading>>,
     /// Buckets taken over since start.
     takeovers: AtomicU64,
     /// What [`Ownership::valid_until`] counts from.
@@ -192,6 +193,8 @@ impl Ownership {
     /// time); returns the buckets that were held.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn lose_all(&self) -> Vec<u32> {
+        // No member now: its last reading must not be served as current.
+        self.routes.send_replace(None);
         let held: Vec<u32> = (0..self.buckets())
             .filter(|b| self.slot(*b).is_some_and(|s| s.load(Ordering::Acquire) > 0))
             .collect();
@@ -223,11 +226,14 @@ impl Ownership {
     /// routes current.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn publish_routes(&self, table: RouteTable) {
-        self.routes.send_replace(Some(Arc::new(table)));
+        self.routes.send_replace(Some(Reading {
+            table: Arc::new(table),
+            at: Instant::now(),
+        }));
     }
 
     /// The readings of the cluster's keys, as [`Ownership::publish_routes`] gives them.
-    pub fn watch_routes(&self) -> tokio::sync::watch::Receiver<Option<Arc<RouteTable>>> {
+    pub fn watch_routes(&self) -> tokio::sync::watch::Receiver<Option<Reading>> {
         self.routes.subscribe()
     }
 

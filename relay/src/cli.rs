@@ -77,6 +77,14 @@ pub fn config(args: &RelayArgs) -> Result<Config, RunError> {
 /// command in the message of such an end. Logging is the caller's to set up.
 pub fn run(args: &RelayArgs, program: &str) -> Result<ExitCode, RunError> {
     let cfg = config(args)?;
+    let ignored = args.ignored_etcd_flags();
+    if !ignored.is_empty() {
+        tracing::warn!(
+            flags = ?ignored,
+            "etcd flags are not read by a relay: it learns the routes from the replicas; \
+             remove them from its unit or environment"
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

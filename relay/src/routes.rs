@@ -30,6 +30,10 @@ const SILENT_AFTER: Duration = Duration::from_secs(5);
 /// runs that many lanes).
 const LANES: usize = 2;
 
+/// The reason a lane gives up a replica the other lane follows under another name;
+/// not a failure.
+const DUPLICATE: &str = "duplicate";
+
 /// How long a replica has to answer the dial.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -140,6 +144,9 @@ pub(crate) struct Follower {
     metrics: Arc<RelayMetrics>,
     /// The address each lane follows now.
     lanes_at: Mutex<[Option<String>; LANES]>,
+    /// The replica each lane is connected to, as the connection's remote address: two
+    /// names of one replica (a seed's host name, the address it advertises) are one.
+    lanes_peer: Mutex<[Option<SocketAddr>; LANES]>,
     /// The revision of the newest table published, and when.
     newest: Mutex<Option<(i64, Instant)>>,
 }
@@ -178,6 +185,7 @@ pub(crate) fn follower(dial: Dial, metrics: Arc<RelayMetrics>) -> Following {
         freshness: freshness.clone(),
         metrics,
         lanes_at: Mutex::new(Default::default()),
+        lanes_peer: Mutex::new(Default::default()),
         newest: Mutex::new(None),
     };
     (follower, rx, freshness)
@@ -205,10 +213,10 @@ impl Follower {
     /// The addresses to ask, in order: those given, then the members the routes name
     /// that are not among them.
     fn candidates(&self) -> Vec<String> {
-        let mut out = self.seeds.clone();
-        for address in self.tx.borrow().members.values() {
-            if !out.contains(address) {
-                out.push(address.clone());
+        let mut out: Vec<String> = self.tx.borrow().members.values().cloned().collect();
+        for seed in &self.seeds {
+            if !out.contains(seed) {
+                out.push(seed.clone());
             }
         }
         out
@@ -267,9 +275,17 @@ impl Follower {
                 }
             };
             let ended = tokio::select! {
-                ended = self.session(&address) => ended,
+                ended = self.session(lane, &address) => ended,
                 () = self.tx.closed() => return,
             };
+            if let Some(peer) = self
+                .lanes_peer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_mut(lane)
+            {
+                *peer = None;
+            }
             if let Some(mine) = self
                 .lanes_at
                 .lock()
@@ -277,6 +293,14 @@ impl Follower {
                 .get_mut(lane)
             {
                 *mine = None;
+            }
+            if ended.reason == DUPLICATE {
+                // Another name of the replica the other lane follows: the next.
+                tracing::debug!(replica = %address, "the other lane follows this replica");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    () = self.tx.closed() => return,
+                }
             }
             self.metrics.routes_failed(ended.reason);
             if ended.heard {
@@ -293,7 +317,7 @@ impl Follower {
     }
 
     /// One connection's life: dial, open, then read tables until it ends.
-    async fn session(&self, address: &str) -> Ended {
+    async fn session(&self, lane: usize, address: &str) -> Ended {
         let conn = match tokio::time::timeout(CONNECT_TIMEOUT, self.connect(address)).await {
             Ok(Ok(c)) => c,
             Ok(Err(ended)) => return ended,
@@ -304,6 +328,25 @@ impl Follower {
                 )
             }
         };
+        {
+            let mut peers = self.lanes_peer.lock().unwrap_or_else(|p| p.into_inner());
+            let remote = conn.remote_address();
+            let taken = peers
+                .iter()
+                .enumerate()
+                .any(|(l, p)| l != lane && *p == Some(remote));
+            if taken {
+                drop(peers);
+                conn.close(quinn::VarInt::from_u32(0), b"followed already");
+                return Ended::before(
+                    DUPLICATE,
+                    format!("{address} is {remote}, followed already"),
+                );
+            }
+            if let Some(mine) = peers.get_mut(lane) {
+                *mine = Some(remote);
+            }
+        }
         let ended = self.follow(&conn).await;
         conn.close(quinn::VarInt::from_u32(0), b"routes followed elsewhere");
         ended
@@ -408,8 +451,11 @@ impl Follower {
                     RoutesMessage::Routes(table) => {
                         heard = true;
                         self.metrics.routes_received.inc();
-                        self.publish(&table);
-                        self.freshness.confirm();
+                        // Only a table that stands confirms the routes current: an
+                        // older reading than the other lane's says nothing of now.
+                        if self.publish(&table) {
+                            self.freshness.confirm();
+                        }
                     }
                     RoutesMessage::Closed(reason) => {
                         return Ended {
@@ -427,12 +473,12 @@ impl Follower {
     /// etcd revision) within the last silence: two replicas' readings interleave, and
     /// an older one must not undo a newer. (An etcd restored from a backup, whose
     /// revisions go back, is followed again after one silence.)
-    fn publish(&self, table: &RouteTable) {
+    fn publish(&self, table: &RouteTable) -> bool {
         {
             let mut newest = self.newest.lock().unwrap_or_else(|p| p.into_inner());
             if let Some((revision, at)) = *newest {
                 if table.revision < revision && at.elapsed() < SILENT_AFTER {
-                    return;
+                    return false;
                 }
             }
             *newest = Some((table.revision, Instant::now()));
@@ -445,6 +491,7 @@ impl Follower {
             *current = Arc::new(routes);
             true
         });
+        true
     }
 }
 

@@ -237,10 +237,31 @@ impl CommonArgs {
 }
 
 impl RelayArgs {
+    /// The etcd flags given (or set in the environment) that a relay does not read.
+    pub fn ignored_etcd_flags(&self) -> Vec<&'static str> {
+        let c = &self.common;
+        [
+            ("--etcd", c.etcd.is_some()),
+            ("--etcd-prefix", c.etcd_prefix.is_some()),
+            ("--etcd-ca", c.etcd_ca.is_some()),
+            ("--etcd-cert", c.etcd_cert.is_some()),
+            ("--etcd-key", c.etcd_key.is_some()),
+            ("--etcd-user", c.etcd_user.is_some()),
+            ("--etcd-password-file", c.etcd_password_file.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect()
+    }
+
     /// Amends `cfg` with the relay's own flags, into a `[relay]` table with its
     /// defaults if it has none; nothing is validated yet.
+    /// The etcd flags are not applied: a relay reads no etcd, and a unit or
+    /// environment file of the previous release that still sets them (without
+    /// `[store.etcd]`) must not stop it; [`RelayArgs::ignored_etcd_flags`] names them
+    /// for a warning.
     pub fn apply<B: BalanceTable>(&self, cfg: &mut Config<B>) -> Result<(), FlagError> {
-        self.common.apply(cfg)?;
+        self.common.apply_others(cfg);
         let relay = cfg.relay.get_or_insert_with(Default::default);
         if !self.replicas.is_empty() {
             relay.replicas.clone_from(&self.replicas);
@@ -253,5 +274,34 @@ impl RelayArgs {
         }
         self.http.apply(cfg);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relays_etcd_flags_are_named_and_not_applied() {
+        // A unit of the previous release: the relay read etcd with these.
+        let args = RelayArgs {
+            common: CommonArgs {
+                etcd_prefix: Some("/ballast".into()),
+                etcd_user: Some("relay".into()),
+                ..CommonArgs::default()
+            },
+            replicas: vec!["agg-1:7400".into()],
+            ..RelayArgs::default()
+        };
+        let mut cfg = Config::<toml::Table>::default();
+        // The daemon's rule would refuse them without [store.etcd]; a relay takes them.
+        assert!(args.common.apply(&mut cfg.clone()).is_err());
+        args.apply(&mut cfg).expect("a relay ignores its etcd flags");
+        assert_eq!(cfg.store.etcd, None);
+        assert_eq!(args.ignored_etcd_flags(), ["--etcd-prefix", "--etcd-user"]);
+        assert_eq!(
+            cfg.relay.map(|r| r.replicas),
+            Some(vec!["agg-1:7400".to_string()])
+        );
     }
 }

@@ -31,8 +31,23 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a refused relay has to read why before its connection is closed.
 const REFUSAL_GRACE: Duration = Duration::from_secs(1);
 
-/// The routes a replica serves: its readings of the cluster, `None` before the first.
-pub type RoutesReceiver = watch::Receiver<Option<Arc<RouteTable>>>;
+/// One reading of the cluster's keys, and when it was made.
+#[derive(Debug, Clone)]
+pub struct Reading {
+    /// What the reading says.
+    pub table: Arc<RouteTable>,
+    /// When it was made.
+    pub at: std::time::Instant,
+}
+
+/// The routes a replica serves: its readings of the cluster, `None` before the first
+/// and whenever it is no member (its lease lost, or never granted).
+pub type RoutesReceiver = watch::Receiver<Option<Reading>>;
+
+/// A reading older than this is not sent: a replica that has read nothing for that long
+/// (etcd is away) has nothing current to tell, and a relay that hears nothing moves on
+/// to another.
+const STALE_AFTER: std::time::Duration = ROUTES_CONFIRM.saturating_mul(2);
 
 /// Why a routes connection ended.
 type End = &'static str;
@@ -136,6 +151,7 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
         send: &mut send,
         metrics,
         last: None,
+        too_large: false,
     }
     .run(&mut routes, &mut recv, &mut revocations, || {
         if expires_in(info.not_after_unix_s).is_zero() {
@@ -185,6 +201,8 @@ struct Feed<'a> {
     metrics: &'a IngestMetrics,
     /// The last table sent, and when.
     last: Option<(Arc<RouteTable>, Instant)>,
+    /// Whether a table too large for the protocol was counted already.
+    too_large: bool,
 }
 
 impl Feed<'_> {
@@ -208,9 +226,9 @@ impl Feed<'_> {
                         self.conn.close(close::NORMAL.into(), b"shutting down");
                         return Ok(());
                     }
-                    let table = routes.borrow_and_update().clone();
-                    if let Some(table) = table {
-                        self.offer(table).await?;
+                    let reading = routes.borrow_and_update().clone();
+                    if let Some(reading) = reading.filter(|r| r.at.elapsed() < STALE_AFTER) {
+                        self.offer(reading.table).await?;
                     }
                 }
                 read = recv.read(&mut sink) => match read {
@@ -258,8 +276,11 @@ impl Feed<'_> {
             Err(e) => {
                 // A cluster past the protocol's limits: the relay keeps what it had
                 // and sees it fall behind.
-                tracing::error!(error = %e, "the cluster's routes do not fit the routes protocol");
-                self.metrics.reject_connection("routes_too_large");
+                if !self.too_large {
+                    tracing::error!(error = %e, "the cluster's routes do not fit the routes protocol");
+                    self.metrics.reject_connection("routes_too_large");
+                    self.too_large = true;
+                }
                 return Ok(());
             }
         };

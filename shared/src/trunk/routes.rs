@@ -10,8 +10,12 @@
 //! ([`crate::trunk::encode_control`], [`crate::trunk::ControlReader`]), each checked
 //! against its limits before anything is trusted.
 //!
-//! The routes are a connection of their own, beside the trunks, so that they carry no
-//! version of the trunk protocol: a relay of any trunk version reads them.
+//! The routes are a connection of their own, beside the trunks, with a version of
+//! their own in the ALPN name: a relay of any trunk protocol version reads them. Their
+//! frames share the trunk's layout and its version byte ([`crate::trunk::TRUNK_VERSION`],
+//! 1); a change to either that a routes reader cannot take is a new routes ALPN
+//! (`ballast-routes/2`), offered beside this one for a release, as the trunk's
+//! versions are.
 
 use super::codec::within;
 use super::{ControlMessage, TrunkError, MAX_TEXT};
