@@ -296,7 +296,8 @@ mod tests {
         let mut cfg = Config::<toml::Table>::default();
         // The daemon's rule would refuse them without [store.etcd]; a relay takes them.
         assert!(args.common.apply(&mut cfg.clone()).is_err());
-        args.apply(&mut cfg).expect("a relay ignores its etcd flags");
+        args.apply(&mut cfg)
+            .expect("a relay ignores its etcd flags");
         assert_eq!(cfg.store.etcd, None);
         assert_eq!(args.ignored_etcd_flags(), ["--etcd-prefix", "--etcd-user"]);
         assert_eq!(

@@ -90,22 +90,8 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
         ingest,
         place,
     } = trunk;
-    let (chain, info) = match certificate_of(conn) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "relay certificate carries no identity");
-            metrics.reject_connection("no_identity");
-            conn.close(close::REJECTED.into(), b"no identity");
-            return Err("no identity");
-        }
-    };
-    if let Err((reason, text)) = admit_relay(ingest, &info) {
-        tracing::warn!(relay = %info.identity, reason, "trunk refused");
-        metrics.reject_connection(reason);
-        conn.close(close::REJECTED.into(), text.as_bytes());
-        return Err(reason);
-    }
-    let mut revocations = admit_identity(conn, metrics, ingest, place, &info.identity, &chain)?;
+    let (chain, info, mut revocations) =
+        admit_relay_connection(conn, metrics, ingest, place, "trunk")?;
     let protocol = TrunkProtocol::negotiated(conn).unwrap_or(TrunkProtocol::CURRENT);
     let limits = &ingest.limits;
     metrics.trunks_open.inc();
@@ -147,6 +133,45 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
     driver.end();
     metrics.trunks_open.dec();
     result
+}
+
+/// Admits a relay's connection (a trunk, or its routes): a certificate that names it,
+/// with the relay role and a name the policy allows ([`admit_relay`]), and a place
+/// among its identity's connections. Its chain, what its certificate says, and the
+/// revocation list's changes to check it against again; or why it was refused,
+/// counted, with the connection closed. `what` names the connection in the log.
+#[allow(clippy::type_complexity)]
+pub(crate) fn admit_relay_connection(
+    conn: &quinn::Connection,
+    metrics: &IngestMetrics,
+    ingest: &Ingest,
+    place: &mut super::limits::Slot,
+    what: &'static str,
+) -> Result<
+    (
+        Vec<CertificateDer<'static>>,
+        CertInfo,
+        tokio::sync::watch::Receiver<u64>,
+    ),
+    End,
+> {
+    let (chain, info) = match certificate_of(conn) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "relay certificate carries no identity");
+            metrics.reject_connection("no_identity");
+            conn.close(close::REJECTED.into(), b"no identity");
+            return Err("no identity");
+        }
+    };
+    if let Err((reason, text)) = admit_relay(ingest, &info) {
+        tracing::warn!(relay = %info.identity, reason, what, "relay refused");
+        metrics.reject_connection(reason);
+        conn.close(close::REJECTED.into(), text.as_bytes());
+        return Err(reason);
+    }
+    let revocations = admit_identity(conn, metrics, ingest, place, &info.identity, &chain)?;
+    Ok((chain, info, revocations))
 }
 
 /// Whether a relay with the certificate `info` may open a trunk: the reason it is

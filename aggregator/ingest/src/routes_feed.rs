@@ -11,7 +11,7 @@
 //! replica that reads nothing (etcd is away) sends nothing, and the relay sees its
 //! routes fall behind.
 
-use super::quic::{admit_identity, certificate_of, close, close_for, expires_in};
+use super::quic::{close, close_for, expires_in};
 use super::revocation::Verdict;
 use super::upstream::{Replica, Trunk};
 use super::IngestMetrics;
@@ -65,22 +65,8 @@ pub async fn serve<R: Replica>(replica: &R, trunk: Trunk<'_>) -> Result<(), End>
         ingest,
         place,
     } = trunk;
-    let (chain, info) = match certificate_of(conn) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "relay certificate carries no identity");
-            metrics.reject_connection("no_identity");
-            conn.close(close::REJECTED.into(), b"no identity");
-            return Err("no identity");
-        }
-    };
-    if let Err((reason, text)) = super::primary_trunk::admit_relay(ingest, &info) {
-        tracing::warn!(relay = %info.identity, reason, "routes refused");
-        metrics.reject_connection(reason);
-        conn.close(close::REJECTED.into(), text.as_bytes());
-        return Err(reason);
-    }
-    let mut revocations = admit_identity(conn, metrics, ingest, place, &info.identity, &chain)?;
+    let (chain, info, mut revocations) =
+        super::primary_trunk::admit_relay_connection(conn, metrics, ingest, place, "routes")?;
     let (mut send, mut recv) = match tokio::time::timeout(OPEN_TIMEOUT, conn.accept_bi()).await {
         Ok(Ok(s)) => s,
         Ok(Err(_)) => return Err("closed before the open"),
