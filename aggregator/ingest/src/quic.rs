@@ -93,27 +93,22 @@ pub async fn serve<U: Upstream>(
                     return;
                 }
             };
-            if crate::routes_feed::is_routes(&conn) {
+            // A relay's link: its trunk of reports, or the routes it follows.
+            let routes = crate::routes_feed::is_routes(&conn);
+            if routes || is_trunk(&conn) {
                 let trunk = Trunk {
                     conn: &conn,
                     metrics: &metrics,
                     ingest: &ingest,
                     place: &mut slot,
                 };
-                if let Err(reason) = upstream.serve_routes(trunk).await {
-                    tracing::debug!(remote = %conn.remote_address(), reason, "routes feed ended");
-                }
-                return;
-            }
-            if is_trunk(&conn) {
-                let trunk = Trunk {
-                    conn: &conn,
-                    metrics: &metrics,
-                    ingest: &ingest,
-                    place: &mut slot,
+                let (link, result) = if routes {
+                    ("routes", upstream.serve_routes(trunk).await)
+                } else {
+                    ("trunk", upstream.trunk(trunk).await)
                 };
-                if let Err(reason) = upstream.trunk(trunk).await {
-                    tracing::debug!(remote = %conn.remote_address(), reason, "trunk ended");
+                if let Err(reason) = result {
+                    tracing::debug!(remote = %conn.remote_address(), link, reason, "relay link ended");
                 }
                 return;
             }
