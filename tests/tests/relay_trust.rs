@@ -223,6 +223,20 @@ fn a_relay_learns_its_routes_from_the_replicas_and_holds_no_etcd_credential() {
             (more >= 2.0).then_some(()).ok_or(format!("{more} more"))
         },
     );
+    // The count alone also grows while the first readings still change the table; what
+    // only confirmations give is routes that never fall behind while nothing changes:
+    // over 6 s the relay never goes 5 s without a table (the silence after which it
+    // leaves a replica).
+    let watch = std::time::Instant::now();
+    while watch.elapsed() < Duration::from_secs(6) {
+        let (_, _, behind) = routes_health(&relay);
+        assert!(
+            behind.is_some_and(|ms| ms < 5_000),
+            "the routes fell behind with nothing changed: {}",
+            relay.healthz()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // A second replica joins: the relay, told only of r0, learns of it and its
     // buckets from r0.
