@@ -448,3 +448,67 @@ fn lab_holds(r: &LabResult, plan: &Plan) {
         sat.overload
     );
 }
+
+/// The stall at a low request rate (the short lab's runs and defaults, requests four
+/// times as costly at 40 % of the capacity: about 50 a second in all). The stalled
+/// backend holds a request or two per unit of weight, which the typical count's floor
+/// hides from a threefold tolerance: before the idle-hands rule its share of new
+/// requests went from 30 % up to 60 % for as long as the stall lasted. The target is
+/// at most 2 % from 10 s after the stall, and less than what `leastconn` keeps in the
+/// same run (5.7–5.9 % in three runs, random(2) 7.8–8.6 %).
+#[test]
+fn lab_low_rate_stall() {
+    let _turn = one_at_a_time();
+    let plan = Plan::low_rate();
+    let r = run(&plan);
+    let or = r.run("oracle");
+    let ba = r.run("ballast");
+    let d = &r.degraded;
+    let leastconn = ballast_tests::lab::PEERS
+        .iter()
+        .zip(&r.peer_degraded)
+        .find(|((name, _), _)| *name == "leastconn")
+        .map(|(_, (_, pd))| pd)
+        .expect("the leastconn peer ran");
+    eprintln!(
+        "low-rate lab: offered {:.1} req/s; oracle max/avg {:.3} p99 {:.1}; ballast max/avg \
+         {:.3} p99 {:.1}, stall share {:.4} (leastconn {:.4}), service p99 {:.1} \
+         (leastconn {:.1}), others p99 {:.1}, in flight at most {}",
+        r.calibration.offered,
+        or.spread.max_over_avg,
+        or.load.p99_ms,
+        ba.spread.max_over_avg,
+        ba.load.p99_ms,
+        d.share.1,
+        leastconn.share.1,
+        d.all.p99_ms,
+        leastconn.all.p99_ms,
+        d.others.p99_ms,
+        d.inflight_max
+    );
+    // The lab ran: the oracle balances (its excess over 1 was 2–3 % in these runs).
+    assert!(
+        or.spread.max_over_avg <= 1.10,
+        "the oracle's max/avg {:.3}: the lab did not run as planned",
+        or.spread.max_over_avg
+    );
+    // The share is over about 300 requests (6 s at 50 a second), whose sampling noise
+    // at 2 % is ±0.8 %: the bound is the target plus 1.5 %, and it must beat leastconn
+    // in the same run by a quarter. Measured 0.67 % and 1.7 %.
+    assert!(
+        d.share.1 <= 0.035 && d.share.1 <= 0.75 * leastconn.share.1,
+        "{}'s share of new requests {:.3} from {:.0} s after the stall, leastconn's {:.3}",
+        r.names[d.backend],
+        d.share.1,
+        plan.degraded.2.as_secs_f64(),
+        leastconn.share.1
+    );
+    // Balanced as the oracle is while nothing stalls, at this rate too (1.019–1.035
+    // against the oracle's 1.019–1.032).
+    assert!(
+        ba.spread.max_over_avg <= or.spread.max_over_avg * 1.05,
+        "Ballast's steady max/avg {:.3} against the oracle's {:.3}",
+        ba.spread.max_over_avg,
+        or.spread.max_over_avg
+    );
+}

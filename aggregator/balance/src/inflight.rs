@@ -25,7 +25,10 @@
 //! The smaller of the two ratios to the service's typical values is the endpoint's
 //! excess. The term binds only above [`TOLERANCE`], and then grows with the excess: a
 //! stalled node loses weight for as long as it stays stalled, while the others keep
-//! being balanced by CPU.
+//! being balanced by CPU. An endpoint that holds its requests with idle hands (its
+//! count per unit of CPU far above the typical one) is judged by its count per unit of
+//! weight against the typical one itself ([`IDLE_HANDED_TOLERANCE`]): at a low request
+//! rate a stalled node's count is too small to stand out threefold.
 //!
 //! A count that does not respond to the weight is not load: pooled connections or
 //! long polls counted as requests, a broken gauge. When the term has driven an
@@ -79,6 +82,22 @@ pub(crate) const PROBE_COUNT: f64 = 0.5;
 /// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
 /// node by ten times or more.
 pub const TOLERANCE: f64 = 3.0;
+/// The tolerance for an endpoint that holds its requests with idle hands: its count per
+/// unit of CPU at least [`IDLE_HANDED_RATIO`] times the typical one. Its count per unit
+/// of weight is then judged against the typical one itself, so that a latency above the
+/// fleet's makes its load above the average. Holding requests costs a healthy node CPU
+/// in proportion (one with more cores holds a few times more per unit of CPU, not
+/// nine); a node that holds them nine times as long per CPU-second is waiting on
+/// something, and whatever its latency exceeds the fleet's by is that wait. At a low
+/// request rate a stalled node holds a request or two per unit of weight, against the
+/// typical count's floor of [`MIN_TYPICAL`]: judged by [`TOLERANCE`], its term read
+/// below the average, and the controller gave the stalled node more traffic for as long
+/// as the stall lasted (60 % of the requests, from 30 % before the stall, in the lab at
+/// 47 requests a second; 1.7 % with this tolerance).
+pub(crate) const IDLE_HANDED_TOLERANCE: f64 = 1.0;
+/// How many times the typical count per unit of CPU an endpoint holds before it is
+/// judged by [`IDLE_HANDED_TOLERANCE`].
+pub(crate) const IDLE_HANDED_RATIO: f64 = 9.0;
 /// An endpoint with fewer requests than this in flight on average is not piling them
 /// up: its count says nothing. Kept low on purpose: a stalled node held at a small
 /// weight has a small count, and its count per unit of weight is what keeps it there
@@ -413,6 +432,11 @@ pub(crate) fn assess_counted(
                     by_weight.min(by_cpu)
                 } else {
                     by_weight
+                };
+                let tolerance = if use_cpu && by_cpu >= IDLE_HANDED_RATIO {
+                    IDLE_HANDED_TOLERANCE
+                } else {
+                    tolerance
                 };
                 let term = if smoothed >= floor {
                     (scale * ratio / tolerance).min(scale * TERM_CAP)

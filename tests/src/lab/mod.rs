@@ -175,6 +175,21 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The short lab at a low request rate: requests four times as costly, offered at
+    /// 40 % of the capacity, about 50 a second in all. A stalled backend then holds a
+    /// request or two per unit of weight, a count hard to tell from noise, and the
+    /// others are far from saturated (round robin leaves the smallest at about 70 %).
+    pub fn low_rate() -> Plan {
+        Plan {
+            name: "low-rate",
+            work_ms: 8.0,
+            utilization: 0.4,
+            ..Plan::short()
+        }
+    }
+}
+
 /// What calibration found.
 #[derive(Debug, Clone)]
 pub struct Calibration {
