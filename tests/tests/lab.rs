@@ -494,7 +494,8 @@ fn lab_low_rate_stall() {
     );
     // The share is over about 300 requests (6 s at 50 a second), whose sampling noise
     // at 2 % is ±0.8 %: the bound is the target plus 1.5 %, and it must beat leastconn
-    // in the same run by a quarter. Measured 0.67 % and 1.7 %.
+    // in the same run by a quarter. Measured 0.31–1.7 % in five runs, one beside a busy
+    // loop (leastconn 5.3–5.9 %).
     assert!(
         d.share.1 <= 0.035 && d.share.1 <= 0.75 * leastconn.share.1,
         "{}'s share of new requests {:.3} from {:.0} s after the stall, leastconn's {:.3}",
@@ -503,8 +504,8 @@ fn lab_low_rate_stall() {
         plan.degraded.2.as_secs_f64(),
         leastconn.share.1
     );
-    // Balanced as the oracle is while nothing stalls, at this rate too (1.019–1.035
-    // against the oracle's 1.019–1.032).
+    // Balanced as the oracle is while nothing stalls, at this rate too: 0.98–1.02 times
+    // the oracle's max/avg in those runs (1.019–1.044 against 1.019–1.038).
     assert!(
         ba.spread.max_over_avg <= or.spread.max_over_avg * 1.05,
         "Ballast's steady max/avg {:.3} against the oracle's {:.3}",
