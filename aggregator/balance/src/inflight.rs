@@ -96,7 +96,8 @@ pub const TOLERANCE: f64 = 3.0;
 /// 47 requests a second; 1.7 % with this tolerance).
 pub(crate) const IDLE_HANDED_TOLERANCE: f64 = 1.0;
 /// How many times the typical count per unit of CPU an endpoint holds before it is
-/// judged by [`IDLE_HANDED_TOLERANCE`].
+/// judged by [`IDLE_HANDED_TOLERANCE`], if its CPU is also below the fleet's average
+/// load: a busy node is not idle-handed, whatever its count.
 pub(crate) const IDLE_HANDED_RATIO: f64 = 9.0;
 /// An endpoint with fewer requests than this in flight on average is not piling them
 /// up: its count says nothing. Kept low on purpose: a stalled node held at a small
@@ -433,7 +434,8 @@ pub(crate) fn assess_counted(
                 } else {
                     by_weight
                 };
-                let tolerance = if use_cpu && by_cpu >= IDLE_HANDED_RATIO {
+                let idle_handed = use_cpu && by_cpu >= IDLE_HANDED_RATIO && input.cpu < avg_base;
+                let tolerance = if idle_handed {
                     IDLE_HANDED_TOLERANCE
                 } else {
                     tolerance
