@@ -137,6 +137,7 @@ fn lab_short() {
     let d = &r.degraded;
     let table = ballast_tests::lab::report::markdown(
         &r,
+        None,
         "cargo test -p ballast-tests --test lab",
         "this test",
     );

@@ -1,7 +1,7 @@
 //! `docs/lab.md` and its charts, from a [`LabResult`], and the targets the full lab
 //! must meet.
 
-use super::{LabResult, RunResult, CONVERGENCE_BAND, CONVERGENCE_WINDOW_S, STALLED_SHARE};
+use super::{LabResult, Plan, RunResult, CONVERGENCE_BAND, CONVERGENCE_WINDOW_S, STALLED_SHARE};
 use ballast_sim::simulate::chart::{line_chart, Line, LineChart};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -331,9 +331,10 @@ fn reported_table(out: &mut String, r: &LabResult, from: f64, to: f64) {
     let _ = writeln!(out);
 }
 
-/// `docs/lab.md`: the setup, the table, the charts, what each run showed, and the
-/// targets. `command` is how to reproduce it; `when` says when and where it ran.
-pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
+/// `docs/lab.md`: the headline (see [`headline`]), if given, the setup, the table, the
+/// charts, what each run showed, and the targets. `command` is how to reproduce it;
+/// `when` says when and where it ran.
+pub fn markdown(r: &LabResult, headline: Option<&str>, command: &str, when: &str) -> String {
     let p = &r.plan;
     let c = &r.calibration;
     let rr = r.run("rr");
@@ -371,6 +372,12 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         (r.seconds / 60.0).ceil().max(1.0),
     );
 
+    if let Some(h) = headline {
+        let _ = writeln!(
+            out,
+            "## In short\n\n<!-- figures: lab -->\n{h}\n<!-- figures: end -->\n"
+        );
+    }
     let _ = writeln!(out, "## Setup\n");
     let _ = writeln!(
         out,
@@ -673,58 +680,11 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
          random(2)` (the least loaded of two random servers) rather than static weights. \
          Each ran in an HAProxy of its own over the same servers, equal weights, in this \
          lab run: steady as runs 1–3, then with run 4's stall (from {:.0} s, measured from \
-         {:.0} s after it).\n\n\
-         | balancer | steady max/avg | steady p99 ms | stalled backend's share | its share \
-         stayed below {:.0} % from | service p99 ms | other backends' p99 ms | errors / \
-         requests |\n|---|---|---|---|---|---|---|---|",
+         {:.0} s after it).\n",
         d.at,
         p.degraded.2.as_secs_f64(),
-        STALLED_SHARE * 100.0,
     );
-    let stall_cells = |d: &super::Degraded, run: &RunResult| {
-        format!(
-            "{:.1} % | {} | {:.0} | {:.0} | {} / {}",
-            d.share.1 * 100.0,
-            d.share_low_after
-                .map_or("never".to_string(), |t| format!("{t:.0} s")),
-            d.all.p99_ms,
-            d.others.p99_ms,
-            run.whole.errors,
-            run.whole.requests
-        )
-    };
-    for (title, steady, stalled) in [
-        ("round robin", rr, None),
-        ("oracle (static weights ∝ quotas)", or, None),
-        ("Ballast, shipped defaults", ba, Some((d, dg))),
-    ] {
-        let _ = writeln!(
-            out,
-            "| {title} | {:.3} | {:.0} | {} |",
-            steady.spread.max_over_avg,
-            steady.load.p99_ms,
-            stalled.map_or("– | – | – | – | –".to_string(), |(d, run)| {
-                stall_cells(d, run)
-            })
-        );
-    }
-    for ((name, balance), (_, pd)) in super::PEERS.iter().zip(&r.peer_degraded) {
-        let steady = r.run(name);
-        let run = r.run(&format!("{name}_degraded"));
-        let _ = writeln!(
-            out,
-            "| HAProxy `{balance}` | {:.3} | {:.0} | {} |",
-            steady.spread.max_over_avg,
-            steady.load.p99_ms,
-            stall_cells(pd, run)
-        );
-    }
-    let _ = writeln!(
-        out,
-        "\nThe service's p99 counts every request due in the measured phase, the stalled \
-         backend's answers included: while it keeps even 1 % of the requests, its stall \
-         is the service's p99.\n"
-    );
+    balancers_table(&mut out, r);
 
     let cost = |run: &RunResult| {
         let cores: f64 = run.util.iter().zip(&p.quotas).map(|(u, q)| u * q).sum();
@@ -772,6 +732,232 @@ pub fn markdown(r: &LabResult, command: &str, when: &str) -> String {
         "\nRun with `{command}` on {when}; the whole lab took {:.0} s.",
         r.seconds
     );
+    out
+}
+
+/// Every balancer of a lab run side by side: steady max/avg and p99, and for those that
+/// ran the stall, what the stalled backend kept and what the service's users saw.
+fn balancers_table(out: &mut String, r: &LabResult) {
+    let rr = r.run("rr");
+    let or = r.run("oracle");
+    let ba = r.run("ballast");
+    let dg = r.run("degraded");
+    let d = &r.degraded;
+    let _ = writeln!(
+        out,
+        "| balancer | steady max/avg | steady p99 ms | stalled backend's share | its share \
+         stayed below {:.0} % from | service p99 ms | other backends' p99 ms | errors / \
+         requests |\n|---|---|---|---|---|---|---|---|",
+        STALLED_SHARE * 100.0,
+    );
+    let stall_cells = |d: &super::Degraded, run: &RunResult| {
+        format!(
+            "{:.1} % | {} | {:.0} | {:.0} | {} / {}",
+            d.share.1 * 100.0,
+            d.share_low_after
+                .map_or("never".to_string(), |t| format!("{t:.0} s")),
+            d.all.p99_ms,
+            d.others.p99_ms,
+            run.whole.errors,
+            run.whole.requests
+        )
+    };
+    for (title, steady, stalled) in [
+        ("round robin", rr, None),
+        ("oracle (static weights ∝ quotas)", or, None),
+        ("Ballast, shipped defaults", ba, Some((d, dg))),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {title} | {:.3} | {:.0} | {} |",
+            steady.spread.max_over_avg,
+            steady.load.p99_ms,
+            stalled.map_or("– | – | – | – | –".to_string(), |(d, run)| {
+                stall_cells(d, run)
+            })
+        );
+    }
+    for ((name, balance), (_, pd)) in super::PEERS.iter().zip(&r.peer_degraded) {
+        let steady = r.run(name);
+        let run = r.run(&format!("{name}_degraded"));
+        let _ = writeln!(
+            out,
+            "| HAProxy `{balance}` | {:.3} | {:.0} | {} |",
+            steady.spread.max_over_avg,
+            steady.load.p99_ms,
+            stall_cells(pd, run)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nThe service's p99 counts every request due in the measured phase, the stalled \
+         backend's answers included: while it keeps even 1 % of the requests, its stall \
+         is the service's p99.\n"
+    );
+}
+
+/// The lab's headline, between the `<!-- figures: lab -->` and `<!-- figures: end -->`
+/// lines of `docs/lab.md`, where the README quotes it: every balancer's steady max/avg
+/// and p99, convergence, the stalled backend's share at both rates, the restart's
+/// failures. `low` is the run at a low request rate.
+pub fn headline(r: &LabResult, low: &LabResult) -> String {
+    let rr = r.run("rr");
+    let or = r.run("oracle");
+    let ba = r.run("ballast");
+    let lc = r.run("leastconn");
+    let rs = r.run("restart");
+    let peer_share = |r: &LabResult, name: &str| {
+        r.peer_degraded
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or("–".to_string(), |(_, d)| {
+                format!("{:.1} %", d.share.1 * 100.0)
+            })
+    };
+    let text = format!(
+        "Round robin leaves the smallest backends saturated (max/avg {:.2}, p99 {:.0} ms); \
+         static weights proportional to the true quotas, the oracle, give {:.3} and p99 \
+         {:.0} ms, and HAProxy's `leastconn` {:.2} and p99 {:.0} ms. Ballast gives {:.3} and \
+         p99 {:.0} ms, from equal weights within {} of the first reports that carried the \
+         load. A backend stalled on I/O drops to {:.1} % of the new requests (leastconn \
+         {}), and to {:.1} % at a quarter of the request rate (leastconn {}); a backend is \
+         drained, restarted and undrained under load with {} failed requests of {}.",
+        rr.spread.max_over_avg,
+        rr.load.p99_ms,
+        or.spread.max_over_avg,
+        or.load.p99_ms,
+        lc.spread.max_over_avg,
+        lc.load.p99_ms,
+        ba.spread.max_over_avg,
+        ba.load.p99_ms,
+        r.convergence
+            .after_reports
+            .map_or("no window".to_string(), |t| format!("{t:.0} s")),
+        r.degraded.share.1 * 100.0,
+        peer_share(r, "leastconn"),
+        low.degraded.share.1 * 100.0,
+        peer_share(low, "leastconn"),
+        rs.whole.errors,
+        rs.whole.requests,
+    );
+    wrap(&text, 88)
+}
+
+/// `text` broken into lines of at most `width` characters at spaces.
+fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    let mut line = 0;
+    for word in text.split_whitespace() {
+        let n = word.chars().count();
+        if line > 0 && line + 1 + n > width {
+            out.push('\n');
+            line = 0;
+        } else if line > 0 {
+            out.push(' ');
+            line += 1;
+        }
+        out.push_str(word);
+        line += n;
+    }
+    out
+}
+
+/// The stalled backend's share of new requests, at most, in the low-rate run.
+pub const TARGET_LOW_RATE_SHARE: f64 = 0.02;
+/// The service's p99 during the low-rate stall, relative to the oracle's steady p99.
+pub const TARGET_LOW_RATE_P99_VS_ORACLE: f64 = 2.0;
+
+/// The targets of the lab at a low request rate ([`super::Plan::low_rate`]): where a
+/// stalled backend holds a request or two, it sheds its traffic all the same, and the
+/// service's tail stays the oracle's.
+pub fn low_rate_targets(r: &LabResult) -> Vec<Target> {
+    let or = r.run("oracle");
+    let ba = r.run("ballast");
+    let d = &r.degraded;
+    let leastconn = r.run("leastconn");
+    vec![
+        Target {
+            what: format!(
+                "the stalled backend's share of new requests ≤ {:.0} % from {:.0} s after \
+                 the stall",
+                TARGET_LOW_RATE_SHARE * 100.0,
+                r.plan.degraded.2.as_secs_f64()
+            ),
+            measured: format!(
+                "{:.1} % ({:.1} % before the stall; in flight {:.1} on average before it)",
+                d.share.1 * 100.0,
+                d.share.0 * 100.0,
+                d.inflight_mean.0
+            ),
+            met: d.share.1 <= TARGET_LOW_RATE_SHARE,
+        },
+        Target {
+            what: format!(
+                "meanwhile the service's p99 ≤ {TARGET_LOW_RATE_P99_VS_ORACLE}× the \
+                 oracle's steady p99"
+            ),
+            measured: format!("{:.0} ms vs {:.0} ms", d.all.p99_ms, or.load.p99_ms),
+            met: d.all.p99_ms <= or.load.p99_ms * TARGET_LOW_RATE_P99_VS_ORACLE,
+        },
+        Target {
+            what: "steady p99 ≤ leastconn's".into(),
+            measured: format!(
+                "{:.0} ms vs {:.0} ms",
+                ba.load.p99_ms, leastconn.load.p99_ms
+            ),
+            met: ba.load.p99_ms <= leastconn.load.p99_ms,
+        },
+        Target {
+            what: format!("steady max/avg ≤ oracle's × {TARGET_VS_ORACLE}"),
+            measured: format!(
+                "{:.3} vs {:.3}",
+                ba.spread.max_over_avg, or.spread.max_over_avg
+            ),
+            met: ba.spread.max_over_avg <= or.spread.max_over_avg * TARGET_VS_ORACLE,
+        },
+    ]
+}
+
+/// The section of `docs/lab.md` on the lab at a low request rate: the same runs and
+/// peers at a quarter of the request rate, every balancer side by side, and its targets.
+pub fn low_rate_markdown(r: &LabResult) -> String {
+    let p = &r.plan;
+    let c = &r.calibration;
+    let d = &r.degraded;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "## At a low request rate\n\n\
+         The same backends, quotas and runs, with requests {:.0} times as costly ({} ms \
+         of CPU) offered at {} of the capacity: **{:.0} requests a second** in all. A \
+         stalled backend then holds a request or two in flight (here {:.1} on average \
+         before its stall), a count hard to tell from noise, and the share a stalled \
+         node keeps depends on the rate: this is where it is hard. {} stalls from {:.0} s \
+         into run 4; the stall columns are measured from {:.0} s after it.\n",
+        p.work_ms / Plan::full().work_ms,
+        p.work_ms,
+        pct(p.utilization),
+        c.offered,
+        d.inflight_mean.0,
+        r.names[d.backend],
+        d.at,
+        p.degraded.2.as_secs_f64(),
+    );
+    balancers_table(&mut out, r);
+    let _ = writeln!(
+        out,
+        "| target at a low rate | measured | met |\n|---|---|---|"
+    );
+    for t in low_rate_targets(r) {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} |",
+            t.what,
+            t.measured,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+    let _ = writeln!(out, "\nThis part took {:.0} s.", r.seconds);
     out
 }
 

@@ -50,6 +50,39 @@ pub fn table(out: &mut String, s: &SimSummary) {
     out.push('\n');
 }
 
+/// The headline in one sentence, between the `<!-- figures: simulator -->` and
+/// `<!-- figures: end -->` lines of `docs/balance.md`, where the README quotes it: the
+/// steady fleet under Ballast beside round robin, gRPC's weighted round robin and power
+/// of two choices. Empty when the steady scenario did not run.
+pub fn sentence(s: &SimSummary) -> String {
+    use StrategyKind::*;
+    let Some(sc) = s.scenario("steady") else {
+        return String::new();
+    };
+    let fig = |k: StrategyKind| sc.get(k).map_or("–".to_string(), |m| f2(m.max_over_avg));
+    let fleet = &sc.scenario.fleet;
+    format!(
+        "On a {}-node fleet of {} hardware generations Ballast holds max/avg at {} where \
+         round robin gives {}, gRPC's weighted round robin {} and power of two choices {}.",
+        fleet.endpoints,
+        match fleet.speeds.len() {
+            2 => "two".to_string(),
+            3 => "three".to_string(),
+            n => n.to_string(),
+        },
+        sc.get(Ballast)
+            .map_or("–".to_string(), |m| f3(m.max_over_avg)),
+        fig(RoundRobin),
+        fig(A58),
+        fig(P2c),
+    )
+}
+
+/// Two decimals, for the figures quoted beside Ballast's three.
+fn f2(x: f64) -> String {
+    format!("{x:.2}")
+}
+
 /// A target, and what each set of gains measured against it.
 struct Check {
     target: String,

@@ -298,6 +298,14 @@ pub fn markdown(s: &SimSummary) -> String {
         }
     );
     headline::table(&mut out, s);
+    let sentence = headline::sentence(s);
+    if !sentence.is_empty() {
+        let _ = writeln!(
+            out,
+            "In one sentence, as the README quotes it:\n\n<!-- figures: simulator -->\n\
+             {sentence}\n<!-- figures: end -->\n"
+        );
+    }
 
     let _ = writeln!(out, "## The model\n");
     let _ = writeln!(
