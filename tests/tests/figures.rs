@@ -8,14 +8,17 @@
 use std::path::{Path, PathBuf};
 
 /// Each block's name, the document whose generator writes it, and that generator.
-const SOURCES: &[(&str, &str, &str)] = &[(
-    "simulator",
-    "docs/balance.md",
-    "cargo run --release -p ballast-sim -- simulate --out docs",
-)];
+const SOURCES: &[(&str, &str, &str)] = &[
+    ("lab", "docs/lab.md", "bash tests/lab/run"),
+    (
+        "simulator",
+        "docs/balance.md",
+        "cargo run --release -p ballast-sim -- simulate --out docs",
+    ),
+];
 
 /// The blocks the README must quote: its headline figures come from these.
-const README_QUOTES: &[&str] = &["simulator"];
+const README_QUOTES: &[&str] = &["lab", "simulator"];
 
 const START: &str = "<!-- figures: ";
 const END: &str = "<!-- figures: end -->";

@@ -126,6 +126,10 @@ pub struct Plan {
     pub agent_inter_ms: u64,
     /// The lab's sampling interval.
     pub sample_every: Duration,
+    /// The neighbour runs' length and when their steady window starts: a CPU-bound
+    /// process in the largest backend's cgroup, greedy and then niced, under Ballast and
+    /// under leastconn. `None` skips them.
+    pub neighbour: Option<(Duration, Duration)>,
 }
 
 fn s(secs: u64) -> Duration {
@@ -133,7 +137,7 @@ fn s(secs: u64) -> Duration {
 }
 
 impl Plan {
-    /// The full lab, for `docs/lab.md`: about six minutes. Ballast runs with the shipped
+    /// The full lab, for `docs/lab.md`: about twelve minutes. Ballast runs with the shipped
     /// defaults, read from the code that ships them.
     pub fn full() -> Plan {
         Plan {
@@ -154,6 +158,7 @@ impl Plan {
             report_interval_ms: ballast_aggregator::config::Config::default().report_interval_ms,
             agent_inter_ms: 500,
             sample_every: s(1),
+            neighbour: Some((s(40), s(20))),
         }
     }
 
@@ -170,6 +175,7 @@ impl Plan {
             surge: (1.3, s(10), s(5)),
             degraded: (s(21), s(5), s(10)),
             restart: (s(16), s(4), s(2)),
+            neighbour: None,
             ..Plan::full()
         }
     }
@@ -453,6 +459,75 @@ pub struct Restart {
 /// at the planned load (7–13 ms here), far above any backend's own time at that load.
 pub const SLOW_MS: f64 = 100.0;
 
+/// What a CPU-bound neighbour in one backend's cgroup did to its share.
+#[derive(Debug, Clone)]
+pub struct NeighbourResult {
+    /// Which backend.
+    pub backend: usize,
+    /// What it served saturated with the greedy neighbour beside it, over what it
+    /// served without (calibration's closed loop, the same concurrency): the share of
+    /// its capacity the neighbour left it.
+    pub available: f64,
+    /// Its fair share of the requests with that capacity: its capacity left over the
+    /// fleet's capacity left.
+    pub fair_share: f64,
+    /// Its share of new requests under Ballast in run 3's steady window, with no
+    /// neighbour.
+    pub base_share: f64,
+    /// Under Ballast with the greedy neighbour: its share of new requests in the steady
+    /// window, and the service's latency there.
+    pub ballast: (f64, Summary),
+    /// The same with the niced neighbour (`nice -n 19`).
+    pub niced: (f64, Summary),
+    /// The same under HAProxy's leastconn, with the greedy neighbour.
+    pub leastconn: (f64, Summary),
+}
+
+/// A CPU-bound process in a backend's cgroup: a shell busy loop at niceness `nice`,
+/// under `timeout`, so that it ends by itself even if the lab is killed. Stopped on
+/// drop.
+struct Neighbour(std::process::Child);
+
+impl Neighbour {
+    fn start(cgroups: &Cgroups, group: &Group, nice: i32, secs: u64) -> Neighbour {
+        use std::io::Write as _;
+        use std::process::Stdio;
+        // The shell waits for a line before it becomes the loop, so that the loop is
+        // born inside the cgroup it is attached to first.
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "read go; exec nice -n {nice} timeout -k 2 {secs} sh -c 'while :; do :; done'"
+            ))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the neighbour's shell");
+        cgroups
+            .attach(group, child.id())
+            .unwrap_or_else(|e| panic!("{e}"));
+        child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(b"go\n")
+            .expect("starting the neighbour");
+        Neighbour(child)
+    }
+}
+
+impl Drop for Neighbour {
+    fn drop(&mut self) {
+        // `timeout` passes SIGTERM on to the loop.
+        if let Ok(pid) = i32::try_from(self.0.id()) {
+            // SAFETY: kill only sends a signal to our own child.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        let _ = self.0.wait();
+    }
+}
+
 /// Everything the lab measured.
 #[derive(Debug, Clone)]
 pub struct LabResult {
@@ -478,6 +553,8 @@ pub struct LabResult {
     pub peer_degraded: Vec<(&'static str, Degraded)>,
     /// Run 5.
     pub restart: Restart,
+    /// The neighbour runs, if the plan has them.
+    pub neighbour: Option<NeighbourResult>,
     /// Every sample, on the lab's clock.
     pub samples: Vec<Sample>,
     /// Host cores and load average when the lab started.
@@ -1033,6 +1110,41 @@ pub fn run(plan: &Plan) -> LabResult {
         runs.push((start, h.join().expect("run 5")));
         eprintln!("run 5 (restart) done at {:.0} s", now());
 
+        // The neighbour runs: a busy loop in the largest backend's cgroup, first what
+        // it leaves of that backend's capacity, then Ballast beside it, greedy and
+        // niced.
+        let neighbour_secs = |len: Duration| len.as_secs() + 30;
+        let mut neighbour_runs = Vec::new();
+        let mut available_rate = 0.0;
+        if let Some((len, _)) = plan.neighbour {
+            let greedy = Neighbour::start(&cgroups, &backends[k].group, 0, neighbour_secs(len));
+            let h = load::spawn(LoadSpec {
+                target: stalled_addr,
+                path: "/work".into(),
+                mode: Mode::Closed { concurrency: 3 },
+                duration: plan.calibrate,
+                max_requests: 1_000_000,
+                timeout: REQUEST_TIMEOUT,
+                max_outstanding: MAX_OUTSTANDING,
+            })
+            .expect("the neighbour's calibration load");
+            let s = summarize(&h.join().expect("the neighbour's calibration").outcomes);
+            available_rate = s.ok as f64 / plan.calibrate.as_secs_f64();
+            let h = open_loop(frontend, Mode::Open { rate }, len);
+            neighbour_runs.push(h.join().expect("the greedy neighbour's run"));
+            drop(greedy);
+            let niced = Neighbour::start(&cgroups, &backends[k].group, 19, neighbour_secs(len));
+            let h = open_loop(frontend, Mode::Open { rate }, len);
+            neighbour_runs.push(h.join().expect("the niced neighbour's run"));
+            drop(niced);
+            eprintln!(
+                "neighbour runs done at {:.0} s ({} with a greedy neighbour: {available_rate:.0} \
+                 req/s saturated)",
+                now(),
+                names[k]
+            );
+        }
+
         // Runs 6–9: the peers, steady and then stalled, each once every server is up
         // in its HAProxy (run 5 restarted one).
         for ((name, _), peer) in PEERS.iter().zip(&peers) {
@@ -1056,6 +1168,24 @@ pub fn run(plan: &Plan) -> LabResult {
             );
         }
 
+        // leastconn beside the greedy neighbour.
+        if let Some((len, _)) = plan.neighbour {
+            let (i, _) = PEERS
+                .iter()
+                .enumerate()
+                .find(|(_, (name, _))| *name == "leastconn")
+                .expect("leastconn is a peer");
+            wait_all_up(&peers[i], &names, "leastconn");
+            let greedy = Neighbour::start(&cgroups, &backends[k].group, 0, neighbour_secs(len));
+            let h = open_loop(peers[i].frontend(), Mode::Open { rate }, len);
+            neighbour_runs.push(h.join().expect("leastconn's neighbour run"));
+            drop(greedy);
+            eprintln!("leastconn's neighbour run done at {:.0} s", now());
+        }
+        let neighbour = <[LoadRun; 3]>::try_from(neighbour_runs)
+            .ok()
+            .map(|runs| (k, available_rate, runs));
+
         // One more sample, so that the last run's tail is measured.
         std::thread::sleep(plan.sample_every + Duration::from_millis(100));
         drop(guard);
@@ -1070,6 +1200,7 @@ pub fn run(plan: &Plan) -> LabResult {
             stalled: (k, stalled_at),
             peer_stalled,
             restart: (j, marks),
+            neighbour,
             samples,
         }
     });
@@ -1094,6 +1225,9 @@ struct Raw {
     peer_stalled: Vec<f64>,
     /// The restarted backend and run 5's marks.
     restart: (usize, [f64; 5]),
+    /// The neighbour runs: the backend, its saturated rate with the greedy neighbour,
+    /// and Ballast's greedy and niced runs and leastconn's greedy run.
+    neighbour: Option<(usize, f64, [LoadRun; 3])>,
     samples: Vec<Sample>,
 }
 
@@ -1382,6 +1516,34 @@ fn analyse(
             .by_backend,
     };
 
+    let neighbour = raw
+        .neighbour
+        .map(|(k, available_rate, [greedy, niced, lc])| {
+            let (len, settle) = plan.neighbour.unwrap_or_default();
+            let (w0, w1) = (settle.as_secs_f64(), len.as_secs_f64());
+            let name = names[k].as_str();
+            let available = available_rate / calibration.saturated[k].max(1e-9);
+            let left = calibration.capacity[k] * available;
+            let fair_share = left / (calibration.total - calibration.capacity[k] + left).max(1e-9);
+            let (_, run3) = &raw.runs[2];
+            let base_share = share(
+                run3,
+                name,
+                plan.ballast.1.as_secs_f64(),
+                plan.ballast.0.as_secs_f64(),
+            );
+            let of = |run: &LoadRun| (share(run, name, w0, w1), summarize(run.window(w0, w1)));
+            NeighbourResult {
+                backend: k,
+                available,
+                fair_share,
+                base_share,
+                ballast: of(&greedy),
+                niced: of(&niced),
+                leastconn: of(&lc),
+            }
+        });
+
     LabResult {
         plan: plan.clone(),
         layout: layout.to_string(),
@@ -1394,6 +1556,7 @@ fn analyse(
         degraded,
         peer_degraded,
         restart,
+        neighbour,
         samples,
         host,
         load_end: load_average(),

@@ -17,6 +17,11 @@ pub const TARGET_OTHERS_P99_VS_ORACLE: f64 = 1.5;
 /// Connections HAProxy must have held to the smallest backend for the saturated start
 /// to be one: "a dozen or so".
 pub const TARGET_POOLED: u32 = 10;
+/// With a neighbour in its cgroup, a backend's share of new requests within this
+/// factor of its fair share of the capacity left (either way).
+pub const TARGET_NEIGHBOUR_FAIR: (f64, f64) = (0.75, 1.25);
+/// A niced neighbour changes the backend's share by less than this.
+pub const TARGET_NICED_CHANGE: f64 = 0.10;
 /// Round robin must bring the smallest quotas to at least this utilization, or the lab
 /// shows no imbalance to correct.
 pub const TARGET_RR_SATURATES: f64 = 0.9;
@@ -54,7 +59,7 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
         .enumerate()
         .min_by(|a, b| a.1.total_cmp(b.1))
         .map_or(0, |(i, _)| i);
-    vec![
+    let mut out = vec![
         Target {
             what: "round robin saturates the smallest quotas".into(),
             measured: format!(
@@ -143,7 +148,39 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
             measured: format!("{} of {}", rs.whole.errors, rs.whole.requests),
             met: rs.whole.errors == 0,
         },
-    ]
+    ];
+    if let Some(n) = &r.neighbour {
+        let (lo, hi) = TARGET_NEIGHBOUR_FAIR;
+        let ratio = n.ballast.0 / n.fair_share.max(1e-9);
+        out.push(Target {
+            what: format!(
+                "a greedy neighbour in a backend's cgroup: its share {lo}–{hi}× its fair \
+                 share of the capacity left"
+            ),
+            measured: format!(
+                "{:.1} % against {:.1} % (× {ratio:.2}; leastconn {:.1} %)",
+                n.ballast.0 * 100.0,
+                n.fair_share * 100.0,
+                n.leastconn.0 * 100.0
+            ),
+            met: (lo..=hi).contains(&ratio),
+        });
+        let change = n.niced.0 / n.base_share.max(1e-9) - 1.0;
+        out.push(Target {
+            what: format!(
+                "a niced neighbour changes the backend's share by less than {:.0} %",
+                TARGET_NICED_CHANGE * 100.0
+            ),
+            measured: format!(
+                "{:.1} % against {:.1} % without ({:+.0} %)",
+                n.niced.0 * 100.0,
+                n.base_share * 100.0,
+                change * 100.0
+            ),
+            met: change.abs() < TARGET_NICED_CHANGE,
+        });
+    }
+    out
 }
 
 /// Writes the charts `docs/lab.md` shows: for runs 1–3 each backend's CPU use relative
@@ -686,6 +723,10 @@ pub fn markdown(r: &LabResult, headline: Option<&str>, command: &str, when: &str
     );
     balancers_table(&mut out, r);
 
+    if let Some(n) = &r.neighbour {
+        neighbour_section(&mut out, r, n);
+    }
+
     let cost = |run: &RunResult| {
         let cores: f64 = run.util.iter().zip(&p.quotas).map(|(u, q)| u * q).sum();
         cores * 1000.0 / c.offered.max(1e-9)
@@ -862,6 +903,54 @@ fn wrap(text: &str, width: usize) -> String {
     out
 }
 
+/// The neighbour runs' section of `docs/lab.md`.
+fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult) {
+    let (len, settle) = r.plan.neighbour.unwrap_or_default();
+    let name = &r.names[n.backend];
+    let _ = writeln!(
+        out,
+        "### 10. A neighbour in a backend's cgroup\n\n\
+         A shell busy loop joins {name}'s cgroup, as a sidecar, a log shipper or a batch \
+         job would, and shares its quota. Straight to {name} with nothing else (the \
+         calibration's closed loop), it served {:.0} % of what it served alone: its fair \
+         share of the requests with the capacity left is **{:.1} %** (the fleet's \
+         capacity left divided among the backends as it is left). Ballast's agent on \
+         {name} reads its cgroup's CPU, which the loop holds at the quota whatever the \
+         weight. Each run is {:.0} s at the same rate as the others, measured from \
+         {:.0} s; then the loop again at `nice -n 19`, which yields to the service.\n\n\
+         | balancer | neighbour | {name}'s share of new requests | against its fair share \
+         | service p99 ms |\n|---|---|---|---|---|",
+        n.available * 100.0,
+        n.fair_share * 100.0,
+        len.as_secs_f64(),
+        settle.as_secs_f64(),
+    );
+    let fair = |share: f64| format!("× {:.2}", share / n.fair_share.max(1e-9));
+    let _ = writeln!(
+        out,
+        "| Ballast, shipped defaults | none (run 3) | {:.1} % | – | – |",
+        n.base_share * 100.0
+    );
+    for (who, what, (share, lat)) in [
+        ("Ballast, shipped defaults", "greedy", &n.ballast),
+        ("HAProxy `leastconn`", "greedy", &n.leastconn),
+        ("Ballast, shipped defaults", "niced", &n.niced),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {who} | {what} | {:.1} % | {} | {:.0} |",
+            share * 100.0,
+            if what == "greedy" {
+                fair(*share)
+            } else {
+                "–".into()
+            },
+            lat.p99_ms
+        );
+    }
+    let _ = writeln!(out);
+}
+
 /// The stalled backend's share of new requests, at most, in the low-rate run.
 pub const TARGET_LOW_RATE_SHARE: f64 = 0.02;
 /// The service's p99 during the low-rate stall, relative to the oracle's steady p99.
@@ -884,10 +973,9 @@ pub fn low_rate_targets(r: &LabResult) -> Vec<Target> {
                 r.plan.degraded.2.as_secs_f64()
             ),
             measured: format!(
-                "{:.1} % ({:.1} % before the stall; in flight {:.1} on average before it)",
+                "{:.1} % ({:.1} % before the stall)",
                 d.share.1 * 100.0,
-                d.share.0 * 100.0,
-                d.inflight_mean.0
+                d.share.0 * 100.0
             ),
             met: d.share.1 <= TARGET_LOW_RATE_SHARE,
         },
@@ -930,15 +1018,15 @@ pub fn low_rate_markdown(r: &LabResult) -> String {
         "## At a low request rate\n\n\
          The same backends, quotas and runs, with requests {:.0} times as costly ({} ms \
          of CPU) offered at {} of the capacity: **{:.0} requests a second** in all. A \
-         stalled backend then holds a request or two in flight (here {:.1} on average \
-         before its stall), a count hard to tell from noise, and the share a stalled \
-         node keeps depends on the rate: this is where it is hard. {} stalls from {:.0} s \
-         into run 4; the stall columns are measured from {:.0} s after it.\n",
+         stalled backend then holds a few requests in flight at its old share and a \
+         fraction of one once its weight has fallen, a count hard to tell from noise, and \
+         the share a stalled node keeps depends on the rate: this is where it is hard. {} \
+         stalls from {:.0} s into run 4; the stall columns are measured from {:.0} s \
+         after it.\n",
         p.work_ms / Plan::full().work_ms,
         p.work_ms,
         pct(p.utilization),
         c.offered,
-        d.inflight_mean.0,
         r.names[d.backend],
         d.at,
         p.degraded.2.as_secs_f64(),
