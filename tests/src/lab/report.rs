@@ -755,19 +755,8 @@ pub fn markdown(r: &LabResult, headline: Option<&str>, command: &str, when: &str
         pct(p.utilization),
     );
 
-    let _ = writeln!(
-        out,
-        "## Targets\n\n| target | measured | met |\n|---|---|---|"
-    );
-    for t in targets(r) {
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} |",
-            t.what,
-            t.measured,
-            if t.met { "yes" } else { "**no**" }
-        );
-    }
+    let _ = writeln!(out, "## Targets\n");
+    targets_table(&mut out, "target", &targets(r));
     let _ = writeln!(
         out,
         "\nRun with `{command}` on {when}; the whole lab took {:.0} s.",
@@ -903,6 +892,20 @@ fn wrap(text: &str, width: usize) -> String {
     out
 }
 
+/// A table of targets, each with its figure and whether it was met.
+fn targets_table(out: &mut String, heading: &str, targets: &[Target]) {
+    let _ = writeln!(out, "| {heading} | measured | met |\n|---|---|---|");
+    for t in targets {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} |",
+            t.what,
+            t.measured,
+            if t.met { "yes" } else { "**no**" }
+        );
+    }
+}
+
 /// The neighbour runs' section of `docs/lab.md`.
 fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult) {
     let (len, settle) = r.plan.neighbour.unwrap_or_default();
@@ -1032,19 +1035,7 @@ pub fn low_rate_markdown(r: &LabResult) -> String {
         p.degraded.2.as_secs_f64(),
     );
     balancers_table(&mut out, r);
-    let _ = writeln!(
-        out,
-        "| target at a low rate | measured | met |\n|---|---|---|"
-    );
-    for t in low_rate_targets(r) {
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} |",
-            t.what,
-            t.measured,
-            if t.met { "yes" } else { "**no**" }
-        );
-    }
+    targets_table(&mut out, "target at a low rate", &low_rate_targets(r));
     let _ = writeln!(out, "\nThis part took {:.0} s.", r.seconds);
     out
 }
