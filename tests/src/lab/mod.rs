@@ -500,22 +500,27 @@ impl Neighbour {
         let mut child = std::process::Command::new("sh")
             .arg("-c")
             .arg(format!(
-                "read go; exec nice -n {nice} timeout -k 2 {secs} sh -c 'while :; do :; done'"
+                "read go && exec nice -n {nice} timeout -k 2 {secs} sh -c 'while :; do :; done'"
             ))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("the neighbour's shell");
-        cgroups
+        // Until the line is written the shell only waits; without it (the write end
+        // closed) it exits without starting the loop.
+        let started = cgroups
             .attach(group, child.id())
-            .unwrap_or_else(|e| panic!("{e}"));
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(b"go\n")
-            .expect("starting the neighbour");
+            .map_err(|e| e.to_string())
+            .and_then(|()| match child.stdin.take() {
+                Some(mut stdin) => stdin.write_all(b"go\n").map_err(|e| e.to_string()),
+                None => Err("no stdin".to_string()),
+            });
+        if let Err(e) = started {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("starting the neighbour: {e}");
+        }
         Neighbour(child)
     }
 }

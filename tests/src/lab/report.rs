@@ -850,8 +850,9 @@ pub fn headline(r: &LabResult, low: &LabResult) -> String {
          {:.0} ms, and HAProxy's `leastconn` {:.2} and p99 {:.0} ms. Ballast gives {:.3} and \
          p99 {:.0} ms, from equal weights within {} of the first reports that carried the \
          load. A backend stalled on I/O drops to {:.1} % of the new requests (leastconn \
-         {}), and to {:.1} % at a quarter of the request rate (leastconn {}); a backend is \
-         drained, restarted and undrained under load with {} failed requests of {}.",
+         {}), and to {:.1} % at {:.0} requests a second instead of {:.0} (leastconn {}); a \
+         backend is drained, restarted and undrained under load with {} failed requests \
+         of {}.",
         rr.spread.max_over_avg,
         rr.load.p99_ms,
         or.spread.max_over_avg,
@@ -866,6 +867,8 @@ pub fn headline(r: &LabResult, low: &LabResult) -> String {
         r.degraded.share.1 * 100.0,
         peer_share(r, "leastconn"),
         low.degraded.share.1 * 100.0,
+        low.calibration.offered,
+        r.calibration.offered,
         peer_share(low, "leastconn"),
         rs.whole.errors,
         rs.whole.requests,
@@ -920,7 +923,8 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          capacity left divided among the backends as it is left). Ballast's agent on \
          {name} reads its cgroup's CPU, which the loop holds at the quota whatever the \
          weight. Each run is {:.0} s at the same rate as the others, measured from \
-         {:.0} s; then the loop again at `nice -n 19`, which yields to the service.\n\n\
+         {:.0} s; then the loop again at `nice -n 19`, which yields to the service; that \
+         run follows the greedy one and starts from the weight it left.\n\n\
          | balancer | neighbour | {name}'s share of new requests | against its fair share \
          | service p99 ms |\n|---|---|---|---|---|",
         n.available * 100.0,
@@ -1010,7 +1014,8 @@ pub fn low_rate_targets(r: &LabResult) -> Vec<Target> {
 }
 
 /// The section of `docs/lab.md` on the lab at a low request rate: the same runs and
-/// peers at a quarter of the request rate, every balancer side by side, and its targets.
+/// peers at about a sixth of the request rate, every balancer side by side, and its
+/// targets.
 pub fn low_rate_markdown(r: &LabResult) -> String {
     let p = &r.plan;
     let c = &r.calibration;
