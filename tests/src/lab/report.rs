@@ -923,8 +923,10 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          capacity left divided among the backends as it is left). Ballast's agent on \
          {name} reads its cgroup's CPU, which the loop holds at the quota whatever the \
          weight. Each run is {:.0} s at the same rate as the others, measured from \
-         {:.0} s; then the loop again at `nice -n 19`, which yields to the service; that \
-         run follows the greedy one and starts from the weight it left.\n\n\
+         {:.0} s; then the loop again at `nice -n 19`: nice puts the loop behind the \
+         service when both want the CPU, but under the cgroup's quota the loop still \
+         spends what the service leaves of each period, and the whole group is then \
+         throttled. That run follows the greedy one and starts from the weight it left.\n\n\
          | balancer | neighbour | {name}'s share of new requests | against its fair share \
          | service p99 ms |\n|---|---|---|---|---|",
         n.available * 100.0,
