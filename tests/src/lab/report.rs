@@ -122,20 +122,7 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
                 .after_reports
                 .is_some_and(|t| t <= TARGET_CONVERGENCE_S + 1e-9),
         },
-        Target {
-            what: format!(
-                "the stalled backend's share of new requests < {:.0} % from {:.0} s after \
-                 the stall",
-                STALLED_SHARE * 100.0,
-                r.plan.degraded.2.as_secs_f64()
-            ),
-            measured: format!(
-                "{:.1} % ({:.1} % before the stall)",
-                d.share.1 * 100.0,
-                d.share.0 * 100.0
-            ),
-            met: d.share.1 < STALLED_SHARE,
-        },
+        stalled_share_target(r, "<", STALLED_SHARE, d.share.1 < STALLED_SHARE),
         Target {
             what: format!(
                 "meanwhile the other backends' p99 ≤ oracle's × {TARGET_OTHERS_P99_VS_ORACLE}"
@@ -181,6 +168,26 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
         });
     }
     out
+}
+
+/// The target on the stalled backend's share of new requests from the reaction time
+/// on: `relation` and `limit` say it, `met` whether it held.
+fn stalled_share_target(r: &LabResult, relation: &str, limit: f64, met: bool) -> Target {
+    let d = &r.degraded;
+    Target {
+        what: format!(
+            "the stalled backend's share of new requests {relation} {:.0} % from {:.0} s \
+             after the stall",
+            limit * 100.0,
+            r.plan.degraded.2.as_secs_f64()
+        ),
+        measured: format!(
+            "{:.1} % ({:.1} % before the stall)",
+            d.share.1 * 100.0,
+            d.share.0 * 100.0
+        ),
+        met,
+    }
 }
 
 /// Writes the charts `docs/lab.md` shows: for runs 1–3 each backend's CPU use relative
@@ -974,20 +981,12 @@ pub fn low_rate_targets(r: &LabResult) -> Vec<Target> {
     let d = &r.degraded;
     let leastconn = r.run("leastconn");
     vec![
-        Target {
-            what: format!(
-                "the stalled backend's share of new requests ≤ {:.0} % from {:.0} s after \
-                 the stall",
-                TARGET_LOW_RATE_SHARE * 100.0,
-                r.plan.degraded.2.as_secs_f64()
-            ),
-            measured: format!(
-                "{:.1} % ({:.1} % before the stall)",
-                d.share.1 * 100.0,
-                d.share.0 * 100.0
-            ),
-            met: d.share.1 <= TARGET_LOW_RATE_SHARE,
-        },
+        stalled_share_target(
+            r,
+            "≤",
+            TARGET_LOW_RATE_SHARE,
+            d.share.1 <= TARGET_LOW_RATE_SHARE,
+        ),
         Target {
             what: format!(
                 "meanwhile the service's p99 ≤ {TARGET_LOW_RATE_P99_VS_ORACLE}× the \
