@@ -1,26 +1,28 @@
 //! Every figure the documentation quotes has one source, and every quote of it agrees.
 //!
 //! The figures Ballast is measured by are written by the commands that measure them:
-//! `tests/ratios` writes the blocks between `<!-- tests/ratios: NAME -->` and
-//! `<!-- tests/ratios: end -->` in `docs/performance.md` (the cycle, ingest beside bare
-//! quinn, the agent beside node_exporter), `fuzz/bench` and the soak write theirs in
+//! `tests/ratios` writes the blocks between `<!-- figures: NAME -->` and
+//! `<!-- figures: end -->` in `docs/performance.md` (`cycle`, `ingest` beside bare
+//! quinn, `agent` beside node_exporter), `fuzz/bench` and the soak write theirs in
 //! `docs/reliability.md`, the simulator writes `docs/balance.md` and the lab
 //! `docs/lab.md` whole. Elsewhere in `README.md` and `docs/*.md` a figure should be a
 //! link to its block; where prose quotes it all the same, this test reads the real
 //! files, parses each source, finds the known phrasings of each figure in the prose
 //! (outside generated blocks and code fences; a table's row counts as a sentence) and
 //! fails on any quote that differs from the source, naming the file, the line, the
-//! quote and the source's value.
+//! quote and the source's value. A block quoted whole, between its own markers, is
+//! held to its source byte for byte by `tests/tests/figures.rs`, which also knows
+//! which command writes each `figures` block.
 //! A quote agrees when it is the source's value rounded to the decimals the quote
 //! shows (1.43 for a block's 1.432); a range never does, since a source holds one run.
 //!
 //! What it checks, and against what:
 //!
 //! - the agent's CPU on a quiet and on a busy host, its RSS and its binary's size:
-//!   the `tests/ratios: agent` block;
+//!   the `agent` block;
 //! - the encoded sizes of `docs/protocol.md` (a reply, a report, a hello): computed
 //!   here with the wire encoder itself, which also holds the reply sizes the
-//!   `tests/ratios: ingest` block measured to sizes a reply can have;
+//!   `ingest` block measured to sizes a reply can have;
 //! - the number of fuzz targets and which the long runs lack: the files in
 //!   `fuzz/fuzz_targets/`, against the target table, the `fuzz-bench` block and the
 //!   prose of `docs/reliability.md`;
@@ -29,6 +31,8 @@
 //!   (no generator writes them: the cluster and relay tests print them);
 //! - the lab's and the simulator's headlines: `docs/lab.md` and `docs/balance.md`;
 //! - the ingest ratios and the cycle time: the `tests/ratios` blocks;
+//! - the verdicts beside them ("Met", "missed", "just over the target"): the cycle's
+//!   target and the agent's CPU and memory targets, judged by the block's run;
 //! - the soak's memory: the `soak` block;
 //! - links to a heading of the documents that hold the sources: they land.
 //!
@@ -60,7 +64,9 @@ fn re(pattern: &str) -> Regex {
 
 /// Lines that open and close a block written by the command that measures it.
 const BLOCKS: &[(&str, &str)] = &[
-    ("<!-- tests/ratios: ", "<!-- tests/ratios: end -->"),
+    ("<!-- figures: cycle -->", "<!-- figures: end -->"),
+    ("<!-- figures: ingest -->", "<!-- figures: end -->"),
+    ("<!-- figures: agent -->", "<!-- figures: end -->"),
     ("<!-- fuzz-bench: begin", "<!-- fuzz-bench: end -->"),
     ("<!-- soak:begin -->", "<!-- soak:end -->"),
 ];
@@ -361,17 +367,19 @@ struct Agent {
     busy_cpu: f64,
     rss: f64,
     binary: f64,
+    /// node_exporter's RSS on the quiet host, the yardstick of the agent's.
+    exporter_rss: f64,
 }
 
-const AGENT_BLOCK: &str = "the `tests/ratios: agent` block of docs/performance.md";
+const AGENT_BLOCK: &str = "the `agent` block of docs/performance.md (written by tests/ratios)";
 
 fn agent_block() -> Agent {
     let doc = "docs/performance.md";
     let b = block(
         doc,
         &read(doc),
-        "<!-- tests/ratios: agent -->",
-        "<!-- tests/ratios: end -->",
+        "<!-- figures: agent -->",
+        "<!-- figures: end -->",
     );
     let ts = tables(&b);
     assert_eq!(
@@ -387,6 +395,11 @@ fn agent_block() -> Agent {
             .clone()
     };
     let (quiet, busy) = (row(&ts[0]), row(&ts[1]));
+    let exporter = ts[0]
+        .rows
+        .iter()
+        .find(|r| r[0].starts_with("node_exporter"))
+        .unwrap_or_else(|| panic!("{AGENT_BLOCK}: no node_exporter row"));
     let cpu = ts[0].col("% of one core", AGENT_BLOCK);
     let rss = ts[0].col("RSS MiB", AGENT_BLOCK);
     let bin = ts[0].col("binary MiB", AGENT_BLOCK);
@@ -395,6 +408,52 @@ fn agent_block() -> Agent {
         busy_cpu: number(&busy[cpu], AGENT_BLOCK),
         rss: number(&quiet[rss], AGENT_BLOCK),
         binary: number(&quiet[bin], AGENT_BLOCK),
+        exporter_rss: number(&exporter[rss], AGENT_BLOCK),
+    }
+}
+
+/// A document's verdict on a target, beside the block that holds the figure: the first
+/// match of `pattern` (its group `v` the verdict, `t` the target if it names one) in
+/// `doc`, read across line breaks. A verdict among `met_words` must `meet` the target,
+/// any other must `miss` it: a rerun that crosses the target makes the verdict stale.
+#[allow(clippy::too_many_arguments)]
+fn verdict(
+    found: &mut Findings,
+    doc: &str,
+    pattern: &str,
+    what: &str,
+    met_words: &[&str],
+    meets: impl Fn(f64) -> bool,
+    misses: impl Fn(f64) -> bool,
+    figure: &str,
+    from: &str,
+) {
+    let text = read(doc);
+    let c = re(pattern).captures(&text).unwrap_or_else(|| {
+        panic!("{doc}: no verdict on {what} (`{pattern}`); update this test with its new phrasing")
+    });
+    let target = c.name("t").map_or(f64::NAN, |t| number(t.as_str(), doc));
+    let says = c["v"]
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase();
+    let says_met = met_words.contains(&says.as_str());
+    let holds = if says_met {
+        meets(target)
+    } else {
+        misses(target)
+    };
+    if !holds {
+        let line = text[..c.get(0).expect("a match").start()]
+            .matches('\n')
+            .count()
+            + 1;
+        found.0.push(format!(
+            "{doc}:{line}: says {what}: {says}, but {from} gives {figure}; rewrite the \
+             verdict to the block's run\n    in: {}",
+            c[0].split_whitespace().collect::<Vec<_>>().join(" ")
+        ));
     }
 }
 
@@ -477,6 +536,38 @@ fn the_agents_cpu_rss_and_binary_are_the_ratio_bars() {
         before,
         size,
         a.binary,
+        from,
+    );
+    // The verdicts on the targets, which the block's figures decide.
+    let cpus = format!(
+        "{} % on the quiet host and {} % on the busy one",
+        a.quiet_cpu, a.busy_cpu
+    );
+    verdict(
+        &mut found,
+        "docs/performance.md",
+        concat!(
+            r"Target\s+of\s+(?P<t>\d+(?:\.\d+)?)\s+%\s+of\s+a\s+core:\s+(?P<v>met|missed)\*\*",
+            r"\s+with\s+the\s+default\s+sources,\s+on\s+a\s+quiet\s+host\s+and\s+on\s+a\s+busy\s+one"
+        ),
+        "the agent's CPU target, on both hosts",
+        &["met"],
+        |t| a.quiet_cpu <= t && a.busy_cpu <= t,
+        |t| a.quiet_cpu > t && a.busy_cpu > t,
+        &cpus,
+        from,
+    );
+    // "Memory: just over the target": a quarter of node_exporter's RSS or less.
+    let share = a.rss / a.exporter_rss;
+    verdict(
+        &mut found,
+        "docs/footprint.md",
+        r"\*\*Memory:\s+(?P<v>just\s+over|over|within|under)\s+the\s+target\.\*\*",
+        "the agent's memory target, a quarter of node_exporter's RSS",
+        &["within", "under"],
+        |_| share <= 0.25,
+        |_| share > 0.25,
+        &format!("{} of {} MiB, {share:.3} of it", a.rss, a.exporter_rss),
         from,
     );
     found.assert_none("the agent's footprint");
@@ -616,8 +707,8 @@ fn encoded_sizes_are_the_encoders_and_the_measured_replies_are_sizes_a_reply_has
     let ingest = block(
         perf,
         &read(perf),
-        "<!-- tests/ratios: ingest -->",
-        "<!-- tests/ratios: end -->",
+        "<!-- figures: ingest -->",
+        "<!-- figures: end -->",
     );
     let sizes = reply_sizes();
     let bare = reply(86_400, 1000);
@@ -852,9 +943,10 @@ fn failover_goals_follow_lease_and_cycle_and_quotes_are_scales_rows() {
     // Each goal is the lease and two cycles of its section's set-up.
     let cycle_re = re(r"(?P<ms>\d+) ms cycles");
     let lease_re = re(r"(?:a (?P<a>\d+) s lease|the lease's (?P<b>\d+) s)");
+    // Read across line breaks: a section's text, not a sentence of prose.
     let goal_re = re(concat!(
-        r"goal(?::| is)? (?:the lease's (?P<lease>\d+) s and two cycles, )?",
-        r"(?P<q>\d+(?:\.\d+)?) s\b"
+        r"goal(?::|\s+is)?\s+(?:the\s+lease's\s+(?P<lease>\d+)\s+s\s+and\s+two\s+cycles,\s+)?",
+        r"(?P<q>\d+(?:\.\d+)?)\s+s\b"
     ));
     let mut goals = 0;
     for section in text.split("\n## ") {
@@ -883,7 +975,7 @@ fn failover_goals_follow_lease_and_cycle_and_quotes_are_scales_rows() {
                 found.0.push(format!(
                     "{doc}, `{title}`: the goal `{}` is not the lease ({lease} s) and two \
                      cycles ({cycle} s each): {goal} s",
-                    &c[0]
+                    c[0].split_whitespace().collect::<Vec<_>>().join(" ")
                 ));
             }
         }
@@ -1165,8 +1257,8 @@ fn ingest_ratios_and_cycle_time_are_the_ratio_bars() {
     let ingest = block(
         doc,
         &text,
-        "<!-- tests/ratios: ingest -->",
-        "<!-- tests/ratios: end -->",
+        "<!-- figures: ingest -->",
+        "<!-- figures: end -->",
     );
     let table = tables(&ingest)
         .into_iter()
@@ -1186,7 +1278,7 @@ fn ingest_ratios_and_cycle_time_are_the_ratio_bars() {
         ratio("2,000 × 1 Hz"),
         ratio("10,000 × 1 Hz"),
     ];
-    let from = "the `tests/ratios: ingest` block of docs/performance.md";
+    let from = "the `ingest` block of docs/performance.md (written by tests/ratios)";
     // "(b)/(a) of 0.86, 0.95 and 1.01": the three fleet patterns, in the block's order.
     check_groups(
         &mut found,
@@ -1221,8 +1313,8 @@ fn ingest_ratios_and_cycle_time_are_the_ratio_bars() {
     let cycle = block(
         doc,
         &text,
-        "<!-- tests/ratios: cycle -->",
-        "<!-- tests/ratios: end -->",
+        "<!-- figures: cycle -->",
+        "<!-- figures: end -->",
     );
     let table = tables(&cycle)
         .into_iter()
@@ -1243,7 +1335,7 @@ fn ingest_ratios_and_cycle_time_are_the_ratio_bars() {
     let publish = number(&big[table.col("publish, ms", what)], what);
     let ratio = number(&big[table.col("ratio", what)], what);
     let both_small = number(&small[table.col("cycle + publish, ms", what)], what);
-    let from = "the `tests/ratios: cycle` block of docs/performance.md";
+    let from = "the `cycle` block of docs/performance.md (written by tests/ratios)";
     let not_target = |s: &Sentence| !s.text.contains("Target: ");
     let at_100k =
         r"(?P<q>\d+(?:\.\d+)?)(?:–(?P<hi>\d+(?:\.\d+)?))? ms (?:a cycle )?at 100,000 endpoints";
@@ -1294,6 +1386,20 @@ fn ingest_ratios_and_cycle_time_are_the_ratio_bars() {
         trivial,
         "the cycle's ratio to the trivial pass",
         ratio,
+        from,
+    );
+    verdict(
+        &mut found,
+        doc,
+        concat!(
+            r"Target:\s+(?P<t>\d+(?:\.\d+)?)\s+ms\s+at\s+100,000\s+endpoints,\s+cycle\s+and\s+",
+            r"publication\s+together\.\s+(?P<v>Met|Missed)\b"
+        ),
+        "the target for the cycle and publication at 100,000 endpoints",
+        &["met"],
+        |t| both <= t,
+        |t| both > t,
+        &format!("{both} ms"),
         from,
     );
     found.assert_none("ingest and the cycle");

@@ -4,6 +4,9 @@
 //! between the same markers. This test fails when a quote differs from its source,
 //! when a source lacks its block, or when a block names no known source: a figure
 //! edited by hand in one place, or left behind when its run was regenerated.
+//!
+//! Prose that restates one figure of a block instead of linking to it is checked by
+//! `shared/tests/figures.rs`, which reads the known phrasings of each figure.
 
 use std::path::{Path, PathBuf};
 
@@ -15,6 +18,9 @@ const SOURCES: &[(&str, &str, &str)] = &[
         "docs/balance.md",
         "cargo run --release -p ballast-sim -- simulate --out docs",
     ),
+    ("cycle", "docs/performance.md", "tests/ratios"),
+    ("ingest", "docs/performance.md", "tests/ratios"),
+    ("agent", "docs/performance.md", "tests/ratios"),
 ];
 
 /// The blocks the README must quote: its headline figures come from these.
@@ -66,6 +72,22 @@ fn blocks(text: &str) -> Result<Vec<Block>, String> {
     match open {
         Some((name, at, _)) => Err(format!("block {name:?} (line {at}) never ends")),
         None => Ok(out),
+    }
+}
+
+/// The first line where two block bodies differ: its number in the body (from 1) and
+/// the two lines (empty past the end of the shorter); `None` when they are the same.
+fn first_difference<'a>(quoted: &'a str, source: &'a str) -> Option<(usize, &'a str, &'a str)> {
+    if quoted == source {
+        return None;
+    }
+    let (mut q, mut s) = (quoted.split('\n'), source.split('\n'));
+    let mut n = 1;
+    loop {
+        match (q.next(), s.next()) {
+            (Some(a), Some(b)) if a == b => n += 1,
+            (a, b) => return Some((n, a.unwrap_or(""), b.unwrap_or(""))),
+        }
     }
 }
 
@@ -127,11 +149,13 @@ fn every_quoted_figure_is_its_source_block() {
         let want = &own[0].body;
         for (rel, bs) in &docs {
             for b in bs.iter().filter(|b| b.name == *name && rel != source) {
-                if &b.body != want {
+                if let Some((at, quoted, own)) = first_difference(&b.body, want) {
                     problems.push(format!(
                         "{rel}:{}: the quote of {name:?} differs from {source}'s block, \
-                         which `{command}` writes; copy it over.\n  quoted:\n{}\n  source:\n{}",
-                        b.line, b.body, want
+                         which `{command}` writes; copy it over.\n  \
+                         first difference, {rel}:{}:\n    quoted: {quoted}\n    source: {own}",
+                        b.line,
+                        b.line + at
                     ));
                 }
             }
@@ -175,4 +199,11 @@ fn blocks_are_read_with_their_names_and_broken_markers_are_refused() {
     assert!(blocks("x\n<!-- figures: end -->\n").is_err());
     assert!(blocks("<!-- figures: a -->\n<!-- figures: b -->\n<!-- figures: end -->\n").is_err());
     assert!(blocks("<!-- figures:  -->\n<!-- figures: end -->\n").is_err());
+}
+
+#[test]
+fn the_first_differing_line_of_a_quote_is_named() {
+    assert_eq!(first_difference("a\nb", "a\nb"), None);
+    assert_eq!(first_difference("a\nb\nc", "a\nx\nc"), Some((2, "b", "x")));
+    assert_eq!(first_difference("a", "a\nb"), Some((2, "", "b")));
 }
