@@ -77,6 +77,12 @@ pub(crate) const MAX_STALL_HOLD: u32 = 30;
 /// (the requests it holds are this many), enough that the evidence comes within a
 /// few reports.
 pub(crate) const PROBE_COUNT: f64 = 0.5;
+/// ...and at most this share of the service's requests. At a low request rate half a
+/// request in flight at a stalled node is a share of the requests that sets the
+/// service's tail: at 40 requests a second and a 250 ms stall, two a second, 5 %. Below
+/// this share the hold's evidence comes slowly and the node is released by
+/// [`MAX_STALL_HOLD`] instead, to be cut again if it is still stalled.
+pub(crate) const PROBE_SHARE: f64 = 0.01;
 /// How far above the service's typical in-flight per unit of weight an endpoint must be
 /// before the in-flight term binds. Healthy endpoints of different speeds differ by
 /// their speed ratio (a 1.5× slower node holds each request 1.5× longer); a stalled
@@ -99,6 +105,17 @@ pub(crate) const IDLE_HANDED_TOLERANCE: f64 = 1.0;
 /// judged by [`IDLE_HANDED_TOLERANCE`], if its CPU is also below the fleet's average
 /// load: a busy node is not idle-handed, whatever its count.
 pub(crate) const IDLE_HANDED_RATIO: f64 = 9.0;
+/// Cycles in a row an idle-handed endpoint's term must bind, each on a report that found
+/// a request in flight, before it is stalled beyond doubt: it then sheds at the shrink
+/// bound and is held after, as one whose count stands out by [`TOLERANCE`] is. At a
+/// low request rate a stalled node's count stands out by less, and a proportional step
+/// took ten seconds to bring its share down. One report is not enough: a healthy node
+/// growing back from a small weight has a CPU near zero, so a report that happens to
+/// find one of its requests in flight reads idle-handed and binding; two in a row at a
+/// weight where it holds a request one report in a hundred come one time in ten
+/// thousand, while a stalled node holding one or two requests shows them at most
+/// reports.
+pub(crate) const IDLE_HANDED_STREAK: u32 = 2;
 /// An endpoint with fewer requests than this in flight on average is not piling them
 /// up: its count says nothing. Kept low on purpose: a stalled node held at a small
 /// weight has a small count, and its count per unit of weight is what keeps it there
@@ -184,6 +201,9 @@ pub struct InflightTracker {
     /// The hold on the weight since the endpoint was last stalled (see
     /// [`Self::hold_after_stall`]).
     stall_hold: Option<StallHold>,
+    /// Cycles in a row whose report found a request in flight while the endpoint held
+    /// its requests with idle hands and its term bound (see [`IDLE_HANDED_STREAK`]).
+    idle_streak: u32,
     /// The last cycle's verdict.
     pub estimate: InflightEstimate,
 }
@@ -230,6 +250,7 @@ impl InflightTracker {
             let hold = self.stall_hold.get_or_insert(StallHold::default());
             hold.steps = 0;
             hold.expected = 0.0;
+            hold.verdicts = hold.verdicts.saturating_add(1);
             hold.counts += count;
             hold.weights += weight;
             return None;
@@ -251,6 +272,14 @@ impl InflightTracker {
         None
     }
 
+    /// Whether the episode has had more than one stalled verdict: a node judged stalled
+    /// again while held, whose weight is then brought down to the probe (one verdict
+    /// may be a healthy node's unlucky report: two requests in flight at a small
+    /// weight, a few times in a hundred).
+    pub(crate) fn stall_confirmed(&self) -> bool {
+        self.stall_hold.is_some_and(|h| h.verdicts >= 2)
+    }
+
     /// Whether the weight is held after a stall (see [`Self::hold_after_stall`]).
     pub(crate) fn held_after_stall(&self) -> bool {
         self.stall_hold.is_some()
@@ -260,6 +289,19 @@ impl InflightTracker {
     /// balancers were applying, within the change that makes a new publication.
     pub(crate) fn applied_weight(&self) -> f64 {
         self.weights[0]
+    }
+
+    /// Whether the endpoint has held its requests with idle hands, its term binding and
+    /// a request in flight at each report, for [`IDLE_HANDED_STREAK`] cycles in a row.
+    /// One such cycle is enough while the weight is held after a stall: the episode
+    /// has given its evidence already.
+    pub(crate) fn idle_handed_beyond_doubt(&self) -> bool {
+        let needed = if self.stall_hold.is_some() {
+            1
+        } else {
+            IDLE_HANDED_STREAK
+        };
+        self.idle_streak >= needed
     }
 
     /// Whether the term is currently distrusted.
@@ -292,6 +334,8 @@ struct StallHold {
     weights: f64,
     /// What a node still stalled would have shown since the last stalled verdict.
     expected: f64,
+    /// Stalled verdicts in the episode.
+    verdicts: u32,
 }
 
 /// One endpoint's inputs to [`assess`].
@@ -419,13 +463,15 @@ pub(crate) fn assess_counted(
         .zip(counts)
         .map(|((input, tracker), count)| {
             let smoothed = count.smoothed;
-            let (derivation, ratio, term) = if !counts_inflight || tracker.smoothed.is_none() {
-                (Derivation::None, 0.0, 0.0)
+            let (derivation, ratio, term, idle_handed) = if !counts_inflight
+                || tracker.smoothed.is_none()
+            {
+                (Derivation::None, 0.0, 0.0, false)
             } else if input.capacity > 0 {
                 let term = crate::load::inflight_utilization(input.inflight, input.capacity);
-                (Derivation::Capacity, 0.0, term)
+                (Derivation::Capacity, 0.0, term, false)
             } else if input.warming {
-                (Derivation::FleetRelative, 0.0, 0.0)
+                (Derivation::FleetRelative, 0.0, 0.0, false)
             } else {
                 let by_weight = per_weight(count) / typical_weight;
                 let by_cpu = per_cpu(input, count) / typical_cpu;
@@ -445,7 +491,7 @@ pub(crate) fn assess_counted(
                 } else {
                     0.0
                 };
-                (Derivation::FleetRelative, ratio, term)
+                (Derivation::FleetRelative, ratio, term, idle_handed)
             };
             let binding = term > input.base;
             let newly_distrusted = tracker.judge(
@@ -456,6 +502,13 @@ pub(crate) fn assess_counted(
                 params.min_weight,
             );
             let trusted = !tracker.distrusted();
+            // A report that found a request in flight, not the smoothed count, which
+            // still reads one a cycle after a report of none.
+            tracker.idle_streak = if trusted && binding && idle_handed && input.inflight > 0 {
+                tracker.idle_streak.saturating_add(1)
+            } else {
+                0
+            };
             let load = if trusted && binding { term } else { input.base };
             tracker.estimate = InflightEstimate {
                 derivation,

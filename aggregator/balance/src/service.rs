@@ -867,7 +867,7 @@ impl Service {
         let stepped = if self.feed_forward_due(&split, avg) {
             self.step_feed_forward(now, &split.fresh, avg)
         } else {
-            self.step_controllers(now, &split.fresh, avg)
+            self.step_controllers(now, &split.fresh, split.serving, avg)
         };
         self.any_established |= !split.fresh.is_empty();
         self.share_out(split, stepped)
@@ -990,8 +990,16 @@ impl Service {
     /// one shrinks by the bound, and its share does not grow for a while after (see
     /// [`inflight::InflightTracker::hold_after_stall`]). Returns the stepped weights,
     /// in the order of `fresh`.
-    fn step_controllers(&mut self, now: Millis, fresh: &[usize], avg: f64) -> Vec<f64> {
+    fn step_controllers(
+        &mut self,
+        now: Millis,
+        fresh: &[usize],
+        serving: usize,
+        avg: f64,
+    ) -> Vec<f64> {
         let params = &self.params;
+        // Weights have a mean of 1 over the serving endpoints.
+        let probe_cap = inflight::PROBE_SHARE * serving as f64;
         let slots = &mut self.slots;
         let lo = params.max_shrink - 1.0;
         let hi = params.max_growth - 1.0;
@@ -1002,7 +1010,9 @@ impl Service {
         let (mut moved, mut moved_weight) = (0.0, 0.0);
         for (i, &s) in fresh.iter().enumerate() {
             let stalled = sheds_at_bound(slots, s, avg, params.metric);
-            let hold = slots.inflight[s].hold_after_stall(stalled);
+            let hold = slots.inflight[s]
+                .hold_after_stall(stalled)
+                .map(|probe| probe.min(probe_cap));
             let ep = &mut slots.hot[s];
             let pid = &mut slots.pid[s];
             let error = (avg - ep.load) / avg;
@@ -1043,10 +1053,19 @@ impl Service {
             let Some(&s) = fresh.get(i) else { continue };
             // Up to the probe weight, in the units the load balancers apply
             // (normalisation then scales it by about 1 / (1 + others): a little above
-            // the probe while the others shrink).
-            let applied = slots.inflight[s].applied_weight();
+            // the probe while the others shrink). A weight above the probe, once the
+            // hold allows one, is brought down to it within the shrink bound when the
+            // stall is confirmed: the probe is what a node that may still be stalled
+            // is trusted with.
+            let tracker = &slots.inflight[s];
+            let applied = tracker.applied_weight();
             let to_probe = probe / applied.max(f64::MIN_POSITIVE) - 1.0;
-            let delta = delta.min(others.min(0.0).max(to_probe));
+            let bound = if probe > 0.0 && to_probe < 0.0 && tracker.stall_confirmed() {
+                to_probe.max(lo)
+            } else {
+                others.min(0.0).max(to_probe)
+            };
+            let delta = delta.min(bound);
             if let Some(w) = stepped.get_mut(i) {
                 *w = take_step(slots, s, delta, now, avg);
             }
@@ -1184,14 +1203,17 @@ fn take_step(slots: &mut Slots, s: usize, delta: f64, now: Millis, avg: f64) -> 
 /// Whether the endpoint in `slot` is stalled beyond doubt, so that it sheds at the
 /// shrink bound and is held after ([`Service::step_controllers`]): [`stalled`], with its
 /// CPU idle, not merely below the average (only a node that does next to no work with
-/// its requests piling up), and under `max` its count above the tolerance. Scaled to
-/// the fleet's load, the term of a count within the tolerance binds on any node far
-/// below the mean weight, whose CPU is idle for want of traffic: a healthy node growing
-/// back from a small weight would be judged stalled, and held, whenever a report found
-/// a request in flight.
+/// its requests piling up), and under `max` its count above the tolerance, or its
+/// requests held with idle hands report after report
+/// ([`inflight::IDLE_HANDED_STREAK`]). Scaled to the fleet's load, the term of a count
+/// within the tolerance binds on any node far below the mean weight, whose CPU is idle
+/// for want of traffic: a healthy node growing back from a small weight would be judged
+/// stalled, and held, whenever a report found a request in flight.
 fn sheds_at_bound(slots: &Slots, slot: usize, avg: f64, metric: crate::LoadMetric) -> bool {
+    let tracker = &slots.inflight[slot];
     let piled_up = metric != crate::LoadMetric::Max
-        || slots.inflight[slot].estimate.ratio >= inflight::TOLERANCE;
+        || tracker.estimate.ratio >= inflight::TOLERANCE
+        || tracker.idle_handed_beyond_doubt();
     stalled(slots, slot, avg) && piled_up && slots.obs[slot].cpu < inflight::IDLE_CPU * avg
 }
 
