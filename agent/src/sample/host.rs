@@ -3,6 +3,13 @@
 //! The kernel counts time per state in clock ticks since boot; utilization over an
 //! interval is the busy share of the ticks that passed. Using the ticks themselves as the
 //! clock (rather than wall time) makes the result immune to a late or early sample.
+//!
+//! Time in niced processes (nice above 0) counts as idle: such a process yields the CPU
+//! to the service whenever the service wants it (the scheduler gives a nice-19 task
+//! 1.5 % of a CPU against a nice-0 one), so batch work beside the service (a backup, a
+//! log compaction, a build at `nice -n 19`) is capacity the service still has, not
+//! load. A service that itself runs niced is measured with `--cpu pid:N` or
+//! `--cpu cgroup:PATH` instead.
 
 use std::path::{Path, PathBuf};
 
@@ -11,11 +18,12 @@ use super::{read_file, CpuSource, SampleError};
 /// The aggregate `cpu ` line of `/proc/stat`, in clock ticks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuTimes {
-    /// Ticks spent running: user, nice, system, irq, softirq and steal. Steal counts as
-    /// busy because a hypervisor that takes our CPU leaves the service none of it.
+    /// Ticks spent running at nice 0 or below: user, system, irq, softirq and steal.
+    /// Steal counts as busy because a hypervisor that takes our CPU leaves the service
+    /// none of it. Niced time does not (see the module's notes).
     pub busy: u64,
-    /// All ticks: busy plus idle and iowait. Guest time is already inside user/nice, so
-    /// adding it would count it twice.
+    /// All ticks: busy plus nice, idle and iowait. Guest time is already inside
+    /// user/nice, so adding it would count it twice.
     pub total: u64,
 }
 
@@ -44,12 +52,15 @@ pub(crate) fn parse_proc_stat(text: &str) -> Result<CpuTimes, SampleError> {
             ))
         }
     };
-    let busy = [user, nice, system, irq, softirq, steal]
+    let busy = [user, system, irq, softirq, steal]
         .iter()
         .fold(0u64, |acc, x| acc.saturating_add(*x));
     Ok(CpuTimes {
         busy,
-        total: busy.saturating_add(idle).saturating_add(iowait),
+        total: busy
+            .saturating_add(nice)
+            .saturating_add(idle)
+            .saturating_add(iowait),
     })
 }
 
@@ -119,8 +130,8 @@ mod tests {
     #[test]
     fn parses_the_aggregate_line() {
         let t = parse_proc_stat(STAT).unwrap();
-        assert_eq!(t.busy, 9260 + 10 + 1675 + 5 + 39 + 11);
-        assert_eq!(t.total, t.busy + 51681 + 219);
+        assert_eq!(t.busy, 9260 + 1675 + 5 + 39 + 11);
+        assert_eq!(t.total, t.busy + 10 + 51681 + 219);
     }
 
     #[test]
@@ -154,9 +165,9 @@ mod tests {
         std::fs::write(&path, "cpu  100 0 0 900 0 0 0 0\n").unwrap();
         let mut src = HostCpu::open_at(&path).unwrap();
         assert_eq!(src.sample().unwrap(), None);
-        // 50 busy of 200 ticks, with the idle time partly iowait.
+        // 40 busy of 200 ticks, with the idle time partly iowait and niced.
         std::fs::write(&path, "cpu  120 10 20 1000 50 0 0 0\n").unwrap();
-        assert_eq!(src.sample().unwrap(), Some(0.25));
+        assert_eq!(src.sample().unwrap(), Some(0.2));
         // No tick passed: no new information, and the baseline is kept.
         assert_eq!(src.sample().unwrap(), None);
         std::fs::write(&path, "cpu  220 10 20 1000 50 0 0 0\n").unwrap();
@@ -175,6 +186,55 @@ mod tests {
         let mut src = HostCpu::open_at(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         assert!(src.sample().is_err());
+    }
+
+    /// A busy loop on this host, at nice 0 and then at nice 19, each for the same
+    /// window: the first reads as a core's worth of utilization, the second as next to
+    /// nothing. Each window is measured twice, and the smaller difference asserted, so
+    /// that other work on the host in one window does not decide it.
+    #[test]
+    fn real_proc_stat_counts_a_niced_loop_as_idle() {
+        use std::process::{Command, Stdio};
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        /// The loop, killed when dropped, whatever the test did meanwhile (`nice` execs
+        /// the shell, so the child is the loop itself).
+        struct Loop(std::process::Child);
+        impl Drop for Loop {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let window = |nice: &str| -> f64 {
+            let _busy = Loop(
+                Command::new("nice")
+                    .args(["-n", nice, "sh", "-c", "while :; do :; done"])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("nice and sh run"),
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let mut src = HostCpu::open().unwrap();
+            assert_eq!(src.sample().unwrap(), None);
+            std::thread::sleep(std::time::Duration::from_millis(800));
+            src.sample().unwrap().expect("800 ms is many ticks")
+        };
+        let mut diffs = Vec::new();
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let (greedy, niced) = (window("0"), window("19"));
+            seen.push((greedy, niced));
+            diffs.push(greedy - niced);
+        }
+        let diff = diffs.iter().copied().fold(f64::INFINITY, f64::min);
+        eprintln!("utilization (nice 0, nice 19): {seen:?} on {cores} cores");
+        // The loop takes one core of `cores`; half of that is left for the host's noise.
+        assert!(
+            diff >= 0.5 / cores,
+            "a niced loop read as load: utilization (nice 0, nice 19) {seen:?} on {cores} cores"
+        );
     }
 
     #[test]
