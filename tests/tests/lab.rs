@@ -498,15 +498,16 @@ fn lab_low_rate_stall() {
         "the oracle's max/avg {:.3}: the lab did not run as planned",
         or.spread.max_over_avg
     );
-    // The share is over about 700 requests (16 s at 40-50 a second). Measured 0.31-1.7 %
-    // over 6 s in six runs, one beside a busy loop (leastconn 5.3-5.9 %), and 2.1 % over
-    // 16 s (leastconn 6.3 %); once the weight has fallen, about 10 s after the stall, the
-    // stalled node keeps a request a second (2.4 % at 41 a second), and in one run of the
-    // full lab it stayed above 3 % until 13 s after the stall (5.9 % over 6 s, leastconn
-    // 6.7 %). The bound is twice the target, and it must beat leastconn in the same run
-    // by a quarter: without the idle-hands rule the stalled node's share rises to 60 %.
+    // The share is over about 700 requests (16 s at 40-50 a second). With idle-handed
+    // nodes shed in proportional steps and held at half a request it was 2.1 % (leastconn
+    // 6.3 %), and the stalled node kept a request a second once its weight had fallen,
+    // about 10 s after the stall. Shed at the bound once two reports in a row find its
+    // requests held with idle hands, and held at a probe of at most 1 % of the requests,
+    // it measured 0.67 % and 1.04 % (leastconn 5.3 % and 6.3 %), its share below 3 % from
+    // 5-6 s after the stall. The bound is the target, and half of leastconn's share in
+    // the same run: without the idle-hands rule the stalled node's share rises to 60 %.
     assert!(
-        d.share.1 <= 0.04 && d.share.1 <= 0.75 * leastconn.share.1,
+        d.share.1 <= 0.02 && d.share.1 <= 0.5 * leastconn.share.1,
         "{}'s share of new requests {:.3} from {:.0} s after the stall, leastconn's {:.3}",
         r.names[d.backend],
         d.share.1,
