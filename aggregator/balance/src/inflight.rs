@@ -105,7 +105,7 @@ pub(crate) const IDLE_HANDED_TOLERANCE: f64 = 1.0;
 /// judged by [`IDLE_HANDED_TOLERANCE`], if its CPU is also below the fleet's average
 /// load: a busy node is not idle-handed, whatever its count.
 pub(crate) const IDLE_HANDED_RATIO: f64 = 9.0;
-/// Cycles in a row an idle-handed endpoint's term must bind, each on a report that found
+/// Reports in a row on which an idle-handed endpoint's term binds, each finding
 /// a request in flight, before it is stalled beyond doubt: it then sheds at the shrink
 /// bound and is held after, as one whose count stands out by [`TOLERANCE`] is. At a
 /// low request rate a stalled node's count stands out by less, and a proportional step
@@ -201,9 +201,12 @@ pub struct InflightTracker {
     /// The hold on the weight since the endpoint was last stalled (see
     /// [`Self::hold_after_stall`]).
     stall_hold: Option<StallHold>,
-    /// Cycles in a row whose report found a request in flight while the endpoint held
-    /// its requests with idle hands and its term bound (see [`IDLE_HANDED_STREAK`]).
+    /// Reports in a row that found a request in flight while the endpoint held its
+    /// requests with idle hands and its term bound (see [`IDLE_HANDED_STREAK`]).
     idle_streak: u32,
+    /// A report has come since the last assessment: a cycle that finds none (a
+    /// skipped step assesses the same report again) leaves the streak as it is.
+    news: bool,
     /// The last cycle's verdict.
     pub estimate: InflightEstimate,
 }
@@ -212,6 +215,7 @@ impl InflightTracker {
     /// Takes a reported count into the smoothed one.
     pub fn observe(&mut self, inflight: u32) {
         self.last = inflight;
+        self.news = true;
         let x = f64::from(inflight);
         self.smoothed = Some(match self.smoothed {
             Some(s) if x < s => s + SMOOTHING_DOWN * (x - s),
@@ -272,10 +276,10 @@ impl InflightTracker {
         None
     }
 
-    /// Whether the episode has had more than one stalled verdict: a node judged stalled
-    /// again while held, whose weight is then brought down to the probe (one verdict
-    /// may be a healthy node's unlucky report: two requests in flight at a small
-    /// weight, a few times in a hundred).
+    /// Whether the episode has had more than one stalled verdict (a second step judged
+    /// stalled, in a row or later in the hold): the weight is then brought down to the
+    /// probe. One verdict may be a healthy node's unlucky report (two requests in
+    /// flight at a small weight, a few times in a hundred) and only holds it.
     pub(crate) fn stall_confirmed(&self) -> bool {
         self.stall_hold.is_some_and(|h| h.verdicts >= 2)
     }
@@ -292,16 +296,15 @@ impl InflightTracker {
     }
 
     /// Whether the endpoint has held its requests with idle hands, its term binding and
-    /// a request in flight at each report, for [`IDLE_HANDED_STREAK`] cycles in a row.
-    /// One such cycle is enough while the weight is held after a stall: the episode
-    /// has given its evidence already.
+    /// a request in flight at each report, for [`IDLE_HANDED_STREAK`] reports in a row.
     pub(crate) fn idle_handed_beyond_doubt(&self) -> bool {
-        let needed = if self.stall_hold.is_some() {
-            1
-        } else {
-            IDLE_HANDED_STREAK
-        };
-        self.idle_streak >= needed
+        self.idle_streak >= IDLE_HANDED_STREAK
+    }
+
+    /// Forgets the streak of an endpoint that was not assessed (silent past its
+    /// freshness): reports before a gap are not "in a row" with those after it.
+    pub(crate) fn break_idle_streak(&mut self) {
+        self.idle_streak = 0;
     }
 
     /// Whether the term is currently distrusted.
@@ -503,12 +506,14 @@ pub(crate) fn assess_counted(
             );
             let trusted = !tracker.distrusted();
             // A report that found a request in flight, not the smoothed count, which
-            // still reads one a cycle after a report of none.
-            tracker.idle_streak = if trusted && binding && idle_handed && input.inflight > 0 {
-                tracker.idle_streak.saturating_add(1)
-            } else {
-                0
-            };
+            // still reads one a cycle after a report of none; each report once.
+            if std::mem::take(&mut tracker.news) {
+                tracker.idle_streak = if trusted && binding && idle_handed && input.inflight > 0 {
+                    tracker.idle_streak.saturating_add(1)
+                } else {
+                    0
+                };
+            }
             let load = if trusted && binding { term } else { input.base };
             tracker.estimate = InflightEstimate {
                 derivation,
@@ -723,6 +728,48 @@ mod tests {
         let mut t = vec![InflightTracker::default(); 3];
         let loads = run(&p, &inputs, &mut t);
         assert!(loads[2] > 0.1, "{loads:?}");
+    }
+
+    /// The idle-hands streak counts reports, not cycles: a cycle that assesses the same
+    /// report again (a skipped step) does not make one report two in a row, and a report
+    /// that finds nothing in flight ends the streak.
+    #[test]
+    fn the_idle_hands_streak_counts_reports() {
+        let p = Params::default();
+        // Four healthy nodes at 40 % CPU holding a request per unit of weight; the
+        // last one holds two at 1 % CPU.
+        let inputs = |held: u32| {
+            let mut v = vec![input(0.4, 0.4, 1, 1.0); 4];
+            v.push(input(0.01, 0.01, held, 1.0));
+            v
+        };
+        let assess_again = |t: &mut [InflightTracker]| {
+            let ins = inputs(2);
+            let mut items: Vec<(Input, &mut InflightTracker)> =
+                ins.iter().copied().zip(t.iter_mut()).collect();
+            assess(&p, &mut items);
+        };
+        let mut t = vec![InflightTracker::default(); 5];
+        run(&p, &inputs(2), &mut t);
+        assert!(t[4].estimate.binding, "{:?}", t[4].estimate);
+        assert!(!t[4].idle_handed_beyond_doubt(), "one report");
+        assess_again(&mut t);
+        assert!(
+            !t[4].idle_handed_beyond_doubt(),
+            "the same report, assessed again"
+        );
+        run(&p, &inputs(2), &mut t);
+        assert!(t[4].idle_handed_beyond_doubt(), "two reports in a row");
+        run(&p, &inputs(0), &mut t);
+        assert!(!t[4].idle_handed_beyond_doubt(), "a report of none ends it");
+        // A gap in its reports breaks the streak too.
+        run(&p, &inputs(2), &mut t);
+        t[4].break_idle_streak();
+        run(&p, &inputs(2), &mut t);
+        assert!(
+            !t[4].idle_handed_beyond_doubt(),
+            "not in a row across a gap"
+        );
     }
 
     #[test]

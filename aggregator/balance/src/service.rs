@@ -763,6 +763,7 @@ impl Service {
             .enumerate()
         {
             if ep.draining || !ep.is_fresh(now, params) {
+                tracker.break_idle_streak();
                 continue;
             }
             let input = inflight::Input {
