@@ -109,11 +109,17 @@ fn host_stat(input: &Input, before: Option<CpuTimes>) {
         c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9]
     );
     let t = proc_stat(&text).expect("a well-formed /proc/stat");
-    let busy = [c[0], c[1], c[2], c[5], c[6], c[7]]
+    // Niced time (c[1]) is idle to the service: in the total, not in busy.
+    let busy = [c[0], c[2], c[5], c[6], c[7]]
         .iter()
         .fold(0u64, |a, x| a.saturating_add(*x));
     assert_eq!(t.busy, busy);
-    assert_eq!(t.total, busy.saturating_add(c[3]).saturating_add(c[4]));
+    assert_eq!(
+        t.total,
+        busy.saturating_add(c[1])
+            .saturating_add(c[3])
+            .saturating_add(c[4])
+    );
     if let Some(x) = before.and_then(|u| utilization(u, t)) {
         assert!((0.0..=1.0).contains(&x), "{x}");
     }

@@ -190,30 +190,53 @@ mod tests {
 
     /// A busy loop on this host, at nice 0 and then at nice 19, each for the same
     /// window: the first reads as a core's worth of utilization, the second as next to
-    /// nothing. Each window is measured twice, and the smaller difference asserted, so
-    /// that other work on the host in one window does not decide it.
+    /// nothing. Two pairs of windows; one clean pair is the proof, so other work on the
+    /// host in one window does not decide it.
     #[test]
     fn real_proc_stat_counts_a_niced_loop_as_idle() {
         use std::process::{Command, Stdio};
+        // `nice -n` is relative: from a niced test process the "nice 0" loop is niced too.
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let own: i64 = stat
+            .rsplit(") ")
+            .next()
+            .and_then(|rest| rest.split_whitespace().nth(16))
+            .and_then(|f| f.parse().ok())
+            .expect("the niceness in /proc/self/stat");
+        assert!(
+            own <= 0,
+            "this test must run at nice 0 or below, not {own}: it compares a loop at nice 0 \
+             with one at nice 19"
+        );
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        /// The loop, killed when dropped, whatever the test did meanwhile (`nice` execs
-        /// the shell, so the child is the loop itself).
+        /// The loop, under `timeout` so that it ends even if this test is killed; ended
+        /// with TERM when dropped (`timeout` passes it on), whatever the test did meanwhile.
         struct Loop(std::process::Child);
         impl Drop for Loop {
             fn drop(&mut self) {
-                let _ = self.0.kill();
+                let _ = Command::new("kill")
+                    .args(["-TERM", &self.0.id().to_string()])
+                    .status();
                 let _ = self.0.wait();
             }
         }
         let window = |nice: &str| -> f64 {
             let _busy = Loop(
                 Command::new("nice")
-                    .args(["-n", nice, "sh", "-c", "while :; do :; done"])
+                    .args([
+                        "-n",
+                        nice,
+                        "timeout",
+                        "10",
+                        "sh",
+                        "-c",
+                        "while :; do :; done",
+                    ])
                     .stdin(Stdio::null())
                     .stdout(Stdio::null())
                     .stderr(Stdio::null())
                     .spawn()
-                    .expect("nice and sh run"),
+                    .expect("nice, timeout and sh run"),
             );
             std::thread::sleep(std::time::Duration::from_millis(200));
             let mut src = HostCpu::open().unwrap();
@@ -221,14 +244,8 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(800));
             src.sample().unwrap().expect("800 ms is many ticks")
         };
-        let mut diffs = Vec::new();
-        let mut seen = Vec::new();
-        for _ in 0..2 {
-            let (greedy, niced) = (window("0"), window("19"));
-            seen.push((greedy, niced));
-            diffs.push(greedy - niced);
-        }
-        let diff = diffs.iter().copied().fold(f64::INFINITY, f64::min);
+        let seen: Vec<(f64, f64)> = (0..2).map(|_| (window("0"), window("19"))).collect();
+        let diff = seen.iter().map(|(g, n)| g - n).fold(f64::MIN, f64::max);
         eprintln!("utilization (nice 0, nice 19): {seen:?} on {cores} cores");
         // The loop takes one core of `cores`; half of that is left for the host's noise.
         assert!(
