@@ -90,8 +90,8 @@ pub struct Flags {
     /// Zone of this node.
     #[arg(long, env = "BALLAST_ZONE", global = true)]
     pub zone: Option<String>,
-    /// CPU source: host (niced processes count as idle), cgroup:PATH, pid:N or none
-    /// [default: host].
+    /// CPU source: host, cgroup:PATH (both count niced processes as idle), pid:N or
+    /// none [default: host].
     #[arg(long, env = "BALLAST_CPU", global = true)]
     pub cpu: Option<CpuSpec>,
     /// In-flight source [default: tcp:PORT, the service's port]: tcp:PORTS;

@@ -101,6 +101,11 @@ pub fn cgroup_cfs_quota(quota: &str, period: &str) -> Result<Option<f64>, String
     crate::sample::cgroup::parse_cfs_quota(quota, period)
 }
 
+/// `nr_periods` and `nr_throttled` of a `cpu.stat`.
+pub fn cgroup_throttling(text: &str) -> Option<(u64, u64)> {
+    crate::sample::cgroup::parse_throttling(text)
+}
+
 /// The `usage_usec` of a cgroup v2 `cpu.stat`.
 pub fn cgroup_v2_usage_usec(text: &str) -> Option<u64> {
     crate::sample::cgroup::parse_v2_usage_usec(text)

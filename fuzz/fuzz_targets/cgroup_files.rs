@@ -9,7 +9,9 @@
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
-use ballast_agent::fuzzing::{cgroup_cfs_quota, cgroup_cpu_max, cgroup_v2_usage_usec, cpu_list};
+use ballast_agent::fuzzing::{
+    cgroup_cfs_quota, cgroup_cpu_max, cgroup_throttling, cgroup_v2_usage_usec, cpu_list,
+};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]
@@ -17,6 +19,8 @@ struct Input {
     quota: u64,
     period: u64,
     usage: u64,
+    /// `nr_periods` and `nr_throttled`.
+    periods: (u64, u64),
     /// CPU list ranges: (first, count).
     ranges: Vec<(u16, u8)>,
 }
@@ -39,6 +43,7 @@ fuzz_target!(|data: &[u8]| {
         cores_ok(c);
     }
     let _ = cgroup_v2_usage_usec(&text);
+    let _ = cgroup_throttling(&text);
     if let Some(n) = cpu_list(&text) {
         assert!(n > 0);
     }
@@ -61,10 +66,11 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(cgroup_cfs_quota("-1\n", &format!("{p}\n")), Ok(None));
 
     let stat = format!(
-        "usage_usec {}\nuser_usec 1\nsystem_usec 2\nnr_periods 0\nnr_throttled 0\nthrottled_usec 0\n",
-        input.usage
+        "usage_usec {}\nuser_usec 1\nsystem_usec 2\nnr_periods {}\nnr_throttled {}\nthrottled_usec 0\n",
+        input.usage, input.periods.0, input.periods.1
     );
     assert_eq!(cgroup_v2_usage_usec(&stat), Some(input.usage));
+    assert_eq!(cgroup_throttling(&stat), Some(input.periods));
 
     let mut list = Vec::new();
     let mut count = 0usize;

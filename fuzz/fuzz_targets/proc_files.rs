@@ -5,7 +5,8 @@
 //!
 //! Invariants: nothing panics; busy ≤ total; utilization within [0, 1]; owed ≤
 //! established; a rendered line parses back to its values (a command name with spaces
-//! and parentheses included), and a rendered table counts exactly its sockets.
+//! and parentheses included, the nice value too), and a rendered table counts exactly
+//! its sockets.
 
 #![no_main]
 
@@ -35,6 +36,7 @@ struct Input {
     ppid: u32,
     times: [u64; 4],
     negative_child_times: bool,
+    nice: i8,
     start: u64,
     // /proc/stat
     counters: [u64; 10],
@@ -81,9 +83,12 @@ fn pid_stat(input: &Input) {
     };
     let (pid, comm, state, ppid, start) =
         (input.pid, &input.comm, input.state, input.ppid, input.start);
+    // The kernel's nice values, and the priority it prints beside them.
+    let nice = i64::from(input.nice.clamp(-20, 19));
+    let prio = 20 + nice;
     let line = format!(
         "{pid} ({comm}) {state} {ppid} {pid} {pid} 0 -1 4194560 100 0 0 0 {ut} {st} {cut_text} {cst_text} \
-         20 0 1 0 {start} 1000000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n"
+         {prio} {nice} 1 0 {start} 1000000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n"
     );
     // A negative child time must fit the kernel's signed field.
     let fits = |x: u64| x <= 1u64 << 63;
@@ -95,6 +100,7 @@ fn pid_stat(input: &Input) {
     assert_eq!(s.state, state);
     assert_eq!(s.ppid, ppid);
     assert_eq!(s.start_time, start);
+    assert_eq!(s.nice, nice);
     assert_eq!(
         s.ticks,
         ut.saturating_add(st).saturating_add(children),

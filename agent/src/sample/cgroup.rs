@@ -19,6 +19,7 @@ use std::io::ErrorKind;
 use std::path::{Component, Path, PathBuf};
 use std::time::Instant;
 
+use super::niced::NicedTime;
 use super::{read_file, CpuSource, SampleError};
 
 /// Where cgroupfs is normally mounted.
@@ -263,11 +264,22 @@ pub(crate) fn parse_cpu_list(text: &str) -> Option<usize> {
 ///
 /// Not clamped at 1: a cgroup with burst allowance (or one read a little late) can use
 /// more than its quota over an interval, and hiding that would hide overload.
+///
+/// The time of the cgroup's niced processes counts as idle, as on the host: batch work
+/// that yields to the service is not the service's load ([`super::niced`]). Except
+/// while the quota binds: a niced process on another core than the service's spends
+/// the cgroup's quota at full speed, nice or not, and the whole group then waits for
+/// the next period. So niced time counts as idle in the share of the interval's
+/// periods that were not throttled (`nr_throttled` over `nr_periods` in `cpu.stat`,
+/// the tightest of the quota's levels).
 #[derive(Debug)]
 pub struct CgroupCpu {
     spec: String,
     paths: CgroupPaths,
     online_cpus: f64,
+    niced: NicedTime,
+    /// `nr_periods` and `nr_throttled` of each quota level at the last sample.
+    throttling: Vec<Option<(u64, u64)>>,
     prev: Option<(u64, Instant)>,
 }
 
@@ -281,9 +293,25 @@ impl CgroupCpu {
     /// CPUs (the divisor for an unlimited quota). Reads usage and quota once, so a wrong
     /// name fails now.
     pub(crate) fn open_at(root: &Path, spec: &str, online_cpus: f64) -> Result<Self, SampleError> {
+        Self::open_with_proc(root, Path::new("/proc"), spec, online_cpus)
+    }
+
+    /// [`Self::open_at`] with the members' stats read under `proc_root`.
+    pub(crate) fn open_with_proc(
+        root: &Path,
+        proc_root: &Path,
+        spec: &str,
+        online_cpus: f64,
+    ) -> Result<Self, SampleError> {
         let paths = resolve(root, spec)?;
+        let group = paths
+            .usage_file
+            .parent()
+            .map_or_else(|| root.to_path_buf(), Path::to_path_buf);
         let src = CgroupCpu {
             spec: spec.trim().to_string(),
+            niced: NicedTime::new(proc_root, &group),
+            throttling: Vec::new(),
             paths,
             online_cpus: if online_cpus.is_finite() && online_cpus > 0.0 {
                 online_cpus
@@ -334,6 +362,38 @@ impl CgroupCpu {
         Ok(cores)
     }
 
+    /// The share of the periods since the last call in which the cgroup was throttled,
+    /// at the level of its quota where it was most (0 without a quota or a
+    /// `cpu.stat`; 1 when a level's counters went backwards, a recreated cgroup, whose
+    /// interval is unknown: niced time is then load, the safe side).
+    fn throttled_share(&mut self) -> f64 {
+        let now: Vec<Option<(u64, u64)>> = self
+            .paths
+            .quota_dirs
+            .iter()
+            .map(|d| {
+                std::fs::read_to_string(d.join("cpu.stat"))
+                    .ok()
+                    .and_then(|t| parse_throttling(&t))
+            })
+            .collect();
+        let before = std::mem::replace(&mut self.throttling, now);
+        before
+            .iter()
+            .zip(&self.throttling)
+            .filter_map(|(b, n)| Some(((*b)?, (*n)?)))
+            .map(
+                |((p0, t0), (p1, t1))| match (p1.checked_sub(p0), t1.checked_sub(t0)) {
+                    (Some(0), Some(_)) => 0.0,
+                    (Some(periods), Some(throttled)) => {
+                        (throttled as f64 / periods as f64).min(1.0)
+                    }
+                    _ => 1.0,
+                },
+            )
+            .fold(0.0, f64::max)
+    }
+
     /// Cumulative CPU time of the cgroup, in nanoseconds.
     fn usage_ns(&self) -> Result<u64, SampleError> {
         let file = &self.paths.usage_file;
@@ -353,6 +413,8 @@ impl CgroupCpu {
     fn sample_at(&mut self, now: Instant) -> Result<Option<f64>, SampleError> {
         let usage = self.usage_ns()?;
         let cores = self.cores()?;
+        let niced = self.niced.since_last();
+        let throttled = self.throttled_share();
         let Some((prev_usage, prev_at)) = self.prev else {
             self.prev = Some((usage, now));
             return Ok(None);
@@ -367,8 +429,23 @@ impl CgroupCpu {
         let Some(used) = usage.checked_sub(prev_usage) else {
             return Ok(None);
         };
+        // Niced time read at whole ticks may exceed the counter's delta by a tick.
+        let idle = (niced as f64 * (1.0 - throttled)) as u64;
+        let used = used.saturating_sub(idle);
         Ok(Some(used as f64 / 1e9 / (wall * cores)))
     }
+}
+
+/// `nr_periods` and `nr_throttled` of a `cpu.stat` (v1's `cpu` hierarchy, or v2's);
+/// `None` without them.
+pub(crate) fn parse_throttling(text: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| {
+        text.lines().find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == name).then(|| v.trim().parse::<u64>().ok()).flatten()
+        })
+    };
+    Some((field("nr_periods")?, field("nr_throttled")?))
 }
 
 /// Reads a file that may legitimately be absent (no quota at that level).
@@ -474,6 +551,83 @@ mod tests {
 
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn a_niced_members_time_is_idle_in_the_periods_not_throttled_in_v1_and_v2() {
+        let stat = |pid: u32, nice: i64, ticks: u64| {
+            format!(
+                "{pid} (x) R 1 7 7 0 -1 4194560 100 0 0 0 {ticks} 0 0 0 {} {nice} 1 0 \
+                 42 1000000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n",
+                20 + nice
+            )
+        };
+        // The cgroup's `cpu.stat` with `throttled` of 10 periods throttled.
+        let throttling = |v: CgroupVersion, root: &Path, usage_usec: u64, throttled: u64| {
+            let (dir, usage) = match v {
+                CgroupVersion::V1 => (root.join("cpu/ballast/web1"), String::new()),
+                CgroupVersion::V2 => (
+                    root.join("ballast/web1"),
+                    format!("usage_usec {usage_usec}\n"),
+                ),
+            };
+            let periods = if usage_usec > 0 { 10 } else { 0 };
+            let throttled = if usage_usec > 0 { throttled } else { 0 };
+            write(
+                &dir,
+                "cpu.stat",
+                &format!(
+                    "{usage}nr_periods {periods}\nnr_throttled {throttled}\nthrottled_time 0\n"
+                ),
+            );
+        };
+        for (v, nice, throttled) in [CgroupVersion::V1, CgroupVersion::V2]
+            .into_iter()
+            .flat_map(|v| [19, 0].map(|nice| (v, nice)))
+            .flat_map(|(v, nice)| [0, 5, 10].map(|t| (v, nice, t)))
+        {
+            {
+                let tmp = tempfile::tempdir().unwrap();
+                let (root, proc_root) = (tmp.path().join("cg"), tmp.path().join("proc"));
+                let members = match v {
+                    CgroupVersion::V1 => {
+                        v1_split(&root, "50000", 0);
+                        root.join("cpuacct/ballast/web1")
+                    }
+                    CgroupVersion::V2 => {
+                        v2(&root, "50000 100000", 0);
+                        root.join("ballast/web1")
+                    }
+                };
+                // The service (at nice 0) and the member.
+                write(&members, "cgroup.procs", "6\n7\n");
+                write(&proc_root.join("6"), "stat", &stat(6, 0, 0));
+                write(&proc_root.join("7"), "stat", &stat(7, nice, 1000));
+                throttling(v, &root, 0, 0);
+                let mut src =
+                    CgroupCpu::open_with_proc(&root, &proc_root, "ballast/web1", 2.0).unwrap();
+                // Half a core's quota, all of it used over the second; 0.3 s of it by
+                // the member (30 ticks), idle in the periods not throttled.
+                let util = util_over_one_second(&mut src, || {
+                    write(&proc_root.join("7"), "stat", &stat(7, nice, 1030));
+                    match v {
+                        CgroupVersion::V1 => set_v1_usage(&root, 500_000_000),
+                        CgroupVersion::V2 => v2(&root, "50000 100000", 500_000),
+                    }
+                    throttling(v, &root, 500_000, throttled);
+                });
+                let idle = if nice > 0 {
+                    0.6 * (1.0 - throttled as f64 / 10.0)
+                } else {
+                    0.0
+                };
+                let want = 1.0 - idle;
+                assert!(
+                    close(util, want),
+                    "{v:?} nice {nice}, {throttled} of 10 periods throttled: {util}, not {want}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod cgroup;
 pub mod expr;
 pub mod host;
 pub mod nginx;
+mod niced;
 pub mod probe;
 pub mod process;
 pub mod prometheus;

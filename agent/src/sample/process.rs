@@ -27,6 +27,9 @@ pub struct ProcStat {
     /// times are included because a reaped child's time moves into its parent's
     /// cutime/cstime: without them, CPU used by short-lived children would vanish.
     pub ticks: u64,
+    /// Field 19: the nice value, -20 to 19. Above 0 the process yields the CPU to
+    /// ordinary ones.
+    pub nice: i64,
     /// Field 22: start time since boot, in clock ticks. Tells a reused pid apart.
     pub start_time: u64,
 }
@@ -56,10 +59,15 @@ pub(crate) fn parse_stat(text: &str) -> Result<ProcStat, String> {
         .into_iter()
         .map(num)
         .try_fold(0u64, |acc, t| t.map(|t| acc.saturating_add(t)))?;
+    let nice = field(19)?;
+    let nice = nice
+        .parse::<i64>()
+        .map_err(|_| format!("field 19 is {nice:?}, not a nice value"))?;
     Ok(ProcStat {
         state,
         ppid,
         ticks,
+        nice,
         start_time: num(22)?,
     })
 }
@@ -393,6 +401,7 @@ mod tests {
                 state: 'R',
                 ppid: 42,
                 ticks: 10,
+                nice: 0,
                 start_time: 555
             }
         );

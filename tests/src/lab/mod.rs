@@ -175,7 +175,7 @@ impl Plan {
             surge: (1.3, s(10), s(5)),
             degraded: (s(21), s(5), s(10)),
             restart: (s(16), s(4), s(2)),
-            neighbour: None,
+            neighbour: Some((s(24), s(12))),
             ..Plan::full()
         }
     }
@@ -480,6 +480,9 @@ pub struct NeighbourResult {
     /// Under Ballast with the greedy neighbour: its share of new requests in the steady
     /// window, and the service's latency there.
     pub ballast: (f64, Summary),
+    /// The p99 of the requests the backend itself served in the steady window, ms:
+    /// Ballast greedy, Ballast niced, leastconn greedy.
+    pub own_p99_ms: [f64; 3],
     /// The same with the niced neighbour (`nice -n 19`).
     pub niced: (f64, Summary),
     /// The same under HAProxy's leastconn, with the greedy neighbour.
@@ -489,10 +492,12 @@ pub struct NeighbourResult {
 /// A CPU-bound process in a backend's cgroup: a shell busy loop at niceness `nice`,
 /// under `timeout`, so that it ends by itself even if the lab is killed. Stopped on
 /// drop.
-struct Neighbour(std::process::Child);
+pub struct Neighbour(std::process::Child);
 
 impl Neighbour {
-    fn start(cgroups: &Cgroups, group: &Group, nice: i32, secs: u64) -> Neighbour {
+    /// Starts the loop in `group` at niceness `nice`, for at most `secs` seconds.
+    /// Panics, naming why, if it cannot.
+    pub fn start(cgroups: &Cgroups, group: &Group, nice: i32, secs: u64) -> Neighbour {
         use std::io::Write as _;
         use std::process::Stdio;
         // The shell waits for a line before it becomes the loop, so that the loop is
@@ -1118,13 +1123,19 @@ pub fn run(plan: &Plan) -> LabResult {
         runs.push((start, h.join().expect("run 5")));
         eprintln!("run 5 (restart) done at {:.0} s", now());
 
-        // The neighbour runs: a busy loop in the largest backend's cgroup, first what
-        // it leaves of that backend's capacity, then Ballast beside it, greedy and
-        // niced.
+        // The neighbour runs: a busy loop in the largest backend's cgroup, niced beside
+        // Ballast; then greedy, first what it leaves of that backend's capacity, then
+        // Ballast beside it.
         let neighbour_secs = |len: Duration| len.as_secs() + 30;
         let mut neighbour_runs = Vec::new();
         let mut available_rate = 0.0;
         if let Some((len, _)) = plan.neighbour {
+            // Niced first, from the balanced state run 5 left: what the loop alone does
+            // to the share, not what is left of the greedy run.
+            let niced = Neighbour::start(&cgroups, &backends[k].group, 19, neighbour_secs(len));
+            let h = open_loop(frontend, Mode::Open { rate }, len);
+            let niced_run = h.join().expect("the niced neighbour's run");
+            drop(niced);
             let greedy = Neighbour::start(&cgroups, &backends[k].group, 0, neighbour_secs(len));
             let h = load::spawn(LoadSpec {
                 target: stalled_addr,
@@ -1140,11 +1151,8 @@ pub fn run(plan: &Plan) -> LabResult {
             available_rate = s.ok as f64 / plan.calibrate.as_secs_f64();
             let h = open_loop(frontend, Mode::Open { rate }, len);
             neighbour_runs.push(h.join().expect("the greedy neighbour's run"));
+            neighbour_runs.push(niced_run);
             drop(greedy);
-            let niced = Neighbour::start(&cgroups, &backends[k].group, 19, neighbour_secs(len));
-            let h = open_loop(frontend, Mode::Open { rate }, len);
-            neighbour_runs.push(h.join().expect("the niced neighbour's run"));
-            drop(niced);
             eprintln!(
                 "neighbour runs done at {:.0} s ({} with a greedy neighbour: {available_rate:.0} \
                  req/s saturated)",
@@ -1541,6 +1549,13 @@ fn analyse(
                 plan.ballast.0.as_secs_f64(),
             );
             let of = |run: &LoadRun| (share(run, name, w0, w1), summarize(run.window(w0, w1)));
+            let own = |run: &LoadRun| {
+                summarize(
+                    run.window(w0, w1)
+                        .filter(|o| o.backend.as_deref() == Some(name)),
+                )
+                .p99_ms
+            };
             NeighbourResult {
                 backend: k,
                 available,
@@ -1549,6 +1564,7 @@ fn analyse(
                 ballast: of(&greedy),
                 niced: of(&niced),
                 leastconn: of(&lc),
+                own_p99_ms: [own(&greedy), own(&niced), own(&lc)],
             }
         });
 

@@ -930,12 +930,15 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          capacity left divided among the backends as it is left). Ballast's agent on \
          {name} reads its cgroup's CPU, which the loop holds at the quota whatever the \
          weight. Each run is {:.0} s at the same rate as the others, measured from \
-         {:.0} s; then the loop again at `nice -n 19`: nice puts the loop behind the \
-         service when both want the CPU, but under the cgroup's quota the loop still \
-         spends what the service leaves of each period, and the whole group is then \
-         throttled. That run follows the greedy one and starts from the weight it left.\n\n\
+         {:.0} s. The loop at `nice -n 19` runs first, from the balanced state run 5 \
+         left. Nice puts the loop behind the service on a core they share, and the \
+         agent counts a niced member's time as idle, but only in the periods its cgroup \
+         was not throttled: on the other core the loop spends the quota at full speed, \
+         nice or not, and the whole group then waits for the next period, so under a \
+         quota it is as greedy as the first (read as idle regardless, it left the \
+         backend most of its share, and the backend's requests waiting hundreds of ms).\n\n\
          | balancer | neighbour | {name}'s share of new requests | against its fair share \
-         | service p99 ms |\n|---|---|---|---|---|",
+         | service p99 ms | {name}'s own p99 ms |\n|---|---|---|---|---|---|",
         n.available * 100.0,
         n.fair_share * 100.0,
         len.as_secs_f64(),
@@ -944,17 +947,32 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
     let fair = |share: f64| format!("× {:.2}", share / n.fair_share.max(1e-9));
     let _ = writeln!(
         out,
-        "| Ballast, shipped defaults | none (run 3) | {:.1} % | – | – |",
+        "| Ballast, shipped defaults | none (run 3) | {:.1} % | – | – | – |",
         n.base_share * 100.0
     );
-    for (who, what, (share, lat)) in [
-        ("Ballast, shipped defaults", "greedy", &n.ballast),
-        ("HAProxy `leastconn`", "greedy", &n.leastconn),
-        ("Ballast, shipped defaults", "niced", &n.niced),
+    for (who, what, (share, lat), own) in [
+        (
+            "Ballast, shipped defaults",
+            "niced",
+            &n.niced,
+            n.own_p99_ms[1],
+        ),
+        (
+            "Ballast, shipped defaults",
+            "greedy",
+            &n.ballast,
+            n.own_p99_ms[0],
+        ),
+        (
+            "HAProxy `leastconn`",
+            "greedy",
+            &n.leastconn,
+            n.own_p99_ms[2],
+        ),
     ] {
         let _ = writeln!(
             out,
-            "| {who} | {what} | {:.1} % | {} | {:.0} |",
+            "| {who} | {what} | {:.1} % | {} | {:.0} | {own:.0} |",
             share * 100.0,
             if what == "greedy" {
                 fair(*share)
