@@ -194,6 +194,8 @@ impl Plan {
             // The stall measured over 16 s rather than 6: at 40-50 requests a second, 6 s
             // hold some 300 requests, and 15 of them are 5 %.
             degraded: (s(31), s(5), s(10)),
+            // The neighbour runs are the short lab's.
+            neighbour: None,
             ..Plan::short()
         }
     }
