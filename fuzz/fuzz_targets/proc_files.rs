@@ -101,6 +101,7 @@ fn pid_stat(input: &Input) {
     assert_eq!(s.ppid, ppid);
     assert_eq!(s.start_time, start);
     assert_eq!(s.nice, nice);
+    assert_eq!(s.own_ticks, ut.saturating_add(st), "{line:?}");
     assert_eq!(
         s.ticks,
         ut.saturating_add(st).saturating_add(children),

@@ -260,6 +260,10 @@ pub(crate) fn parse_cpu_list(text: &str) -> Option<usize> {
     (n > 0).then_some(n)
 }
 
+/// A quota level's index among the quota directories, and its `nr_periods` and
+/// `nr_throttled` (`None`: unreadable).
+type Throttling = (usize, Option<(u64, u64)>);
+
 /// A cgroup's CPU utilization: CPU time used over wall time × the cores its quota allows.
 ///
 /// Not clamped at 1: a cgroup with burst allowance (or one read a little late) can use
@@ -270,16 +274,16 @@ pub(crate) fn parse_cpu_list(text: &str) -> Option<usize> {
 /// while the quota binds: a niced process on another core than the service's spends
 /// the cgroup's quota at full speed, nice or not, and the whole group then waits for
 /// the next period. So niced time counts as idle in the share of the interval's
-/// periods that were not throttled (`nr_throttled` over `nr_periods` in `cpu.stat`,
-/// the tightest of the quota's levels).
+/// periods that were not throttled (`nr_throttled` over `nr_periods` in `cpu.stat`, at
+/// the quota's level that was throttled most).
 #[derive(Debug)]
 pub struct CgroupCpu {
     spec: String,
     paths: CgroupPaths,
     online_cpus: f64,
     niced: NicedTime,
-    /// `nr_periods` and `nr_throttled` of each quota level at the last sample.
-    throttling: Vec<Option<(u64, u64)>>,
+    /// The throttling counters of each level with a quota at the last sample.
+    throttling: Vec<Throttling>,
     prev: Option<(u64, Instant)>,
 }
 
@@ -334,8 +338,16 @@ impl CgroupCpu {
     /// root, and never more than the online CPUs. Read every sample because quotas are
     /// changed at runtime (container resizes).
     pub fn cores(&self) -> Result<f64, SampleError> {
+        Ok(self.quota_now()?.0)
+    }
+
+    /// [`Self::cores`], and the throttling counters (`nr_periods`, `nr_throttled`) of
+    /// each level with a quota, by its index in the quota directories: `None` where
+    /// they cannot be read.
+    fn quota_now(&self) -> Result<(f64, Vec<Throttling>), SampleError> {
         let mut cores = self.online_cpus;
-        for dir in &self.paths.quota_dirs {
+        let mut throttling = Vec::new();
+        for (level, dir) in self.paths.quota_dirs.iter().enumerate() {
             let limit = match self.paths.version {
                 CgroupVersion::V2 => {
                     let file = dir.join("cpu.max");
@@ -357,40 +369,38 @@ impl CgroupCpu {
             };
             if let Some(limit) = limit {
                 cores = cores.min(limit);
+                let counters = std::fs::read_to_string(dir.join("cpu.stat"))
+                    .ok()
+                    .and_then(|t| parse_throttling(&t));
+                throttling.push((level, counters));
             }
         }
-        Ok(cores)
+        Ok((cores, throttling))
     }
 
     /// The share of the periods since the last call in which the cgroup was throttled,
-    /// at the level of its quota where it was most (0 without a quota or a
-    /// `cpu.stat`; 1 when a level's counters went backwards, a recreated cgroup, whose
-    /// interval is unknown: niced time is then load, the safe side).
-    fn throttled_share(&mut self) -> f64 {
-        let now: Vec<Option<(u64, u64)>> = self
-            .paths
-            .quota_dirs
-            .iter()
-            .map(|d| {
-                std::fs::read_to_string(d.join("cpu.stat"))
-                    .ok()
-                    .and_then(|t| parse_throttling(&t))
-            })
-            .collect();
+    /// at the level of its quota where it was most: 0 without a quota; 1 where a
+    /// level's counters cannot be read, went backwards (a recreated cgroup) or a quota
+    /// is new, whose interval is unknown: niced time is then load, the safe side.
+    fn throttled_share(&mut self, now: Vec<Throttling>) -> f64 {
         let before = std::mem::replace(&mut self.throttling, now);
-        before
+        self.throttling
             .iter()
-            .zip(&self.throttling)
-            .filter_map(|(b, n)| Some(((*b)?, (*n)?)))
-            .map(
-                |((p0, t0), (p1, t1))| match (p1.checked_sub(p0), t1.checked_sub(t0)) {
-                    (Some(0), Some(_)) => 0.0,
-                    (Some(periods), Some(throttled)) => {
-                        (throttled as f64 / periods as f64).min(1.0)
+            .map(|&(level, counters)| {
+                let earlier = before.iter().find(|(l, _)| *l == level).map(|(_, c)| *c);
+                match (earlier.flatten(), counters) {
+                    (Some((p0, t0)), Some((p1, t1))) => {
+                        match (p1.checked_sub(p0), t1.checked_sub(t0)) {
+                            (Some(0), Some(_)) => 0.0,
+                            (Some(periods), Some(throttled)) => {
+                                (throttled as f64 / periods as f64).min(1.0)
+                            }
+                            _ => 1.0,
+                        }
                     }
                     _ => 1.0,
-                },
-            )
+                }
+            })
             .fold(0.0, f64::max)
     }
 
@@ -412,9 +422,9 @@ impl CgroupCpu {
     /// [`CpuSource::sample`] with an explicit clock, so tests need not sleep.
     fn sample_at(&mut self, now: Instant) -> Result<Option<f64>, SampleError> {
         let usage = self.usage_ns()?;
-        let cores = self.cores()?;
+        let (cores, throttling) = self.quota_now()?;
         let niced = self.niced.since_last();
-        let throttled = self.throttled_share();
+        let throttled = self.throttled_share(throttling);
         let Some((prev_usage, prev_at)) = self.prev else {
             self.prev = Some((usage, now));
             return Ok(None);
@@ -628,6 +638,34 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A quota whose throttling counters cannot be read may be binding: niced time is
+    /// load then.
+    #[test]
+    fn niced_time_is_load_where_the_throttling_of_a_quota_is_unknown() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, proc_root) = (tmp.path().join("cg"), tmp.path().join("proc"));
+        v1_split(&root, "50000", 0);
+        let stat = |pid: u32, nice: i64, ticks: u64| {
+            format!(
+                "{pid} (x) R 1 7 7 0 -1 4194560 100 0 0 0 {ticks} 0 0 0 {} {nice} 1 0 \
+                 42 1000000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n",
+                20 + nice
+            )
+        };
+        write(&root.join("cpuacct/ballast/web1"), "cgroup.procs", "6\n7\n");
+        write(&proc_root.join("6"), "stat", &stat(6, 0, 0));
+        write(&proc_root.join("7"), "stat", &stat(7, 19, 1000));
+        // Counters that wrapped print negative.
+        let cpu = root.join("cpu/ballast/web1");
+        write(&cpu, "cpu.stat", "nr_periods -5\nnr_throttled 3\n");
+        let mut src = CgroupCpu::open_with_proc(&root, &proc_root, "ballast/web1", 2.0).unwrap();
+        let util = util_over_one_second(&mut src, || {
+            write(&proc_root.join("7"), "stat", &stat(7, 19, 1030));
+            set_v1_usage(&root, 500_000_000);
+        });
+        assert!(close(util, 1.0), "{util}");
     }
 
     #[test]

@@ -11,20 +11,23 @@
 //! The members are the pids in `cgroup.procs` of the cgroup and of its descendants
 //! (their usage is in the cgroup's counter too). The service is taken to be the least
 //! niced members: a member counts as idle when it is niced above 0 and above them, so a
-//! service that itself runs niced, alone in its cgroup, is still its load. Both files are world-readable, so the
-//! agent needs no privilege; pids it cannot see (`hidepid`) count as load, as before.
-//! A small cgroup is listed every sample; a large one every [`LARGE_RESCAN`] samples,
-//! with only its niced members read in between, so that a cgroup of a whole slice does
-//! not cost a read of every process's stat each second. The niceness is the process's
-//! (its main thread's); a thread niced on its own counts as load.
+//! service that itself runs niced, alone in its cgroup, is still its load. Both files
+//! are world-readable, so the agent needs no privilege; pids it cannot see (`hidepid`)
+//! count as load, as before. A small cgroup is listed every sample; a large one (many
+//! members or many descendant cgroups) every [`LARGE_RESCAN`] samples, with only its
+//! niced members read in between, so that a cgroup of a whole slice does not cost a
+//! read of every process's stat each second. The niceness is the process's (its main
+//! thread's); a thread niced on its own counts as load. A member's own time counts
+//! (`utime` and `stime`), not its reaped children's: a niced child's time was counted
+//! while it ran, and a parent's `cutime` would count it again.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::process::{parse_stat, ProcStat, CLOCK_TICKS_PER_SEC};
 
-/// At most this many members are listed a sample: beyond it, the cgroup is listed
-/// every [`LARGE_RESCAN`] samples.
+/// A cgroup with more members or descendant cgroups than this is listed every
+/// [`LARGE_RESCAN`] samples rather than every sample.
 const SMALL_CGROUP: usize = 64;
 /// Samples between listings of a large cgroup.
 const LARGE_RESCAN: u32 = 10;
@@ -47,7 +50,7 @@ pub(crate) struct NicedTime {
     proc_root: PathBuf,
     group: PathBuf,
     tracked: HashMap<u32, Tracked>,
-    /// Members at the last listing.
+    /// Members and cgroups at the last listing, whichever is more.
     members: usize,
     /// The smallest nice value among them, at least 0: members niced above it yield
     /// to the rest.
@@ -80,11 +83,12 @@ impl NicedTime {
     /// member first seen now has no time yet; one that exited or was renamed takes its
     /// last interval with it (counted as load, the safe side).
     pub(crate) fn since_last(&mut self) -> u64 {
+        self.since_listing = self.since_listing.saturating_add(1);
         let list = self.members <= SMALL_CGROUP || self.since_listing >= LARGE_RESCAN;
         let stats: Vec<(u32, ProcStat)> = if list {
             self.since_listing = 0;
-            let pids = self.members();
-            self.members = pids.len();
+            let (pids, groups) = self.members();
+            self.members = pids.len().max(groups);
             let stats: Vec<(u32, ProcStat)> = pids
                 .into_iter()
                 .filter_map(|pid| self.read(pid).map(|s| (pid, s)))
@@ -94,7 +98,6 @@ impl NicedTime {
             self.least_nice = stats.iter().map(|(_, s)| s.nice).min().unwrap_or(0).max(0);
             stats
         } else {
-            self.since_listing = self.since_listing.saturating_add(1);
             self.tracked
                 .keys()
                 .filter_map(|&pid| self.read(pid).map(|s| (pid, s)))
@@ -108,14 +111,14 @@ impl NicedTime {
             }
             if let Some(before) = self.tracked.get(&pid) {
                 if before.start_time == stat.start_time {
-                    ticks = ticks.saturating_add(stat.ticks.saturating_sub(before.ticks));
+                    ticks = ticks.saturating_add(stat.own_ticks.saturating_sub(before.ticks));
                 }
             }
             next.insert(
                 pid,
                 Tracked {
                     start_time: stat.start_time,
-                    ticks: stat.ticks,
+                    ticks: stat.own_ticks,
                 },
             );
         }
@@ -134,42 +137,51 @@ impl NicedTime {
             .filter(|s| !matches!(s.state, 'Z' | 'X'))
     }
 
-    /// The pids in the cgroup and its descendants, at most [`MAX_MEMBERS`]. A list that
-    /// cannot be read has no members: its processes' time counts as load, and a removed
-    /// cgroup fails on its usage counter, which the caller reads first.
-    fn members(&self) -> Vec<u32> {
-        let own = std::fs::read_to_string(self.group.join("cgroup.procs")).unwrap_or_default();
-        let mut pids = parse_procs(&own);
+    /// The pids in the cgroup and its descendants, at most [`MAX_MEMBERS`] (read no
+    /// further), and the cgroups walked, at most [`MAX_GROUPS`]. A list that cannot be
+    /// read has no members: its processes' time counts as load, and a removed cgroup
+    /// fails on its usage counter, which the caller reads first.
+    fn members(&self) -> (Vec<u32>, usize) {
+        let mut pids = Vec::new();
+        read_procs(&self.group.join("cgroup.procs"), &mut pids);
         let mut groups = 1usize;
         let mut queue = vec![self.group.clone()];
-        while let Some(dir) = queue.pop() {
+        'walk: while let Some(dir) = queue.pop() {
             let Ok(entries) = std::fs::read_dir(&dir) else {
                 continue;
             };
             for entry in entries.flatten() {
                 if groups >= MAX_GROUPS || pids.len() >= MAX_MEMBERS {
-                    break;
+                    break 'walk;
                 }
                 if !entry.file_type().is_ok_and(|t| t.is_dir()) {
                     continue;
                 }
                 groups += 1;
-                if let Ok(text) = std::fs::read_to_string(entry.path().join("cgroup.procs")) {
-                    pids.extend(parse_procs(&text));
-                }
+                read_procs(&entry.path().join("cgroup.procs"), &mut pids);
                 queue.push(entry.path());
             }
         }
-        pids.truncate(MAX_MEMBERS);
-        pids
+        (pids, groups)
     }
 }
 
-/// The pids of a `cgroup.procs`, one a line; anything else is skipped.
-fn parse_procs(text: &str) -> Vec<u32> {
-    text.lines()
-        .filter_map(|l| l.trim().parse::<u32>().ok())
-        .collect()
+/// Appends the pids of a `cgroup.procs`, one a line, until `pids` holds
+/// [`MAX_MEMBERS`]; lines that are not a pid are skipped, an unreadable file adds none.
+fn read_procs(path: &Path, pids: &mut Vec<u32>) {
+    use std::io::BufRead as _;
+    let Ok(file) = std::fs::File::open(path) else {
+        return;
+    };
+    for line in std::io::BufReader::new(file).lines() {
+        if pids.len() >= MAX_MEMBERS {
+            return;
+        }
+        let Ok(line) = line else { return };
+        if let Ok(pid) = line.trim().parse::<u32>() {
+            pids.push(pid);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -179,8 +191,13 @@ mod tests {
 
     /// A `/proc/PID/stat` line with the given nice value, ticks and start time.
     fn stat(pid: u32, nice: i64, ticks: u64, start: u64) -> String {
+        stat_reaped(pid, nice, ticks, 0, start)
+    }
+
+    /// The same with `reaped` ticks of reaped children (`cutime`).
+    fn stat_reaped(pid: u32, nice: i64, ticks: u64, reaped: u64, start: u64) -> String {
         format!(
-            "{pid} (x) R 1 {pid} {pid} 0 -1 4194560 100 0 0 0 {ticks} 0 0 0 {} {nice} 1 0 \
+            "{pid} (x) R 1 {pid} {pid} 0 -1 4194560 100 0 0 0 {ticks} 0 {reaped} 0 {} {nice} 1 0 \
              {start} 1000000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n",
             20 + nice
         )
@@ -255,6 +272,39 @@ mod tests {
         assert_eq!(n.since_last(), 30 * TICK_NS);
     }
 
+    /// A niced child's time counts while it runs; when it exits, its parent's `cutime`
+    /// takes its whole life, which must not count again.
+    #[test]
+    fn a_reaped_niced_child_is_not_counted_twice() {
+        let f = Fake::new();
+        f.process(10, 0, 100, 1);
+        f.process(11, 19, 100, 2); // make
+        f.process(12, 19, 50, 3); // its compiler
+        f.members("", &[10, 11, 12]);
+        let mut n = NicedTime::new(&f.proc_root(), &f.group());
+        n.since_last();
+        f.process(12, 19, 80, 3);
+        assert_eq!(n.since_last(), 30 * TICK_NS);
+        // The compiler exits after 10 more ticks; make reaps its 90.
+        fs::remove_dir_all(f.proc_root().join("12")).unwrap();
+        f.members("", &[10, 11]);
+        let make = stat_reaped(11, 19, 100, 90, 2);
+        fs::write(f.proc_root().join("11/stat"), make).unwrap();
+        assert_eq!(n.since_last(), 0);
+    }
+
+    #[test]
+    fn the_members_read_are_bounded() {
+        let f = Fake::new();
+        let text: String = (1..=MAX_MEMBERS as u32 + 500)
+            .map(|p| format!("{p}\n"))
+            .collect();
+        fs::write(f.group().join("cgroup.procs"), text).unwrap();
+        let n = NicedTime::new(&f.proc_root(), &f.group());
+        let (pids, groups) = n.members();
+        assert_eq!((pids.len(), groups), (MAX_MEMBERS, 1));
+    }
+
     #[test]
     fn a_service_that_runs_niced_is_load_and_yields_to_nothing_niced_alike() {
         let f = Fake::new();
@@ -288,7 +338,7 @@ mod tests {
         n.since_last();
         // A member niced after the listing is seen at the next one, not before.
         f.process(100, 19, 10, 100);
-        for _ in 0..LARGE_RESCAN {
+        for _ in 1..LARGE_RESCAN {
             n.since_last();
             assert_eq!(n.tracked(), 0);
         }

@@ -27,6 +27,9 @@ pub struct ProcStat {
     /// times are included because a reaped child's time moves into its parent's
     /// cutime/cstime: without them, CPU used by short-lived children would vanish.
     pub ticks: u64,
+    /// Fields 14-15: utime + stime, the process's own time without its reaped
+    /// children's.
+    pub own_ticks: u64,
     /// Field 19: the nice value, -20 to 19. Above 0 the process yields the CPU to
     /// ordinary ones.
     pub nice: i64,
@@ -55,10 +58,14 @@ pub(crate) fn parse_stat(text: &str) -> Result<ProcStat, String> {
     };
     let state = field(3)?.chars().next().ok_or("empty state field")?;
     let ppid = u32::try_from(num(4)?).map_err(|_| "ppid out of range".to_string())?;
-    let ticks = [14, 15, 16, 17]
-        .into_iter()
-        .map(num)
-        .try_fold(0u64, |acc, t| t.map(|t| acc.saturating_add(t)))?;
+    let sum = |fields: &[usize]| {
+        fields
+            .iter()
+            .map(|&n| num(n))
+            .try_fold(0u64, |acc, t| t.map(|t| acc.saturating_add(t)))
+    };
+    let ticks = sum(&[14, 15, 16, 17])?;
+    let own_ticks = sum(&[14, 15])?;
     let nice = field(19)?;
     let nice = nice
         .parse::<i64>()
@@ -67,6 +74,7 @@ pub(crate) fn parse_stat(text: &str) -> Result<ProcStat, String> {
         state,
         ppid,
         ticks,
+        own_ticks,
         nice,
         start_time: num(22)?,
     })
@@ -401,6 +409,7 @@ mod tests {
                 state: 'R',
                 ppid: 42,
                 ticks: 10,
+                own_ticks: 3,
                 nice: 0,
                 start_time: 555
             }

@@ -162,8 +162,8 @@ impl Plan {
         }
     }
 
-    /// The short lab of the test suite: the same runs and the same defaults in under
-    /// two minutes. The stall is measured over the same 10 s reaction as in the full
+    /// The short lab of the test suite: the same runs and the same defaults in about
+    /// four minutes. The stall is measured over the same 10 s reaction as in the full
     /// lab, since that is the target.
     pub fn short() -> Plan {
         Plan {

@@ -155,7 +155,8 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
         let change = n.niced.0 / n.base_share.max(1e-9) - 1.0;
         out.push(Target {
             what: format!(
-                "a niced neighbour changes the backend's share by less than {:.0} %",
+                "a niced neighbour changes the backend's share by less than {:.0} % (under \
+                 a quota it takes capacity like a greedy one: section 10)",
                 TARGET_NICED_CHANGE * 100.0
             ),
             measured: format!(
