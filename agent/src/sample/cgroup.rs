@@ -178,10 +178,15 @@ fn has_v2_usage(cpu_stat: &Path) -> bool {
 
 /// The `usage_usec` line of a v2 `cpu.stat`.
 pub(crate) fn parse_v2_usage_usec(text: &str) -> Option<u64> {
+    stat_field(text, "usage_usec")
+}
+
+/// The value of a `cpu.stat` line `NAME VALUE`; `None` without one that parses.
+fn stat_field(text: &str, name: &str) -> Option<u64> {
     text.lines().find_map(|l| {
         let mut it = l.split_whitespace();
         match (it.next(), it.next()) {
-            (Some("usage_usec"), Some(v)) => v.parse().ok(),
+            (Some(k), Some(v)) if k == name => v.parse().ok(),
             _ => None,
         }
     })
@@ -449,13 +454,10 @@ impl CgroupCpu {
 /// `nr_periods` and `nr_throttled` of a `cpu.stat` (v1's `cpu` hierarchy, or v2's);
 /// `None` without them.
 pub(crate) fn parse_throttling(text: &str) -> Option<(u64, u64)> {
-    let field = |name: &str| {
-        text.lines().find_map(|l| {
-            let (k, v) = l.split_once(' ')?;
-            (k == name).then(|| v.trim().parse::<u64>().ok()).flatten()
-        })
-    };
-    Some((field("nr_periods")?, field("nr_throttled")?))
+    Some((
+        stat_field(text, "nr_periods")?,
+        stat_field(text, "nr_throttled")?,
+    ))
 }
 
 /// Reads a file that may legitimately be absent (no quota at that level).

@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use super::process::{parse_stat, ProcStat, CLOCK_TICKS_PER_SEC};
+use super::process::{read_stat, ProcStat, CLOCK_TICKS_PER_SEC};
 
 /// A cgroup with more members or descendant cgroups than this is listed every
 /// [`LARGE_RESCAN`] samples rather than every sample.
@@ -79,9 +79,9 @@ impl NicedTime {
     }
 
     /// The CPU time, in nanoseconds, that members niced above the least niced ones
-    /// (and above 0) used since the last call. A
-    /// member first seen now has no time yet; one that exited or was renamed takes its
-    /// last interval with it (counted as load, the safe side).
+    /// (and above 0) used since the last call. A member first seen now has no time yet;
+    /// one that exited or was renamed takes its last interval with it (counted as load,
+    /// the safe side).
     pub(crate) fn since_last(&mut self) -> u64 {
         self.since_listing = self.since_listing.saturating_add(1);
         let list = self.members <= SMALL_CGROUP || self.since_listing >= LARGE_RESCAN;
@@ -130,10 +130,9 @@ impl NicedTime {
     /// A member's stat; `None` when it is gone, unreadable or not a stat line (a
     /// member the agent cannot read counts as load).
     fn read(&self, pid: u32) -> Option<ProcStat> {
-        let path = self.proc_root.join(pid.to_string()).join("stat");
-        let text = std::fs::read_to_string(path).ok()?;
-        parse_stat(&text)
+        read_stat(&self.proc_root, pid)
             .ok()
+            .flatten()
             .filter(|s| !matches!(s.state, 'Z' | 'X'))
     }
 

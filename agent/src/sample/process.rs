@@ -118,7 +118,7 @@ fn stat_path(proc_root: &Path, pid: u32) -> PathBuf {
 }
 
 /// Reads a stat; `Ok(None)` when the process no longer exists.
-fn read_stat(proc_root: &Path, pid: u32) -> Result<Option<ProcStat>, SampleError> {
+pub(super) fn read_stat(proc_root: &Path, pid: u32) -> Result<Option<ProcStat>, SampleError> {
     let path = stat_path(proc_root, pid);
     match std::fs::read_to_string(&path) {
         Ok(text) => parse_stat(&text)
