@@ -1,7 +1,7 @@
 //! One scenario under one strategy: the loop that advances the fleet, delivers (or
 //! loses) the agents' reports, runs the strategy's cycles, and records each cycle.
 
-use super::fleet::{Fault, Fleet, CYCLE_MS, TICKS_PER_CYCLE, TICK_MS};
+use super::fleet::{Fault, Fleet, Neighbour, CYCLE_MS, TICKS_PER_CYCLE, TICK_MS};
 use super::random::{stream, Stream};
 use super::scenario::{EventKind, Loss, Scenario};
 use super::strategy::{AgentConfig, Strategy, StrategyKind};
@@ -37,7 +37,8 @@ pub struct Recording {
     pub watched_inflight: Vec<u32>,
     /// 99th percentile latency of requests completed from the disturbance on, in ms.
     pub p99_latency_ms: f64,
-    /// Each endpoint's cores × speed, by index, at the end of the run.
+    /// Each endpoint's cores × speed, by index, at the end of the run: the cores a
+    /// greedy neighbour leaves the service.
     pub capacities: Vec<f64>,
     /// Per cycle, max/avg of the load the weights in force imply (see
     /// `Fleet::implied_max_over_avg`): the imbalance the weights cause, without
@@ -188,6 +189,14 @@ pub fn simulate_with(
                     fleet.endpoints[speed_one].fault = Fault::FailFast;
                     watched = Some(speed_one);
                 }
+                EventKind::Neighbour { cores_share, niced } => {
+                    let e = &mut fleet.endpoints[speed_one];
+                    e.neighbour = Some(Neighbour {
+                        threads: e.cores * cores_share,
+                        niced,
+                    });
+                    watched = Some(speed_one);
+                }
             }
         }
         strategy.publish(&mut fleet.clients, &mut picker);
@@ -248,7 +257,11 @@ pub fn simulate_with(
     }
     rec.watched = watched;
     rec.p99_latency_ms = fleet.latency.quantile(0.99);
-    rec.capacities = fleet.endpoints.iter().map(|e| e.cores * e.speed).collect();
+    rec.capacities = fleet
+        .endpoints
+        .iter()
+        .map(|e| e.available_cores() * e.speed)
+        .collect();
     Ok(rec)
 }
 

@@ -80,8 +80,69 @@ pub fn notes(id: &str, sc: &ScenarioSummary) -> String {
              max/avg is one node whose offered load is above its capacity: its queue grows \
              for the whole run."
             .to_string(),
+        "neighbour" => neighbour(sc),
+        "niced_neighbour" => niced_neighbour(sc),
         _ => String::new(),
     }
+}
+
+/// The neighbour's host's share in the steady window over its fair share of the
+/// capacity left, and over its share before the neighbour, under `kind`.
+fn neighbour_shares(sc: &ScenarioSummary, kind: StrategyKind) -> Option<(f64, f64)> {
+    let m = sc.get(kind)?;
+    let (before, after) = m.watched_shares?;
+    let fair = m.watched_fair_share.filter(|f| *f > 0.0)?;
+    (before > 0.0).then(|| (after / fair, after / before))
+}
+
+fn neighbour(sc: &ScenarioSummary) -> String {
+    use StrategyKind::*;
+    let fair = |k| neighbour_shares(sc, k).map_or(f64::NAN, |s| s.0);
+    // The spread leaves the neighbour's host out: a round-robin ratio this far above
+    // the steady fleet's is a queue that grows for the whole run.
+    let runaway = sc
+        .get(RoundRobin)
+        .filter(|m| m.max_over_avg > 3.0)
+        .map_or(String::new(), |m| {
+            format!(
+                " Round robin's max/avg ({}) is another node whose offered load, in this \
+                 draw of subsets, is above its capacity: its queue grows for the whole run \
+                 (the overloaded column).",
+                f3(m.max_over_avg)
+            )
+        });
+    format!(
+        "The agent reads the host's CPU at the neighbour's 50 % plus the service's own, \
+         above the fleet's average whatever the weight, so Ballast drives the weight to \
+         the floor: {} of the node's fair share of what capacity is left, which the rest \
+         of the fleet then carries (its max/avg {}). A58's `qps / utilization` counts the neighbour's CPU too ({}). P2C sees \
+         only the requests' latency, which the neighbour's four threads leave alone \
+         until the node's own requests fill the other four cores, and sends it about its \
+         old share ({}): more than the capacity left. The same happens in the physical \
+         lab with a loop in a backend's cgroup (`docs/lab.md`). What the neighbour leaves \
+         is not in the CPU the agent reads: telling it needs the service's own CPU or \
+         its latency against the fleet's, and the core has neither rule yet.{}",
+        f3(fair(Ballast)),
+        f3(sc.get(Ballast).map_or(f64::NAN, |m| m.others_max_over_avg)),
+        f3(fair(A58)),
+        f3(fair(P2c)),
+        runaway,
+    )
+}
+
+fn niced_neighbour(sc: &ScenarioSummary) -> String {
+    use StrategyKind::*;
+    let before = |k| neighbour_shares(sc, k).map_or(f64::NAN, |s| s.1);
+    format!(
+        "The scheduler gives a niced neighbour only what the service leaves, and the \
+         agent leaves its time out of the CPU it reports, so nothing the balancers read \
+         changes: Ballast keeps {} of the node's share before the neighbour, P2C {}. \
+         (In a cgroup whose CPU quota binds, a niced loop on another core spends the \
+         quota as fast as any, and the agent counts its time while the quota throttles \
+         the cgroup: the physical lab measures that case, `docs/lab.md`.)",
+        f3(before(Ballast)),
+        f3(before(P2c)),
+    )
 }
 
 /// Where Ballast falls short, with the numbers of the run.
@@ -150,6 +211,20 @@ pub fn shortfalls(out: &mut String, s: &SimSummary) {
                 }
             }
         }
+    }
+    if let Some((fair, _)) = s
+        .scenario("neighbour")
+        .and_then(|sc| neighbour_shares(sc, Ballast))
+        .filter(|(fair, _)| *fair < 0.75)
+    {
+        let _ = writeln!(
+            out,
+            "- **A CPU-bound neighbour**: the node it shares keeps {} of its fair share of \
+             the capacity left, because the agent's CPU counts the neighbour's and never \
+             falls to the average whatever the weight. The capacity the neighbour leaves \
+             is lost to the fleet (see the scenario above).",
+            f3(fair)
+        );
     }
     let _ = writeln!(
         out,

@@ -140,6 +140,20 @@ pub enum Fault {
     FailFast,
 }
 
+/// A CPU-bound process beside the service on an endpoint: a batch job, a log shipper,
+/// a sidecar. Its threads each want a whole core for as long as it runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Neighbour {
+    /// Runnable threads.
+    pub threads: f64,
+    /// Niced (19): the scheduler gives it what the service leaves, and the agent
+    /// leaves its time out of the CPU it reports (the host source's `nice` column; a
+    /// cgroup whose quota does not bind). Otherwise it competes with the service's
+    /// requests thread for thread, and the agent's CPU counts it, as the host's or the
+    /// cgroup's CPU does.
+    pub niced: bool,
+}
+
 /// Counters over a measurement window.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Window {
@@ -192,6 +206,8 @@ pub struct Endpoint {
     pub phase: u64,
     /// The injected fault.
     pub fault: Fault,
+    /// The process beside the service, if any.
+    pub neighbour: Option<Neighbour>,
     /// The agent's current report window.
     pub report: Window,
     /// The current cycle's window, aligned to cycles, for the figures.
@@ -225,6 +241,7 @@ impl Endpoint {
             http1_inflight: 0,
             phase,
             fault: Fault::None,
+            neighbour: None,
             report: w,
             metric: w,
             ps: BinaryHeap::new(),
@@ -249,6 +266,40 @@ impl Endpoint {
                 .saturating_add(self.http2_connections)
                 .saturating_add(self.http1_inflight),
             owed: self.http1_inflight.saturating_add(self.http2_active),
+        }
+    }
+
+    /// Cores the service's `n` requests and the neighbour get, by processor sharing:
+    /// every runnable thread gets at most one core, and a greedy neighbour's threads
+    /// count as the requests do. (Nice 19 against nice 0 is a CFS weight of 15 to
+    /// 1024, 1.4 % of a contended core: left out.)
+    fn shares(&self, n: f64) -> (f64, f64) {
+        match self.neighbour {
+            None => (n.min(self.cores), 0.0),
+            Some(nb) if nb.niced => {
+                let service = n.min(self.cores);
+                (service, nb.threads.min(self.cores - service))
+            }
+            Some(nb) => {
+                let total = n + nb.threads;
+                if total <= self.cores {
+                    (n, nb.threads)
+                } else {
+                    let per = self.cores / total;
+                    (n * per, nb.threads * per)
+                }
+            }
+        }
+    }
+
+    /// The cores the service has when it is busy enough to use them: all of them,
+    /// less a greedy neighbour's threads. (Under processor sharing a service with
+    /// more requests than that squeezes the neighbour further; at the loads the
+    /// scenarios run, it does not.)
+    pub fn available_cores(&self) -> f64 {
+        match self.neighbour {
+            Some(nb) if !nb.niced => (self.cores - nb.threads).max(0.0),
+            _ => self.cores,
         }
     }
 
@@ -292,22 +343,27 @@ impl Endpoint {
         }
         let mut left = dt;
         let mut busy = 0.0;
+        // The neighbour's CPU over the tick.
+        let mut beside = 0.0;
         // Also runs with no time left, so that requests finishing exactly at the end
         // of the tick complete in it.
         while let Some(next) = self.ps.peek() {
             let n = self.ps.len() as f64;
-            let active = n.min(self.cores);
+            let (active, neighbour) = self.shares(n);
             // Work per request per ms: each request gets at most one core.
             let rate = self.speed * active / n;
             let need = (next.finish - self.vtime).max(0.0) / rate;
             if need > left {
                 self.vtime += rate * left;
                 busy += active * left;
+                beside += neighbour * left;
+                left = 0.0;
                 break;
             }
             self.vtime = self.vtime.max(next.finish);
             left -= need;
             busy += active * need;
+            beside += neighbour * need;
             if let Some(job) = self.ps.pop() {
                 let latency_ms = end_ms.saturating_sub(job.arrived_ms);
                 self.report.completions += 1;
@@ -329,8 +385,15 @@ impl Endpoint {
         if self.ps.is_empty() {
             // Keep virtual time small so that its precision does not erode.
             self.vtime = 0.0;
+            beside += self.shares(0.0).1 * left;
         }
-        self.report.busy_core_ms += busy;
+        // The agent reads the CPU of the host or the cgroup, a greedy neighbour's
+        // included; the figures score the service's own.
+        let seen = match self.neighbour {
+            Some(nb) if !nb.niced => beside,
+            _ => 0.0,
+        };
+        self.report.busy_core_ms += busy + seen;
         self.metric.busy_core_ms += busy;
         let inflight = self.inflight() as f64 * dt;
         self.report.inflight_ms += inflight;
@@ -364,7 +427,8 @@ impl Endpoint {
 
     /// Closes the cycle-aligned window at `now` and returns the true load over it,
     /// `max(cpu, mean requests in flight / SCORE_CAPACITY)`, without measurement
-    /// noise, the CPU utilization alone, and the window's counters.
+    /// noise, the CPU utilization alone, and the window's counters. The CPU is the
+    /// service's own, over the cores a greedy neighbour leaves it.
     pub fn take_metric(&mut self, now: u64) -> (f64, f64, Window) {
         let w = std::mem::replace(
             &mut self.metric,
@@ -374,7 +438,7 @@ impl Endpoint {
             },
         );
         let span = now.saturating_sub(w.start_ms).max(1) as f64;
-        let cpu = w.busy_core_ms / (self.cores * span);
+        let cpu = w.busy_core_ms / (self.available_cores().max(1e-9) * span);
         let inflight = w.inflight_ms / span / SCORE_CAPACITY;
         (cpu.max(inflight), cpu, w)
     }
@@ -696,6 +760,82 @@ mod tests {
         e.advance(10, 10.0, &mut done);
         assert_eq!(done.len(), 4);
         assert!((e.metric.busy_core_ms - 20.0).abs() < 1e-9);
+    }
+
+    /// Four requests of 6 core-ms each on 2 cores, with a neighbour of 2 threads
+    /// beside them, for 10 ms: what the service gets, what the agent reads.
+    fn beside_neighbour(niced: bool) -> (Endpoint, usize) {
+        let spec = FleetSpec {
+            cores: 2,
+            ..FleetSpec::default()
+        };
+        let mut e = Endpoint::new(1.0, &spec, 0, 0);
+        e.neighbour = Some(Neighbour {
+            threads: 2.0,
+            niced,
+        });
+        for i in 0..4 {
+            e.admit(Job {
+                finish: 0.0,
+                cost: 6.0,
+                client: 0,
+                slot: i,
+                arrived_ms: 0,
+                error: false,
+                http2: false,
+            });
+        }
+        let mut done = Vec::new();
+        e.advance(10, 10.0, &mut done);
+        (e, done.len())
+    }
+
+    #[test]
+    fn a_greedy_neighbour_takes_cores_thread_for_thread_and_the_agent_counts_it() {
+        // Six runnable threads on two cores: the requests get 4/6 of the CPU, 13.3
+        // core-ms of their 24 in 10 ms, so none finishes; the neighbour the rest.
+        let (e, done) = beside_neighbour(false);
+        assert_eq!(done, 0);
+        assert!(
+            (e.metric.busy_core_ms - 40.0 / 3.0).abs() < 1e-9,
+            "{:?}",
+            e.metric
+        );
+        assert!(
+            (e.report.busy_core_ms - 20.0).abs() < 1e-9,
+            "{:?}",
+            e.report
+        );
+        assert_eq!(e.available_cores(), 0.0);
+    }
+
+    #[test]
+    fn a_niced_neighbour_gets_what_the_service_leaves_and_the_agent_leaves_it_out() {
+        // The requests get both cores, as alone: 24 core-ms take 12 ms, so 20 of it
+        // is done in 10 ms; the neighbour gets nothing while they run, and the agent
+        // reads only the service's time.
+        let (mut e, done) = beside_neighbour(true);
+        assert_eq!(done, 0);
+        assert!(
+            (e.metric.busy_core_ms - 20.0).abs() < 1e-9,
+            "{:?}",
+            e.metric
+        );
+        assert!(
+            (e.report.busy_core_ms - 20.0).abs() < 1e-9,
+            "{:?}",
+            e.report
+        );
+        assert_eq!(e.available_cores(), 2.0);
+        // Once they finish (2 ms more), the neighbour has the cores, unread.
+        let mut done = Vec::new();
+        e.advance(20, 10.0, &mut done);
+        assert_eq!(done.len(), 4);
+        assert!(
+            (e.report.busy_core_ms - 24.0).abs() < 1e-9,
+            "{:?}",
+            e.report
+        );
     }
 
     #[test]

@@ -142,6 +142,10 @@ pub struct Metrics {
     pub watched_request_share: Option<f64>,
     /// Its share of the fleet's cores × speed: what balanced weights would send it.
     pub watched_fair_share: Option<f64>,
+    /// Its share of the requests in the second half of the cycles before the
+    /// disturbance and in the steady window: what a change beside the service (a
+    /// neighbour) did to it once the weights settled.
+    pub watched_shares: Option<(f64, f64)>,
     /// Steady-state max/avg over the endpoints other than the watched one: how the
     /// rest of the fleet fares, which a runaway queue on the watched node would
     /// otherwise hide behind its own ratio.
@@ -301,6 +305,12 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
         }
         None => (None, None),
     };
+    let watched_shares = rec.watched.and_then(|w| {
+        Some((
+            share_of(&rec.arrivals, w, dist / 2, dist)?,
+            share_of(&rec.arrivals, w, steady_from, cycles)?,
+        ))
+    });
     let others: Vec<f64> = steady_set
         .iter()
         .filter(|&&i| Some(i) != rec.watched)
@@ -368,6 +378,7 @@ pub fn measure(scenario: &Scenario, rec: &Recording) -> Metrics {
         watched,
         watched_request_share,
         watched_fair_share,
+        watched_shares,
         others_max_over_avg: others.max_over_avg,
         others_p95_over_avg: others.p95_over_avg,
         smallest_ratio,
@@ -468,6 +479,19 @@ fn transient(
         initial_max,
         significant,
     }
+}
+
+/// Endpoint `w`'s share of the requests that arrived in cycles `lo..hi`; `None`
+/// when none did.
+fn share_of(arrivals: &[Vec<u32>], w: usize, lo: usize, hi: usize) -> Option<f64> {
+    let rows = arrivals.get(lo..hi.min(arrivals.len()))?;
+    let total: u64 = rows.iter().flatten().map(|&a| u64::from(a)).sum();
+    let mine: u64 = rows
+        .iter()
+        .filter_map(|r| r.get(w))
+        .map(|&a| u64::from(a))
+        .sum();
+    (total > 0).then(|| mine as f64 / total as f64)
 }
 
 /// Settling and overshoot of an imbalance curve `a(t)` (see [`Transient`]): the first

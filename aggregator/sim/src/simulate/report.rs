@@ -51,6 +51,7 @@ pub(super) fn watched_name(id: &str) -> Option<&'static str> {
         "cold_join" => Some("the newcomer's"),
         "degraded_io" | "pooled_http2" => Some("the degraded node's"),
         "fail_fast" => Some("the failing node's"),
+        "neighbour" | "niced_neighbour" => Some("the neighbour's host's"),
         _ => None,
     }
 }
@@ -157,6 +158,58 @@ fn scenario_table(out: &mut String, sc: &ScenarioSummary) {
                 );
             }
         }
+    }
+}
+
+/// For scenarios with a neighbour: the node's share of the requests before the
+/// neighbour came and once the weights settled after, against its fair share of the
+/// capacity the neighbour leaves and against its share before.
+fn neighbour_table(out: &mut String, sc: &ScenarioSummary) {
+    if !sc
+        .scenario
+        .events
+        .iter()
+        .any(|e| matches!(e.kind, EventKind::Neighbour { .. }))
+    {
+        return;
+    }
+    let fair = sc
+        .results
+        .iter()
+        .find_map(|r| r.metrics.watched_fair_share)
+        .unwrap_or(0.0);
+    let _ = writeln!(
+        out,
+        "\nThe neighbour's host, before the neighbour (cycles {}–{}) and in the steady \
+         window, against its fair share of the fleet's capacity left beside the neighbour \
+         ({}):\n\n\
+         | strategy | its share of the requests before | in the steady window | over its \
+         fair share | over its share before | max/avg of the other nodes |",
+        sc.scenario.disturbance / 2,
+        sc.scenario.disturbance.saturating_sub(1),
+        pct(fair),
+    );
+    out.push_str("|---|---:|---:|---:|---:|---:|\n");
+    for r in &sc.results {
+        let m = &r.metrics;
+        let (before, after) = m.watched_shares.unwrap_or((f64::NAN, f64::NAN));
+        let ratio = |x: f64, y: f64| {
+            if y > 0.0 {
+                f3(x / y)
+            } else {
+                "–".to_string()
+            }
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            r.label(),
+            pct(before),
+            pct(after),
+            ratio(after, fair),
+            ratio(after, before),
+            f3(m.others_max_over_avg),
+        );
     }
 }
 
@@ -404,6 +457,7 @@ pub fn markdown(s: &SimSummary) -> String {
         );
         scenario_table(&mut out, sc);
         stall_table(&mut out, sc);
+        neighbour_table(&mut out, sc);
         out.push('\n');
         let n = findings::notes(id, sc);
         if !n.is_empty() {

@@ -16,10 +16,14 @@ fn results(id: &'static str) -> &'static ScenarioSummary {
     static DEGRADED: OnceLock<ScenarioSummary> = OnceLock::new();
     static FAILING: OnceLock<ScenarioSummary> = OnceLock::new();
     static POOLED: OnceLock<ScenarioSummary> = OnceLock::new();
+    static NEIGHBOUR: OnceLock<ScenarioSummary> = OnceLock::new();
+    static NICED: OnceLock<ScenarioSummary> = OnceLock::new();
     let cell = match id {
         "steady" => &STEADY,
         "degraded_io" => &DEGRADED,
         "pooled_http2" => &POOLED,
+        "neighbour" => &NEIGHBOUR,
+        "niced_neighbour" => &NICED,
         _ => &FAILING,
     };
     cell.get_or_init(|| {
@@ -104,6 +108,50 @@ fn errors_count_as_load() {
     );
     // The broken cashier: least-request favours the node with nothing in flight.
     assert!(p2c.error_share > rr.error_share);
+}
+
+/// The neighbour's host's share of the requests (before the neighbour, in the steady
+/// window) and its fair share of the capacity left, under `kind`.
+fn neighbour_shares(id: &'static str, kind: StrategyKind) -> (f64, f64, f64) {
+    let m = figures(id, kind);
+    let (before, after) = m.watched_shares.expect("watched");
+    (before, after, m.watched_fair_share.expect("fair share"))
+}
+
+#[test]
+fn a_niced_neighbour_leaves_the_nodes_share_as_it_was() {
+    for kind in [StrategyKind::Ballast, StrategyKind::P2c] {
+        let (before, after, _) = neighbour_shares("niced_neighbour", kind);
+        eprintln!("{kind:?}: {before:.4} before, {after:.4} after");
+        assert!(
+            (after / before - 1.0).abs() < 0.1,
+            "{kind:?}: {before:.4} before, {after:.4} after"
+        );
+    }
+}
+
+#[test]
+fn a_greedy_neighbour_halves_the_fair_share_and_the_rest_of_the_fleet_stays_balanced() {
+    let (before, after, fair) = neighbour_shares("neighbour", StrategyKind::Ballast);
+    let b = figures("neighbour", StrategyKind::Ballast);
+    let p2c = neighbour_shares("neighbour", StrategyKind::P2c);
+    eprintln!(
+        "Ballast: {before:.4} before, {after:.4} after, fair {fair:.4}, others max/avg \
+         {:.3}; P2C {p2c:?}",
+        b.others_max_over_avg
+    );
+    // The neighbour halves the node's cores: its fair share of what is left is about
+    // half its share before.
+    assert!(
+        (fair / before - 0.5).abs() < 0.1,
+        "fair {fair} before {before}"
+    );
+    // Whatever the node keeps (the agent's CPU counts the neighbour's, so Ballast
+    // leaves it little: docs/balance.md), the other nodes stay balanced carrying the
+    // rest.
+    assert!(b.others_max_over_avg <= 1.10, "{}", b.others_max_over_avg);
+    // Latency alone leaves it about its old share, above what the cores left carry.
+    assert!(p2c.1 > 1.25 * p2c.2, "P2C {p2c:?}");
 }
 
 /// Figures of Ballast with agents configured as `agent` in the pooled-connections
