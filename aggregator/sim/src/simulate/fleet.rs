@@ -739,22 +739,7 @@ mod tests {
 
     #[test]
     fn processor_sharing_conserves_work() {
-        let spec = FleetSpec {
-            cores: 2,
-            ..FleetSpec::default()
-        };
-        let mut e = Endpoint::new(1.0, &spec, 0, 0);
-        for i in 0..4 {
-            e.admit(Job {
-                finish: 0.0,
-                cost: 5.0,
-                client: 0,
-                slot: i,
-                arrived_ms: 0,
-                error: false,
-                http2: false,
-            });
-        }
+        let mut e = two_cores_four_requests(5.0, None);
         let mut done = Vec::new();
         // 20 core-ms of work on 2 cores takes 10 ms.
         e.advance(10, 10.0, &mut done);
@@ -762,22 +747,19 @@ mod tests {
         assert!((e.metric.busy_core_ms - 20.0).abs() < 1e-9);
     }
 
-    /// Four requests of 6 core-ms each on 2 cores, with a neighbour of 2 threads
-    /// beside them, for 10 ms: what the service gets, what the agent reads.
-    fn beside_neighbour(niced: bool) -> (Endpoint, usize) {
+    /// An endpoint of 2 cores with `neighbour` beside it, holding four requests of
+    /// `cost` core-ms each.
+    fn two_cores_four_requests(cost: f64, neighbour: Option<Neighbour>) -> Endpoint {
         let spec = FleetSpec {
             cores: 2,
             ..FleetSpec::default()
         };
         let mut e = Endpoint::new(1.0, &spec, 0, 0);
-        e.neighbour = Some(Neighbour {
-            threads: 2.0,
-            niced,
-        });
+        e.neighbour = neighbour;
         for i in 0..4 {
             e.admit(Job {
                 finish: 0.0,
-                cost: 6.0,
+                cost,
                 client: 0,
                 slot: i,
                 arrived_ms: 0,
@@ -785,6 +767,25 @@ mod tests {
                 http2: false,
             });
         }
+        e
+    }
+
+    /// The window's CPU is `want` core-ms.
+    fn assert_core_ms(window: &Window, want: f64) {
+        assert!(
+            (window.busy_core_ms - want).abs() < 1e-9,
+            "{window:?}, not {want}"
+        );
+    }
+
+    /// Four requests of 6 core-ms each on 2 cores, with a neighbour of 2 threads
+    /// beside them, for 10 ms: what the service gets, what the agent reads.
+    fn beside_neighbour(niced: bool) -> (Endpoint, usize) {
+        let neighbour = Neighbour {
+            threads: 2.0,
+            niced,
+        };
+        let mut e = two_cores_four_requests(6.0, Some(neighbour));
         let mut done = Vec::new();
         e.advance(10, 10.0, &mut done);
         (e, done.len())
@@ -796,16 +797,8 @@ mod tests {
         // core-ms of their 24 in 10 ms, so none finishes; the neighbour the rest.
         let (e, done) = beside_neighbour(false);
         assert_eq!(done, 0);
-        assert!(
-            (e.metric.busy_core_ms - 40.0 / 3.0).abs() < 1e-9,
-            "{:?}",
-            e.metric
-        );
-        assert!(
-            (e.report.busy_core_ms - 20.0).abs() < 1e-9,
-            "{:?}",
-            e.report
-        );
+        assert_core_ms(&e.metric, 40.0 / 3.0);
+        assert_core_ms(&e.report, 20.0);
         assert_eq!(e.available_cores(), 0.0);
     }
 
@@ -816,26 +809,14 @@ mod tests {
         // reads only the service's time.
         let (mut e, done) = beside_neighbour(true);
         assert_eq!(done, 0);
-        assert!(
-            (e.metric.busy_core_ms - 20.0).abs() < 1e-9,
-            "{:?}",
-            e.metric
-        );
-        assert!(
-            (e.report.busy_core_ms - 20.0).abs() < 1e-9,
-            "{:?}",
-            e.report
-        );
+        assert_core_ms(&e.metric, 20.0);
+        assert_core_ms(&e.report, 20.0);
         assert_eq!(e.available_cores(), 2.0);
         // Once they finish (2 ms more), the neighbour has the cores, unread.
         let mut done = Vec::new();
         e.advance(20, 10.0, &mut done);
         assert_eq!(done.len(), 4);
-        assert!(
-            (e.report.busy_core_ms - 24.0).abs() < 1e-9,
-            "{:?}",
-            e.report
-        );
+        assert_core_ms(&e.report, 24.0);
     }
 
     #[test]

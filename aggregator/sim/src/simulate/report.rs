@@ -161,6 +161,15 @@ fn scenario_table(out: &mut String, sc: &ScenarioSummary) {
     }
 }
 
+/// The watched endpoint's share of the fleet's capacity, as the scenario's runs
+/// measured it; 0 without one.
+fn watched_fair_share(sc: &ScenarioSummary) -> f64 {
+    sc.results
+        .iter()
+        .find_map(|r| r.metrics.watched_fair_share)
+        .unwrap_or(0.0)
+}
+
 /// For scenarios with a neighbour: the node's share of the requests before the
 /// neighbour came and once the weights settled after, against its fair share of the
 /// capacity the neighbour leaves and against its share before.
@@ -173,11 +182,7 @@ fn neighbour_table(out: &mut String, sc: &ScenarioSummary) {
     {
         return;
     }
-    let fair = sc
-        .results
-        .iter()
-        .find_map(|r| r.metrics.watched_fair_share)
-        .unwrap_or(0.0);
+    let fair = watched_fair_share(sc);
     let _ = writeln!(
         out,
         "\nThe neighbour's host, before the neighbour (cycles {}–{}) and in the steady \
@@ -222,11 +227,7 @@ fn stall_table(out: &mut String, sc: &ScenarioSummary) {
     }) else {
         return;
     };
-    let fair = sc
-        .results
-        .iter()
-        .find_map(|r| r.metrics.watched_fair_share)
-        .unwrap_or(0.0);
+    let fair = watched_fair_share(sc);
     let _ = writeln!(
         out,
         "\nThe other nodes, steady window, and where the stalled node's requests went:\n\n\

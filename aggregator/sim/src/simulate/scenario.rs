@@ -441,53 +441,61 @@ pub fn all() -> Vec<Scenario> {
             strategies: base.clone(),
             spread_excludes_watched: false,
         },
-        Scenario {
-            id: "neighbour",
-            title: "A CPU-bound neighbour",
-            about: "The steady fleet; at cycle 40 a process with 4 CPU-bound threads (a \
-                    batch job, half of the 8 cores) starts beside the service on one \
-                    endpoint (speed 1.0) and competes with its requests thread for \
-                    thread. The agent's CPU, the host's or the cgroup's, counts the \
-                    neighbour's; the service keeps the other 4 cores, so its fair share \
-                    of the fleet's remaining capacity is about half its share before. \
-                    The spread is over the 49 other endpoints.",
-            fleet: fleet.clone(),
-            cycles: 120,
-            disturbance: 40,
-            steady_from: 80,
-            events: vec![Event {
-                cycle: 40,
-                kind: EventKind::Neighbour {
-                    cores_share: 0.5,
-                    niced: false,
-                },
-            }],
-            loss: Loss::NONE,
-            strategies: base.clone(),
-            spread_excludes_watched: true,
-        },
-        Scenario {
-            id: "niced_neighbour",
-            title: "A niced neighbour",
-            about: "As above, with the neighbour niced (19): the scheduler gives it only \
-                    the cores the service leaves, and the agent leaves its time out of \
-                    the CPU it reports (the host's `nice` column; in a cgroup, niced \
-                    members' time while the quota does not bind). The endpoint keeps its \
-                    whole capacity, so its share should not change.",
-            fleet,
-            cycles: 120,
-            disturbance: 40,
-            steady_from: 80,
-            events: vec![Event {
-                cycle: 40,
-                kind: EventKind::Neighbour {
-                    cores_share: 0.5,
-                    niced: true,
-                },
-            }],
-            loss: Loss::NONE,
-            strategies: base,
-            spread_excludes_watched: true,
-        },
+        neighbour(
+            "neighbour",
+            "A CPU-bound neighbour",
+            "The steady fleet; at cycle 40 a process with 4 CPU-bound threads (a batch \
+             job, half of the 8 cores) starts beside the service on one endpoint (speed \
+             1.0) and competes with its requests thread for thread. The agent's CPU, the \
+             host's or the cgroup's, counts the neighbour's; the service keeps the other 4 \
+             cores, so its fair share of the fleet's remaining capacity is about half its \
+             share before. The spread is over the 49 other endpoints.",
+            false,
+            &fleet,
+            &base,
+        ),
+        neighbour(
+            "niced_neighbour",
+            "A niced neighbour",
+            "As above, with the neighbour niced (19): the scheduler gives it only the cores \
+             the service leaves, and the agent leaves its time out of the CPU it reports \
+             (the host's `nice` column; in a cgroup, niced members' time while the quota \
+             does not bind). The endpoint keeps its whole capacity, so its share should \
+             not change.",
+            true,
+            &fleet,
+            &base,
+        ),
     ]
+}
+
+/// A neighbour of half the cores starts beside the service on one endpoint of the
+/// steady fleet at cycle 40; the spread leaves that endpoint out.
+fn neighbour(
+    id: &'static str,
+    title: &'static str,
+    about: &'static str,
+    niced: bool,
+    fleet: &FleetSpec,
+    strategies: &[StrategyKind],
+) -> Scenario {
+    Scenario {
+        id,
+        title,
+        about,
+        fleet: fleet.clone(),
+        cycles: 120,
+        disturbance: 40,
+        steady_from: 80,
+        events: vec![Event {
+            cycle: 40,
+            kind: EventKind::Neighbour {
+                cores_share: 0.5,
+                niced,
+            },
+        }],
+        loss: Loss::NONE,
+        strategies: strategies.to_vec(),
+        spread_excludes_watched: true,
+    }
 }
