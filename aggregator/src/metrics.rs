@@ -552,6 +552,10 @@ pub struct ServiceRow {
     pub inflight_distrusted: usize,
     /// Times an endpoint's in-flight count was set aside.
     pub inflight_distrusts: u64,
+    /// Endpoints steered by their CPU above a floor their weight did not move.
+    pub cpu_floors: usize,
+    /// Times such a floor was found.
+    pub cpu_floors_found: u64,
     /// Cycles that stepped weights straight to the capacity estimate.
     pub feed_forward_steps: u64,
     /// Endpoints silent past `expire_ms` kept with their last weights.
@@ -586,7 +590,7 @@ const SERVICE_RATIOS: [ServiceGauge<f64>; 4] = [
 ];
 
 /// The per-service gauges that count endpoints.
-const SERVICE_COUNTS: [ServiceGauge<i64>; 3] = [
+const SERVICE_COUNTS: [ServiceGauge<i64>; 4] = [
     ("service_endpoints", "Known endpoints.", |s| {
         i64::try_from(s.endpoints).unwrap_or(i64::MAX)
     }),
@@ -594,6 +598,12 @@ const SERVICE_COUNTS: [ServiceGauge<i64>; 3] = [
         "service_inflight_distrusted",
         "Endpoints whose in-flight count does not follow their weight and is set aside.",
         |s| i64::try_from(s.inflight_distrusted).unwrap_or(i64::MAX),
+    ),
+    (
+        "service_cpu_floors",
+        "Endpoints steered by their CPU above a floor their weight did not move (other \
+         work on the host or in the cgroup).",
+        |s| i64::try_from(s.cpu_floors).unwrap_or(i64::MAX),
     ),
     (
         "service_expiry_held",
@@ -604,7 +614,7 @@ const SERVICE_COUNTS: [ServiceGauge<i64>; 3] = [
 ];
 
 /// The per-service counters (`_total` is added by the encoder).
-const SERVICE_COUNTERS: [ServiceGauge<u64>; 2] = [
+const SERVICE_COUNTERS: [ServiceGauge<u64>; 3] = [
     (
         "service_inflight_distrusts",
         "Times an endpoint's in-flight count was set aside for not following its weight.",
@@ -614,6 +624,11 @@ const SERVICE_COUNTERS: [ServiceGauge<u64>; 2] = [
         "service_feed_forward_steps",
         "Cycles that stepped weights straight to the capacity estimate.",
         |s| s.feed_forward_steps,
+    ),
+    (
+        "service_cpu_floors_found",
+        "Times an endpoint's CPU was found to keep a floor its weight did not move.",
+        |s| s.cpu_floors_found,
     ),
 ];
 
@@ -676,6 +691,8 @@ mod tests {
             missing_share: 0.0,
             inflight_distrusted: 1,
             inflight_distrusts: 2,
+            cpu_floors: 1,
+            cpu_floors_found: 3,
             feed_forward_steps: 0,
             expiry_held: 0,
         }
@@ -691,6 +708,8 @@ mod tests {
             format!("ballast_service_endpoints{label} 3"),
             format!("ballast_service_inflight_distrusted{label} 1"),
             format!("ballast_service_inflight_distrusts_total{label} 2"),
+            format!("ballast_service_cpu_floors{label} 1"),
+            format!("ballast_service_cpu_floors_found_total{label} 3"),
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }
@@ -712,7 +731,9 @@ mod tests {
             "ballast_service_endpoints gauge",
             "ballast_service_inflight_distrusted gauge",
             "ballast_service_expiry_held gauge",
+            "ballast_service_cpu_floors gauge",
             "ballast_service_inflight_distrusts counter",
+            "ballast_service_cpu_floors_found counter",
             "ballast_service_feed_forward_steps counter",
         ] {
             assert_eq!(

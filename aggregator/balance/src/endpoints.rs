@@ -13,6 +13,7 @@
 //!
 //! Readers outside the crate see an endpoint through [`Endpoint`], a view of one slot.
 
+use crate::cpu_floor::CpuFloor;
 use crate::inflight::InflightTracker;
 use crate::params::{Params, StrategyWeights};
 use crate::pid::Pid;
@@ -206,6 +207,7 @@ pub(crate) struct Slots {
     pub(crate) version: Vec<Version>,
     pub(crate) obs: Vec<Observation>,
     pub(crate) inflight: Vec<InflightTracker>,
+    pub(crate) cpu_floor: Vec<CpuFloor>,
     pub(crate) cold: Vec<Cold>,
     /// Each slot's id.
     ids: Vec<usize>,
@@ -282,6 +284,7 @@ impl Slots {
         });
         self.obs.push(Observation::default());
         self.inflight.push(InflightTracker::default());
+        self.cpu_floor.push(CpuFloor::default());
         self.cold.push(Cold {
             names,
             last_seq: None,
@@ -315,6 +318,7 @@ impl Slots {
         };
         self.obs[slot] = Observation::default();
         self.inflight[slot] = InflightTracker::default();
+        self.cpu_floor[slot] = CpuFloor::default();
         let cold = &mut self.cold[slot];
         cold.names.moved(address, zone);
         cold.last_seq = None;
@@ -347,6 +351,7 @@ impl Slots {
         self.version.remove(slot);
         self.obs.remove(slot);
         self.inflight.remove(slot);
+        self.cpu_floor.remove(slot);
         self.cold.remove(slot);
         self.ids.remove(slot);
         if slot < self.sorted {
@@ -377,6 +382,7 @@ impl Slots {
         keep(&mut self.version, gone);
         keep(&mut self.obs, gone);
         keep(&mut self.inflight, gone);
+        keep(&mut self.cpu_floor, gone);
         keep(&mut self.cold, gone);
         keep(&mut self.ids, gone);
         self.renumber(first);
@@ -450,6 +456,7 @@ impl Slots {
         permute(&mut self.version[first..], &shifted, &mut done);
         permute(&mut self.obs[first..], &shifted, &mut done);
         permute(&mut self.inflight[first..], &shifted, &mut done);
+        permute(&mut self.cpu_floor[first..], &shifted, &mut done);
         permute(&mut self.cold[first..], &shifted, &mut done);
         permute(&mut self.ids[first..], &shifted, &mut done);
         self.renumber(first);
@@ -707,6 +714,11 @@ impl<'a> Endpoint<'a> {
     /// What its in-flight count means: smoothing, the fleet-relative verdict, trust.
     pub fn inflight(&self) -> &'a InflightTracker {
         &self.slots.inflight[self.slot]
+    }
+
+    /// What its CPU keeps whatever its weight, if anything (see [`crate::cpu_floor`]).
+    pub fn cpu_floor(&self) -> &'a CpuFloor {
+        &self.slots.cpu_floor[self.slot]
     }
 
     /// When its node said hello to another service while registered here.

@@ -15,6 +15,7 @@
 //! mix the enabled strategies by their gates.
 
 pub mod by_node;
+pub mod cpu_floor;
 pub mod endpoints;
 #[cfg(feature = "gate-probe")]
 mod gate_probe;

@@ -121,6 +121,9 @@ pub struct PublishedEndpoint {
     /// Whether its in-flight count is believed (false once it was set aside for not
     /// following the weight); what its agent is told.
     pub inflight_trusted: bool,
+    /// The part of its CPU that did not fall when its weight did (other work on its
+    /// host or in its cgroup), when one was found: it is steered by its CPU above it.
+    pub cpu_floor: Option<f64>,
     /// Milliseconds from its last report to the cycle; `None` if it has not reported
     /// since it was registered or restored.
     pub report_age_ms: Option<u64>,
@@ -156,6 +159,7 @@ impl PublishedService {
                 capacity: 0,
                 inflight_estimate: InflightEstimate::default(),
                 inflight_trusted: true,
+                cpu_floor: None,
                 report_age_ms: None,
                 strategy_weights: strategies,
             };
@@ -239,6 +243,7 @@ fn fill(
         capacity,
         inflight_estimate,
         inflight_trusted,
+        cpu_floor,
         report_age_ms,
         strategy_weights,
     } = out;
@@ -252,6 +257,7 @@ fn fill(
     *capacity = e.observation().capacity;
     *inflight_estimate = e.inflight().estimate;
     *inflight_trusted = e.inflight_trusted();
+    *cpu_floor = e.cpu_floor().floor();
     *report_age_ms = e.report_age(now);
     *strategy_weights = strategies;
 }

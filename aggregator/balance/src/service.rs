@@ -224,6 +224,13 @@ pub struct ServiceStats {
     pub inflight_distrusts: u64,
     /// Endpoints whose in-flight count is distrusted now.
     pub inflight_distrusted: usize,
+    /// Times an endpoint's CPU was found to keep a floor its weight did not move
+    /// (other work on its host or in its cgroup; see [`crate::cpu_floor`]).
+    #[serde(default)]
+    pub cpu_floors_found: u64,
+    /// Endpoints steered by their CPU above such a floor now.
+    #[serde(default)]
+    pub cpu_floors: usize,
     /// Endpoints silent for longer than `expire_ms` that are kept, with their last
     /// weights, because too much of the service fell silent for the silence to be
     /// believed (see [`Service::cycle`]): the aggregator's view failed, not the fleet.
@@ -755,20 +762,42 @@ impl Service {
             Vec::with_capacity(n);
         let mut counts: Vec<inflight::Count> = Vec::with_capacity(n);
         let mut assessed_slots: Vec<usize> = Vec::with_capacity(n);
-        for (slot, ((ep, obs), tracker)) in slots
+        // CPU floors (see `cpu_floor`) are judged against the last cycle's average and
+        // in-flight verdicts, in this same walk: a cycle's lag, where they take several.
+        let judge_floors = params.metric != LoadMetric::Inflight;
+        let last_avg = self.stats.spread.avg;
+        let (mut floors, mut floors_found) = (0usize, 0u64);
+        for (slot, (((ep, obs), tracker), floor)) in slots
             .hot
             .iter()
             .zip(&slots.obs)
             .zip(slots.inflight.iter_mut())
+            .zip(slots.cpu_floor.iter_mut())
             .enumerate()
         {
             if ep.draining || !ep.is_fresh(now, params) {
                 tracker.break_idle_streak();
                 continue;
             }
+            let reported = crate::load::sanitize(obs.cpu);
+            if judge_floors {
+                let steady = !ep.warming && !tracker.estimate.binding;
+                // A report's window straddles the last publication: about half of it
+                // ran at the weight before.
+                let before = tracker.applied_weight();
+                let weight = if before > 0.0 {
+                    (ep.weight + before) / 2.0
+                } else {
+                    ep.weight
+                };
+                floors_found += u64::from(floor.judge(reported, weight, last_avg, steady));
+                floors += usize::from(floor.floor().is_some());
+            }
+            // The service's own CPU, above any floor its weight did not move.
+            let cpu = floor.own(reported);
             let input = inflight::Input {
-                base: obs.base_load(params),
-                cpu: crate::load::sanitize(obs.cpu),
+                base: obs.base_load_of(params, cpu),
+                cpu,
                 capacity: obs.capacity,
                 inflight: obs.inflight,
                 weight: ep.weight,
@@ -780,6 +809,8 @@ impl Service {
             assessed_slots.push(slot);
         }
         let assessed = inflight::assess_counted(params, &mut items, &counts);
+        self.stats.cpu_floors = floors;
+        self.stats.cpu_floors_found += floors_found;
         (assessed_slots, assessed)
     }
 
@@ -1443,9 +1474,14 @@ impl Observation {
     /// The load without the in-flight term: the CPU (unless the metric ignores it) plus
     /// the error penalty. The cycle adds the in-flight term, judged against the fleet.
     pub fn base_load(&self, params: &Params) -> f64 {
+        self.base_load_of(params, self.cpu)
+    }
+
+    /// [`Self::base_load`] with `cpu` in place of the reported CPU.
+    pub(crate) fn base_load_of(&self, params: &Params, cpu: f64) -> f64 {
         let cpu = match params.metric {
             LoadMetric::Inflight => 0.0,
-            LoadMetric::Max | LoadMetric::Cpu => self.cpu,
+            LoadMetric::Max | LoadMetric::Cpu => cpu,
         };
         crate::load::combine(cpu, 0, 0, self.error_rate, params.error_penalty)
     }
@@ -1517,6 +1553,7 @@ fn set_draining(slots: &mut Slots, params: &Params, slot: usize, draining: bool)
             .set(Strategy::Pid, params.cold_start_weight);
         slots.pid[slot].reset();
         slots.inflight[slot].reset();
+        slots.cpu_floor[slot].reset();
     }
 }
 

@@ -356,7 +356,9 @@ fn a_silent_drained_endpoint_is_not_missing() {
     // n2 falls silent for much longer than the staleness limit.
     for c in 1..10u64 {
         let now = c * 1000;
-        report_all(&mut b, now, &[0.7, 0.3], &[]);
+        // n0 is twice as slow as n1: their CPU follows their weights.
+        let w = weights(&b);
+        report_all(&mut b, now, &[0.7 * w[0], 0.35 * w[1]], &[]);
         let r = b.cycle(now).remove(0);
         assert_eq!(r.skipped, None, "cycle {c}: {r:?}");
         assert_eq!(r.missing_share, 0.0);
@@ -1319,6 +1321,75 @@ fn a_count_that_ignores_the_weight_is_distrusted_and_the_weight_recovers() {
     let e = &svc.endpoint("n5").expect("endpoint");
     assert!(!e.inflight().estimate.trusted);
     assert!(e.weight() > 0.9, "balanced by CPU again: {}", e.weight());
+}
+
+/// A neighbour takes half of n5's capacity from cycle 5 to 65, and the agent's CPU
+/// counts it: n5 reads `0.5 + 0.5 × weight` where the others read `0.5 × weight`. The
+/// weight the CPU does not follow is found, n5 is steered by its CPU above that floor
+/// to about its fair share of what the neighbour leaves (half the others' weight), and
+/// once the neighbour is gone the floor goes too and n5 is balanced as the others.
+#[test]
+fn a_neighbour_s_part_of_the_cpu_is_set_aside_and_the_node_keeps_its_fair_share() {
+    let mut b = fleet(6, params());
+    let run = |b: &mut Balancer, cycles: std::ops::Range<u64>, neighbour: bool| {
+        for c in cycles {
+            let now = c * 1000;
+            for (i, wi) in weights(b).iter().enumerate() {
+                let own = 0.5 * wi;
+                let cpu = if i == 5 && neighbour {
+                    (0.5 + own).min(1.0)
+                } else {
+                    own
+                };
+                let o = inflight_obs(cpu, (2.0 * wi).round() as u32);
+                b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+            }
+            b.cycle(now);
+        }
+    };
+    run(&mut b, 0..5, false);
+    run(&mut b, 5..65, true);
+    let svc = b.service(SVC).expect("svc");
+    let n5 = svc.endpoint("n5").expect("endpoint");
+    let other = svc.endpoint("n0").expect("endpoint").weight();
+    // Fair: n5's CPU above the floor, over the half the neighbour leaves, equal to the
+    // others' CPU: 0.5 × w5 / 0.5 = 0.5 × w_other.
+    let fair = 0.5 * other;
+    assert!(
+        (0.75..=1.25).contains(&(n5.weight() / fair)),
+        "n5 weight {} against a fair {fair}",
+        n5.weight()
+    );
+    let floor = n5.cpu_floor().floor().expect("a floor");
+    assert!((floor - 0.5).abs() < 0.05, "floor {floor}");
+    assert_eq!(svc.stats.cpu_floors, 1);
+    assert_eq!(svc.stats.cpu_floors_found, 1);
+    run(&mut b, 65..105, false);
+    let svc = b.service(SVC).expect("svc");
+    let n5 = svc.endpoint("n5").expect("endpoint");
+    assert_eq!(n5.cpu_floor().floor(), None);
+    assert_eq!(svc.stats.cpu_floors, 0);
+    assert!(n5.weight() > 0.9, "balanced again: {}", n5.weight());
+}
+
+/// A node whose CPU follows its weight is never given a floor, however far the
+/// controller moves it: twice as slow as the others, it sits at half their weight.
+#[test]
+fn a_cpu_that_follows_the_weight_keeps_no_floor() {
+    let mut b = fleet(6, params());
+    for c in 0..60u64 {
+        let now = c * 1000;
+        for (i, wi) in weights(&b).iter().enumerate() {
+            let cpu = if i == 5 { 1.0_f64.min(*wi) } else { 0.5 * wi };
+            let o = inflight_obs(cpu, (2.0 * wi).round() as u32);
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        b.cycle(now);
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.stats.cpu_floors_found, 0);
+    let w5 = svc.endpoint("n5").expect("endpoint").weight();
+    assert!((w5 - 0.545).abs() < 0.1, "{w5}");
 }
 
 /// A restore over endpoints the service already has starts them afresh from the

@@ -28,11 +28,13 @@ const BUDGET: Duration = Duration::from_secs(60);
 /// (cycle + publish) / trivial pass at 100,000 endpoints.
 ///
 /// Measured on the 2-core machine with light work beside it, each gate the median of
-/// 5 runs: 205×, 225×, 222×, 212× and 250× (single runs 198× to 251×); 245× to 468×
-/// with a release build taking both cores beside it, which CI does not do. 265× is 6 %
-/// above the worst quiet median; a cycle 30 % slower (`cycle=70`, 70 ns an endpoint
-/// on about 230) gives about 290×.
-const BOUND: f64 = 265.0;
+/// 5 runs: first 205×, 225×, 222×, 212× and 250× (single runs 198× to 251×); 245× to
+/// 468× with a release build taking both cores beside it, which CI does not do. On
+/// 2026-12-05 the same code measured 251× to 264× (seven gates), at the old bound of
+/// 265×, and with the CPU floors' walk 258× to 266× (four); a cycle 30 % slower than
+/// that (`cycle=70`, 70 ns an endpoint) 332× and 337×. 295× is 11 % above the worst
+/// quiet median and 11 % below the slowed cycle's.
+const BOUND: f64 = 295.0;
 
 #[test]
 fn the_cycle_at_100000_endpoints_stays_within_its_ratio_to_a_trivial_pass() {

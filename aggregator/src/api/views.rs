@@ -94,6 +94,11 @@ pub struct ServiceSummary {
     pub inflight_distrusted: usize,
     /// Times an endpoint's in-flight count was set aside.
     pub inflight_distrusts: u64,
+    /// Endpoints steered by their CPU above a floor their weight did not move (other
+    /// work on the host or in the cgroup).
+    pub cpu_floors: usize,
+    /// Times such a floor was found.
+    pub cpu_floors_found: u64,
     /// Cycles that stepped weights straight to the capacity estimate.
     pub feed_forward_steps: u64,
     /// Endpoints silent for longer than `expire_ms` kept with their last weights,
@@ -112,6 +117,8 @@ impl From<ServiceSummary> for crate::metrics::ServiceRow {
             missing_share: s.missing_share,
             inflight_distrusted: s.inflight_distrusted,
             inflight_distrusts: s.inflight_distrusts,
+            cpu_floors: s.cpu_floors,
+            cpu_floors_found: s.cpu_floors_found,
             feed_forward_steps: s.feed_forward_steps,
             expiry_held: s.expiry_held,
         }
@@ -134,6 +141,8 @@ impl ServiceSummary {
             last_skip: s.last_skip.map(|r| r.describe()),
             inflight_distrusted: s.inflight_distrusted,
             inflight_distrusts: s.inflight_distrusts,
+            cpu_floors: s.cpu_floors,
+            cpu_floors_found: s.cpu_floors_found,
             feed_forward_steps: s.feed_forward_steps,
             expiry_held: s.expiry_held,
         }
@@ -219,6 +228,10 @@ pub struct EndpointView {
     /// smoothed value, its ratio to the service's typical count per unit of weight,
     /// whether it set the load, and whether it is trusted.
     pub inflight_estimate: ballast_balance::inflight::InflightEstimate,
+    /// The part of its CPU that did not fall when its weight did (other work on its
+    /// host or in its cgroup), as a share of the capacity; `null` when none was found.
+    /// Its load is then its CPU above that floor, over what the floor leaves.
+    pub cpu_floor: Option<f64>,
     /// Published weight, mean 1.0.
     pub weight: f64,
     /// State.
@@ -241,6 +254,7 @@ impl EndpointView {
                 inflight: e.inflight,
                 capacity: e.capacity,
                 inflight_estimate: e.inflight_estimate,
+                cpu_floor: e.cpu_floor,
                 weight: e.weight,
                 state: e.state,
                 report_age_ms: e.report_age_ms,

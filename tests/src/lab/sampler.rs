@@ -354,6 +354,7 @@ mod tests {
                 trusted: true,
                 ..InflightEstimate::default()
             },
+            cpu_floor: None,
             weight,
             state: ballast_balance::EndpointState::Serving,
             report_age_ms: Some(10),

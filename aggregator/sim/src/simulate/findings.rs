@@ -112,16 +112,20 @@ fn neighbour(sc: &ScenarioSummary) -> String {
             )
         });
     format!(
-        "The agent reads the host's CPU at the neighbour's 50 % plus the service's own, \
-         above the fleet's average whatever the weight, so Ballast drives the weight to \
-         the floor: {} of the node's fair share of what capacity is left, which the rest \
-         of the fleet then carries (its max/avg {}). A58's `qps / utilization` counts the neighbour's CPU too ({}). P2C sees \
-         only the requests' latency, which the neighbour's four threads leave alone \
-         until the node's own requests fill the other four cores, and sends it about its \
-         old share ({}): more than the capacity left. The same happens in the physical \
-         lab with a loop in a backend's cgroup (`docs/lab.md`). What the neighbour leaves \
-         is not in the CPU the agent reads: telling it needs the service's own CPU or \
-         its latency against the fleet's, and the core has neither rule yet.{}",
+        "The agent reads the host's CPU at the neighbour's 50 % plus the service's own. \
+         The controller cuts the node's weight and the reading does not follow it down: \
+         once the weight has fallen 4× with the reading above half its level for 3 \
+         cycles, the core takes the part that stayed as a floor (`cpu_floor` in the \
+         balancing core) and steers the node by its CPU above the floor, over what the \
+         floor leaves. The node keeps {} of its fair share of the capacity left, and \
+         the rest of the fleet stays balanced (max/avg {}). A58's `qps / utilization` \
+         counts the neighbour's CPU ({}). P2C sees only the requests' latency, which the \
+         neighbour's four threads leave alone until the node's own requests fill the \
+         other four cores, and sends it about its old share ({}): more than the \
+         capacity left. In the physical lab the greedy neighbour is a loop in a \
+         backend's quota'd cgroup, which fills whatever the service leaves: the reading \
+         stays at the quota whatever the weight, no capacity shows beside it, and the \
+         backend is steered down (`docs/lab.md`).{}",
         f3(fair(Ballast)),
         f3(sc.get(Ballast).map_or(f64::NAN, |m| m.others_max_over_avg)),
         f3(fair(A58)),
@@ -220,9 +224,8 @@ pub fn shortfalls(out: &mut String, s: &SimSummary) {
         let _ = writeln!(
             out,
             "- **A CPU-bound neighbour**: the node it shares keeps {} of its fair share of \
-             the capacity left, because the agent's CPU counts the neighbour's and never \
-             falls to the average whatever the weight. The capacity the neighbour leaves \
-             is lost to the fleet (see the scenario above).",
+             the capacity left: the floor the neighbour puts under the agent's CPU was not \
+             found or not set aside (see the scenario above).",
             f3(fair)
         );
     }
