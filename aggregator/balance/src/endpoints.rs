@@ -237,6 +237,12 @@ impl Slots {
             .and_then(|&id| self.slot_of.get(id).copied())
     }
 
+    /// The CPU load of the endpoint in `slot`: its reported CPU, above the floor its
+    /// weight did not move if one was found (see [`crate::cpu_floor`]).
+    pub(crate) fn own_cpu(&self, slot: usize) -> f64 {
+        self.cpu_floor[slot].own(crate::load::sanitize(self.obs[slot].cpu))
+    }
+
     /// The shared string for `zone`.
     pub(crate) fn zone(&mut self, zone: &str) -> Arc<str> {
         if let Some(z) = self.zones.get(zone) {

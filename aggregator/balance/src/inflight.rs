@@ -307,6 +307,11 @@ impl InflightTracker {
         self.idle_streak = 0;
     }
 
+    /// Whether a report has come since the last assessment.
+    pub(crate) fn has_news(&self) -> bool {
+        self.news
+    }
+
     /// Whether the term is currently distrusted.
     pub fn distrusted(&self) -> bool {
         self.distrusted_at.is_some()

@@ -780,7 +780,9 @@ impl Service {
                 continue;
             }
             let reported = crate::load::sanitize(obs.cpu);
-            if judge_floors {
+            // Each report once: a cycle that finds no new one (a skipped step, a lost
+            // report) would count the same reading again.
+            if judge_floors && tracker.has_news() {
                 let steady = !ep.warming && !tracker.estimate.binding;
                 // A report's window straddles the last publication: about half of it
                 // ran at the weight before.
@@ -992,7 +994,7 @@ impl Service {
                 let queued =
                     estimate.binding && estimate.derivation == inflight::Derivation::FleetRelative;
                 if queued && params.metric == crate::LoadMetric::Max {
-                    slots.obs[s].base_load(params)
+                    slots.obs[s].base_load_of(params, slots.own_cpu(s))
                 } else {
                     slots.hot[s].load
                 }
@@ -1246,7 +1248,7 @@ fn sheds_at_bound(slots: &Slots, slot: usize, avg: f64, metric: crate::LoadMetri
     let piled_up = metric != crate::LoadMetric::Max
         || tracker.estimate.ratio >= inflight::TOLERANCE
         || tracker.idle_handed_beyond_doubt();
-    stalled(slots, slot, avg) && piled_up && slots.obs[slot].cpu < inflight::IDLE_CPU * avg
+    stalled(slots, slot, avg) && piled_up && slots.own_cpu(slot) < inflight::IDLE_CPU * avg
 }
 
 /// Whether the endpoint in `slot` is stalled: its trusted in-flight count stands out
@@ -1256,7 +1258,7 @@ fn stalled(slots: &Slots, slot: usize, avg: f64) -> bool {
     let estimate = &slots.inflight[slot].estimate;
     estimate.binding
         && estimate.derivation == inflight::Derivation::FleetRelative
-        && slots.obs[slot].cpu < avg
+        && slots.own_cpu(slot) < avg
 }
 
 /// Whether the fresh endpoints' loads can be trusted to estimate capacities: every one

@@ -1372,6 +1372,35 @@ fn a_neighbour_s_part_of_the_cpu_is_set_aside_and_the_node_keeps_its_fair_share(
     assert!(n5.weight() > 0.9, "balanced again: {}", n5.weight());
 }
 
+/// A node whose reading is 0.9 whatever its weight (a source reading another cgroup):
+/// its weight falls, a floor is found, its load reads 0 and its weight grows back, but
+/// the reading never rises above the floor, so the floor is disproved and the node is
+/// steered by its reading again, as it was before the rule: down to the floor.
+#[test]
+fn a_reading_that_follows_nothing_loses_its_floor_for_good() {
+    let mut b = fleet(6, params());
+    let mut found_at = None;
+    for c in 0..60u64 {
+        let now = c * 1000;
+        for (i, wi) in weights(&b).iter().enumerate() {
+            let cpu = if i == 5 { 0.9 } else { 0.5 * wi };
+            let o = inflight_obs(cpu, (2.0 * wi).round() as u32);
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        b.cycle(now);
+        let svc = b.service(SVC).expect("svc");
+        if found_at.is_none() && svc.stats.cpu_floors == 1 {
+            found_at = Some(c);
+        }
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert!(found_at.is_some(), "a floor was found first");
+    assert_eq!(svc.stats.cpu_floors_found, 1, "and never again");
+    assert_eq!(svc.stats.cpu_floors, 0);
+    let w5 = svc.endpoint("n5").expect("endpoint").weight();
+    assert!(w5 < 0.05, "steered by its reading: {w5}");
+}
+
 /// A node whose CPU follows its weight is never given a floor, however far the
 /// controller moves it: twice as slow as the others, it sits at half their weight.
 #[test]

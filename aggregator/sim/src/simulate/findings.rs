@@ -8,6 +8,7 @@ use super::step;
 use super::strategy::{AgentConfig, StrategyKind};
 use super::tune::Sweep;
 use super::{ScenarioSummary, SimSummary};
+use ballast_balance::cpu_floor;
 use std::fmt::Write as _;
 
 /// What a scenario's table shows and why, with its numbers.
@@ -112,22 +113,28 @@ fn neighbour(sc: &ScenarioSummary) -> String {
             )
         });
     format!(
-        "The agent reads the host's CPU at the neighbour's 50 % plus the service's own. \
-         The controller cuts the node's weight and the reading does not follow it down: \
-         once the weight has fallen 4× with the reading above half its level for 3 \
-         cycles, the core takes the part that stayed as a floor (`cpu_floor` in the \
-         balancing core) and steers the node by its CPU above the floor, over what the \
-         floor leaves. The node keeps {} of its fair share of the capacity left, and \
-         the rest of the fleet stays balanced (max/avg {}). A58's `qps / utilization` \
-         counts the neighbour's CPU ({}). P2C sees only the requests' latency, which the \
-         neighbour's four threads leave alone until the node's own requests fill the \
-         other four cores, and sends it about its old share ({}): more than the \
-         capacity left. In the physical lab the greedy neighbour is a loop in a \
+        "The agent reads the host's CPU, the neighbour's included. The controller cuts \
+         the node's weight and the reading does not follow it down: once the weight has \
+         fallen {}× with the reading above {} of its level for {} reports, the core \
+         takes the part that stayed as a floor (`cpu_floor` in the balancing core) and \
+         steers the node by its CPU above the floor, over what the floor leaves. The \
+         node keeps {} of its fair share of the capacity left, and the rest of the fleet \
+         stays balanced (max/avg {}). A floor is kept for {} reports and then found again, \
+         which costs the node a few cycles at a smaller weight each time; this run ends \
+         before the first. A58's `qps / utilization` counts the neighbour's CPU ({} of the fair \
+         share). P2C sees only the requests' latency, which the neighbour leaves alone \
+         until the node's own requests fill the cores it leaves, and sends the node about \
+         its old share ({} of the fair share): more than the capacity left. In the \
+         physical lab the greedy neighbour is a loop in a \
          backend's quota'd cgroup, which fills whatever the service leaves: the reading \
          stays at the quota whatever the weight, no capacity shows beside it, and the \
          backend is steered down (`docs/lab.md`).{}",
+        cpu_floor::FLOOR_DROP,
+        cpu_floor::FLOOR_KEEP,
+        cpu_floor::FLOOR_CYCLES,
         f3(fair(Ballast)),
         f3(sc.get(Ballast).map_or(f64::NAN, |m| m.others_max_over_avg)),
+        cpu_floor::FLOOR_TTL,
         f3(fair(A58)),
         f3(fair(P2c)),
         runaway,

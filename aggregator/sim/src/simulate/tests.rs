@@ -147,8 +147,8 @@ fn a_greedy_neighbour_s_node_keeps_its_fair_share_of_what_is_left() {
         "fair {fair} before {before}"
     );
     // The agent's CPU counts the neighbour's; the core finds the floor the weight does
-    // not move and steers the node by its CPU above it, to 0.75–1.25 of its fair share
-    // (without the floor: 0.13), and the other nodes stay balanced carrying the rest.
+    // not move and steers the node by its CPU above it, to 0.75–1.25 of its fair share,
+    // and the other nodes stay balanced carrying the rest.
     assert!(
         (0.75..=1.25).contains(&(after / fair)),
         "after {after} fair {fair}"
