@@ -1323,6 +1323,16 @@ fn a_count_that_ignores_the_weight_is_distrusted_and_the_weight_recovers() {
     assert!(e.weight() > 0.9, "balanced by CPU again: {}", e.weight());
 }
 
+/// One cycle at `now` in which every node reports the CPU `cpu(node, its weight)` and
+/// two requests in flight per unit of weight (a count that follows the weight).
+fn cycle_with_cpu(b: &mut Balancer, now: Millis, cpu: impl Fn(usize, f64) -> f64) {
+    for (i, wi) in weights(b).iter().enumerate() {
+        let o = inflight_obs(cpu(i, *wi), (2.0 * wi).round() as u32);
+        b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+    }
+    b.cycle(now);
+}
+
 /// A neighbour takes half of n5's capacity from cycle 5 to 65, and the agent's CPU
 /// counts it: n5 reads `0.5 + 0.5 × weight` where the others read `0.5 × weight`. The
 /// weight the CPU does not follow is found, n5 is steered by its CPU above that floor
@@ -1333,18 +1343,13 @@ fn a_neighbour_s_part_of_the_cpu_is_set_aside_and_the_node_keeps_its_fair_share(
     let mut b = fleet(6, params());
     let run = |b: &mut Balancer, cycles: std::ops::Range<u64>, neighbour: bool| {
         for c in cycles {
-            let now = c * 1000;
-            for (i, wi) in weights(b).iter().enumerate() {
-                let own = 0.5 * wi;
-                let cpu = if i == 5 && neighbour {
-                    (0.5 + own).min(1.0)
+            cycle_with_cpu(b, c * 1000, |i, w| {
+                if i == 5 && neighbour {
+                    (0.5 + 0.5 * w).min(1.0)
                 } else {
-                    own
-                };
-                let o = inflight_obs(cpu, (2.0 * wi).round() as u32);
-                b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
-            }
-            b.cycle(now);
+                    0.5 * w
+                }
+            });
         }
     };
     run(&mut b, 0..5, false);
@@ -1381,13 +1386,7 @@ fn a_reading_that_follows_nothing_loses_its_floor_for_good() {
     let mut b = fleet(6, params());
     let mut found_at = None;
     for c in 0..60u64 {
-        let now = c * 1000;
-        for (i, wi) in weights(&b).iter().enumerate() {
-            let cpu = if i == 5 { 0.9 } else { 0.5 * wi };
-            let o = inflight_obs(cpu, (2.0 * wi).round() as u32);
-            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
-        }
-        b.cycle(now);
+        cycle_with_cpu(&mut b, c * 1000, |i, w| if i == 5 { 0.9 } else { 0.5 * w });
         let svc = b.service(SVC).expect("svc");
         if found_at.is_none() && svc.stats.cpu_floors == 1 {
             found_at = Some(c);
@@ -1407,13 +1406,17 @@ fn a_reading_that_follows_nothing_loses_its_floor_for_good() {
 fn a_cpu_that_follows_the_weight_keeps_no_floor() {
     let mut b = fleet(6, params());
     for c in 0..60u64 {
-        let now = c * 1000;
-        for (i, wi) in weights(&b).iter().enumerate() {
-            let cpu = if i == 5 { 1.0_f64.min(*wi) } else { 0.5 * wi };
-            let o = inflight_obs(cpu, (2.0 * wi).round() as u32);
-            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
-        }
-        b.cycle(now);
+        cycle_with_cpu(
+            &mut b,
+            c * 1000,
+            |i, w| {
+                if i == 5 {
+                    w.min(1.0)
+                } else {
+                    0.5 * w
+                }
+            },
+        );
     }
     let svc = b.service(SVC).expect("svc");
     assert_eq!(svc.stats.cpu_floors_found, 0);
