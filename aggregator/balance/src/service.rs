@@ -793,8 +793,8 @@ impl Service {
                     ep.weight
                 };
                 floors_found += u64::from(floor.judge(reported, weight, last_avg, steady));
-                floors += usize::from(floor.floor().is_some());
             }
+            floors += usize::from(floor.floor().is_some());
             // The service's own CPU, above any floor its weight did not move.
             let cpu = floor.own(reported);
             let input = inflight::Input {

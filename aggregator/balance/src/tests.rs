@@ -1369,7 +1369,10 @@ fn a_neighbour_s_part_of_the_cpu_is_set_aside_and_the_node_keeps_its_fair_share(
     assert!((floor - 0.5).abs() < 0.05, "floor {floor}");
     assert_eq!(svc.stats.cpu_floors, 1);
     assert_eq!(svc.stats.cpu_floors_found, 1);
-    run(&mut b, 65..105, false);
+    // A cycle that finds no new report still counts the floor it holds.
+    b.cycle(65_000);
+    assert_eq!(b.service(SVC).expect("svc").stats.cpu_floors, 1);
+    run(&mut b, 66..106, false);
     let svc = b.service(SVC).expect("svc");
     let n5 = svc.endpoint("n5").expect("endpoint");
     assert_eq!(n5.cpu_floor().floor(), None);
