@@ -541,9 +541,19 @@ impl Service {
         let census = self.take_census(now);
         let spread = Spread::of(&census.loads);
         let level = fleet_level(&census.loads);
-        let skipped = self.skip_reason(now, grace_until, &census, spread, level);
+        // A stalled node neither drains nor settles: the waits after a feed-forward
+        // step (its settling cycles, and its judgment while a queue drains) give way
+        // to its shedding. Asked only while one of them may apply, as walking every
+        // endpoint costs.
+        let waits = self.stats.cycles <= self.settle_through || self.feed_forward_undo.is_some();
+        let shedding = waits && self.any_sheds(now, spread.avg);
+        let skipped = self.skip_reason(now, grace_until, &census, spread, level, shedding);
         if !census.loads.is_empty() {
             self.remember_level(skipped, level);
+        }
+        if shedding {
+            // What the loads say of the step is the stall's doing, not the step's.
+            self.feed_forward_undo = None;
         }
         self.update_weights(now, skipped, spread);
         // Drains and returns take effect even in a skipped cycle: they are operator
@@ -646,8 +656,21 @@ impl Service {
         }
     }
 
+    /// Whether a fresh serving endpoint is stalled and sheds its weight at the bound
+    /// (see [`sheds_at_bound`]) against the average load `avg`.
+    fn any_sheds(&self, now: Millis, avg: f64) -> bool {
+        let params = &self.params;
+        (0..self.slots.len()).any(|s| {
+            let ep = &self.slots.hot[s];
+            !ep.draining
+                && ep.is_fresh(now, params)
+                && sheds_at_bound(&self.slots, s, avg, params.metric)
+        })
+    }
+
     /// Why this cycle changes no weights, if it does not: the first of the rules that
-    /// holds, in order.
+    /// holds, in order. The settling cycles after a feed-forward step do not hold
+    /// while a node is `shedding` (stalled: see [`Service::any_sheds`]).
     fn skip_reason(
         &self,
         now: Millis,
@@ -655,6 +678,7 @@ impl Service {
         census: &Census,
         spread: Spread,
         level: f64,
+        shedding: bool,
     ) -> Option<SkipReason> {
         let params = &self.params;
         if let Some(hold) = &self.actions.hold {
@@ -674,7 +698,7 @@ impl Service {
             })
         } else if census.loads.is_empty() {
             Some(SkipReason::NoServingEndpoints)
-        } else if self.stats.cycles <= self.settle_through {
+        } else if self.stats.cycles <= self.settle_through && !shedding {
             Some(SkipReason::Settling)
         } else if spread.avg < params.thin_load {
             Some(SkipReason::ThinFeedback {

@@ -1735,3 +1735,49 @@ fn feed_forward_does_not_step_a_held_stalled_node_up() {
         weights(&b)
     );
 }
+
+/// A node that stalls just after a feed-forward step sheds its weight at once: the
+/// settling cycles after the step, and a load jump the stall itself makes, wait for
+/// queues to drain and loads to settle, and a stalled node's neither drains nor
+/// settles while it is kept.
+#[test]
+fn a_stall_just_after_a_feed_forward_step_is_shed_at_once() {
+    let mut b = fleet(
+        6,
+        Params {
+            grace_ms: 0,
+            ..Params::default()
+        },
+    );
+    let speeds = [0.6, 1.0, 1.0, 1.0, 1.5, 1.0];
+    let mut shed = Vec::new();
+    for c in 0..6u64 {
+        let now = c * 1000;
+        let w = weights(&b);
+        let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+        for (i, wi) in w.iter().enumerate() {
+            // The stall from the cycle after the step: n5's requests are held ten times
+            // longer and its CPU idles.
+            let o = if i == 5 && c >= 1 {
+                inflight_obs(0.02, (20.0 * wi).round() as u32)
+            } else {
+                inflight_obs(0.6 * (wi / mean_w) / speeds[i], (2.0 * wi).round() as u32)
+            };
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        let r = b.cycle(now).remove(0);
+        if c >= 1 {
+            shed.push((r.skipped, weights(&b)[5]));
+        }
+    }
+    let svc = b.service(SVC).expect("svc");
+    assert_eq!(svc.stats.feed_forward_steps, 1, "the step was taken");
+    // Each cycle of the stall halves n5's weight: no cycle waits.
+    for (skipped, w) in &shed {
+        assert_eq!(*skipped, None, "{shed:?}");
+        assert!(*w < 0.6, "{shed:?}");
+    }
+    assert!(shed[shed.len() - 1].1 < 0.05, "{shed:?}");
+    // The stall, not the step, moved the loads: the step stays.
+    assert_eq!(svc.stats.feed_forward_undone, 0);
+}
