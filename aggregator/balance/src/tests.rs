@@ -1553,9 +1553,9 @@ impl PointCounts {
 /// stalled verdict, with the others' shrink handed to the held node) the medians were
 /// a mean share of 1.0 % and a largest of 3.1 %, regrown in 13 cycles (at most 21);
 /// with the probe at half a request 0.68 % and 1.4 %, regrown in 20 (at most 42); with
-/// it at most 1 % of the requests, 0.68 % and 1.15 %, regrown in 21 (at most 27): a
-/// node that has recovered at a small weight waits for the evidence a stalled one
-/// would have given.
+/// it at most 1 % of the requests, 0.68 % and 1.15 %, regrown in 21 (at most 27); at
+/// most 0.6 %, 0.57 % and 0.69 %, regrown in 23 (at most 38): a node that has recovered
+/// at a small weight waits for the evidence a stalled one would have given.
 #[test]
 fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
     let n = 4;
@@ -1624,10 +1624,12 @@ fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
 /// it judged against the typical count itself; two such reports in a row with a request
 /// in flight have it shed at the shrink bound and held, at a probe of at most 1 % of
 /// the requests. Twenty seeded runs, judged by the medians of the stalled node's mean
-/// share of the weight from 10 to 19 cycles into the stall and from 20 on (the target
-/// is 2 % within 10 s): measured 1.2 % and 1.3 %; 3.5 % and 2.4 % when an idle-handed
-/// node shed in proportional steps and was held at half a request, and 62 % from 20
-/// cycles on without the idle-hands rule (the original share was 17 %).
+/// share of the weight from 10 to 19 cycles into the stall and from 20 on: measured
+/// 0.85 % and 0.61 %; 1.2 % and 1.3 % with the probe at 1 % of the requests, 3.5 % and
+/// 2.4 % when an idle-handed node shed in proportional steps and was held at half a
+/// request, and 62 % from 20 cycles on without the idle-hands rule (the original share
+/// was 17 %). The bound is 1 %, below the 2 % the stall target allows: a service's p99
+/// lets 1 % of its requests be slow, and a stalled node that keeps 1 % sets it.
 #[test]
 fn a_stalled_node_sheds_its_weight_at_a_low_request_rate() {
     let n = 6;
@@ -1671,9 +1673,9 @@ fn a_stalled_node_sheds_its_weight_at_a_low_request_rate() {
          cycles into the stall, {l:.4} from 20"
     );
     assert!(
-        e <= 0.02 && l <= 0.02,
-        "the stalled node kept {e:.3} of the weight from 10 cycles into the stall ({early:.3?}) \
-         and {l:.3} from 20 ({late:.3?})"
+        e <= 0.01 && l <= 0.01,
+        "the stalled node kept {e:.4} of the weight from 10 cycles into the stall ({early:.3?}) \
+         and {l:.4} from 20 ({late:.3?})"
     );
 }
 
