@@ -261,11 +261,30 @@ fn number(cell: &str, what: &str) -> f64 {
         .unwrap_or_else(|_| panic!("{what}: `{cell}` is not a figure"))
 }
 
-/// Whether a quote is the source's value rounded to the decimals the quote shows.
+/// Whether a quote is the source's value rounded to the decimals the quote shows. A
+/// source that sits exactly halfway between two quotes (1.425 for two decimals) is
+/// itself rounded from a value on either side, which its writer rounded to the quote
+/// from: either quote agrees.
 fn agrees(quoted: &str, source: f64) -> bool {
     let q = quoted.replace(',', "");
     let decimals = q.split_once('.').map_or(0, |(_, d)| d.len());
-    format!("{source:.decimals$}") == q
+    if format!("{source:.decimals$}") == q {
+        return true;
+    }
+    let half = 0.5 / 10f64.powi(i32::try_from(decimals).unwrap_or(i32::MAX));
+    q.parse::<f64>()
+        .is_ok_and(|v| ((v - source).abs() - half).abs() < half * 1e-6)
+}
+
+#[test]
+fn a_quote_agrees_when_it_rounds_the_source_and_either_way_on_a_tie() {
+    assert!(agrees("1.43", 1.4312));
+    assert!(!agrees("1.44", 1.4312));
+    // A table's 1.425 was rounded from a value on either side of it.
+    assert!(agrees("1.42", 1.425) && agrees("1.43", 1.425));
+    assert!(!agrees("1.41", 1.425) && !agrees("1.44", 1.425));
+    assert!(!agrees("1.42", 1.4251) && !agrees("1.43", 1.4249));
+    assert!(agrees("1,200", 1200.0) && !agrees("1,201", 1200.0));
 }
 
 /// The source's value as the source has it, and at the quote's precision if that
