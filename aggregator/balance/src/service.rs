@@ -551,8 +551,9 @@ impl Service {
         if !census.loads.is_empty() {
             self.remember_level(skipped, level);
         }
-        if shedding {
-            // What the loads say of the step is the stall's doing, not the step's.
+        if shedding && skipped.is_none() {
+            // What the loads say of the step is the stall's doing, not the step's. A
+            // cycle skipped for another reason leaves the judgment to the next update.
             self.feed_forward_undo = None;
         }
         self.update_weights(now, skipped, spread);
@@ -1321,8 +1322,9 @@ impl Service {
     /// estimate), put the old weights back and take no more steps for this service.
     /// While the hottest stepped node's in-flight term binds (its queue, built before
     /// the step, is still draining), the judgment waits, weights held, for at most
-    /// [`FEED_FORWARD_JUDGE_WAIT`] cycles. Returns whether it took this cycle's update
-    /// (an undo, or a wait).
+    /// [`FEED_FORWARD_JUDGE_WAIT`] cycles. A node that sheds as stalled in an update
+    /// before the judgment drops it (see [`Service::cycle`]): the stall moved the loads.
+    /// Returns whether it took this cycle's update (an undo, or a wait).
     fn undo_feed_forward(&mut self, max_over_avg: f64) -> bool {
         let Some(mut undo) = self.feed_forward_undo.take() else {
             return false;

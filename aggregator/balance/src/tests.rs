@@ -1622,7 +1622,7 @@ fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
 /// read below the average: the stalled node gained weight for as long as the stall
 /// lasted. Its idle hands (its count per unit of CPU fifty times the typical one) have
 /// it judged against the typical count itself; two such reports in a row with a request
-/// in flight have it shed at the shrink bound and held, at a probe of at most 1 % of
+/// in flight have it shed at the shrink bound and held, at a probe of at most 0.6 % of
 /// the requests. Twenty seeded runs, judged by the medians of the stalled node's mean
 /// share of the weight from 10 to 19 cycles into the stall and from 20 on: measured
 /// 0.85 % and 0.61 %; 1.2 % and 1.3 % with the probe at 1 % of the requests, 3.5 % and
