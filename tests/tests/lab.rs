@@ -430,18 +430,27 @@ fn lab_short() {
     // core), which at 86 % happens to more than 1 % of requests, at 60 % hardly ever.
     // The others' p99 measured 7.5–105 ms (the oracle's 7–13 ms), leastconn's 9–88 ms
     // and random(2)'s 40–178 ms in the same runs, quiet and beside a busy loop. The
-    // bound is 1.5× the oracle's, scaled by that 2.9, plus one period: a flooded stall
-    // (its 250 ms sleep) or the others mis-balanced (round robin's p99 reaches hundreds
-    // of ms) is beyond it, and the spread just above catches an uneven hand-over first.
-    // The full lab reports the 1.5× target itself.
-    let stalled_share = plan.quotas[d.backend] / plan.quotas.iter().sum::<f64>();
-    let tail = (1.0 - plan.utilization) / (1.0 - plan.utilization / (1.0 - stalled_share));
+    // bound is 1.5× the oracle's, scaled by that tail factor, plus one period: a flooded
+    // stall (its 250 ms sleep) or the others mis-balanced (round robin's p99 reaches
+    // hundreds of ms) is beyond it, and the spread just above catches an uneven
+    // hand-over first. The factor is taken from the utilizations measured in the two
+    // runs, not the planned ones: on this machine a request's cost drifts above its
+    // calibration as the lab goes on (the others at 96 % of their quotas instead of
+    // 86 %, evenly, in a run where their p99 was 169 ms), and at 96 % a queue's tail is
+    // 3.5 times what it is at 86 %. Their mean, not the highest: an uneven hand-over
+    // must not widen its own bound. Capped at 97 %, past which the bound would say
+    // nothing. The full lab reports the 1.5× target itself.
+    let util_cap = 0.97;
+    let tail = (1.0 - or.spread.avg.min(util_cap)) / (1.0 - d.others_spread.avg.min(util_cap));
     let period_ms = ballast_tests::lab::cgroup::PERIOD_US as f64 / 1000.0;
     assert!(
         d.others.p99_ms <= or.load.p99_ms * 1.5 * tail + period_ms,
-        "the other backends' p99 {:.0} ms during the stall, the oracle's {:.0} ms",
+        "the other backends' p99 {:.0} ms during the stall at {:.0} % of their quotas, the \
+         oracle's {:.0} ms at {:.0} %",
         d.others.p99_ms,
-        or.load.p99_ms
+        d.others_spread.avg * 100.0,
+        or.load.p99_ms,
+        or.spread.avg * 100.0
     );
 
     // 5. Drain, stop, restart, undrain: no request lost, none sent while drained, and

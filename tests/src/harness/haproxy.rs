@@ -18,6 +18,11 @@ use std::time::{Duration, Instant};
 pub const HAPROXY_BIN: &str = "/usr/sbin/haproxy";
 /// How long a start may take before the test fails.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// Connections HAProxy accepts at most, in all (`global`) and on its frontend
+/// (`defaults`, which would otherwise hold the frontend to a smaller figure of its own).
+/// It takes two descriptors a proxied connection; HAProxy raises its own descriptor
+/// limit to match.
+pub const MAXCONN: usize = 4096;
 
 /// The `srv_admin_state` bit HAProxy sets when an agent answers `drain`
 /// (`SRV_ADMF_DRAIN`-family flags: 0x08 forced drain, 0x10 inherited drain).
@@ -329,10 +334,11 @@ fn config_text(
         "# Written by the Ballast test harness.\n\
          global\n\
          \x20   stats socket {admin} mode 600 level admin\n\
-         \x20   maxconn 1024\n\
+         \x20   maxconn {maxconn}\n\
          \n\
          defaults\n\
          \x20   mode http\n\
+         \x20   maxconn {maxconn}\n\
          \x20   timeout connect 2s\n\
          \x20   timeout client 10s\n\
          \x20   timeout server 10s\n\
@@ -346,6 +352,7 @@ fn config_text(
          \x20   balance {balance}\n",
         admin = admin.display(),
         balance = opts.balance,
+        maxconn = MAXCONN,
     );
     for line in &opts.backend_lines {
         text.push_str(&format!("    {line}\n"));
