@@ -306,6 +306,9 @@ struct Poll {
     weight: Vec<f64>,
     trusted: Vec<bool>,
     estimate: Vec<serde_json::Value>,
+    /// The reported CPU and the load the aggregator steered by.
+    cpu: Vec<f64>,
+    load: Vec<f64>,
 }
 
 /// Pearson correlation of two series; NaN if either is constant.
@@ -394,6 +397,8 @@ fn endpoints_poll(agg: &Aggregator, backends: &[Backend]) -> Result<Poll, String
         weight: vec![f64::NAN; backends.len()],
         trusted: vec![true; backends.len()],
         estimate: vec![serde_json::Value::Null; backends.len()],
+        cpu: vec![f64::NAN; backends.len()],
+        load: vec![f64::NAN; backends.len()],
     };
     for (i, b) in backends.iter().enumerate() {
         let e = list
@@ -407,6 +412,8 @@ fn endpoints_poll(agg: &Aggregator, backends: &[Backend]) -> Result<Poll, String
             .as_bool()
             .ok_or_else(|| format!("{}: no inflight_estimate.trusted: {e}", b.name))?;
         poll.estimate[i] = e["inflight_estimate"].clone();
+        poll.cpu[i] = e["cpu"].as_f64().unwrap_or(f64::NAN);
+        poll.load[i] = e["load"].as_f64().unwrap_or(f64::NAN);
     }
     Ok(poll)
 }
@@ -894,6 +901,7 @@ fn scenario(source: Source, balance: Duration, end_window: Duration) -> Outcome 
          share of the calls started, second by second: {}\n\
          share of the weight, second by second: {}\n\
          smoothed count / ratio / binding, second by second: {}\n\
+         reported CPU / load against the mean load, second by second: {}\n\
          distrusted polls during the stall: {}\n",
         backends[STALLED].name,
         balance.as_secs_f64(),
@@ -915,6 +923,10 @@ fn scenario(source: Source, balance: Duration, end_window: Duration) -> Outcome 
                     "-"
                 }
             )
+        }),
+        by_second(&|p| {
+            let mean = p.load.iter().sum::<f64>() / p.load.len() as f64;
+            format!("{:.3}/{:.3}/{mean:.3}", p.cpu[STALLED], p.load[STALLED])
         }),
         distrusted_in_stall.len(),
     ));

@@ -85,7 +85,8 @@ pub(crate) const PROBE_COUNT: f64 = 0.5;
 /// service's p99 lets 1 % of its requests be slow: at 1 % a stalled node held at the
 /// probe set the p99 of the lab's low-rate run. The price is a slower return for a
 /// node that has recovered: regrown in 23 cycles (median of seeded runs) at 0.6 %
-/// against 19 at 1 %, and at 0.5 % one run in twenty had not regrown in 50.
+/// against 19 at 1 %, and at 0.5 % one run in twenty had not regrown in 50. (26 since a
+/// confirmed stall is brought to the probe in the first steps of its hold as well.)
 pub(crate) const PROBE_SHARE: f64 = 0.006;
 /// How far above the service's typical in-flight per unit of weight an endpoint must be
 /// before the in-flight term binds. Healthy endpoints of different speeds differ by
@@ -208,6 +209,10 @@ pub struct InflightTracker {
     /// Reports in a row that found a request in flight while the endpoint held its
     /// requests with idle hands and its term bound (see [`IDLE_HANDED_STREAK`]).
     idle_streak: u32,
+    /// The last assessment found the endpoint holding its requests with idle hands
+    /// (its count per unit of CPU [`IDLE_HANDED_RATIO`] times the typical one, its CPU
+    /// below the fleet's average load).
+    idle_handed: bool,
     /// A report has come since the last assessment: a cycle that finds none (a
     /// skipped step assesses the same report again) leaves the streak as it is.
     news: bool,
@@ -303,6 +308,13 @@ impl InflightTracker {
     /// a request in flight at each report, for [`IDLE_HANDED_STREAK`] reports in a row.
     pub(crate) fn idle_handed_beyond_doubt(&self) -> bool {
         self.idle_streak >= IDLE_HANDED_STREAK
+    }
+
+    /// Whether the last assessment found the endpoint holding its requests with idle
+    /// hands: its CPU does little for the requests it holds, however much it does for
+    /// the requests it receives.
+    pub(crate) fn idle_handed(&self) -> bool {
+        self.idle_handed
     }
 
     /// Forgets the streak of an endpoint that was not assessed (silent past its
@@ -523,6 +535,7 @@ pub(crate) fn assess_counted(
                     0
                 };
             }
+            tracker.idle_handed = idle_handed;
             let load = if trusted && binding { term } else { input.base };
             tracker.estimate = InflightEstimate {
                 derivation,

@@ -1554,8 +1554,10 @@ impl PointCounts {
 /// a mean share of 1.0 % and a largest of 3.1 %, regrown in 13 cycles (at most 21);
 /// with the probe at half a request 0.68 % and 1.4 %, regrown in 20 (at most 42); with
 /// it at most 1 % of the requests, 0.68 % and 1.15 %, regrown in 21 (at most 27); at
-/// most 0.6 %, 0.57 % and 0.69 %, regrown in 23 (at most 38): a node that has recovered
-/// at a small weight waits for the evidence a stalled one would have given.
+/// most 0.6 %, 0.57 % and 0.69 %, regrown in 23 (at most 38); brought down to that
+/// share in the first steps of a hold too, 0.54 % and 0.69 %, regrown in 26 (at most
+/// 38): a node that has recovered at a small weight waits for the evidence a stalled
+/// one would have given, and the smaller the weight the longer that takes.
 #[test]
 fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
     let n = 4;
@@ -1609,7 +1611,7 @@ fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
         "the stalled node's share of the weight: {summary}"
     );
     assert!(
-        regrown[regrown.len() / 2] <= 25 && regrown[regrown.len() - 1] <= 60,
+        regrown[regrown.len() / 2] <= 27 && regrown[regrown.len() - 1] <= 60,
         "the weight grows back to 0.8 too late after the stall: {summary}"
     );
 }
@@ -1625,7 +1627,8 @@ fn a_stalled_node_stays_down_though_its_small_count_often_reads_zero() {
 /// in flight have it shed at the shrink bound and held, at a probe of at most 0.6 % of
 /// the requests. Twenty seeded runs, judged by the medians of the stalled node's mean
 /// share of the weight from 10 to 19 cycles into the stall and from 20 on: measured
-/// 0.85 % and 0.61 %; 1.2 % and 1.3 % with the probe at 1 % of the requests, 3.5 % and
+/// 0.65 % and 0.57 %; 0.85 % and 0.61 % while a confirmed stall was left above the probe
+/// in the first steps of its hold; 1.2 % and 1.3 % with the probe at 1 %, 3.5 % and
 /// 2.4 % when an idle-handed node shed in proportional steps and was held at half a
 /// request, and 62 % from 20 cycles on without the idle-hands rule (the original share
 /// was 17 %). The bound is 1 %, below the 2 % the stall target allows: a service's p99
@@ -1782,4 +1785,91 @@ fn a_stall_just_after_a_feed_forward_step_is_shed_at_once() {
     assert!(shed[shed.len() - 1].1 < 0.05, "{shed:?}");
     // The stall, not the step, moved the loads: the step stays.
     assert_eq!(svc.stats.feed_forward_undone, 0);
+}
+
+/// A stalled node whose CPU still goes on what arrives: a gRPC server decodes each call,
+/// starts its handler and switches between the threads that wait, so at its old share
+/// of the calls its CPU stays at two thirds of the others' while it holds ten times
+/// their requests. That is above a quarter of the average, but its hands are idle for
+/// what it holds (its count per unit of CPU fifteen times the typical one): it sheds at
+/// the shrink bound from the cycle its count stands out, as one with no CPU at all
+/// does. Judged by its CPU alone it shed by a quarter a cycle until its CPU fell below
+/// the quarter (0.84, 0.61, 0.45, then halving).
+#[test]
+fn a_stalled_node_whose_cpu_goes_on_its_arrivals_sheds_at_the_bound() {
+    let mut b = fleet(
+        6,
+        Params {
+            grace_ms: 0,
+            ..Params::default()
+        },
+    );
+    let stall_from = 12u64;
+    let mut stalled = Vec::new();
+    for c in 0..stall_from + 6 {
+        let now = c * 1000;
+        let w = weights(&b);
+        let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+        for (i, wi) in w.iter().enumerate() {
+            let share = wi / mean_w;
+            let o = if i == 5 && c >= stall_from {
+                inflight_obs(0.6 * share * 2.0 / 3.0, (20.0 * wi).round() as u32)
+            } else {
+                inflight_obs(0.6 * share, (2.0 * wi).round() as u32)
+            };
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        b.cycle(now);
+        if c >= stall_from {
+            stalled.push(weights(&b)[5]);
+        }
+    }
+    // The count is smoothed: the first stalled report lifts it from 2 to 9.2, not yet
+    // three times the typical count. From the second on, each cycle halves the weight
+    // (normalisation hands the others' part back: a little above half).
+    for pair in stalled[1..].windows(2) {
+        assert!(pair[1] <= pair[0] * 0.56, "{stalled:?}");
+    }
+    assert!(stalled[stalled.len() - 1] < 0.05, "{stalled:?}");
+}
+
+/// A node confirmed stalled is trusted with the probe's share at most, from the first
+/// steps of its hold: a few reports that find nothing in flight at the weight its last
+/// verdict cut it to do not leave it there. Three reports of a stall (ten times the
+/// requests per unit of weight, idle CPU) cut n0 by half each; then three reports find
+/// nothing in flight, which a node still stalled at that weight (1.3 requests a report)
+/// gives one time in fifty, and far too few for the hold to let it go. Left where the
+/// last verdict cut it, it kept 3.3 % of the weight for those three steps; now it goes
+/// on falling, within the shrink bound, towards the probe's 0.6 % (3.5 %, 1.8 %, 1.0 %,
+/// 0.7 %).
+#[test]
+fn a_confirmed_stall_is_brought_to_the_probe_while_its_count_reads_nothing() {
+    let n = 4;
+    let mut b = fleet(n, params());
+    let mut after = Vec::new();
+    for c in 0..16u64 {
+        let now = c * 1000;
+        let w = weights(&b);
+        for (i, wi) in w.iter().enumerate() {
+            let o = match (i, c) {
+                (0, 10..=12) => inflight_obs(0.002, (10.0 * wi).round() as u32),
+                (0, 13..) => inflight_obs(0.002, 0),
+                _ => inflight_obs(0.3 * wi, wi.round() as u32),
+            };
+            b.observe(now, SVC, &format!("n{i}"), o).expect("observes");
+        }
+        b.cycle(now);
+        if c >= 12 {
+            let w = weights(&b);
+            after.push(w[0] / w.iter().sum::<f64>());
+        }
+    }
+    // Each held step moves the share down by up to the shrink bound (the weight lags
+    // the share by a cycle, and normalisation adds a little while the others' weights
+    // move), until it is the probe's.
+    let probe = inflight::PROBE_SHARE * 1.25;
+    for pair in after.windows(2) {
+        assert!(pair[1] <= (pair[0] * 0.65).max(probe), "{after:?}");
+    }
+    assert!(after[after.len() - 1] <= 0.008, "{after:?}");
 }
