@@ -321,6 +321,7 @@ impl InflightTracker {
     /// freshness): reports before a gap are not "in a row" with those after it.
     pub(crate) fn break_idle_streak(&mut self) {
         self.idle_streak = 0;
+        self.idle_handed = false;
     }
 
     /// Whether a report has come since the last assessment.

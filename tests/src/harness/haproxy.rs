@@ -18,11 +18,6 @@ use std::time::{Duration, Instant};
 pub const HAPROXY_BIN: &str = "/usr/sbin/haproxy";
 /// How long a start may take before the test fails.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
-/// Connections HAProxy accepts at most, in all (`global`) and on its frontend
-/// (`defaults`, which would otherwise hold the frontend to a smaller figure of its own).
-/// It takes two descriptors a proxied connection; HAProxy raises its own descriptor
-/// limit to match.
-pub const MAXCONN: usize = 4096;
 
 /// The `srv_admin_state` bit HAProxy sets when an agent answers `drain`
 /// (`SRV_ADMF_DRAIN`-family flags: 0x08 forced drain, 0x10 inherited drain).
@@ -48,6 +43,11 @@ pub struct HaproxyOpts {
     /// `agent-send "SERVICE NAME\n"` on every server, naming it to an agent-check
     /// responder that answers for many (the aggregator's): the service's name.
     pub agent_send: Option<String>,
+    /// `maxconn` in `global`: connections accepted at most (the frontend's limit too,
+    /// which defaults to it). Each proxied connection takes two descriptors, and HAProxy
+    /// (with `strict-limits`, its default since 2.4) refuses to start when it cannot
+    /// raise its descriptor limit that far: within the hard limit of the process.
+    pub maxconn: usize,
 }
 
 impl Default for HaproxyOpts {
@@ -59,6 +59,7 @@ impl Default for HaproxyOpts {
             balance: "roundrobin".to_string(),
             backend_lines: Vec::new(),
             agent_send: None,
+            maxconn: 1024,
         }
     }
 }
@@ -338,7 +339,6 @@ fn config_text(
          \n\
          defaults\n\
          \x20   mode http\n\
-         \x20   maxconn {maxconn}\n\
          \x20   timeout connect 2s\n\
          \x20   timeout client 10s\n\
          \x20   timeout server 10s\n\
@@ -352,7 +352,7 @@ fn config_text(
          \x20   balance {balance}\n",
         admin = admin.display(),
         balance = opts.balance,
-        maxconn = MAXCONN,
+        maxconn = opts.maxconn,
     );
     for line in &opts.backend_lines {
         text.push_str(&format!("    {line}\n"));

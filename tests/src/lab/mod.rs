@@ -40,7 +40,7 @@ pub mod sampler;
 
 use crate::harness::agent::{Agent, AgentOpts};
 use crate::harness::aggregator::{Aggregator, AggregatorOpts};
-use crate::harness::haproxy::{Haproxy, HaproxyOpts, MAXCONN, OP_RUNNING};
+use crate::harness::haproxy::{Haproxy, HaproxyOpts, OP_RUNNING};
 use crate::harness::pki::Pki;
 use crate::harness::ports::free_tcp;
 use crate::harness::process::{command, Proc};
@@ -77,7 +77,49 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// a bound of 1,000). 3,000 holds the pile-up of a fleet a third slower than calibrated
 /// (1,600).
 const MAX_OUTSTANDING: usize = 3000;
-const _: () = assert!(MAX_OUTSTANDING < MAXCONN);
+/// HAProxy's `maxconn` in the lab: above [`MAX_OUTSTANDING`], with room for the
+/// agent-checks, health checks and the runtime API.
+const HAPROXY_MAXCONN: usize = 4096;
+const _: () = assert!(MAX_OUTSTANDING + 64 < HAPROXY_MAXCONN);
+/// Descriptors the lab needs: HAProxy two per connection it accepts, and the
+/// generator, in the test's own process, one per request outstanding.
+const NOFILE_NEEDED: u64 = 2 * HAPROXY_MAXCONN as u64 + 256;
+
+/// Raises this process's soft descriptor limit to `needed` (HAProxy and the generator
+/// inherit or share it), or says why it cannot: the hard limit is below it.
+fn raise_nofile(needed: u64) -> Result<(), String> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit for getrlimit to fill in.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(format!(
+            "getrlimit(RLIMIT_NOFILE): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if lim.rlim_cur >= needed {
+        return Ok(());
+    }
+    if lim.rlim_max < needed {
+        return Err(format!(
+            "the lab needs {needed} file descriptors (HAProxy's maxconn {HAPROXY_MAXCONN}, two \
+             each, and {MAX_OUTSTANDING} requests outstanding), and the hard limit is {}: \
+             raise it (ulimit -Hn) before running the lab",
+            lim.rlim_max
+        ));
+    }
+    lim.rlim_cur = needed;
+    // SAFETY: `lim` is a valid rlimit, its soft value within its hard one.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(format!(
+            "setrlimit(RLIMIT_NOFILE, {needed}): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
 /// The window of the windowed max/avg column.
 const WINDOW_S: f64 = 5.0;
 /// The window of the convergence check: short, so that the time it finds is not
@@ -400,6 +442,17 @@ pub struct Convergence {
     pub within_noise: NoiseBand,
 }
 
+/// The utilization of a group of backends' capacity, from each one's utilization of
+/// its quota and the quota: their work over their capacity, 0 without capacity.
+pub fn capacity_util(util_and_quota: impl Iterator<Item = (f64, f64)>) -> f64 {
+    let (work, capacity) = util_and_quota.fold((0.0, 0.0), |(w, c), (u, q)| (w + u * q, c + q));
+    if capacity > 0.0 {
+        work / capacity
+    } else {
+        0.0
+    }
+}
+
 /// Convergence against the oracle's worst window of the same run.
 #[derive(Debug, Clone)]
 pub struct NoiseBand {
@@ -444,6 +497,9 @@ pub struct Degraded {
     /// How evenly the other backends were used from the reaction time on: their mean
     /// utilizations' spread.
     pub others_spread: Spread,
+    /// The other backends' utilization of their capacity from the reaction time on:
+    /// their work over their quotas, summed (what the balancer cannot shift).
+    pub others_util: f64,
     /// Latency of every request due from the reaction time on: what the service's
     /// clients saw, the stalled backend's answers included.
     pub all: Summary,
@@ -839,6 +895,7 @@ fn host_line() -> String {
 /// process and cgroup it made is gone when it returns or unwinds.
 pub fn run(plan: &Plan) -> LabResult {
     crate::harness::haproxy::require_haproxy();
+    raise_nofile(NOFILE_NEEDED).unwrap_or_else(|e| panic!("{e}"));
     let host = host_line();
     let started = Instant::now();
     let layout = Layout::detect(Path::new(cgroup::ROOT)).unwrap_or_else(|e| panic!("{e}"));
@@ -893,6 +950,7 @@ pub fn run(plan: &Plan) -> LabResult {
         &servers,
         &HaproxyOpts {
             agent_inter_ms: plan.agent_inter_ms,
+            maxconn: HAPROXY_MAXCONN,
             ..HaproxyOpts::default()
         },
     );
@@ -912,6 +970,7 @@ pub fn run(plan: &Plan) -> LabResult {
                 &HaproxyOpts {
                     agent_inter_ms: plan.agent_inter_ms,
                     balance: (*balance).to_string(),
+                    maxconn: HAPROXY_MAXCONN,
                     ..HaproxyOpts::default()
                 },
             );
@@ -1338,6 +1397,14 @@ fn degraded_of(
                 .filter(|(j, _)| *j != k)
                 .map(|(_, u)| *u)
                 .collect::<Vec<_>>(),
+        ),
+        others_util: capacity_util(
+            util_late
+                .iter()
+                .zip(&plan.quotas)
+                .enumerate()
+                .filter(|(j, _)| *j != k)
+                .map(|(_, (u, q))| (*u, *q)),
         ),
         others: summarize(
             run.window(late, end)

@@ -440,7 +440,9 @@ fn degraded_io(sc: &ScenarioSummary) -> String {
          With the shipped agents (no capacity) the core compares each endpoint's smoothed \
          in-flight count per unit of weight, and per unit of CPU, with the fleet's typical \
          values and judges a node stalled once both stand out by more than 3× while its \
-         CPU idles: the stalled node holds its requests many times longer than a healthy \
+         hands idle (its CPU below a quarter of the fleet's average, or its count per \
+         unit of CPU nine times the typical one): the stalled node holds its requests \
+         many times longer than a healthy \
          one, so its weight falls at the shrink bound and is held down until its count \
          could have shown otherwise ({}). It settles where its count keeps it; {} With \
          a configured capacity of 32 the \
