@@ -545,7 +545,7 @@ impl Service {
         // step (its settling cycles, and its judgment while a queue drains) give way
         // to its shedding. Asked only while one of them may apply, as walking every
         // endpoint costs.
-        let waits = self.stats.cycles <= self.settle_through || self.feed_forward_undo.is_some();
+        let waits = self.settling() || self.feed_forward_undo.is_some();
         let shedding = waits && self.any_sheds(now, spread.avg);
         let skipped = self.skip_reason(now, grace_until, &census, spread, level, shedding);
         if !census.loads.is_empty() {
@@ -657,6 +657,12 @@ impl Service {
         }
     }
 
+    /// Whether this cycle is within the settling cycles of a feed-forward step, during
+    /// which the weights are held ([`FEED_FORWARD_SETTLE`]).
+    fn settling(&self) -> bool {
+        self.stats.cycles <= self.settle_through
+    }
+
     /// Whether a fresh serving endpoint is stalled and sheds its weight at the bound
     /// (see [`sheds_at_bound`]) against the average load `avg`.
     fn any_sheds(&self, now: Millis, avg: f64) -> bool {
@@ -699,7 +705,7 @@ impl Service {
             })
         } else if census.loads.is_empty() {
             Some(SkipReason::NoServingEndpoints)
-        } else if self.stats.cycles <= self.settle_through && !shedding {
+        } else if self.settling() && !shedding {
             Some(SkipReason::Settling)
         } else if spread.avg < params.thin_load {
             Some(SkipReason::ThinFeedback {
