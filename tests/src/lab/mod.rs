@@ -547,6 +547,9 @@ pub struct NeighbourResult {
     /// The p99 of the requests the backend itself served in the steady window, ms:
     /// Ballast greedy, Ballast niced, leastconn greedy.
     pub own_p99_ms: [f64; 3],
+    /// The p99 of the requests the other backends served in the steady window, ms, in
+    /// the same order.
+    pub others_p99_ms: [f64; 3],
     /// The same with the niced neighbour (`nice -n 19`).
     pub niced: (f64, Summary),
     /// The same under HAProxy's leastconn, with the greedy neighbour.
@@ -1624,13 +1627,15 @@ fn analyse(
                 plan.ballast.0.as_secs_f64(),
             );
             let of = |run: &LoadRun| (share(run, name, w0, w1), summarize(run.window(w0, w1)));
-            let own = |run: &LoadRun| {
+            let p99_where = |run: &LoadRun, own: bool| {
                 summarize(
                     run.window(w0, w1)
-                        .filter(|o| o.backend.as_deref() == Some(name)),
+                        .filter(|o| (o.backend.as_deref() == Some(name)) == own),
                 )
                 .p99_ms
             };
+            let own = |run: &LoadRun| p99_where(run, true);
+            let others = |run: &LoadRun| p99_where(run, false);
             NeighbourResult {
                 backend: k,
                 available,
@@ -1640,6 +1645,7 @@ fn analyse(
                 niced: of(&niced),
                 leastconn: of(&lc),
                 own_p99_ms: [own(&greedy), own(&niced), own(&lc)],
+                others_p99_ms: [others(&greedy), others(&niced), others(&lc)],
             }
         });
 
