@@ -23,7 +23,8 @@
 //!
 //! 10. a busy loop in the largest backend's cgroup, niced and then greedy: under its
 //!     quota either takes about half the backend's capacity, and the service's tail
-//!     under Ballast is no worse than under leastconn beside the greedy one.
+//!     under Ballast is no worse than under leastconn beside the greedy one, within one
+//!     quota period.
 //!
 //! A second test makes a run fail part way (a stall the backend refuses) and checks that
 //! the lab's processes (backends, HAProxy, agents, aggregator) and cgroups are gone after
