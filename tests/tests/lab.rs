@@ -314,7 +314,7 @@ fn lab_short() {
         .expect("the short plan has the neighbour runs");
     eprintln!(
         "neighbour: available {:.2} fair {:.4} base {:.4} ballast greedy {:.4} p99 {:.1} niced \
-         {:.4} p99 {:.1} leastconn greedy {:.4} p99 {:.1} own p99 {:?} others' p99 {:?}",
+         {:.4} p99 {:.1} leastconn greedy {:.4} p99 {:.1} own p99 {:?} others' p99 {:?} slow by backend {:?}",
         n.available,
         n.fair_share,
         n.base_share,
@@ -325,7 +325,8 @@ fn lab_short() {
         n.leastconn.0,
         n.leastconn.1.p99_ms,
         n.own_p99_ms,
-        n.others_p99_ms
+        n.others_p99_ms,
+        n.slow_by_backend
     );
 
     // Better balanced than what users would pick instead, in the same run: leastconn

@@ -550,6 +550,9 @@ pub struct NeighbourResult {
     /// The p99 of the requests the other backends served in the steady window, ms, in
     /// the same order.
     pub others_p99_ms: [f64; 3],
+    /// The requests of the steady window slower than [`SLOW_MS`], by the backend that
+    /// answered them, in the same order: where a tail came from.
+    pub slow_by_backend: [BTreeMap<String, u64>; 3],
     /// The same with the niced neighbour (`nice -n 19`).
     pub niced: (f64, Summary),
     /// The same under HAProxy's leastconn, with the greedy neighbour.
@@ -1636,6 +1639,9 @@ fn analyse(
             };
             let own = |run: &LoadRun| p99_where(run, true);
             let others = |run: &LoadRun| p99_where(run, false);
+            let slow = |run: &LoadRun| {
+                summarize(run.window(w0, w1).filter(|o| o.latency_ms > SLOW_MS)).by_backend
+            };
             NeighbourResult {
                 backend: k,
                 available,
@@ -1646,6 +1652,7 @@ fn analyse(
                 leastconn: of(&lc),
                 own_p99_ms: [own(&greedy), own(&niced), own(&lc)],
                 others_p99_ms: [others(&greedy), others(&niced), others(&lc)],
+                slow_by_backend: [slow(&greedy), slow(&niced), slow(&lc)],
             }
         });
 
