@@ -23,8 +23,8 @@
 //!
 //! 10. a busy loop in the largest backend's cgroup, niced and then greedy: under its
 //!     quota either takes about half the backend's capacity, and the service's tail
-//!     under Ballast is no worse than under leastconn beside the greedy one, within one
-//!     quota period.
+//!     under Ballast is no longer than under leastconn beside the greedy one by more than
+//!     one quota period.
 //!
 //! A second test makes a run fail part way (a stall the backend refuses) and checks that
 //! the lab's processes (backends, HAProxy, agents, aggregator) and cgroups are gone after
@@ -314,7 +314,8 @@ fn lab_short() {
         .expect("the short plan has the neighbour runs");
     eprintln!(
         "neighbour: available {:.2} fair {:.4} base {:.4} ballast greedy {:.4} p99 {:.1} niced \
-         {:.4} p99 {:.1} leastconn greedy {:.4} p99 {:.1} own p99 {:?} others' p99 {:?} slow by backend {:?}",
+         {:.4} p99 {:.1} leastconn greedy {:.4} p99 {:.1} own p99 {:?} others' p99 {:?} \
+         slow by backend {:?}",
         n.available,
         n.fair_share,
         n.base_share,
@@ -485,29 +486,30 @@ fn lab_short() {
     // 10. A busy loop in the largest backend's cgroup takes about half its quota, greedy
     //     or niced alike (on the other core a niced loop spends the quota as fast as
     //     any, and the group waits for the next period). The service's tail is then no
-    //     worse under Ballast than under leastconn in the same run, beside the greedy
-    //     loop, within one quota period. Ballast takes that backend's traffic away (the
-    //     loop holds its cgroup's CPU at the quota; the capacity left to it is not
+    //     longer under Ballast than under leastconn in the same run, beside the greedy
+    //     loop, by more than one quota period. Ballast takes that backend's traffic away
+    //     (the loop holds its cgroup's CPU at the quota; the capacity left to it is not
     //     measured, so it keeps less than its fair share, which the full lab reports);
-    //     leastconn keeps about half of it and the backend's queue sets the tail. Both
-    //     leave it a few per cent of the requests, some of which wait for its next
-    //     period, and whether those few land above the service's p99 moves that p99 by
-    //     up to a period between runs of the same share: the period is the margin.
+    //     leastconn keeps about half of it and the backend's queue sets the tail. Every
+    //     backend runs under a quota, the crowded one throttled in most periods: the
+    //     requests around the service's p99 are ones that waited for their backend's
+    //     next period, and which of them land above it moves the p99 by up to a period
+    //     between runs alike. The period is the margin; a tail of another order fails.
     //     Measured (service p99, Ballast greedy / niced against leastconn, ms): 12 / 43.5
-    //     / 66, 27 / 25 / 65, 11 / 29 / 61, 32 / 51 / 67, and 50 / 97 / 69 in a suite
-    //     run where the niced run kept 7.7 % (leastconn 8.2 %) and the other backends'
-    //     answers, not web-6's (77 ms), set the 97. It catches tails of another order:
-    //     in one run the greedy run's other backends answered 1 % of the requests after
-    //     2.1 s (bound 172 ms; the cause was not found), and an earlier core that read
-    //     the niced loop's time as idle whatever the quota left the backend 19 % of the
-    //     requests and the service's p99 at 361 ms. (The agent reading it so under
-    //     today's core left the backend 3.3 and 0.6 % in two runs, p99 50 and 11 ms.)
-    let bound = n.leastconn.1.p99_ms + period_ms;
+    //     / 66, 27 / 25 / 65, 11 / 29 / 61, 32 / 51 / 67, 14 / 31 / 77, and 50 / 97 / 69
+    //     in a suite run (docs/reliability.md). In one run the greedy run's other
+    //     backends answered 1 % of the requests after 2.1 s (the cause was not found),
+    //     and this check failed it (bound 172 ms). An earlier core that read the niced
+    //     loop's time as idle whatever the quota left the crowded backend 19 % of the
+    //     requests and the service's p99 at 361 ms; the agent reading it so under
+    //     today's core left it 3.3 and 0.6 % in two runs, p99 50 and 11 ms, which pass.
+    let tail_bound = n.leastconn.1.p99_ms + period_ms;
     for (what, p99) in [("greedy", n.ballast.1.p99_ms), ("niced", n.niced.1.p99_ms)] {
         assert!(
-            p99 <= bound,
+            p99 <= tail_bound,
             "with a {what} neighbour in {}'s cgroup the service's p99 under Ballast was \
-             {p99:.0} ms, leastconn's {:.0} ms (bound {bound:.0} ms: one quota period more)",
+             {p99:.0} ms, leastconn's {:.0} ms (bound {tail_bound:.0} ms: one quota period \
+             more)",
             r.names[n.backend],
             n.leastconn.1.p99_ms
         );

@@ -522,8 +522,9 @@ pub struct Restart {
     pub slow_by_backend: BTreeMap<String, u64>,
 }
 
-/// What the restart run counts as a slow request, ms: about ten times the oracle's p99
-/// at the planned load (7–13 ms here), far above any backend's own time at that load.
+/// What the restart and neighbour runs count as a slow request, ms: about ten times the
+/// oracle's p99 at the planned load (7–13 ms here), far above any backend's own time at
+/// that load.
 pub const SLOW_MS: f64 = 100.0;
 
 /// What a CPU-bound neighbour in one backend's cgroup did to its share.
@@ -544,6 +545,10 @@ pub struct NeighbourResult {
     /// Under Ballast with the greedy neighbour: its share of new requests in the steady
     /// window, and the service's latency there.
     pub ballast: (f64, Summary),
+    /// The same with the niced neighbour (`nice -n 19`).
+    pub niced: (f64, Summary),
+    /// The same under HAProxy's leastconn, with the greedy neighbour.
+    pub leastconn: (f64, Summary),
     /// The p99 of the requests the backend itself served in the steady window, ms:
     /// Ballast greedy, Ballast niced, leastconn greedy.
     pub own_p99_ms: [f64; 3],
@@ -553,10 +558,6 @@ pub struct NeighbourResult {
     /// The requests of the steady window slower than [`SLOW_MS`], by the backend that
     /// answered them, in the same order: where a tail came from.
     pub slow_by_backend: [BTreeMap<String, u64>; 3],
-    /// The same with the niced neighbour (`nice -n 19`).
-    pub niced: (f64, Summary),
-    /// The same under HAProxy's leastconn, with the greedy neighbour.
-    pub leastconn: (f64, Summary),
 }
 
 /// A CPU-bound process in a backend's cgroup: a shell busy loop at niceness `nice`,
