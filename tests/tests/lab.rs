@@ -24,7 +24,10 @@
 //! 10. a busy loop in the largest backend's cgroup, niced and then greedy: under its
 //!     quota either takes about half the backend's capacity, and the service's tail
 //!     under Ballast is no longer than under leastconn beside the greedy one by more than
-//!     one quota period.
+//!     one quota period;
+//! 11. the same greedy loop in a sibling cgroup under the backend's quota (a batch unit
+//!     in the service's slice): the backend keeps at least half of its fair share of
+//!     the capacity left, and not more than 1.25 times it.
 //!
 //! A second test makes a run fail part way (a stall the backend refuses) and checks that
 //! the lab's processes (backends, HAProxy, agents, aggregator) and cgroups are gone after
@@ -315,7 +318,8 @@ fn lab_short() {
     eprintln!(
         "neighbour: available {:.2} fair {:.4} base {:.4} ballast greedy {:.4} p99 {:.1} niced \
          {:.4} p99 {:.1} leastconn greedy {:.4} p99 {:.1} own p99 {:?} others' p99 {:?} \
-         slow by backend {:?}",
+         slow by backend {:?}; sibling: available {:.2} fair {:.4} ballast {:.4} p99 {:.1} own p99 \
+         {:.1}",
         n.available,
         n.fair_share,
         n.base_share,
@@ -327,7 +331,12 @@ fn lab_short() {
         n.leastconn.1.p99_ms,
         n.own_p99_ms,
         n.others_p99_ms,
-        n.slow_by_backend
+        n.slow_by_backend,
+        n.sibling.available,
+        n.sibling.fair_share,
+        n.sibling.ballast.0,
+        n.sibling.ballast.1.p99_ms,
+        n.sibling.own_p99_ms,
     );
 
     // Better balanced than what users would pick instead, in the same run: leastconn
@@ -514,6 +523,29 @@ fn lab_short() {
             n.leastconn.1.p99_ms
         );
     }
+
+    // 11. The loop in a sibling cgroup under the same quota: the scheduler splits the
+    //     quota between the two cgroups by their weights, and the agent, reading the
+    //     service's own cgroup, counts on what the sibling leaves it. The target is
+    //     0.75–1.25 of the backend's fair share of the capacity left (what it served
+    //     saturated beside the loop, in the same run), which the full lab reports.
+    //     Measured × 0.90 and × 0.71 in two runs: the crowded backend's requests also
+    //     wait for its quota's next period, and a latency above the fleet's takes some
+    //     of its weight through the in-flight term. The bound here is 0.5–1.25: it
+    //     fails the reading over the whole quota with the sibling's use not counted
+    //     (measured × 0.02: the service's usage alone reads low, but its requests
+    //     queue behind the sibling's half, and the in-flight term drives it to the
+    //     floor), and a backend handed more than its capacity.
+    let sib = &n.sibling;
+    let ratio = sib.ballast.0 / sib.fair_share;
+    assert!(
+        (0.5..=1.25).contains(&ratio),
+        "with a greedy neighbour in a sibling cgroup under {}'s quota its share of new \
+         requests was {:.1} %, × {ratio:.2} its fair share of {:.1} % (bound 0.5–1.25)",
+        r.names[n.backend],
+        sib.ballast.0 * 100.0,
+        sib.fair_share * 100.0
+    );
 }
 
 /// The lab's own checks on a run: the scenario happened as planned on this machine.

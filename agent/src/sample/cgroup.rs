@@ -20,6 +20,7 @@ use std::path::{Component, Path, PathBuf};
 use std::time::Instant;
 
 use super::niced::NicedTime;
+use super::siblings::{QuotaLevel, Siblings};
 use super::{read_file, CpuSource, SampleError};
 
 /// Where cgroupfs is normally mounted.
@@ -289,6 +290,8 @@ pub struct CgroupCpu {
     niced: NicedTime,
     /// The throttling counters of each level with a quota at the last sample.
     throttling: Vec<Throttling>,
+    /// Other cgroups under a parent's quota, which take their share of it.
+    siblings: Siblings,
     prev: Option<(u64, Instant)>,
 }
 
@@ -321,6 +324,7 @@ impl CgroupCpu {
             spec: spec.trim().to_string(),
             niced: NicedTime::new(proc_root, &group),
             throttling: Vec::new(),
+            siblings: Siblings::default(),
             paths,
             online_cpus: if online_cpus.is_finite() && online_cpus > 0.0 {
                 online_cpus
@@ -343,14 +347,16 @@ impl CgroupCpu {
     /// root, and never more than the online CPUs. Read every sample because quotas are
     /// changed at runtime (container resizes).
     pub fn cores(&self) -> Result<f64, SampleError> {
-        Ok(self.quota_now()?.0)
+        Ok(self.quota_levels()?.0)
     }
 
-    /// [`Self::cores`], and the throttling counters (`nr_periods`, `nr_throttled`) of
-    /// each level with a quota, by its index in the quota directories: `None` where
-    /// they cannot be read.
-    fn quota_now(&self) -> Result<(f64, Vec<Throttling>), SampleError> {
+    /// [`Self::cores`]; the throttling counters (`nr_periods`, `nr_throttled`) of each
+    /// level with a quota, by its index in the quota directories, `None` where they
+    /// cannot be read; and the index of the level whose quota binds (the tightest, if
+    /// below the online CPUs).
+    fn quota_levels(&self) -> Result<(f64, Vec<Throttling>, Option<usize>), SampleError> {
         let mut cores = self.online_cpus;
+        let mut binding = None;
         let mut throttling = Vec::new();
         for (level, dir) in self.paths.quota_dirs.iter().enumerate() {
             let limit = match self.paths.version {
@@ -373,14 +379,41 @@ impl CgroupCpu {
                 }
             };
             if let Some(limit) = limit {
-                cores = cores.min(limit);
+                if limit < cores {
+                    cores = limit;
+                    binding = Some(level);
+                }
                 let counters = std::fs::read_to_string(dir.join("cpu.stat"))
                     .ok()
                     .and_then(|t| parse_throttling(&t));
                 throttling.push((level, counters));
             }
         }
-        Ok((cores, throttling))
+        Ok((cores, throttling, binding))
+    }
+
+    /// The cgroup holding the quota at `level` of the quota directories, if it is a
+    /// parent of the service's (level 0 is the service's own cgroup), with the same
+    /// cgroup on the usage side: its other children share the quota with the service.
+    fn quota_level(&self, level: usize) -> Option<QuotaLevel> {
+        if level == 0 {
+            return None;
+        }
+        let dirs = &self.paths.quota_dirs;
+        let usage_dirs: Vec<&Path> = self.paths.usage_file.parent()?.ancestors().collect();
+        // Both sides must name the same cgroups from the service's up to the level (v1
+        // mounts `cpu` and `cpuacct` apart; they mirror one tree).
+        for j in 0..level {
+            if dirs.get(j)?.file_name()? != usage_dirs.get(j)?.file_name()? {
+                return None;
+            }
+        }
+        Some(QuotaLevel {
+            version: self.paths.version,
+            weights_dir: dirs.get(level)?.clone(),
+            usage_dir: usage_dirs.get(level)?.to_path_buf(),
+            own: dirs.get(level - 1)?.file_name()?.to_os_string(),
+        })
     }
 
     /// The share of the periods since the last call in which the cgroup was throttled,
@@ -427,9 +460,16 @@ impl CgroupCpu {
     /// [`CpuSource::sample`] with an explicit clock, so tests need not sleep.
     fn sample_at(&mut self, now: Instant) -> Result<Option<f64>, SampleError> {
         let usage = self.usage_ns()?;
-        let (cores, throttling) = self.quota_now()?;
+        let (cores, throttling, binding) = self.quota_levels()?;
         let niced = self.niced.since_last();
         let throttled = self.throttled_share(throttling);
+        // What the siblings under a parent's quota leave the service; on the first
+        // sample their baseline.
+        let since = self.prev.map_or(0.0, |(_, at)| {
+            now.saturating_duration_since(at).as_secs_f64()
+        });
+        let level = binding.and_then(|k| self.quota_level(k));
+        let left = self.siblings.left(level.as_ref(), cores, since);
         let Some((prev_usage, prev_at)) = self.prev else {
             self.prev = Some((usage, now));
             return Ok(None);
@@ -447,7 +487,7 @@ impl CgroupCpu {
         // Niced time read at whole ticks may exceed the counter's delta by a tick.
         let idle = (niced as f64 * (1.0 - throttled)) as u64;
         let used = used.saturating_sub(idle);
-        Ok(Some(used as f64 / 1e9 / (wall * cores)))
+        Ok(Some(used as f64 / 1e9 / (wall * left)))
     }
 }
 
@@ -719,6 +759,120 @@ mod tests {
         write(&root.join("cpu/ballast"), "cpu.cfs_period_us", "100000\n");
         let src = CgroupCpu::open_at(root, "ballast/web1", 4.0).unwrap();
         assert!(close(src.cores().unwrap(), 0.5));
+    }
+
+    /// A v1 split host whose quota, 0.3 cores, is on the parent `ballast`, over the
+    /// service's `ballast/web1` and a sibling `ballast/batch` of weight `batch_shares`.
+    fn v1_shared_quota(root: &Path, batch_shares: &str) {
+        v1_split(root, "-1", 0);
+        write(&root.join("cpu/ballast"), "cpu.cfs_quota_us", "30000\n");
+        write(&root.join("cpu/ballast"), "cpu.cfs_period_us", "100000\n");
+        write(&root.join("cpu/ballast/web1"), "cpu.shares", "1024\n");
+        write(&root.join("cpu/ballast/batch"), "cpu.shares", batch_shares);
+        set_usage(root, "cpuacct/ballast/batch", 0);
+    }
+
+    fn set_usage(root: &Path, group: &str, usage_ns: u64) {
+        write(&root.join(group), "cpuacct.usage", &format!("{usage_ns}\n"));
+    }
+
+    #[test]
+    fn a_greedy_sibling_under_a_parent_quota_leaves_the_service_its_weighted_half() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_shared_quota(root, "1024\n");
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        let t = Instant::now();
+        assert_eq!(src.sample_at(t).unwrap(), None);
+        // The service used 0.1 cores, the batch job the other 0.2 of the quota: half of
+        // the 0.3 is the service's to count on, and it used two thirds of it.
+        set_v1_usage(root, 100_000_000);
+        set_usage(root, "cpuacct/ballast/batch", 200_000_000);
+        let u = src.sample_at(t + Duration::from_secs(1)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.15), "{u}");
+        // The batch job idle: the whole quota is the service's again.
+        set_v1_usage(root, 200_000_000);
+        let u = src.sample_at(t + Duration::from_secs(2)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.3), "{u}");
+    }
+
+    #[test]
+    fn a_sibling_of_low_weight_takes_only_its_weighted_share() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_shared_quota(root, "102\n");
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        let u = util_over_one_second(&mut src, || {
+            set_v1_usage(root, 100_000_000);
+            set_usage(root, "cpuacct/ballast/batch", 200_000_000);
+        });
+        let left = 0.3 - 0.3 * 102.0 / 1126.0;
+        assert!(close(u, 0.1 / left), "{u} against {}", 0.1 / left);
+    }
+
+    #[test]
+    fn siblings_of_a_cgroup_with_its_own_binding_quota_do_not_count() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_shared_quota(root, "1024\n");
+        // web1's own 0.2 binds before the parent's 0.3: the batch job's use is the
+        // parent's business.
+        write(
+            &root.join("cpu/ballast/web1"),
+            "cpu.cfs_quota_us",
+            "20000\n",
+        );
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        let u = util_over_one_second(&mut src, || {
+            set_v1_usage(root, 100_000_000);
+            set_usage(root, "cpuacct/ballast/batch", 200_000_000);
+        });
+        assert!(close(u, 0.5), "{u}");
+    }
+
+    #[test]
+    fn a_sibling_that_appears_counts_from_its_second_reading_and_one_that_goes_is_dropped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_shared_quota(root, "1024\n");
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        let t = Instant::now();
+        src.sample_at(t).unwrap();
+        // A new sibling with a large counter: no baseline yet, so it takes nothing.
+        write(&root.join("cpu/ballast/late"), "cpu.shares", "1024\n");
+        set_usage(root, "cpuacct/ballast/late", 9_000_000_000);
+        set_v1_usage(root, 100_000_000);
+        let u = src.sample_at(t + Duration::from_secs(1)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.3), "{u}");
+        set_usage(root, "cpuacct/ballast/late", 9_200_000_000);
+        set_v1_usage(root, 200_000_000);
+        let u = src.sample_at(t + Duration::from_secs(2)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.15), "{u}");
+        // Both siblings removed: nothing left to take the quota.
+        fs::remove_dir_all(root.join("cpu/ballast/late")).unwrap();
+        fs::remove_dir_all(root.join("cpu/ballast/batch")).unwrap();
+        set_v1_usage(root, 300_000_000);
+        let u = src.sample_at(t + Duration::from_secs(3)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.3), "{u}");
+    }
+
+    #[test]
+    fn v2_siblings_share_a_parent_quota_by_cpu_weight() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v2(root, "max 100000", 0);
+        write(&root.join("ballast"), "cpu.max", "30000 100000\n");
+        write(&root.join("ballast"), "cpu.stat", "usage_usec 0\n");
+        write(&root.join("ballast/web1"), "cpu.weight", "100\n");
+        let batch = root.join("ballast/batch");
+        write(&batch, "cpu.weight", "100\n");
+        write(&batch, "cpu.stat", "usage_usec 0\n");
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        let u = util_over_one_second(&mut src, || {
+            v2(root, "max 100000", 100_000);
+            write(&batch, "cpu.stat", "usage_usec 200000\n");
+        });
+        assert!(close(u, 0.1 / 0.15), "{u}");
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod niced;
 pub mod probe;
 pub mod process;
 pub mod prometheus;
+mod siblings;
 pub mod synthetic;
 pub mod tcp;
 

@@ -558,6 +558,21 @@ pub struct NeighbourResult {
     /// The requests of the steady window slower than [`SLOW_MS`], by the backend that
     /// answered them, in the same order: where a tail came from.
     pub slow_by_backend: [BTreeMap<String, u64>; 3],
+    /// The greedy loop in the backend's sibling cgroup instead, under the same quota.
+    pub sibling: SiblingResult,
+}
+
+/// A greedy neighbour in a sibling cgroup under the backend's quota, under Ballast.
+#[derive(Debug, Clone)]
+pub struct SiblingResult {
+    /// What the backend served saturated beside it, over what it served alone.
+    pub available: f64,
+    /// Its fair share of the requests with that capacity.
+    pub fair_share: f64,
+    /// Its share of new requests in the steady window, and the service's latency there.
+    pub ballast: (f64, Summary),
+    /// The p99 of the requests it served itself there, ms.
+    pub own_p99_ms: f64,
 }
 
 /// A CPU-bound process in a backend's cgroup: a shell busy loop at niceness `nice`,
@@ -659,12 +674,16 @@ impl LabResult {
     }
 }
 
-/// One backend process and its cgroup.
+/// One backend process and its cgroups: the quota is on `group`, and the backend runs
+/// in its child `svc`, beside an empty sibling `batch` that the sibling neighbour run
+/// fills (a slice with the service's unit and a batch unit under one `CPUQuota=`).
 struct Backend {
     name: String,
     addr: SocketAddr,
     agent_check: SocketAddr,
     group: Group,
+    svc: Group,
+    batch: Group,
     proc: Option<Proc>,
 }
 
@@ -711,7 +730,7 @@ fn spawn_backend(
         .args(["--rounds", &rounds.to_string()]);
     let proc = Proc::spawn(cmd, &b.name, &logs.join(format!("{}.log", b.name)), 20);
     cgroups
-        .attach(&b.group, proc.pid())
+        .attach(&b.svc, proc.pid())
         .unwrap_or_else(|e| panic!("{}: {e}", b.name));
     b.proc = Some(proc);
     let url = format!("http://{}/healthz", b.addr);
@@ -928,11 +947,19 @@ pub fn run(plan: &Plan) -> LabResult {
         let group = cgroups
             .add(&name, Some(*q))
             .unwrap_or_else(|e| panic!("{e}"));
+        let mut child = |c: &str| {
+            cgroups
+                .add(&format!("{name}/{c}"), None)
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (svc, batch) = (child("svc"), child("batch"));
         backends.push(Backend {
             name,
             addr: SocketAddr::from(([127, 0, 0, 1], free_tcp())),
             agent_check: SocketAddr::from(([127, 0, 0, 1], free_tcp())),
             group,
+            svc,
+            batch,
             proc: None,
         });
     }
@@ -1063,7 +1090,8 @@ pub fn run(plan: &Plan) -> LabResult {
                 let mut o = AgentOpts::new(SERVICE, &b.name)
                     .agent_check(b.agent_check)
                     .inflight_tcp(b.addr.port());
-                o.cpu = format!("cgroup:{}", b.group.spec);
+                // The service's own cgroup: the agent finds the quota on its parent.
+                o.cpu = format!("cgroup:{}", b.svc.spec);
                 match plan.capacity {
                     Some(c) => o.capacity = c,
                     None => o.default_capacity = true,
@@ -1203,30 +1231,42 @@ pub fn run(plan: &Plan) -> LabResult {
         let neighbour_secs = |len: Duration| len.as_secs() + 30;
         let mut neighbour_runs = Vec::new();
         let mut available_rate = 0.0;
+        let mut sibling_run = None;
         if let Some((len, _)) = plan.neighbour {
             // Niced first, from the balanced state run 5 left: what the loop alone does
             // to the share, not what is left of the greedy run.
-            let niced = Neighbour::start(&cgroups, &backends[k].group, 19, neighbour_secs(len));
+            let niced = Neighbour::start(&cgroups, &backends[k].svc, 19, neighbour_secs(len));
             let h = open_loop(frontend, Mode::Open { rate }, len);
             let niced_run = h.join().expect("the niced neighbour's run");
             drop(niced);
-            let greedy = Neighbour::start(&cgroups, &backends[k].group, 0, neighbour_secs(len));
-            let h = load::spawn(LoadSpec {
-                target: stalled_addr,
-                path: "/work".into(),
-                mode: Mode::Closed { concurrency: 3 },
-                duration: plan.calibrate,
-                max_requests: 1_000_000,
-                timeout: REQUEST_TIMEOUT,
-                max_outstanding: MAX_OUTSTANDING,
-            })
-            .expect("the neighbour's calibration load");
-            let s = summarize(&h.join().expect("the neighbour's calibration").outcomes);
-            available_rate = s.ok as f64 / plan.calibrate.as_secs_f64();
+            // What the backend serves saturated beside a neighbour, straight to it (the
+            // calibration's closed loop): the capacity the neighbour leaves it.
+            let saturated = || {
+                let h = load::spawn(LoadSpec {
+                    target: stalled_addr,
+                    path: "/work".into(),
+                    mode: Mode::Closed { concurrency: 3 },
+                    duration: plan.calibrate,
+                    max_requests: 1_000_000,
+                    timeout: REQUEST_TIMEOUT,
+                    max_outstanding: MAX_OUTSTANDING,
+                })
+                .expect("the neighbour's calibration load");
+                let s = summarize(&h.join().expect("the neighbour's calibration").outcomes);
+                s.ok as f64 / plan.calibrate.as_secs_f64()
+            };
+            let greedy = Neighbour::start(&cgroups, &backends[k].svc, 0, neighbour_secs(len));
+            available_rate = saturated();
             let h = open_loop(frontend, Mode::Open { rate }, len);
             neighbour_runs.push(h.join().expect("the greedy neighbour's run"));
             neighbour_runs.push(niced_run);
             drop(greedy);
+            // The same loop in the sibling cgroup, under the same quota.
+            let sibling = Neighbour::start(&cgroups, &backends[k].batch, 0, neighbour_secs(len));
+            let sibling_rate = saturated();
+            let h = open_loop(frontend, Mode::Open { rate }, len);
+            sibling_run = Some((sibling_rate, h.join().expect("the sibling neighbour's run")));
+            drop(sibling);
             eprintln!(
                 "neighbour runs done at {:.0} s ({} with a greedy neighbour: {available_rate:.0} \
                  req/s saturated)",
@@ -1266,7 +1306,7 @@ pub fn run(plan: &Plan) -> LabResult {
                 .find(|(_, (name, _))| *name == "leastconn")
                 .expect("leastconn is a peer");
             wait_all_up(&peers[i], &names, "leastconn");
-            let greedy = Neighbour::start(&cgroups, &backends[k].group, 0, neighbour_secs(len));
+            let greedy = Neighbour::start(&cgroups, &backends[k].svc, 0, neighbour_secs(len));
             let h = open_loop(peers[i].frontend(), Mode::Open { rate }, len);
             neighbour_runs.push(h.join().expect("leastconn's neighbour run"));
             drop(greedy);
@@ -1274,7 +1314,8 @@ pub fn run(plan: &Plan) -> LabResult {
         }
         let neighbour = <[LoadRun; 3]>::try_from(neighbour_runs)
             .ok()
-            .map(|runs| (k, available_rate, runs));
+            .zip(sibling_run)
+            .map(|(runs, sibling)| (k, available_rate, runs, sibling));
 
         // One more sample, so that the last run's tail is measured.
         std::thread::sleep(plan.sample_every + Duration::from_millis(100));
@@ -1315,11 +1356,14 @@ struct Raw {
     peer_stalled: Vec<f64>,
     /// The restarted backend and run 5's marks.
     restart: (usize, [f64; 5]),
-    /// The neighbour runs: the backend, its saturated rate with the greedy neighbour,
-    /// and Ballast's greedy and niced runs and leastconn's greedy run.
-    neighbour: Option<(usize, f64, [LoadRun; 3])>,
+    neighbour: Option<NeighbourRuns>,
     samples: Vec<Sample>,
 }
+
+/// The neighbour runs: the backend, its saturated rate with the greedy neighbour,
+/// Ballast's greedy and niced runs and leastconn's greedy run, and the saturated rate
+/// and Ballast's run with the greedy neighbour in the sibling cgroup.
+type NeighbourRuns = (usize, f64, [LoadRun; 3], (f64, LoadRun));
 
 fn since(epoch: Instant, t: Instant) -> f64 {
     t.saturating_duration_since(epoch).as_secs_f64()
@@ -1614,15 +1658,18 @@ fn analyse(
             .by_backend,
     };
 
-    let neighbour = raw
-        .neighbour
-        .map(|(k, available_rate, [greedy, niced, lc])| {
+    let neighbour = raw.neighbour.map(
+        |(k, available_rate, [greedy, niced, lc], (sibling_rate, sibling))| {
             let (len, settle) = plan.neighbour.unwrap_or_default();
             let (w0, w1) = (settle.as_secs_f64(), len.as_secs_f64());
             let name = names[k].as_str();
-            let available = available_rate / calibration.saturated[k].max(1e-9);
-            let left = calibration.capacity[k] * available;
-            let fair_share = left / (calibration.total - calibration.capacity[k] + left).max(1e-9);
+            let fair = |rate: f64| {
+                let available = rate / calibration.saturated[k].max(1e-9);
+                let left = calibration.capacity[k] * available;
+                let share = left / (calibration.total - calibration.capacity[k] + left).max(1e-9);
+                (available, share)
+            };
+            let (available, fair_share) = fair(available_rate);
             let (_, run3) = &raw.runs[2];
             let base_share = share(
                 run3,
@@ -1654,8 +1701,18 @@ fn analyse(
                 own_p99_ms: [own(&greedy), own(&niced), own(&lc)],
                 others_p99_ms: [others(&greedy), others(&niced), others(&lc)],
                 slow_by_backend: [slow(&greedy), slow(&niced), slow(&lc)],
+                sibling: {
+                    let (available, fair_share) = fair(sibling_rate);
+                    SiblingResult {
+                        available,
+                        fair_share,
+                        ballast: of(&sibling),
+                        own_p99_ms: own(&sibling),
+                    }
+                },
             }
-        });
+        },
+    );
 
     LabResult {
         plan: plan.clone(),

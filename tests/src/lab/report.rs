@@ -152,6 +152,20 @@ pub fn targets(r: &LabResult) -> Vec<Target> {
             ),
             met: (lo..=hi).contains(&ratio),
         });
+        let sib = &n.sibling;
+        let ratio = sib.ballast.0 / sib.fair_share.max(1e-9);
+        out.push(Target {
+            what: format!(
+                "a greedy neighbour in a sibling cgroup under the backend's quota: its share \
+                 {lo}–{hi}× its fair share of the capacity left"
+            ),
+            measured: format!(
+                "{:.1} % against {:.1} % (× {ratio:.2})",
+                sib.ballast.0 * 100.0,
+                sib.fair_share * 100.0,
+            ),
+            met: (lo..=hi).contains(&ratio),
+        });
         let change = n.niced.0 / n.base_share.max(1e-9) - 1.0;
         out.push(Target {
             what: format!(
@@ -466,7 +480,9 @@ pub fn markdown(r: &LabResult, headline: Option<&str>, command: &str, when: &str
         "- **Machine:** {}; {} at the end. cgroup {}. The backends' quotas add up to one \
          core; the other is left to HAProxy, the generator and Ballast. The lab's parent \
          cgroup has ten times the default CPU weight, so that other work on the machine \
-         does not eat into the quotas being measured.\n\
+         does not eat into the quotas being measured. Each backend runs in a child `svc` \
+         of the cgroup that holds its quota, beside an empty sibling `batch` (section \
+         10 fills one).\n\
          - **Work:** every request burns {} rounds of SipHash (calibrated to {} ms of \
          CPU in the lab's own process), on the request's own task; with the HTTP \
          handling, a request costs what the table says.\n\
@@ -481,7 +497,7 @@ pub fn markdown(r: &LabResult, headline: Option<&str>, command: &str, when: &str
          sets the oracle's with `set weight`); from run 3 on it is enabled.\n\
          - **Ballast:** the shipped defaults. The aggregator runs its default cycle ({} \
          ms) and tells the agents its default report interval ({} ms); each agent runs \
-         with `--cpu cgroup:ballast-lab-PID/web-N --inflight tcp:PORT` (the in-flight \
+         with `--cpu cgroup:ballast-lab-PID/web-N/svc --inflight tcp:PORT` (the in-flight \
          source a service port gives by default) and no `--capacity` (the agent's \
          default, {}).\n\
          - **Measurement:** every {:.0} s the lab reads each backend's cgroup CPU \
@@ -938,12 +954,22 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          nice or not, and the whole group then waits for the next period, so under a \
          quota it is as greedy as the first (read as idle regardless, it left the \
          backend most of its share, and the backend's requests waiting hundreds of ms).\n\n\
+         The same loop in a sibling cgroup instead, under the same quota: {name} runs \
+         in a child cgroup of the one that holds its quota, beside an empty sibling (a \
+         slice with the service's unit and a batch unit under one `CPUQuota=`, a pod \
+         with a sidecar), and the loop runs there last. The scheduler splits a contended \
+         quota between the two cgroups by their weights, and the agent, reading the \
+         service's cgroup, counts on the quota less what the sibling takes of its \
+         share. Beside the loop so placed, {name} served {:.0} % of what it served \
+         alone: its fair share is **{:.1} %**.\n\n\
          | balancer | neighbour | {name}'s share of new requests | against its fair share \
          | service p99 ms | {name}'s own p99 ms |\n|---|---|---|---|---|---|",
         n.available * 100.0,
         n.fair_share * 100.0,
         len.as_secs_f64(),
         settle.as_secs_f64(),
+        n.sibling.available * 100.0,
+        n.sibling.fair_share * 100.0,
     );
     let fair = |share: f64| format!("× {:.2}", share / n.fair_share.max(1e-9));
     let _ = writeln!(
@@ -983,6 +1009,16 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
             lat.p99_ms
         );
     }
+    let sib = &n.sibling;
+    let _ = writeln!(
+        out,
+        "| Ballast, shipped defaults | greedy, in a sibling cgroup | {:.1} % | × {:.2} | {:.0} \
+         | {:.0} |",
+        sib.ballast.0 * 100.0,
+        sib.ballast.0 / sib.fair_share.max(1e-9),
+        sib.ballast.1.p99_ms,
+        sib.own_p99_ms
+    );
     let _ = writeln!(out);
 }
 
