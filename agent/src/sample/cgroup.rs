@@ -270,6 +270,10 @@ pub(crate) fn parse_cpu_list(text: &str) -> Option<usize> {
 /// `nr_throttled` (`None`: unreadable).
 type Throttling = (usize, Option<(u64, u64)>);
 
+/// What [`CgroupCpu::quota_levels`] reads: the cores the cgroup may use, each quota
+/// level's throttling counters, and the nearest parent quota (level, cores).
+type QuotaLevels = (f64, Vec<Throttling>, Option<(usize, f64)>);
+
 /// A cgroup's CPU utilization: CPU time used over wall time × the cores its quota allows.
 ///
 /// Not clamped at 1: a cgroup with burst allowance (or one read a little late) can use
@@ -352,11 +356,11 @@ impl CgroupCpu {
 
     /// [`Self::cores`]; the throttling counters (`nr_periods`, `nr_throttled`) of each
     /// level with a quota, by its index in the quota directories, `None` where they
-    /// cannot be read; and the index of the level whose quota binds (the tightest, if
-    /// below the online CPUs).
-    fn quota_levels(&self) -> Result<(f64, Vec<Throttling>, Option<usize>), SampleError> {
+    /// cannot be read; and the nearest parent level with a quota (index, and the quota
+    /// in cores, at most the online CPUs), whose other children share it.
+    fn quota_levels(&self) -> Result<QuotaLevels, SampleError> {
         let mut cores = self.online_cpus;
-        let mut binding = None;
+        let mut shared = None;
         let mut throttling = Vec::new();
         for (level, dir) in self.paths.quota_dirs.iter().enumerate() {
             let limit = match self.paths.version {
@@ -379,9 +383,9 @@ impl CgroupCpu {
                 }
             };
             if let Some(limit) = limit {
-                if limit < cores {
-                    cores = limit;
-                    binding = Some(level);
+                cores = cores.min(limit);
+                if level > 0 && shared.is_none() {
+                    shared = Some((level, limit.min(self.online_cpus)));
                 }
                 let counters = std::fs::read_to_string(dir.join("cpu.stat"))
                     .ok()
@@ -389,17 +393,26 @@ impl CgroupCpu {
                 throttling.push((level, counters));
             }
         }
-        Ok((cores, throttling, binding))
+        Ok((cores, throttling, shared))
     }
 
     /// The cgroup holding the quota at `level` of the quota directories, if it is a
     /// parent of the service's (level 0 is the service's own cgroup), with the same
     /// cgroup on the usage side: its other children share the quota with the service.
+    /// `None` in v2 where the parent does not delegate the `cpu` controller to its
+    /// children: the scheduler then splits the quota between threads, not cgroups, and
+    /// the siblings are not told apart from the service.
     fn quota_level(&self, level: usize) -> Option<QuotaLevel> {
         if level == 0 {
             return None;
         }
         let dirs = &self.paths.quota_dirs;
+        if self.paths.version == CgroupVersion::V2 {
+            let control = std::fs::read_to_string(dirs.get(level)?.join("cgroup.subtree_control"));
+            if !control.is_ok_and(|c| c.split_whitespace().any(|x| x == "cpu")) {
+                return None;
+            }
+        }
         let usage_dirs: Vec<&Path> = self.paths.usage_file.parent()?.ancestors().collect();
         // Both sides must name the same cgroups from the service's up to the level (v1
         // mounts `cpu` and `cpuacct` apart; they mirror one tree).
@@ -460,7 +473,7 @@ impl CgroupCpu {
     /// [`CpuSource::sample`] with an explicit clock, so tests need not sleep.
     fn sample_at(&mut self, now: Instant) -> Result<Option<f64>, SampleError> {
         let usage = self.usage_ns()?;
-        let (cores, throttling, binding) = self.quota_levels()?;
+        let (cores, throttling, shared) = self.quota_levels()?;
         let niced = self.niced.since_last();
         let throttled = self.throttled_share(throttling);
         // What the siblings under a parent's quota leave the service; on the first
@@ -468,8 +481,13 @@ impl CgroupCpu {
         let since = self.prev.map_or(0.0, |(_, at)| {
             now.saturating_duration_since(at).as_secs_f64()
         });
-        let level = binding.and_then(|k| self.quota_level(k));
-        let left = self.siblings.left(level.as_ref(), cores, since);
+        let left = match shared {
+            Some((k, quota)) => {
+                let level = self.quota_level(k);
+                self.siblings.left(level.as_ref(), quota, since).min(cores)
+            }
+            None => self.siblings.left(None, cores, since),
+        };
         let Some((prev_usage, prev_at)) = self.prev else {
             self.prev = Some((usage, now));
             return Ok(None);
@@ -811,23 +829,34 @@ mod tests {
     }
 
     #[test]
-    fn siblings_of_a_cgroup_with_its_own_binding_quota_do_not_count() {
+    fn a_cgroup_s_own_quota_and_its_share_of_the_parent_s_bind_whichever_is_smaller() {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path();
         v1_shared_quota(root, "1024\n");
-        // web1's own 0.2 binds before the parent's 0.3: the batch job's use is the
-        // parent's business.
+        // web1's own 0.2 is above the 0.15 the greedy batch job leaves of the parent's
+        // 0.3: the 0.15 binds.
         write(
             &root.join("cpu/ballast/web1"),
             "cpu.cfs_quota_us",
             "20000\n",
         );
         let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
-        let u = util_over_one_second(&mut src, || {
-            set_v1_usage(root, 100_000_000);
-            set_usage(root, "cpuacct/ballast/batch", 200_000_000);
-        });
-        assert!(close(u, 0.5), "{u}");
+        let t = Instant::now();
+        src.sample_at(t).unwrap();
+        set_v1_usage(root, 100_000_000);
+        set_usage(root, "cpuacct/ballast/batch", 200_000_000);
+        let u = src.sample_at(t + Duration::from_secs(1)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.15), "{u}");
+        // Its own 0.1 binds below that.
+        write(
+            &root.join("cpu/ballast/web1"),
+            "cpu.cfs_quota_us",
+            "10000\n",
+        );
+        set_v1_usage(root, 150_000_000);
+        set_usage(root, "cpuacct/ballast/batch", 400_000_000);
+        let u = src.sample_at(t + Duration::from_secs(2)).unwrap().unwrap();
+        assert!(close(u, 0.05 / 0.1), "{u}");
     }
 
     #[test]
@@ -863,6 +892,11 @@ mod tests {
         v2(root, "max 100000", 0);
         write(&root.join("ballast"), "cpu.max", "30000 100000\n");
         write(&root.join("ballast"), "cpu.stat", "usage_usec 0\n");
+        write(
+            &root.join("ballast"),
+            "cgroup.subtree_control",
+            "cpu memory\n",
+        );
         write(&root.join("ballast/web1"), "cpu.weight", "100\n");
         let batch = root.join("ballast/batch");
         write(&batch, "cpu.weight", "100\n");
@@ -873,6 +907,30 @@ mod tests {
             write(&batch, "cpu.stat", "usage_usec 200000\n");
         });
         assert!(close(u, 0.1 / 0.15), "{u}");
+        // Without the cpu controller delegated to the children the scheduler splits the
+        // quota by thread: the siblings are not told apart, the quota is read whole.
+        write(&root.join("ballast"), "cgroup.subtree_control", "memory\n");
+        let t = Instant::now() + Duration::from_secs(5);
+        src.sample_at(t).unwrap();
+        v2(root, "max 100000", 200_000);
+        write(&batch, "cpu.stat", "usage_usec 400000\n");
+        let u = src.sample_at(t + Duration::from_secs(1)).unwrap().unwrap();
+        assert!(close(u, 0.1 / 0.3), "{u}");
+    }
+
+    #[test]
+    fn an_idle_class_sibling_takes_only_the_smallest_weighted_share() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        v1_shared_quota(root, "1024\n");
+        write(&root.join("cpu/ballast/batch"), "cpu.idle", "1\n");
+        let mut src = CgroupCpu::open_at(root, "ballast/web1", 2.0).unwrap();
+        let u = util_over_one_second(&mut src, || {
+            set_v1_usage(root, 100_000_000);
+            set_usage(root, "cpuacct/ballast/batch", 200_000_000);
+        });
+        let left = 0.3 - 0.3 * 2.0 / 1026.0;
+        assert!(close(u, 0.1 / left), "{u}");
     }
 
     #[test]

@@ -1,16 +1,17 @@
 //! What other cgroups under the same quota leave the service.
 //!
 //! A quota set on a parent cgroup is shared by everything below it: a systemd slice
-//! with `CPUQuota=` holding the service's unit and a log shipper's, a pod whose limit
-//! covers the service's container and a sidecar's. When the service's own cgroup has no
+//! with `CPUQuota=` holding the service's unit and a log shipper's, a pod with a
+//! pod-level limit over containers without limits of their own. When the service's own cgroup has no
 //! quota of its own, the agent divides its usage by the parent's quota, and a sibling
 //! that takes the rest of that quota (a batch job, a busy sidecar) leaves the reading
 //! low while the service is starved of CPU: its requests queue, and only the in-flight
 //! count shows it.
 //!
 //! The scheduler splits a contended parent between its children by their weights
-//! (`cpu.shares` in v1, `cpu.weight` in v2; equal by default), and each child keeps at
-//! most what it uses. So what the service can count on is the quota less what each
+//! (`cpu.shares` in v1, `cpu.weight` in v2 where the parent delegates the `cpu`
+//! controller to them; equal by default, the smallest for an idle-class group), and
+//! each child keeps at most what it uses. So what the service can count on is the quota less what each
 //! sibling takes, where a sibling takes what it uses up to its weighted share of the
 //! quota against the service's branch and the other busy siblings:
 //!
@@ -23,9 +24,13 @@
 //! carries, neither the whole quota's (its requests would queue) nor none (the greedy
 //! neighbour's usage read as the service's, which drives its weight to the floor).
 //!
-//! Only the level of the quota that binds is split this way, among the children of the
-//! cgroup that holds it. Processes in the service's own cgroup share it by task, not by
-//! cgroup, and are not told apart here (their niced time is, [`super::niced`]).
+//! Only the nearest parent with a quota is split this way, among its children, and the
+//! service's own quota binds where it is smaller. Each busy sibling's weight counts in
+//! full, even where one uses less than its share and leaves the rest to the others: the
+//! service is then counted on for a little more than it can get (its reading a little
+//! low), never for the whole quota as before siblings were counted. Processes in the service's own cgroup share it by
+//! task, not by cgroup, and are not told apart here (their niced time is,
+//! [`super::niced`]); nor are processes attached to the parent itself (v1).
 
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -180,12 +185,17 @@ fn usage_ns(version: CgroupVersion, dir: &Path) -> Option<u64> {
 }
 
 /// A cgroup's scheduling weight, its version's default where unreadable or out of the
-/// kernel's range.
+/// kernel's range, and its smallest where the group is idle-class (`cpu.idle` 1,
+/// systemd's `CPUWeight=idle`), which yields to every other.
 fn weight(version: CgroupVersion, dir: &Path) -> f64 {
     let (file, default, range) = match version {
         CgroupVersion::V1 => ("cpu.shares", V1_DEFAULT_WEIGHT, 2.0..=262_144.0),
         CgroupVersion::V2 => ("cpu.weight", V2_DEFAULT_WEIGHT, 1.0..=10_000.0),
     };
+    let idle = std::fs::read_to_string(dir.join("cpu.idle")).is_ok_and(|t| t.trim() == "1");
+    if idle {
+        return *range.start();
+    }
     std::fs::read_to_string(dir.join(file))
         .ok()
         .and_then(|t| t.trim().parse::<f64>().ok())

@@ -199,9 +199,22 @@ impl Cgroups {
         &self.layout
     }
 
-    /// Adds a group with a quota of `cores` (`None`: unlimited).
+    /// Adds a group with a quota of `cores` (`None`: unlimited). A name with a `/` is a
+    /// child of a group added before; in v2 its parent then delegates the cpu
+    /// controller to it, so that the scheduler splits the parent's quota between its
+    /// children by their weights, as in v1.
     pub fn add(&mut self, name: &str, cores: Option<f64>) -> Result<Group, CgroupError> {
         let spec = format!("{}/{name}", self.parent);
+        if let (Layout::V2 { root }, Some((up, _))) = (&self.layout, name.rsplit_once('/')) {
+            let ctl = root
+                .join(&self.parent)
+                .join(up)
+                .join("cgroup.subtree_control");
+            let now = std::fs::read_to_string(&ctl).map_err(io("read", &ctl))?;
+            if !now.split_whitespace().any(|c| c == "cpu") {
+                write(&ctl, "+cpu")?;
+            }
+        }
         let dirs: Vec<PathBuf> = self
             .layout
             .hierarchies()

@@ -940,8 +940,8 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
     let _ = writeln!(
         out,
         "### 10. A neighbour in a backend's cgroup\n\n\
-         A shell busy loop joins {name}'s cgroup, as a sidecar, a log shipper or a batch \
-         job would, and shares its quota. Straight to {name} with nothing else (the \
+         A shell busy loop joins the cgroup {name} runs in, as a sidecar, a log shipper \
+         or a batch job would, and shares its quota. Straight to {name} with nothing else (the \
          calibration's closed loop), it served {:.0} % of what it served alone: its fair \
          share of the requests with the capacity left is **{:.1} %** (the fleet's \
          capacity left divided among the backends as it is left). Ballast's agent on \
@@ -956,8 +956,8 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          backend most of its share, and the backend's requests waiting hundreds of ms).\n\n\
          The same loop in a sibling cgroup instead, under the same quota: {name} runs \
          in a child cgroup of the one that holds its quota, beside an empty sibling (a \
-         slice with the service's unit and a batch unit under one `CPUQuota=`, a pod \
-         with a sidecar), and the loop runs there last. The scheduler splits a contended \
+         slice with the service's unit and a batch unit under one `CPUQuota=`), and the \
+         loop runs there after the greedy run. The scheduler splits a contended \
          quota between the two cgroups by their weights, and the agent, reading the \
          service's cgroup, counts on the quota less what the sibling takes of its \
          share. Beside the loop so placed, {name} served {:.0} % of what it served \
