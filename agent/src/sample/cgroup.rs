@@ -457,17 +457,7 @@ impl CgroupCpu {
 
     /// Cumulative CPU time of the cgroup, in nanoseconds.
     fn usage_ns(&self) -> Result<u64, SampleError> {
-        let file = &self.paths.usage_file;
-        let text = read_file(file)?;
-        match self.paths.version {
-            CgroupVersion::V1 => text
-                .trim()
-                .parse::<u64>()
-                .map_err(|_| parse_err(file, format!("bad usage {:?}", text.trim()))),
-            CgroupVersion::V2 => parse_v2_usage_usec(&text)
-                .map(|us| us.saturating_mul(1000))
-                .ok_or_else(|| parse_err(file, "no usage_usec line")),
-        }
+        usage_ns_in(self.paths.version, &self.paths.usage_file)
     }
 
     /// [`CpuSource::sample`] with an explicit clock, so tests need not sleep.
@@ -506,6 +496,29 @@ impl CgroupCpu {
         let idle = (niced as f64 * (1.0 - throttled)) as u64;
         let used = used.saturating_sub(idle);
         Ok(Some(used as f64 / 1e9 / (wall * left)))
+    }
+}
+
+/// The file a cgroup's cumulative CPU time is read from.
+pub(crate) fn usage_file_name(version: CgroupVersion) -> &'static str {
+    match version {
+        CgroupVersion::V1 => "cpuacct.usage",
+        CgroupVersion::V2 => "cpu.stat",
+    }
+}
+
+/// Cumulative CPU time in nanoseconds from `file`, a v1 `cpuacct.usage` or a v2
+/// `cpu.stat`.
+pub(crate) fn usage_ns_in(version: CgroupVersion, file: &Path) -> Result<u64, SampleError> {
+    let text = read_file(file)?;
+    match version {
+        CgroupVersion::V1 => text
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| parse_err(file, format!("bad usage {:?}", text.trim()))),
+        CgroupVersion::V2 => parse_v2_usage_usec(&text)
+            .map(|us| us.saturating_mul(1000))
+            .ok_or_else(|| parse_err(file, "no usage_usec line")),
     }
 }
 

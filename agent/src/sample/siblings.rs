@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use super::cgroup::{parse_v2_usage_usec, CgroupVersion};
+use super::cgroup::{usage_file_name, usage_ns_in, CgroupVersion};
 
 /// Sibling cgroups read at most per sample: a parent with more children (a whole
 /// slice of a large host) has the rest ignored, which reads the service as it was
@@ -158,7 +158,11 @@ fn read_siblings(level: &QuotaLevel) -> Reading {
             continue;
         }
         // A sibling that vanished or cannot be read is left out: it takes nothing.
-        if let Some(usage) = usage_ns(level.version, &level.usage_dir.join(&name)) {
+        let file = level
+            .usage_dir
+            .join(&name)
+            .join(usage_file_name(level.version));
+        if let Ok(usage) = usage_ns_in(level.version, &file) {
             let w = weight(level.version, &entry.path());
             siblings.push((name, usage, w));
         }
@@ -166,21 +170,6 @@ fn read_siblings(level: &QuotaLevel) -> Reading {
     Reading {
         own_weight,
         siblings,
-    }
-}
-
-/// A cgroup's cumulative CPU time in nanoseconds, `None` where unreadable.
-fn usage_ns(version: CgroupVersion, dir: &Path) -> Option<u64> {
-    match version {
-        CgroupVersion::V1 => std::fs::read_to_string(dir.join("cpuacct.usage"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok(),
-        CgroupVersion::V2 => std::fs::read_to_string(dir.join("cpu.stat"))
-            .ok()
-            .and_then(|t| parse_v2_usage_usec(&t))
-            .map(|us| us.saturating_mul(1000)),
     }
 }
 

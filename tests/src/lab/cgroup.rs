@@ -178,16 +178,8 @@ impl Cgroups {
             Layout::V1 { .. } => write(&pdir.join("cpu.shares"), &V1_SHARES.to_string())?,
             Layout::V2 { root } => {
                 // The cpu controller must be delegated down to the groups.
-                let want = |dir: &Path| -> Result<(), CgroupError> {
-                    let ctl = dir.join("cgroup.subtree_control");
-                    let now = std::fs::read_to_string(&ctl).map_err(io("read", &ctl))?;
-                    if now.split_whitespace().any(|c| c == "cpu") {
-                        return Ok(());
-                    }
-                    write(&ctl, "+cpu")
-                };
-                want(root)?;
-                want(&pdir)?;
+                delegate_cpu(root)?;
+                delegate_cpu(&pdir)?;
                 write(&pdir.join("cpu.weight"), &V2_WEIGHT.to_string())?;
             }
         }
@@ -206,14 +198,7 @@ impl Cgroups {
     pub fn add(&mut self, name: &str, cores: Option<f64>) -> Result<Group, CgroupError> {
         let spec = format!("{}/{name}", self.parent);
         if let (Layout::V2 { root }, Some((up, _))) = (&self.layout, name.rsplit_once('/')) {
-            let ctl = root
-                .join(&self.parent)
-                .join(up)
-                .join("cgroup.subtree_control");
-            let now = std::fs::read_to_string(&ctl).map_err(io("read", &ctl))?;
-            if !now.split_whitespace().any(|c| c == "cpu") {
-                write(&ctl, "+cpu")?;
-            }
+            delegate_cpu(&root.join(&self.parent).join(up))?;
         }
         let dirs: Vec<PathBuf> = self
             .layout
@@ -280,6 +265,16 @@ impl Drop for Cgroups {
             eprintln!("lab cleanup: {e}");
         }
     }
+}
+
+/// Delegates v2's cpu controller from `dir` to its children, if it does not already.
+fn delegate_cpu(dir: &Path) -> Result<(), CgroupError> {
+    let ctl = dir.join("cgroup.subtree_control");
+    let now = std::fs::read_to_string(&ctl).map_err(io("read", &ctl))?;
+    if now.split_whitespace().any(|c| c == "cpu") {
+        return Ok(());
+    }
+    write(&ctl, "+cpu")
 }
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
