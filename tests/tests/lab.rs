@@ -319,7 +319,7 @@ fn lab_short() {
         "neighbour: available {:.2} fair {:.4} base {:.4} ballast greedy {:.4} p99 {:.1} niced \
          {:.4} p99 {:.1} leastconn greedy {:.4} p99 {:.1} own p99 {:?} others' p99 {:?} \
          slow by backend {:?}; sibling: available {:.2} fair {:.4} ballast {:.4} p99 {:.1} own p99 \
-         {:.1}",
+         {:.1} reading {:.3} of {:.3}",
         n.available,
         n.fair_share,
         n.base_share,
@@ -337,6 +337,8 @@ fn lab_short() {
         n.sibling.ballast.0,
         n.sibling.ballast.1.p99_ms,
         n.sibling.own_p99_ms,
+        n.sibling.reading.0,
+        n.sibling.reading.1,
     );
 
     // Better balanced than what users would pick instead, in the same run: leastconn
@@ -526,25 +528,55 @@ fn lab_short() {
 
     // 11. The loop in a sibling cgroup under the same quota: the scheduler splits the
     //     quota between the two cgroups by their weights, and the agent, reading the
-    //     service's own cgroup, counts on what the sibling leaves it. The target is
-    //     0.75–1.25 of the backend's fair share of the capacity left (what it served
-    //     saturated beside the loop, in the same run), which the full lab reports.
-    //     Measured × 0.90 and × 0.71 in two runs: the crowded backend's requests also
-    //     wait for its quota's next period, and a latency above the fleet's takes some
-    //     of its weight through the in-flight term. The bound here is 0.5–1.25: it
-    //     fails the reading over the whole quota with the sibling's use not counted
-    //     (measured × 0.02: the service's usage alone reads low, but its requests
-    //     queue behind the sibling's half, and the in-flight term drives it to the
-    //     floor), and a backend handed more than its capacity.
+    //     service's own cgroup, counts on what the sibling leaves it: half the quota,
+    //     the loop being greedy and the weights equal. Its mean reading over the run's
+    //     steady window is held within 0.75–1.33 of the service cgroup's own use over
+    //     that half, as the lab reads it. Read over the whole quota with the sibling's
+    //     use not counted, it is half that: measured × 0.48 (1.5 % where the service
+    //     used 3.1 %), against × 1.00 with it counted (70.2 % of 70.2 %: the agent and
+    //     the lab read the same counter over nearly the same seconds).
+    //
+    //     What the backend is then given is not held to its fair share of the capacity
+    //     left (0.75–1.25 is the full lab's target, which it reports): its requests
+    //     wait for the quota's next period whenever the loop has spent it, a latency
+    //     several times the fleet's at any weight, and the in-flight term sheds it in
+    //     some runs as it would a slow node (measured × 0.96, × 1.14, × 0.53 and × 0.14
+    //     of the fair share in four runs started from the balanced state, the service's
+    //     p99 79, 79, 113 and 20 ms: shed, the tail was the fleet's). Started from the
+    //     floor the greedy run leaves, or from a weight a calibration's saturation cut,
+    //     a request waiting for the period read as a stall and the backend was held at
+    //     the probe for most of the run (× 0.01, × 0.02 and × 0.04): the run starts from
+    //     the balanced state, as a batch job starts beside a serving node. So it is held not to be
+    //     handed more than its capacity (at most 1.25 of its fair share), and the
+    //     service's tail to the same bound as beside the greedy loop in the cgroup.
     let sib = &n.sibling;
+    let (reported, truth) = sib.reading;
+    let reading = reported / truth.max(1e-9);
+    assert!(
+        (0.75..=1.33).contains(&reading),
+        "with a greedy neighbour in a sibling cgroup under {}'s quota the agent read \
+         {:.1} % where the service used {:.1} % of what the sibling leaves it (× {reading:.2}, \
+         bound 0.75–1.33)",
+        r.names[n.backend],
+        reported * 100.0,
+        truth * 100.0
+    );
     let ratio = sib.ballast.0 / sib.fair_share;
     assert!(
-        (0.5..=1.25).contains(&ratio),
+        ratio <= 1.25,
         "with a greedy neighbour in a sibling cgroup under {}'s quota its share of new \
-         requests was {:.1} %, × {ratio:.2} its fair share of {:.1} % (bound 0.5–1.25)",
+         requests was {:.1} %, × {ratio:.2} its fair share of {:.1} % (bound 1.25)",
         r.names[n.backend],
         sib.ballast.0 * 100.0,
         sib.fair_share * 100.0
+    );
+    assert!(
+        sib.ballast.1.p99_ms <= tail_bound,
+        "with a greedy neighbour in a sibling cgroup under {}'s quota the service's p99 \
+         under Ballast was {:.0} ms (bound {tail_bound:.0} ms: leastconn's beside the loop \
+         in the cgroup, and one quota period)",
+        r.names[n.backend],
+        sib.ballast.1.p99_ms
     );
 }
 

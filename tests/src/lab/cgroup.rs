@@ -148,6 +148,25 @@ pub struct Group {
     dirs: Vec<PathBuf>,
 }
 
+impl Group {
+    /// The CPU time its tasks have used, in nanoseconds, from its accounting file
+    /// (`cpuacct.usage`, or `cpu.stat`'s `usage_usec`); `None` where unreadable. The lab
+    /// reads it itself, to check what the agent makes of it.
+    pub fn usage_ns(&self) -> Option<u64> {
+        self.dirs.iter().find_map(|d| {
+            if let Ok(text) = std::fs::read_to_string(d.join("cpuacct.usage")) {
+                return text.trim().parse().ok();
+            }
+            let text = std::fs::read_to_string(d.join("cpu.stat")).ok()?;
+            let usec = text.lines().find_map(|l| l.strip_prefix("usage_usec "))?;
+            usec.trim()
+                .parse::<u64>()
+                .ok()
+                .map(|us| us.saturating_mul(1000))
+        })
+    }
+}
+
 /// The lab's parent cgroup and its groups. Dropping it kills what is left in them and
 /// removes them.
 #[derive(Debug)]

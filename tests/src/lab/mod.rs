@@ -573,6 +573,9 @@ pub struct SiblingResult {
     pub ballast: (f64, Summary),
     /// The p99 of the requests it served itself there, ms.
     pub own_p99_ms: f64,
+    /// The agent's mean CPU reading there, and the service cgroup's own use over half
+    /// the quota (what the greedy sibling leaves it), read by the lab.
+    pub reading: (f64, f64),
 }
 
 /// A CPU-bound process in a backend's cgroup: a shell busy loop at niceness `nice`,
@@ -1025,6 +1028,7 @@ pub fn run(plan: &Plan) -> LabResult {
             name: b.name.clone(),
             addr: b.addr,
             cgroup: b.group.spec.clone(),
+            service: b.svc.clone(),
         })
         .collect();
     let epoch = Instant::now();
@@ -1225,20 +1229,20 @@ pub fn run(plan: &Plan) -> LabResult {
         runs.push((start, h.join().expect("run 5")));
         eprintln!("run 5 (restart) done at {:.0} s", now());
 
-        // The neighbour runs: a busy loop in the largest backend's cgroup, niced beside
-        // Ballast; then greedy, first what it leaves of that backend's capacity, then
-        // Ballast beside it.
+        // The neighbour runs, on the largest backend, each beside Ballast: a busy loop in
+        // the sibling cgroup under its quota, then in its own cgroup niced, then greedy.
+        // The first two start from a balanced state (run 5's, and the sibling run's, whose
+        // weight is back within a cycle or two of its loop leaving), as a batch job would
+        // start beside the service: what the loop does to the share, not what is left of
+        // the greedy run (which drives the backend's weight to the floor) or of a
+        // calibration straight to the backend (which saturates it): what the sibling loop
+        // leaves of the backend's capacity is measured after the runs, the greedy one's
+        // before its run, which the loop drives to the floor whatever the start.
         let neighbour_secs = |len: Duration| len.as_secs() + 30;
         let mut neighbour_runs = Vec::new();
         let mut available_rate = 0.0;
         let mut sibling_run = None;
         if let Some((len, _)) = plan.neighbour {
-            // Niced first, from the balanced state run 5 left: what the loop alone does
-            // to the share, not what is left of the greedy run.
-            let niced = Neighbour::start(&cgroups, &backends[k].svc, 19, neighbour_secs(len));
-            let h = open_loop(frontend, Mode::Open { rate }, len);
-            let niced_run = h.join().expect("the niced neighbour's run");
-            drop(niced);
             // What the backend serves saturated beside a neighbour, straight to it (the
             // calibration's closed loop): the capacity the neighbour leaves it.
             let saturated = || {
@@ -1255,17 +1259,24 @@ pub fn run(plan: &Plan) -> LabResult {
                 let s = summarize(&h.join().expect("the neighbour's calibration").outcomes);
                 s.ok as f64 / plan.calibrate.as_secs_f64()
             };
+            // The loop in the sibling cgroup, under the same quota.
+            let sibling = Neighbour::start(&cgroups, &backends[k].batch, 0, neighbour_secs(len));
+            let h = open_loop(frontend, Mode::Open { rate }, len);
+            let sibling_start = since(epoch, h.started());
+            let sibling_ballast = h.join().expect("the sibling neighbour's run");
+            drop(sibling);
+            let niced = Neighbour::start(&cgroups, &backends[k].svc, 19, neighbour_secs(len));
+            let h = open_loop(frontend, Mode::Open { rate }, len);
+            let niced_run = h.join().expect("the niced neighbour's run");
+            drop(niced);
             let greedy = Neighbour::start(&cgroups, &backends[k].svc, 0, neighbour_secs(len));
             available_rate = saturated();
             let h = open_loop(frontend, Mode::Open { rate }, len);
             neighbour_runs.push(h.join().expect("the greedy neighbour's run"));
             neighbour_runs.push(niced_run);
             drop(greedy);
-            // The same loop in the sibling cgroup, under the same quota.
             let sibling = Neighbour::start(&cgroups, &backends[k].batch, 0, neighbour_secs(len));
-            let sibling_rate = saturated();
-            let h = open_loop(frontend, Mode::Open { rate }, len);
-            sibling_run = Some((sibling_rate, h.join().expect("the sibling neighbour's run")));
+            sibling_run = Some((saturated(), sibling_start, sibling_ballast));
             drop(sibling);
             eprintln!(
                 "neighbour runs done at {:.0} s ({} with a greedy neighbour: {available_rate:.0} \
@@ -1362,8 +1373,9 @@ struct Raw {
 
 /// The neighbour runs: the backend, its saturated rate with the greedy neighbour,
 /// Ballast's greedy and niced runs and leastconn's greedy run, and the saturated rate
-/// and Ballast's run with the greedy neighbour in the sibling cgroup.
-type NeighbourRuns = (usize, f64, [LoadRun; 3], (f64, LoadRun));
+/// and Ballast's run with the greedy neighbour in the sibling cgroup, with its start
+/// (lab seconds).
+type NeighbourRuns = (usize, f64, [LoadRun; 3], (f64, f64, LoadRun));
 
 fn since(epoch: Instant, t: Instant) -> f64 {
     t.saturating_duration_since(epoch).as_secs_f64()
@@ -1659,7 +1671,7 @@ fn analyse(
     };
 
     let neighbour = raw.neighbour.map(
-        |(k, available_rate, [greedy, niced, lc], (sibling_rate, sibling))| {
+        |(k, available_rate, [greedy, niced, lc], (sibling_rate, sibling_start, sibling))| {
             let (len, settle) = plan.neighbour.unwrap_or_default();
             let (w0, w1) = (settle.as_secs_f64(), len.as_secs_f64());
             let name = names[k].as_str();
@@ -1703,11 +1715,22 @@ fn analyse(
                 slow_by_backend: [slow(&greedy), slow(&niced), slow(&lc)],
                 sibling: {
                     let (available, fair_share) = fair(sibling_rate);
+                    let (from, to) = (sibling_start + w0, sibling_start + w1);
+                    let during = || samples.iter().filter(|s| s.t > from && s.t <= to);
+                    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+                    // The agent's reading against the service's use of what the sibling
+                    // leaves it: the greedy loop takes its half of the quota, by equal
+                    // weights, whatever the service uses.
+                    let half = plan.quotas[k] / 2.0;
+                    let reported =
+                        mean(during().filter_map(|s| Some(s.reported[k]?.cpu)).collect());
+                    let truth = mean(during().filter_map(|s| s.service_cores[k]).collect()) / half;
                     SiblingResult {
                         available,
                         fair_share,
                         ballast: of(&sibling),
                         own_p99_ms: own(&sibling),
+                        reading: (reported, truth),
                     }
                 },
             }

@@ -947,8 +947,9 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          capacity left divided among the backends as it is left). Ballast's agent on \
          {name} reads its cgroup's CPU, which the loop holds at the quota whatever the \
          weight. Each run is {:.0} s at the same rate as the others, measured from \
-         {:.0} s. The loop at `nice -n 19` runs first, from the balanced state run 5 \
-         left. Nice puts the loop behind the service on a core they share, and the \
+         {:.0} s. The loop at `nice -n 19` runs after the sibling run below, whose \
+         weight is back within a cycle or two of its loop leaving: from a balanced \
+         state, as the sibling run starts from run 5's. Nice puts the loop behind the service on a core they share, and the \
          agent counts a niced member's time as idle, but only in the periods its cgroup \
          was not throttled: on the other core the loop spends the quota at full speed, \
          nice or not, and the whole group then waits for the next period, so under a \
@@ -957,11 +958,12 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          The same loop in a sibling cgroup instead, under the same quota: {name} runs \
          in a child cgroup of the one that holds its quota, beside an empty sibling (a \
          slice with the service's unit and a batch unit under one `CPUQuota=`), and the \
-         loop runs there after the greedy run. The scheduler splits a contended \
+         loop runs there first, before the two runs above. The scheduler splits a contended \
          quota between the two cgroups by their weights, and the agent, reading the \
          service's cgroup, counts on the quota less what the sibling takes of its \
          share. Beside the loop so placed, {name} served {:.0} % of what it served \
-         alone: its fair share is **{:.1} %**.\n\n\
+         alone (measured after the runs, so that the closed loop's saturation does not \
+         cut the weight the run starts from): its fair share is **{:.1} %**.\n\n\
          | balancer | neighbour | {name}'s share of new requests | against its fair share \
          | service p99 ms | {name}'s own p99 ms |\n|---|---|---|---|---|---|",
         n.available * 100.0,
@@ -1018,6 +1020,20 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
         sib.ballast.0 / sib.fair_share.max(1e-9),
         sib.ballast.1.p99_ms,
         sib.own_p99_ms
+    );
+    let (reported, truth) = sib.reading;
+    let _ = writeln!(
+        out,
+        "\nBeside the sibling, {name}'s agent read {:.1} % where its service used {:.1} % \
+         of the half of the quota the loop leaves it (the lab reads the service cgroup's \
+         counter itself): × {:.2}. The share it is given is then the controller's: its \
+         requests wait for the quota's next period whenever the loop has spent it, a \
+         latency several times the fleet's at any weight, and where the in-flight term \
+         reads that as a slow node it sheds it, and the service's tail is the rest of \
+         the fleet's.",
+        reported * 100.0,
+        truth * 100.0,
+        reported / truth.max(1e-9)
     );
     let _ = writeln!(out);
 }

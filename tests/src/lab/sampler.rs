@@ -5,6 +5,7 @@
 //! diagnosis, what the aggregator holds for each endpoint once there is one: the load,
 //! CPU and in-flight count the agent reported and the weight it was given.
 
+use super::cgroup::Group;
 use crate::harness::haproxy::{admin_command, parse_servers_state};
 use ballast_agent::sample::cgroup::CgroupCpu;
 use ballast_agent::sample::host::HostCpu;
@@ -29,6 +30,8 @@ pub struct Target {
     pub addr: SocketAddr,
     /// Its cgroup, relative to the hierarchies.
     pub cgroup: String,
+    /// The child of that cgroup the service runs in, whose agent reads it.
+    pub service: Group,
 }
 
 /// One sample of every backend.
@@ -40,6 +43,9 @@ pub struct Sample {
     pub dt: f64,
     /// CPU used over the interval relative to the quota, by backend.
     pub util: Vec<Option<f64>>,
+    /// Cores the service's own cgroup used over the interval, by backend, read from
+    /// its accounting file.
+    pub service_cores: Vec<Option<f64>>,
     /// In-flight requests at the sample, from the backend's gauge (`None`: down).
     pub inflight: Vec<Option<u32>>,
     /// The highest in-flight count since the previous sample, from the backend.
@@ -182,6 +188,8 @@ pub fn run(
         .pool_max_idle_per_host(0)
         .build()
         .expect("HTTP client");
+    let mut service_usage: Vec<Option<u64>> =
+        targets.iter().map(|t| t.service.usage_ns()).collect();
     // The first reading is only a baseline.
     for c in &mut cpus {
         let _ = c.sample();
@@ -199,6 +207,15 @@ pub fn run(
             .and_then(|h| h.sample().ok().flatten())
             .map(|f| f * online);
         let t = epoch.elapsed().as_secs_f64();
+        let service_cores = targets
+            .iter()
+            .zip(service_usage.iter_mut())
+            .map(|(tg, before)| {
+                let now = tg.service.usage_ns();
+                let used = now?.checked_sub(std::mem::replace(before, now)?)?;
+                (t > last).then(|| used as f64 / 1e9 / (t - last))
+            })
+            .collect();
         let metrics: Vec<Option<String>> = targets
             .iter()
             .map(|tg| {
@@ -238,6 +255,7 @@ pub fn run(
             t,
             dt: t - last,
             util,
+            service_cores,
             inflight: gauge(INFLIGHT_METRIC),
             inflight_peak: gauge(INFLIGHT_PEAK_METRIC),
             conns_peak: gauge(CONNECTIONS_PEAK_METRIC),
