@@ -28,7 +28,10 @@
 //! 6. the peers, what an HAProxy user would pick instead of Ballast ([`PEERS`]):
 //!    `balance leastconn` and `balance random(2)`, each in an HAProxy of its own over
 //!    the same servers with equal weights, first steady (runs 6 and 7, as runs 1–3),
-//!    then with the same stall as run 4 (runs 8 and 9).
+//!    then with the same stall as run 4 (runs 8 and 9);
+//! 7. the neighbours, on the largest backend, between runs 5 and 6: a busy loop in the
+//!    sibling cgroup under its quota, then in its own cgroup niced and greedy, each
+//!    beside Ballast; and leastconn beside the greedy one after run 9.
 //!
 //! Every process is a harness [`Proc`] (killed on drop, and by the kernel if the lab's
 //! thread dies) and the cgroups are a [`Cgroups`] guard declared first, so dropped
@@ -1231,13 +1234,14 @@ pub fn run(plan: &Plan) -> LabResult {
 
         // The neighbour runs, on the largest backend, each beside Ballast: a busy loop in
         // the sibling cgroup under its quota, then in its own cgroup niced, then greedy.
-        // The first two start from a balanced state (run 5's, and the sibling run's, whose
-        // weight is back within a cycle or two of its loop leaving), as a batch job would
-        // start beside the service: what the loop does to the share, not what is left of
-        // the greedy run (which drives the backend's weight to the floor) or of a
-        // calibration straight to the backend (which saturates it): what the sibling loop
-        // leaves of the backend's capacity is measured after the runs, the greedy one's
-        // before its run, which the loop drives to the floor whatever the start.
+        // The sibling run starts from run 5's balanced state, as a batch job would start
+        // beside a serving node: what the loop does to the share, not what is left of the
+        // greedy run (which drives the backend's weight to the floor) or of a calibration
+        // straight to the backend (which saturates it). So what the sibling loop leaves of
+        // the backend's capacity is measured after the runs, the greedy one's before its
+        // run, which the loop drives to the floor whatever the start. The niced run starts
+        // from where the sibling run left the backend: its weight grows back once the
+        // loop has gone, if the sibling run had shed it, until the niced loop reads as load.
         let neighbour_secs = |len: Duration| len.as_secs() + 30;
         let mut neighbour_runs = Vec::new();
         let mut available_rate = 0.0;
@@ -1373,8 +1377,8 @@ struct Raw {
 
 /// The neighbour runs: the backend, its saturated rate with the greedy neighbour,
 /// Ballast's greedy and niced runs and leastconn's greedy run, and the saturated rate
-/// and Ballast's run with the greedy neighbour in the sibling cgroup, with its start
-/// (lab seconds).
+/// and the saturated rate, the start (lab seconds) and Ballast's run with the greedy
+/// neighbour in the sibling cgroup.
 type NeighbourRuns = (usize, f64, [LoadRun; 3], (f64, f64, LoadRun));
 
 fn since(epoch: Instant, t: Instant) -> f64 {
@@ -1717,14 +1721,17 @@ fn analyse(
                     let (available, fair_share) = fair(sibling_rate);
                     let (from, to) = (sibling_start + w0, sibling_start + w1);
                     let during = || samples.iter().filter(|s| s.t > from && s.t <= to);
-                    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
                     // The agent's reading against the service's use of what the sibling
                     // leaves it: the greedy loop takes its half of the quota, by equal
-                    // weights, whatever the service uses.
+                    // weights, whatever the service uses. Over the samples with both,
+                    // each by its length; NaN without any.
                     let half = plan.quotas[k] / 2.0;
-                    let reported =
-                        mean(during().filter_map(|s| Some(s.reported[k]?.cpu)).collect());
-                    let truth = mean(during().filter_map(|s| s.service_cores[k]).collect()) / half;
+                    let both: Vec<(f64, f64, f64)> = during()
+                        .filter_map(|s| Some((s.reported[k]?.cpu, s.service_cores[k]?, s.dt)))
+                        .collect();
+                    let secs: f64 = both.iter().map(|b| b.2).sum();
+                    let reported = both.iter().map(|b| b.0 * b.2).sum::<f64>() / secs;
+                    let truth = both.iter().map(|b| b.1 * b.2).sum::<f64>() / secs / half;
                     SiblingResult {
                         available,
                         fair_share,

@@ -947,9 +947,8 @@ fn neighbour_section(out: &mut String, r: &LabResult, n: &super::NeighbourResult
          capacity left divided among the backends as it is left). Ballast's agent on \
          {name} reads its cgroup's CPU, which the loop holds at the quota whatever the \
          weight. Each run is {:.0} s at the same rate as the others, measured from \
-         {:.0} s. The loop at `nice -n 19` runs after the sibling run below, whose \
-         weight is back within a cycle or two of its loop leaving: from a balanced \
-         state, as the sibling run starts from run 5's. Nice puts the loop behind the service on a core they share, and the \
+         {:.0} s. The loop at `nice -n 19` runs after the sibling run below, from where \
+         that run left the backend. Nice puts the loop behind the service on a core they share, and the \
          agent counts a niced member's time as idle, but only in the periods its cgroup \
          was not throttled: on the other core the loop spends the quota at full speed, \
          nice or not, and the whole group then waits for the next period, so under a \

@@ -1,5 +1,6 @@
 //! The lab's own measurements, taken independently of the agents: each backend's CPU
-//! from its cgroup's accounting, its in-flight requests and open connections from its
+//! from its cgroup's accounting (and its service's child cgroup's, to check the agent's
+//! reading against), its in-flight requests and open connections from its
 //! own gauges, HAProxy's weight for it and its server connections (in use and idle in
 //! the pool) from the runtime API, and how busy the whole host is. Beside them, for the
 //! diagnosis, what the aggregator holds for each endpoint once there is one: the load,
@@ -211,8 +212,10 @@ pub fn run(
             .iter()
             .zip(service_usage.iter_mut())
             .map(|(tg, before)| {
+                // A reading that fails leaves no baseline: the next one is only that.
                 let now = tg.service.usage_ns();
-                let used = now?.checked_sub(std::mem::replace(before, now)?)?;
+                let prev = std::mem::replace(before, now);
+                let used = now?.checked_sub(prev?)?;
                 (t > last).then(|| used as f64 / 1e9 / (t - last))
             })
             .collect();
